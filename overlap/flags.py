@@ -1,0 +1,175 @@
+"""Epoch flags on the device, posts and waits from a stream, and the error word.
+
+A ``FlagArray`` is an int32 device tensor that is never reset. Each call of an
+op takes the next epoch; a waiter needs ``flag >= epoch * mult``. A flag left
+by an earlier call holds at most ``(epoch - 1) * mult`` and cannot satisfy it.
+
+Stream-side posts and waits take no SM: ``cuStreamWriteValue32`` /
+``cuStreamWaitValue32`` through cuda-python's ``cuda.bindings.driver``. The
+write is ordered after all earlier work of its stream and carries a memory
+barrier (no ``NO_MEMORY_BARRIER`` flag), so a GEMM tile that acquires the flag
+sees the chunk NCCL wrote before it. Without cuda-bindings a one-element
+``fill_`` on the stream does the same job at the cost of a tiny kernel (a
+warning says so once).
+
+The ``ErrorWord`` is where a kernel's bounded wait reports a timeout; the host
+turns it into ``FlagTimeoutError``. Checking needs the device value, so
+``check()`` either synchronizes (``block=True``) or looks at a copy queued on an
+earlier call (``block=False``, free on the hot path).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "stream_write_value", "stream_wait_value",
+           "default_timeout_ms"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def default_timeout_ms() -> float:
+    """Bound of a tile's flag wait: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    v = os.environ.get("OVERLAP_WAIT_TIMEOUT_MS")
+    if v is None:
+        return 500.0
+    try:
+        out = float(v)
+    except ValueError:
+        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a number, got {v!r}") from None
+    if out <= 0:
+        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be > 0, got {v!r}")
+    return out
+
+
+class FlagTimeoutError(RuntimeError):
+    """A GEMM tile waited on a flag past its bound; the op's output is not valid."""
+
+    def __init__(self, what: str, rank: int, flag_idx: int, expected: int, seen: int, tile: int) -> None:
+        self.rank, self.flag_idx, self.expected, self.seen, self.tile = rank, flag_idx, expected, seen, tile
+        super().__init__(
+            f"{what}: rank {rank} timed out waiting on flag {flag_idx} (chunk/row block): expected >= {expected}, "
+            f"saw {seen} (tile {tile}). A peer did not send, NCCL got no SMs, or the wait bound "
+            f"(OVERLAP_WAIT_TIMEOUT_MS) is shorter than the skew between ranks."
+        )
+
+
+_driver: Any = None
+_warned_fallback = False
+
+
+def _cuda_driver() -> Any:
+    global _driver
+    if _driver is None:
+        try:
+            from cuda.bindings import driver  # type: ignore
+        except Exception:
+            try:
+                from cuda import cuda as driver  # type: ignore  # older cuda-python
+            except Exception:
+                driver = False
+        _driver = driver
+    return _driver
+
+
+def _warn_fallback() -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn("cuda-bindings not found: flag posts use a one-element fill kernel instead of "
+                      "cuStreamWriteValue32 (pip install 'overlap[cu13]' or [cu12])", stacklevel=3)
+
+
+def _check(res: Any, what: str) -> None:
+    err = res[0] if isinstance(res, tuple) else res
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed with CUresult {int(err)} ({err})")
+
+
+def stream_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
+    """Enqueue ``flags[idx] = value`` on ``stream`` after all its earlier work (no SM)."""
+    drv = _cuda_driver()
+    if drv:
+        ptr = flags.data_ptr() + idx * 4
+        _check(drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value, 0),
+               "cuStreamWriteValue32")
+        return
+    _warn_fallback()
+    with torch.cuda.stream(stream):
+        flags[idx : idx + 1].fill_(value)
+
+
+def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
+    """Make ``stream`` wait until ``flags[idx] >= value`` (signed 32-bit compare; no SM)."""
+    drv = _cuda_driver()
+    if not drv:
+        raise RuntimeError("stream_wait_value needs cuda-bindings: pip install 'overlap[cu13]' (or [cu12])")
+    ptr = flags.data_ptr() + idx * 4
+    _check(drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value,
+                                   drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+           "cuStreamWaitValue32")
+
+
+class FlagArray:
+    """``n`` int32 flags on ``device`` with a host-side epoch counter."""
+
+    def __init__(self, n: int, device: torch.device | str) -> None:
+        if n <= 0:
+            raise ValueError(f"need at least one flag, got {n}")
+        self.flags = torch.zeros(n, dtype=torch.int32, device=device)
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.flags.numel()
+
+    def next_epoch(self, max_mult: int = 1) -> int:
+        """Epoch for the next call. Before ``epoch * max_mult`` would overflow
+        int32 the flags are zeroed on the current stream (all earlier users of
+        the flags are ordered before it on that stream) and counting restarts."""
+        if (self.epoch + 1) * max(1, max_mult) > _INT32_MAX:
+            self.flags.zero_()
+            self.epoch = 0
+        self.epoch += 1
+        return self.epoch
+
+
+class ErrorWord:
+    """Device int32[8]: [code, rank, flag index, expected, seen, tile, 0, 0]."""
+
+    def __init__(self, device: torch.device | str, what: str = "overlap op") -> None:
+        self.word = torch.zeros(8, dtype=torch.int32, device=device)
+        self.what = what
+        dev = torch.device(device)
+        self._host = torch.zeros(8, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._event: Any = None
+
+    def snapshot(self) -> None:
+        """Queue a copy of the word to host memory on the current stream (for ``check(block=False)``)."""
+        if self.word.is_cuda:
+            self._host.copy_(self.word, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def check(self, block: bool = True) -> None:
+        """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
+
+        ``block=True`` synchronizes on the current stream's work; ``block=False``
+        reads the latest completed snapshot only (nothing if none completed).
+        """
+        if block or not self.word.is_cuda:
+            vals = self.word.tolist()
+        else:
+            if self._event is None or not self._event.query():
+                return
+            vals = self._host.tolist()
+        if vals[0] != 0:
+            raise FlagTimeoutError(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
+
+    def clear(self) -> None:
+        self.word.zero_()
+        self._host.zero_()
+        self._event = None

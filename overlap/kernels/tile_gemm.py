@@ -1,0 +1,297 @@
+"""Persistent Triton GEMM whose tiles wait on and post to flags.
+
+    C[c_row + i, n] = sum_k A_src[a_row + i, k] * B[k, n]      for each tile of the table
+
+One launch computes every tile of a *tile table* (an int32 [T, 8] tensor built
+on the host, in schedule order; see ``overlap.policies``). Program ``p`` takes
+table rows p, p + G, p + 2G, ... (G = grid size, the SMs the GEMM may hold), or,
+with a dispatch counter, the next row handed out by an atomic add, which lets
+a second launch on other SMs join the same table.
+Each row says where the tile reads A (which of two A operands, which row),
+where it writes C (row, count of valid rows), which N tile, and its flags:
+
+    row = [a_row, a_src, c_row, c_rows, pid_n, wait_idx, wait_mult, post_idx]
+
+    wait: before its A loads the tile spins, with acquire semantics, until
+          flags[wait_idx] >= epoch * wait_mult          (wait_idx < 0: no wait)
+    post: after its C tile is stored (all threads, then a CTA barrier), one
+          thread adds 1 to flags[post_idx] with release semantics
+
+Flags are never reset: each call of an op bumps ``epoch``, so a flag left by an
+earlier call cannot satisfy a later one (cuSync's iteration counter,
+Jangda et al., CGO 2024).
+
+A wait is bounded: past ``timeout_ns`` (GPU global timer) or ``max_spins``
+polls (under the interpreter) the tile records [code, rank, flag index,
+expected, seen, table row] in the error word, does no work, and every other
+tile of every program then skips its work, so the kernel exits promptly and the
+host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do.
+
+Two A operands exist so the all-gather op can read its local shard straight
+from the input (no copy into the gathered buffer) while remote rows come from
+the buffer NCCL fills: the K loop is instantiated once per source, each
+software-pipelined on its own.
+
+B is read through a TMA descriptor either as [K, N] row-major (``B_KN``) or as
+the [N, K] row-major storage of an ``nn.Linear`` weight (``b = w.t()``; no copy).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT"]
+
+TABLE_COLS = 8
+ERR_WORDS = 8
+ERR_TIMEOUT = 1
+
+
+@triton.jit
+def _gelu(x):
+    # erf form, as torch.nn.functional.gelu(approximate="none")
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _mainloop(a_desc, b_desc, off_am, off_bn, K,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              B_KN: tl.constexpr, UPCAST: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = a_desc.load([off_am, off_k])
+        if B_KN:
+            b = b_desc.load([off_k, off_bn])
+        else:
+            b = b_desc.load([off_bn, off_k]).T
+        if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 is exact there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _poll(flags_ptr, idx):
+    return tl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
+def _wait(flags_ptr, err_ptr, idx, expected, rank, t, timeout_ns, max_spins,
+          USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
+    """Spin until flags[idx] >= expected; returns 1 when satisfied, 0 on timeout/abort."""
+    seen = _poll(flags_ptr, idx)
+    spins = 0
+    aborted = 0
+    if USE_TIMER:
+        t0 = tl.extra.cuda.globaltimer()
+    while (seen < expected) & (aborted == 0):
+        seen = _poll(flags_ptr, idx)
+        spins += 1
+        if USE_TIMER:
+            late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
+        else:
+            late = spins > max_spins
+        # another tile timed out: stop waiting too, so the whole grid exits
+        other = tl.load(err_ptr, volatile=True)
+        if late | (other != 0):
+            aborted = 1
+    ok = (seen >= expected).to(tl.int32)
+    if ok == 0:
+        # first failure wins the error word; later ones only stop
+        prev = tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="gpu")
+        if prev == 0:
+            tl.store(err_ptr + 1, rank)
+            tl.store(err_ptr + 2, idx)
+            tl.store(err_ptr + 3, expected)
+            tl.store(err_ptr + 4, seen)
+            tl.store(err_ptr + 5, t)
+    if FENCE_ASYNC:
+        # the A tiles are read by TMA (async proxy) after a generic-proxy acquire
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    return ok
+
+
+@triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs"])
+def tile_gemm_kernel(
+    # operands
+    a_desc, a2_desc, b_desc, c_ptr,
+    # schedule, flags, error word
+    table_ptr, flags_ptr, err_ptr, counter_ptr,
+    # sizes and scalars
+    N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs,
+    # strides
+    stride_cm, stride_cn,
+    # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_A2: tl.constexpr, B_KN: tl.constexpr,
+    HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
+    USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    out_dtype = c_ptr.dtype.element_ty
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, BLOCK_N)
+    if DYNAMIC:
+        t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        t = pid
+    while t < num_tiles:
+        row = table_ptr + t * 8
+        a_row = tl.load(row + 0)
+        a_src = tl.load(row + 1)
+        c_row = tl.load(row + 2)
+        c_rows = tl.load(row + 3)
+        pid_n = tl.load(row + 4)
+        ok = 1
+        if HAS_WAIT:
+            w_idx = tl.load(row + 5)
+            w_mult = tl.load(row + 6)
+            if tl.load(err_ptr, volatile=True) != 0:
+                ok = 0
+            elif w_idx >= 0:
+                ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, rank, t, timeout_ns, max_spins,
+                           USE_TIMER, FENCE_ASYNC)
+        if ok != 0:
+            off_bn = pid_n * BLOCK_N
+            a_use = a_desc
+            if HAS_A2:
+                if a_src != 0:
+                    a_use = a2_desc
+            acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+            if ACTIVATION == 1:
+                acc = _gelu(acc)
+            rows = c_row + offs_i
+            cols = off_bn + offs_j
+            mask = (offs_i < c_rows)[:, None] & (cols < N)[None, :]
+            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(ptrs, acc.to(out_dtype), mask=mask)
+            if HAS_POST:
+                p_idx = tl.load(row + 7)
+                # every thread's C stores precede the barrier; the release
+                # add by one thread then publishes them (cumulativity)
+                tl.debug_barrier()
+                if p_idx >= 0:
+                    tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+        if DYNAMIC:
+            t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            t += num_progs
+
+
+# --------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------
+import os  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmConfig:
+    """Tile shape and pipelining of the persistent GEMM."""
+
+    block_m: int = 128
+    """Rows of a C tile (also the row granularity of chunk waits)."""
+    block_n: int = 256
+    """Columns of a C tile."""
+    block_k: int = 64
+    """K step of the main loop."""
+    num_stages: int = 3
+    """Software-pipelining depth of the K loop (4 at 128x256x64 overflows smem)."""
+    num_warps: int = 8
+    """Warps per program."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+        if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"bad num_stages/num_warps: {self.num_stages}/{self.num_warps}")
+
+
+DEFAULT_CONFIG = GemmConfig()
+ACTIVATIONS = {None: 0, "none": 0, "gelu": 1}
+
+
+def b_operand(b: Any) -> tuple[Any, bool]:
+    """Storage and layout flag for B [K, N].
+
+    Returns (tensor, b_kn): a row-major [K, N] tensor (b_kn=True), or the
+    row-major [N, K] storage of a transposed view such as ``w.t()`` of an
+    ``nn.Linear`` weight (b_kn=False). Only other layouts are copied.
+    """
+    if b.dim() != 2:
+        raise ValueError(f"b must be 2-D [K, N], got shape {tuple(b.shape)}")
+    if b.stride(1) == 1 and b.stride(0) >= b.shape[1]:
+        return b, True
+    if b.stride(0) == 1 and b.stride(1) >= b.shape[0]:
+        return b.t(), False
+    return b.contiguous(), True
+
+
+def launch_tile_gemm(
+    a: Any, b: Any, c: Any, table: Any, *,
+    a2: Any = None, flags: Any = None, err: Any = None, epoch: int = 0, rank: int = 0,
+    grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
+    wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
+    counter: Any = None,
+) -> None:
+    """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
+
+    ``a`` (and ``a2``) [*, K] row-major; ``b`` [K, N] (see ``b_operand``);
+    ``c`` [*, N] with unit column stride; ``table`` int32 [T, 8] on the device;
+    ``flags`` int32 and ``err`` int32 [8] on the device when ``wait``/``post``.
+    ``grid``: programs to launch (capped at T); the SMs left are other kernels'.
+    ``counter``: int32 [1] device tensor, zero before the first launch of a call:
+    tiles are then handed out in table order by ``atomic_add`` on it, so a
+    second launch (e.g. on the SMs NCCL gives back) can share the same table.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = config
+    K = a.shape[1]
+    N = c.shape[1]
+    if a.stride(1) != 1 or (a2 is not None and a2.stride(1) != 1):
+        raise ValueError("A operands must have unit stride along K")
+    b_store, b_kn = b_operand(b)
+    if b_store.shape[0 if b_kn else 1] != K:
+        raise ValueError(f"K mismatch: a has K={K}, b is {tuple(b.shape)}")
+    num_tiles = table.shape[0]
+    if num_tiles == 0:
+        return
+    if (wait or post) and (flags is None or err is None):
+        raise ValueError("wait/post need flags and err tensors")
+    if flags is None:
+        flags = table  # never read: HAS_WAIT/HAS_POST are off
+    if err is None:
+        err = table
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+    b_block = [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]
+    b_desc = TensorDescriptor.from_tensor(b_store, b_block)
+    nprog = max(1, min(int(grid), num_tiles))
+    interp = interpreting()
+    tile_gemm_kernel[(nprog,)](
+        a_desc, a2_desc, b_desc, c,
+        table, flags, err, counter if counter is not None else table,
+        N, K, num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
+        c.stride(0), c.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_A2=a2 is not None, B_KN=b_kn,
+        HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
+        USE_TIMER=not interp, FENCE_ASYNC=not interp,
+        UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

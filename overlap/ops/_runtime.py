@@ -1,0 +1,151 @@
+"""Per-group state the overlapped ops share: communicators, streams, flags, SM budget.
+
+One ``Runtime`` per (group ranks, device). It owns
+
+* the library's NCCL communicators over the group, one per CTA cap (capped ones
+  for the overlapped path; an uncapped one for the chunked stream baseline),
+* a high-priority communication stream (NCCL kernels launched there are
+  scheduled ahead of queued GEMM work),
+* flag arrays and an error word per op,
+
+and knows the SM count, from which the GEMM grid is sized so that NCCL's CTAs
+always find free SMs (a persistent grid over every SM, spinning on flags that
+NCCL must set, never lets NCCL run: measured hang, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+
+__all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once"]
+
+_lock = threading.Lock()
+_runtimes: dict[tuple, "Runtime"] = {}
+_warned: set[str] = set()
+
+
+def warn_once(key: str, msg: str) -> None:
+    """Warn once per process and key (fallbacks are never silent, never noisy)."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapConfig:
+    """How an overlapped op runs; fields left ``None`` come from the tuner or defaults."""
+
+    chunks: int | None = None
+    """NCCL calls the collective is cut into (each followed by a flag post)."""
+    nccl_ctas: int | None = None
+    """Cap on NCCL's CTAs for the op's communicator (about 10 GB/s each on NVLink)."""
+    sm_margin: int = 2
+    """SMs left idle beyond NCCL's CTAs, for the flag writes' neighbours and stragglers."""
+    give_back: bool = True
+    """After the last chunk lands, launch a second GEMM grid on NCCL's SMs that
+    takes tiles from the same dispatch counter."""
+    gemm: Any = None
+    """``overlap.kernels.tile_gemm.GemmConfig``; ``None``: the tuned or default one."""
+    timeout_ms: float | None = None
+    """Bound of one tile's flag wait; ``None``: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    check: str = "async"
+    """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
+    (raise on a later call once the copy of the error word has landed), 'none'."""
+
+    def __post_init__(self) -> None:
+        if self.chunks is not None and self.chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
+        if self.nccl_ctas is not None and not (1 <= self.nccl_ctas <= 64):
+            raise ValueError(f"nccl_ctas must be in [1, 64], got {self.nccl_ctas}")
+        if self.sm_margin < 0:
+            raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
+        if self.check not in ("sync", "async", "none"):
+            raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
+        if self.timeout_ms is not None and self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
+
+
+class Runtime:
+    """Communicators, stream, flags and SM budget for one group on one device."""
+
+    def __init__(self, group: Any, ranks: tuple[int, ...], rank: int, device: torch.device) -> None:
+        self.group, self.ranks, self.rank, self.device = group, ranks, rank, device
+        self.world = len(ranks)
+        props = torch.cuda.get_device_properties(device)
+        self.num_sms = int(props.multi_processor_count)
+        self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
+        self._comms: dict[int | None, Any] = {}
+        self._flags: dict[str, _flags.FlagArray] = {}
+        self._errs: dict[str, _flags.ErrorWord] = {}
+        self._counters: dict[str, torch.Tensor] = {}
+
+    def comm(self, max_ctas: int | None) -> Any:
+        """The library's communicator over this group, NCCL CTAs capped at ``max_ctas``."""
+        if max_ctas not in self._comms:
+            from .. import dist
+            from .._nccl import NcclConfig
+
+            cfg = NcclConfig(max_ctas=max_ctas, min_ctas=max_ctas) if max_ctas else NcclConfig()
+            comm = dist.nccl_comm(self.group, config=cfg)
+            if comm.nranks != self.world or comm.rank != self.rank:
+                raise ValueError(f"communicator (rank {comm.rank} of {comm.nranks}) is not over this group "
+                                 f"(rank {self.rank} of {self.world})")
+            # first collective connects the peers: do it now, not inside a timed wait
+            x = torch.zeros(self.world, device=self.device)
+            comm.all_reduce(x, x, stream=torch.cuda.current_stream(self.device))
+            torch.cuda.synchronize(self.device)
+            self._comms[max_ctas] = comm
+        return self._comms[max_ctas]
+
+    def flags(self, name: str, n: int) -> _flags.FlagArray:
+        f = self._flags.get(name)
+        if f is None or len(f) < n:
+            f = _flags.FlagArray(max(n, 64), self.device)
+            self._flags[name] = f
+        return f
+
+    def err(self, name: str) -> _flags.ErrorWord:
+        if name not in self._errs:
+            self._errs[name] = _flags.ErrorWord(self.device, what=name)
+        return self._errs[name]
+
+    def counter(self, name: str) -> torch.Tensor:
+        if name not in self._counters:
+            self._counters[name] = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return self._counters[name]
+
+
+def group_key(group: Any) -> tuple[tuple[int, ...], int]:
+    import torch.distributed as tdist
+
+    from .. import dist
+
+    ranks = tuple(dist.group_ranks(group))
+    me = tdist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"this process (global rank {me}) is not in the group {ranks}")
+    return ranks, ranks.index(me)
+
+
+def get_runtime(group: Any, device: torch.device) -> Runtime:
+    ranks, rank = group_key(group)
+    key = (ranks, device.index)
+    with _lock:
+        rt = _runtimes.get(key)
+        if rt is None:
+            rt = Runtime(group, ranks, rank, device)
+            _runtimes[key] = rt
+        return rt
+
+
+def reset_runtimes() -> None:
+    """Forget every runtime (their communicators are destroyed by ``dist.shutdown``)."""
+    with _lock:
+        _runtimes.clear()

@@ -1,0 +1,350 @@
+"""All-gather -> GEMM:  ``c = all_gather(a_shard, dim=0) @ b``.
+
+    tensor      shape      on each of R ranks
+    a_shard     [M/R, K]   this rank's rows (sequence-parallel activations)
+    b           [K, N]     replicated (column shard of a weight); any nn.Linear layout
+    c           [M, N]     rows of rank r at r*M/R .. (r+1)*M/R
+    gathered    [M, K]     all_gather(a_shard), returned when asked (backward needs it)
+
+The tile-flag schedule (R = 2, 2 chunks; W = flag write, no SM):
+
+    comm stream  | AG chunk0 |W0| AG chunk1 |W1| give-back grid (NCCL's SMs) |
+    GEMM grid    | local-shard tiles (no wait) | chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
+                 ^ one persistent launch on SMs - NCCL CTAs; tiles from one atomic counter
+
+The gathered buffer is chunk-major (chunk c of every rank lands contiguously by
+one NCCL all-gather); the GEMM writes C in natural row order, so only
+``return_gathered`` with more than one chunk pays a row permutation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+from ..policies import AllGatherLayout, all_gather_layout, build_tile_table
+from ._runtime import OverlapConfig, Runtime, get_runtime, warn_once
+
+__all__ = [
+    "all_gather_matmul",
+    "all_gather_matmul_ref",
+    "all_gather_matmul_chunked",
+    "stats",
+    "tune_all_gather_matmul",
+]
+
+stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
+"""How many calls took each path (proof that the fast path ran)."""
+
+
+def _group(group: Any) -> Any:
+    if group is not None:
+        return group
+    from .. import dist
+
+    ctx = dist.get_context()
+    if ctx is not None:
+        return ctx.tp_group
+    import torch.distributed as tdist
+
+    return tdist.group.WORLD
+
+
+def _world(group: Any) -> tuple[int, int]:
+    import torch.distributed as tdist
+
+    return tdist.get_world_size(group), tdist.get_rank(group)
+
+
+def _check_inputs(a_shard: torch.Tensor, b: torch.Tensor) -> None:
+    if a_shard.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a_shard must be [M/R, K] and b [K, N]; got {tuple(a_shard.shape)} and {tuple(b.shape)}")
+    if a_shard.shape[1] != b.shape[0]:
+        raise ValueError(f"K mismatch: a_shard is {tuple(a_shard.shape)} (K={a_shard.shape[1]}), "
+                         f"b is {tuple(b.shape)} (K={b.shape[0]})")
+    if a_shard.dtype != b.dtype:
+        raise TypeError(f"dtype mismatch: a_shard {a_shard.dtype}, b {b.dtype}")
+    if a_shard.device != b.device:
+        raise ValueError(f"device mismatch: a_shard on {a_shard.device}, b on {b.device}")
+    if a_shard.shape[0] == 0 or b.shape[1] == 0 or b.shape[0] == 0:
+        raise ValueError(f"empty operand: a_shard {tuple(a_shard.shape)}, b {tuple(b.shape)}")
+
+
+def all_gather_matmul_ref(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                          return_gathered: bool = False) -> Any:
+    """Plain reference: one NCCL (or gloo) all-gather, then ``torch.matmul``."""
+    import torch.distributed as tdist
+
+    _check_inputs(a_shard, b)
+    group = _group(group)
+    world, _ = _world(group)
+    a_shard = a_shard.contiguous()
+    gathered = a_shard.new_empty((world * a_shard.shape[0], a_shard.shape[1]))
+    tdist.all_gather_into_tensor(gathered, a_shard, group=group)
+    c = gathered @ b
+    stats["reference"] += 1
+    return (c, gathered) if return_gathered else c
+
+
+def all_gather_matmul_chunked(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, chunks: int = 2,
+                              return_gathered: bool = False) -> Any:
+    """Chunked stream-overlap baseline: per-chunk NCCL all-gathers on a side
+    stream (the library's uncapped communicator), per-chunk cuBLAS matmuls on
+    the current stream, each waiting on its chunk's event; the local shard's
+    matmul runs first, overlapping chunk 0.
+
+        comm     | AG c0 | AG c1 | ...
+        compute  | mm local | mm c0 (wait e0) | mm c1 (wait e1) |
+    """
+    _check_inputs(a_shard, b)
+    if not a_shard.is_cuda:
+        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    group = _group(group)
+    rt = get_runtime(group, a_shard.device)
+    comm = rt.comm(None)
+    a_shard = a_shard.contiguous()
+    ms, k = a_shard.shape
+    world, rank = rt.world, rt.rank
+    layout = all_gather_layout(world, rank, ms, chunks, 1)
+    gathered = a_shard.new_empty((world * ms, k))
+    c = a_shard.new_empty((world * ms, b.shape[1]))
+    cur = torch.cuda.current_stream(a_shard.device)
+    rt.comm_stream.wait_stream(cur)
+    events = []
+    with torch.cuda.stream(rt.comm_stream):
+        for start, rows in zip(layout.chunk_starts, layout.chunk_rows):
+            comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
+                            stream=rt.comm_stream)
+            ev = torch.cuda.Event()
+            ev.record(rt.comm_stream)
+            events.append(ev)
+    torch.mm(a_shard, b, out=c[rank * ms:(rank + 1) * ms])
+    for ev, start, rows in zip(events, layout.chunk_starts, layout.chunk_rows):
+        cur.wait_event(ev)
+        blk = gathered[world * start: world * (start + rows)]
+        for r in range(world):
+            if r != rank:
+                torch.mm(blk[r * rows:(r + 1) * rows], b, out=c[r * ms + start: r * ms + start + rows])
+    cur.wait_stream(rt.comm_stream)
+    a_shard.record_stream(rt.comm_stream)
+    gathered.record_stream(rt.comm_stream)
+    stats["chunked"] += 1
+    if return_gathered:
+        return c, _natural(gathered, layout)
+    return c
+
+
+def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
+    if len(layout.chunk_rows) == 1:
+        return gathered
+    perm = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
+    return gathered.index_select(0, perm)
+
+
+# --------------------------------------------------------------------------
+# the fused op
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    layout: AllGatherLayout
+    table: torch.Tensor
+    grid: int
+    give_back_grid: int
+    nccl_ctas: int
+    gemm: Any
+    flag_count: int
+
+
+_plans: dict[tuple, _Plan] = {}
+_checked_shapes: set[tuple] = set()
+_tuned: dict[tuple, OverlapConfig | str] = {}
+
+
+def _default_chunks(world: int, ms: int, block_m: int) -> int:
+    # one chunk per ~1024 rows of a shard, 2..4: more calls cost more than
+    # they hide at these sizes (measured, DESIGN.md)
+    return max(1, min(4, ms // 1024))
+
+
+def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
+    from ..kernels.tile_gemm import DEFAULT_CONFIG
+
+    gemm = cfg.gemm or DEFAULT_CONFIG
+    chunks = cfg.chunks or _default_chunks(rt.world, ms, gemm.block_m)
+    nccl_ctas = cfg.nccl_ctas or 16
+    key = (rt.ranks, ms, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
+    p = _plans.get(key)
+    if p is None:
+        layout = all_gather_layout(rt.world, rt.rank, ms, chunks, gemm.block_m)
+        rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n)
+        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        grid = rt.num_sms - nccl_ctas - cfg.sm_margin
+        if grid < 1:
+            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}")
+        p = _Plan(layout, table, grid, nccl_ctas if cfg.give_back else 0, nccl_ctas, gemm, len(layout.chunk_rows))
+        _plans[key] = p
+    return p
+
+
+def _check_shard_rows(rt: Runtime, ms: int, k: int, n: int) -> None:
+    """M/R, K and N must agree across ranks (else NCCL sizes disagree and peers
+    hang). Checked once per shape with a tiny all-gather on torch's group."""
+    key = (rt.ranks, ms, k, n)
+    if key in _checked_shapes:
+        return
+    import torch.distributed as tdist
+
+    mine = torch.tensor([ms, k, n], dtype=torch.int64, device=rt.device)
+    alls = torch.empty(rt.world * 3, dtype=torch.int64, device=rt.device)
+    tdist.all_gather_into_tensor(alls, mine, group=rt.group)
+    vals = alls.view(rt.world, 3).tolist()
+    if any(v != vals[0] for v in vals):
+        raise ValueError(f"all_gather_matmul: ranks disagree on (M/R, K, N): {vals} (rank order of the group)")
+    _checked_shapes.add(key)
+
+
+def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
+                      config: OverlapConfig | None = None) -> Any:
+    """``all_gather(a_shard, dim=0) @ b`` with GEMM tiles starting as chunks land.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    a_shard     [M/R, K]   this rank's rows; M/R equal on every rank
+    b           [K, N]     row-major, or a transposed view (``w.t()``) of an
+                           nn.Linear weight ``w`` [N, K], never copied
+    returns     [M, N]     c; with ``return_gathered``: (c, gathered [M, K])
+    ==========  =========  ===================================================
+
+    fp16 and bf16 on CUDA take the tile-flag path; other inputs (a CPU / gloo
+    group, fp32) take ``all_gather_matmul_ref`` with a one-time warning.
+    ``config`` overrides the tuned chunking, NCCL CTA cap and GEMM config.
+    """
+    _check_inputs(a_shard, b)
+    group = _group(group)
+    if not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16):
+        warn_once(f"agmm-ref-{a_shard.device.type}-{a_shard.dtype}",
+                  f"all_gather_matmul: no tile-flag path for {a_shard.dtype} on {a_shard.device.type}; "
+                  "running the reference (all-gather, then matmul)")
+        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    ms, k = a_shard.shape
+    n = b.shape[1]
+    esize = a_shard.element_size()
+    if (k * esize) % 16 or (n * esize) % 16:
+        raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
+                         f"for {a_shard.dtype} (16-byte rows for TMA)")
+    rt = get_runtime(group, a_shard.device)
+    _check_shard_rows(rt, ms, k, n)
+    if config is None:
+        tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype))
+        if tuned == "sequential":
+            stats["sequential_by_tuner"] += 1
+            return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+        config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    return _fused(rt, a_shard.contiguous(), b, return_gathered, config)
+
+
+def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
+           cfg: OverlapConfig) -> Any:
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    ms, k = a_shard.shape
+    n = b.shape[1]
+    world = rt.world
+    p = _plan(rt, ms, n, k, cfg)
+    comm = rt.comm(p.nccl_ctas)
+    fl = rt.flags("all_gather_matmul", p.flag_count)
+    err = rt.err("all_gather_matmul")
+    counter = rt.counter("all_gather_matmul")
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    epoch = fl.next_epoch()
+
+    gathered = a_shard.new_empty((world * ms, k))
+    c = a_shard.new_empty((world * ms, n))
+    cur = torch.cuda.current_stream(a_shard.device)
+    cs = rt.comm_stream
+    # reset the dispatch counter before the comm stream forks, so that both
+    # launches (main grid here, give-back grid on the comm stream) see it
+    _flags.stream_write_value(cur, counter, 0, 0)
+    cs.wait_stream(cur)
+    for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+        comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
+        _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
+    common = dict(flags=fl.flags, err=err.word, epoch=epoch, rank=rt.rank, config=p.gemm,
+                  timeout_ns=timeout_ns, counter=counter)
+    launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, **common)
+    if p.give_back_grid:
+        with torch.cuda.stream(cs):
+            launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.give_back_grid, wait=True, **common)
+    cur.wait_stream(cs)
+    a_shard.record_stream(cs)
+    gathered.record_stream(cs)
+    c.record_stream(cs)
+    if cfg.check == "sync":
+        err.check(block=True)
+    elif cfg.check == "async":
+        err.check(block=False)
+        err.snapshot()
+    stats["fused"] += 1
+    if return_gathered:
+        return c, _natural(gathered, p.layout)
+    return c
+
+
+# --------------------------------------------------------------------------
+# tuner
+# --------------------------------------------------------------------------
+
+def _time_ms(fn: Any, iters: int, group: Any) -> float:
+    import torch.distributed as tdist
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    tdist.barrier(group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                           candidates: list[OverlapConfig] | None = None, iters: int = 10,
+                           verbose: bool = False) -> OverlapConfig | str:
+    """Time candidate configs (collectively: every rank must call) and the plain
+    sequential path; cache the winner for this shape. Returns the winning
+    ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs the
+    reference for this shape)."""
+    group = _group(group)
+    rt = get_runtime(group, a_shard.device)
+    ms, k = a_shard.shape
+    n = b.shape[1]
+    if candidates is None:
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (8, 16, 24)]
+    results: list[tuple[float, Any]] = []
+    t_seq = _time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
+    results.append((t_seq, "sequential"))
+    for cand in candidates:
+        cand = replace(cand, check="none")
+        t = _time_ms(lambda: _fused(rt, a_shard, b, False, cand), iters, group)
+        results.append((t, replace(cand, check="async")))
+        if verbose and rt.rank == 0:
+            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas: {t:.3f} ms",
+                  flush=True)
+    rt.err("all_gather_matmul").check(block=True)
+    best_t, best = min(results, key=lambda r: r[0])
+    _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
+    if best == "sequential":
+        warn_once(f"agmm-seq-{ms}-{n}-{k}", f"all_gather_matmul: overlap does not pay for M/R={ms}, N={n}, K={k} "
+                  f"(sequential {t_seq:.3f} ms was fastest); running all-gather then matmul for this shape")
+    return best

@@ -1,0 +1,188 @@
+"""Sync policies and tile schedules: which flag a consumer tile waits on, and in what order tiles run.
+
+Pure Python (no GPU). The output is the *tile table* that
+``overlap.kernels.tile_gemm`` walks, one int32 row per tile in schedule order:
+
+    [a_row, a_src, c_row, c_rows, pid_n, wait_idx, wait_mult, post_idx]
+
+The table is built from *row segments*: runs of output rows that share an A
+source and a wait. A segment is cut into BLOCK_M-row tiles times the N tiles;
+tiles never straddle segments (a segment's last tile masks its extra rows), so
+a tile depends on exactly one flag.
+
+Policies (cuSync's names, Jangda et al., CGO 2024):
+
+    ChunkSync  consumer rows of collective chunk c wait on flags[c] >= epoch
+               (flag written once per call by the communication stream)
+    RowSync    consumer row block i waits on flags[i] >= epoch * n_tiles(producer)
+               (each producer tile of row block i adds 1 when stored)
+
+(cuSync's TileSync, where a consumer's K loop waits on each producer tile just
+before loading it, needs waits inside the pipelined K loop; not built yet.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+__all__ = [
+    "Segment",
+    "build_tile_table",
+    "split_rows",
+    "all_gather_layout",
+    "AllGatherLayout",
+    "RowSync",
+    "row_block_segments",
+    "NO_FLAG",
+]
+
+NO_FLAG = -1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Output rows [c_row, c_row + rows) computed from A_src rows [a_row, a_row + rows)."""
+
+    a_src: int
+    a_row: int
+    c_row: int
+    rows: int
+    wait_idx: int = NO_FLAG
+    wait_mult: int = 1
+    post_base: int = NO_FLAG
+    """First flag a producer tile of this segment posts to (+ its m-tile index), or NO_FLAG."""
+
+    def __post_init__(self) -> None:
+        if self.rows <= 0:
+            raise ValueError(f"segment must have rows > 0, got {self.rows}")
+        if min(self.a_row, self.c_row) < 0 or self.a_src not in (0, 1):
+            raise ValueError(f"bad segment {self}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n: int,
+                     group_m: int = 8) -> list[list[int]]:
+    """Tile rows for ``segments`` in the order given; inside a segment, groups of
+    ``group_m`` row tiles sweep all N tiles (row tile fastest) for L2 reuse of B."""
+    if n <= 0 or block_m <= 0 or block_n <= 0 or group_m <= 0:
+        raise ValueError("n, block_m, block_n, group_m must be positive")
+    n_tiles = _cdiv(n, block_n)
+    table: list[list[int]] = []
+    for seg in segments:
+        m_tiles = _cdiv(seg.rows, block_m)
+        for g0 in range(0, m_tiles, group_m):
+            g1 = min(g0 + group_m, m_tiles)
+            for pn in range(n_tiles):
+                for pm in range(g0, g1):
+                    off = pm * block_m
+                    post = NO_FLAG if seg.post_base == NO_FLAG else seg.post_base + pm
+                    table.append([seg.a_row + off, seg.a_src, seg.c_row + off, min(block_m, seg.rows - off),
+                                  pn, seg.wait_idx, seg.wait_mult, post])
+    return table
+
+
+def split_rows(rows: int, chunks: int, align: int = 1) -> list[int]:
+    """Split ``rows`` into ``chunks`` sizes, each a multiple of ``align`` except the
+    last, as equal as that allows; no chunk is empty (fewer chunks if needed)."""
+    if rows <= 0 or chunks <= 0 or align <= 0:
+        raise ValueError(f"rows, chunks, align must be positive (got {rows}, {chunks}, {align})")
+    units = _cdiv(rows, align)
+    chunks = min(chunks, units)
+    base, extra = divmod(units, chunks)
+    sizes = [(base + (1 if i < extra else 0)) * align for i in range(chunks)]
+    sizes[-1] -= sum(sizes) - rows
+    assert sum(sizes) == rows and all(s > 0 for s in sizes), sizes
+    return sizes
+
+
+@dataclass(frozen=True)
+class AllGatherLayout:
+    """Where a chunked all-gather puts rows, and the consumer's segments.
+
+    The gathered buffer is chunk-major: chunk c of every rank lands by one NCCL
+    all-gather as a contiguous block ``[R, rows_c, K]`` at row ``R * start_c``.
+    The output C keeps the natural order: rank r's row i is C row ``r * m_shard + i``.
+    """
+
+    world: int
+    rank: int
+    m_shard: int
+    chunk_rows: tuple[int, ...]
+    segments: tuple[Segment, ...]
+
+    @property
+    def chunk_starts(self) -> tuple[int, ...]:
+        out, s = [], 0
+        for r in self.chunk_rows:
+            out.append(s)
+            s += r
+        return tuple(out)
+
+    def gathered_to_natural(self) -> list[int]:
+        """Row permutation p with natural[i] = gathered[p[i]] (for return_gathered)."""
+        perm = [0] * (self.world * self.m_shard)
+        for start, rows in zip(self.chunk_starts, self.chunk_rows):
+            for r in range(self.world):
+                for i in range(rows):
+                    perm[r * self.m_shard + start + i] = self.world * start + r * rows + i
+        return perm
+
+
+def all_gather_layout(world: int, rank: int, m_shard: int, chunks: int, block_m: int,
+                      local_first: bool = True) -> AllGatherLayout:
+    """Segments for ``all_gather(a_shard) @ b`` with ``chunks`` NCCL calls.
+
+    Schedule: the local shard's rows first (A source 0 = the shard itself, no
+    wait), then every peer's rows chunk by chunk in arrival order, waiting on
+    flags[c]. Chunk sizes are multiples of ``block_m`` where possible so that
+    few tiles are partial.
+    """
+    if not (0 <= rank < world):
+        raise ValueError(f"rank {rank} outside [0, {world})")
+    sizes = split_rows(m_shard, chunks, block_m)
+    segs: list[Segment] = []
+    if local_first:
+        segs.append(Segment(a_src=0, a_row=0, c_row=rank * m_shard, rows=m_shard))
+    start = 0
+    for c, rows in enumerate(sizes):
+        for step in range(1, world):
+            r = (rank - step) % world  # ring order: the left neighbour's data lands first
+            segs.append(Segment(a_src=1, a_row=world * start + r * rows, c_row=r * m_shard + start,
+                                rows=rows, wait_idx=c, wait_mult=1))
+        if not local_first:
+            segs.append(Segment(a_src=1, a_row=world * start + rank * rows, c_row=rank * m_shard + start,
+                                rows=rows, wait_idx=c, wait_mult=1))
+        start += rows
+    return AllGatherLayout(world, rank, m_shard, tuple(sizes), tuple(segs))
+
+
+@dataclass(frozen=True)
+class RowSync:
+    """Consumer row block i waits until all ``producer_n_tiles`` tiles of producer row block i posted."""
+
+    producer_n_tiles: int
+
+    def wait(self, m_tile: int) -> tuple[int, int]:
+        """(flag index, multiplier of the epoch) for consumer row block ``m_tile``."""
+        return m_tile, self.producer_n_tiles
+
+
+def row_block_segments(m: int, block_m: int, *, wait: RowSync | None = None,
+                       post: bool = False) -> list[Segment]:
+    """One segment per BLOCK_M row block of an [m, *] GEMM (A source 0), with
+    the policy's wait per block and/or a post to flag = row block index."""
+    segs = []
+    for i in range(_cdiv(m, block_m)):
+        w_idx, w_mult = wait.wait(i) if wait is not None else (NO_FLAG, 1)
+        segs.append(Segment(a_src=0, a_row=i * block_m, c_row=i * block_m,
+                            rows=min(block_m, m - i * block_m), wait_idx=w_idx, wait_mult=w_mult,
+                            post_base=i if post else NO_FLAG))
+    return segs
+
+
+def flatten(rows: Iterable[Iterable[int]]) -> list[int]:
+    return [v for r in rows for v in r]
