@@ -234,6 +234,7 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             raise DistInitError(f"{', '.join(present)} set but {missing} is not")
         if lrank is None and lsize is not None:
             raise DistInitError("LOCAL_WORLD_SIZE is set but LOCAL_RANK is not")
+        local_given = lrank is not None
         if lrank is None:
             lrank, lsize = rank, size
         elif lsize is None:
@@ -251,12 +252,16 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         )
 
     if has_torch and mpi is not None:
-        if (rank, size) != (m_rank, m_size) or (m_lrank is not None and m_lrank != lrank):
+        local_clash = local_given and m_lrank is not None and m_lrank != lrank
+        if (rank, size) != (m_rank, m_size) or local_clash:
+            local = f", LOCAL_RANK={lrank}" if local_given else ""
             raise DistInitError(
-                f"torchrun variables (RANK={rank}, WORLD_SIZE={size}, LOCAL_RANK={lrank}) "
-                f"disagree with {label} (rank {m_rank} of {m_size}, local rank {m_lrank}); "
-                "unset one launcher's variables"
+                f"torchrun variables (RANK={rank}, WORLD_SIZE={size}{local}) disagree with "
+                f"{label} (rank {m_rank} of {m_size}, local rank {m_lrank}); unset one "
+                "launcher's variables"
             )
+        if not local_given and m_lrank is not None:  # MPI knows the node layout
+            lrank, lsize = m_lrank, size if m_lsize is None else m_lsize
         if master_addr is None or master_port is None:
             has_torch = False  # nothing to rendezvous on: treat it as an MPI launch
 
@@ -597,6 +602,8 @@ def _rendezvous(launch: LaunchEnv, mpi: Any, timeout: timedelta, generation: int
 
 def _connect_store(addr: str, port: int, rank: int, ws: int, *, host: bool,
                    timeout: timedelta) -> Any:
+    if not host:
+        _wait_for_listener(addr, port, rank, ws, timeout)
     try:
         # wait_for_workers=False: the arrival barrier below waits instead, so a missing
         # rank is reported by number rather than as a bare TCPStore timeout.
@@ -613,6 +620,30 @@ def _connect_store(addr: str, port: int, rank: int, ws: int, *, host: bool,
             f"{timeout.total_seconds():g} s: is rank 0 (or the launcher's agent) running, and "
             f"is {addr}:{port} reachable from this node? ({exc})"
         ) from exc
+
+
+def _wait_for_listener(addr: str, port: int, rank: int, ws: int, timeout: timedelta) -> None:
+    """Poll until something listens on addr:port, or raise at the deadline.
+
+    TCPStore's own client retries with back-off and can take about twice its timeout to
+    give up, printing C++ stack traces on the way; this keeps the bound at timeout_s.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    last: Exception | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise DistInitError(
+                f"rank {rank} of {ws} could not reach the rendezvous store at {addr}:{port} "
+                f"within {timeout.total_seconds():g} s: is rank 0 (or the launcher's agent) "
+                f"running, and is {addr}:{port} reachable from this node? ({last})"
+            )
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def _arrival_barrier(store: Any, name: str, rank: int, n: int, timeout: timedelta, *,

@@ -1,0 +1,117 @@
+"""Start the ranks of a small job as subprocesses, bounded in time.
+
+The multi-process tests start their own processes so plain ``pytest`` works. Output
+goes to files, not pipes: a rank blocked on a full pipe while its peer waits for it in a
+collective would turn into a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Launcher variables a test process must not inherit from whatever started pytest.
+_LAUNCH_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHELASTIC_", "SLURM_")
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")
+
+
+@dataclass
+class Proc:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    out: str
+    elapsed_s: float
+
+    def __str__(self) -> str:
+        return f"--- rank {self.rank} rc={self.returncode} ({self.elapsed_s:.1f} s)\n{self.out}"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without launcher variables, with the repo importable and extra added."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
+              ranks: Sequence[int] | None = None, timeout_s: float = 60.0,
+              env: dict[str, str] | None = None) -> list[Proc]:
+    """Run ``python script args`` once per rank with torchrun-style variables.
+
+    ``ranks`` picks which ranks to start (default all) so a test can leave one out.
+    Every process is killed at ``timeout_s``; its returncode is then None.
+    """
+    port = str(free_port())
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for r in ranks:
+            penv = clean_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                             MASTER_PORT=port, **(env or {}))
+            log = open(Path(tmp) / f"rank{r}.log", "w+")
+            p = subprocess.Popen([sys.executable, str(script), *args], env=penv, cwd=REPO,
+                                 stdout=log, stderr=subprocess.STDOUT)
+            procs.append((r, p, log))
+        return _collect(procs, timeout_s)
+
+
+def run_cmd(cmd: Sequence[str], *, timeout_s: float = 120.0,
+            env: dict[str, str] | None = None) -> Proc:
+    """Run one command (a launcher script) to completion or the deadline."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = open(Path(tmp) / "out.log", "w+")
+        p = subprocess.Popen(list(cmd), env=clean_env(**(env or {})), cwd=REPO,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return _collect([(-1, p, log)], timeout_s)[0]
+
+
+def _collect(procs: list, timeout_s: float) -> list[Proc]:
+    start = time.monotonic()
+    deadline = start + timeout_s
+    results = []
+    for r, p, log in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            _kill(p)
+            rc = None
+        elapsed = time.monotonic() - start
+        log.seek(0)
+        results.append(Proc(r, rc, log.read(), elapsed))
+        log.close()
+    return results
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """Kill p and, when it leads its own session (a launcher), everything it started."""
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, 9)
+        else:
+            p.kill()
+    except ProcessLookupError:
+        pass
+    p.wait()

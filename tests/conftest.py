@@ -1,0 +1,48 @@
+"""Shared pytest set-up: skip tests whose hardware or launcher is missing.
+
+Markers (registered in pyproject.toml):
+    gpu   needs 1+ CUDA GPU          gpu2  needs 2 CUDA GPUs
+    mpi   needs mpirun and mpi4py     slow  takes more than a few seconds
+
+A marked test is skipped with the reason, never failed, where its need is not met, so
+plain ``python -m pytest -q`` passes on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+
+import pytest
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """Visible CUDA GPUs; 0 when torch has no CUDA (imported only when a test asks)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+@functools.cache
+def mpi_missing() -> str | None:
+    """Why MPI tests cannot run here, or None when they can."""
+    if shutil.which("mpirun") is None:
+        return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py not installed (pip install 'overlap[mpi]')"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu2") is not None and cuda_device_count() < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {cuda_device_count()}"))
+        elif item.get_closest_marker("gpu") is not None and cuda_device_count() < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if item.get_closest_marker("mpi") is not None and (why := mpi_missing()):
+            item.add_marker(pytest.mark.skip(reason=why))
