@@ -306,7 +306,8 @@ class DistContext:
     """
 
     launch: LaunchEnv
-    """The launch environment (with local numbers confirmed by MPI under mpirun)."""
+    """The launch environment, completed by init: under mpirun the local numbers come
+    from MPI and master_addr/master_port are the store rank 0 actually hosts."""
     device: torch.device
     """This rank's device: cuda:<local_rank> with GPUs, else cpu."""
     backend: str
@@ -431,7 +432,8 @@ def init(
         if owns_pg:
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            store, desc = _rendezvous(launch, mpi, timeout, _generation)
+            store, desc, addr, port = _rendezvous(launch, mpi, timeout, _generation)
+            launch = dataclasses.replace(launch, master_addr=addr, master_port=port)
             try:
                 tdist.init_process_group(
                     backend=be, store=store.pg_store, rank=launch.rank,
@@ -574,12 +576,17 @@ class _Stores:
 
 
 def _rendezvous(launch: LaunchEnv, mpi: Any, timeout: timedelta, generation: int
-                ) -> tuple[_Stores, str]:
-    """Connect to (or host) the store, wait (bounded) until every rank has arrived."""
+                ) -> tuple[_Stores, str, str | None, int | None]:
+    """Connect to (or host) the store, wait (bounded) until every rank has arrived.
+
+    Returns the stores, a description for error messages, and the store's address and
+    port (None for the in-process store of a single process).
+    """
     if launch.launcher == "single":
         # No port, no file: an in-process store is all a one-rank group needs.
         base = tdist.HashStore()
-        return _Stores(tdist.PrefixStore("pg", base), tdist.PrefixStore("overlap", base)), "local"
+        stores = _Stores(tdist.PrefixStore("pg", base), tdist.PrefixStore("overlap", base))
+        return stores, "in-process HashStore (single)", None, None
 
     rank, ws = launch.rank, launch.world_size
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -597,7 +604,7 @@ def _rendezvous(launch: LaunchEnv, mpi: Any, timeout: timedelta, generation: int
                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}" if agent else "")
     root = tdist.PrefixStore(f"overlap{attempt}/{generation}", base)
     _arrival_barrier(root, "init", rank, ws, timeout, what="overlap.dist.init()", desc=desc)
-    return _Stores(tdist.PrefixStore("pg", root), tdist.PrefixStore("lib", root)), desc
+    return _Stores(tdist.PrefixStore("pg", root), tdist.PrefixStore("lib", root)), desc, addr, port
 
 
 def _connect_store(addr: str, port: int, rank: int, ws: int, *, host: bool,
