@@ -63,8 +63,8 @@ def main() -> None:
 
     import overlap
     from overlap import dist
-    from overlap.ops import all_gather_matmul as agmod
-    from overlap.ops.all_gather_matmul import (all_gather_matmul, all_gather_matmul_chunked,
+    from overlap.ops import all_gather as agmod
+    from overlap.ops.all_gather import (all_gather_matmul, all_gather_matmul_chunked,
                                                all_gather_matmul_ref, tune_all_gather_matmul)
 
     ctx = dist.init()
@@ -104,7 +104,12 @@ def main() -> None:
         rec["chunked2_ms"] = timeit(lambda: all_gather_matmul_chunked(a, b, chunks=2), args.iters)
         rec["chunked4_ms"] = timeit(lambda: all_gather_matmul_chunked(a, b, chunks=4), args.iters)
         if not args.no_tune:
-            best = tune_all_gather_matmul(a, b, verbose=main_rank)
+            from overlap.ops import OverlapConfig
+
+            cands = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
+            cands.append(OverlapConfig(chunks=2, nccl_ctas=8, sm_margin=12))  # SM-budget probe
+            cands.append(OverlapConfig(chunks=2, nccl_ctas=24, give_back=False))  # give-back probe
+            best = tune_all_gather_matmul(a, b, candidates=cands, verbose=main_rank)
             rec["tuned"] = best if isinstance(best, str) else {"chunks": best.chunks, "nccl_ctas": best.nccl_ctas}
         before = agmod.stats["fused"]
         rec["tileflag_ms"] = timeit(lambda: all_gather_matmul(a, b), args.iters)

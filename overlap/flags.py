@@ -167,6 +167,9 @@ class ErrorWord:
                 return
             vals = self._host.tolist()
         if vals[0] != 0:
+            # A recorded timeout makes every later tile of every call skip its
+            # work; once reported, clear it so the next call computes again.
+            self.clear()
             raise FlagTimeoutError(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
 
     def clear(self) -> None:

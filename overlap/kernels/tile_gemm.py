@@ -89,6 +89,11 @@ def _wait(flags_ptr, err_ptr, idx, expected, rank, t, timeout_ns, max_spins,
     if USE_TIMER:
         t0 = tl.extra.cuda.globaltimer()
     while (seen < expected) & (aborted == 0):
+        if FENCE_ASYNC:
+            # back off between polls: 100+ CTAs polling one L2 line in a tight
+            # loop slow down the NCCL kernel they are waiting for
+            tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         seen = _poll(flags_ptr, idx)
         spins += 1
         if USE_TIMER:

@@ -1,6 +1,6 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
-from .all_gather_matmul import (
+from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
     all_gather_matmul_ref,

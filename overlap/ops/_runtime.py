@@ -46,7 +46,7 @@ class OverlapConfig:
     """NCCL calls the collective is cut into (each followed by a flag post)."""
     nccl_ctas: int | None = None
     """Cap on NCCL's CTAs for the op's communicator (about 10 GB/s each on NVLink)."""
-    sm_margin: int = 2
+    sm_margin: int = 4
     """SMs left idle beyond NCCL's CTAs, for the flag writes' neighbours and stragglers."""
     give_back: bool = True
     """After the last chunk lands, launch a second GEMM grid on NCCL's SMs that

@@ -19,7 +19,6 @@ one NCCL all-gather); the GEMM writes C in natural row order, so only
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -330,18 +329,29 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     ms, k = a_shard.shape
     n = b.shape[1]
     if candidates is None:
-        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (8, 16, 24)]
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
     results: list[tuple[float, Any]] = []
     t_seq = _time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
     results.append((t_seq, "sequential"))
+    err = rt.err("all_gather_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")
         t = _time_ms(lambda: _fused(rt, a_shard, b, False, cand), iters, group)
-        results.append((t, replace(cand, check="async")))
+        failed = torch.zeros(1, device=a_shard.device)
+        try:
+            err.check(block=True)
+        except _flags.FlagTimeoutError as e:
+            failed += 1
+            warn_once(f"agmm-tune-timeout-{cand}", f"tuner: {cand} timed out ({e}); skipped")
+        import torch.distributed as tdist
+
+        tdist.all_reduce(failed, group=group)
+        if failed.item() == 0:
+            results.append((t, replace(cand, check="async")))
         if verbose and rt.rank == 0:
-            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas: {t:.3f} ms",
-                  flush=True)
-    rt.err("all_gather_matmul").check(block=True)
+            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
+                  f"margin {cand.sm_margin}, give_back {cand.give_back}: {t:.3f} ms"
+                  + (" (timed out: rejected)" if failed.item() else ""), flush=True)
     best_t, best = min(results, key=lambda r: r[0])
     _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
     if best == "sequential":

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
-from overlap.ops import all_gather_matmul as agmod  # noqa: E402
+from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops._runtime import OverlapConfig  # noqa: E402
 
 
