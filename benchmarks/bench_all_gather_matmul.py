@@ -34,23 +34,75 @@ SHAPES = {
 }
 
 
-def timeit(fn, iters: int, warmup: int = 3) -> float:
-    """Median ms per call over ``iters`` timed calls, slowest rank."""
+def timeit(fn, iters: int, warmup: int = 3, synced: bool = False) -> float:
+    """Milliseconds per call, slowest rank.
+
+    Default (pipelined): ``iters`` calls back to back between two events, the
+    host running ahead as in a training step; the median of 5 such runs.
+    ``synced``: every call alone between a barrier and a synchronize (host
+    launch latency shows); the median over ``iters`` calls.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(iters if synced else 5):
         tdist.barrier()
+        torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(1 if synced else iters):
+            fn()
         e.record()
         torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / (1 if synced else iters))
     t = torch.tensor([statistics.median(times)], device="cuda")
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return float(t.item())
+
+
+COLUMNS = [("allgather_ms", "all-gather"), ("gemm_ms", "cuBLAS GEMM"), ("floor_ms", "floor"),
+           ("sequential_ms", "sequential"), ("chunked2_ms", "chunked x2"), ("chunked4_ms", "chunked x4"),
+           ("tileflag_ms", "tile-flag"), ("symm_mem_ms", "symm_mem fused")]
+
+
+def markdown_table(rows: list[dict], context: dict) -> str:
+    """The run's table (ms, pipelined timing), with its context line."""
+    head = "| shape (M, N, K) | " + " | ".join(c for _, c in COLUMNS) + " | tile-flag / floor | tuned |\n"
+    head += "|---" * (len(COLUMNS) + 3) + "|\n"
+    lines = []
+    for r in rows:
+        vals = " | ".join(f"{r[k]:.3f}" if isinstance(r.get(k), float) else "n/a" for k, _ in COLUMNS)
+        lines.append(f"| {r['M']}, {r['N']}, {r['K']} | {vals} | {r['tileflag_ms'] / r['floor_ms']:.2f} "
+                     f"| {r.get('tuned')} |")
+    ctx = (f"{context.get('date')}, {context.get('gpu_count')}x {context.get('gpu')}, torch {context.get('torch')}, "
+           f"triton {context.get('triton')}, NCCL {context.get('nccl')}, commit {context.get('commit')}")
+    return f"All-gather -> GEMM, bf16, {rows[0]['world'] if rows else '?'} ranks ({ctx}); ms per call, " \
+           "median, slowest rank, calls back to back.\n\n" + head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return
+    labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = range(len(rows))
+    for key, name in COLUMNS[3:]:
+        ys = [r.get(key, float("nan")) / r["floor_ms"] for r in rows]
+        ax.plot(x, ys, marker="o", label=name)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="floor = max(all-gather, GEMM)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=15, fontsize=8)
+    ax.set_ylabel("time / floor")
+    ax.set_title("all_gather(A) @ B, bf16, 2x H200")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -114,6 +166,8 @@ def main() -> None:
         before = agmod.stats["fused"]
         rec["tileflag_ms"] = timeit(lambda: all_gather_matmul(a, b), args.iters)
         rec["tileflag_fast_path_calls"] = agmod.stats["fused"] - before
+        rec["tileflag_synced_ms"] = timeit(lambda: all_gather_matmul(a, b), args.iters, synced=True)
+        rec["sequential_synced_ms"] = timeit(lambda: all_gather_matmul_ref(a, b), args.iters, synced=True)
         rt.err("all_gather_matmul").check(block=True)
         # correctness of the timed configuration on fresh data
         a2 = torch.randn_like(a)
@@ -136,12 +190,17 @@ def main() -> None:
                   f"GEMM {rec['gemm_ms']:.3f} floor {rec['floor_ms']:.3f} | seq {rec['sequential_ms']:.3f} "
                   f"chunked2 {rec['chunked2_ms']:.3f} chunked4 {rec['chunked4_ms']:.3f} "
                   f"tileflag {rec['tileflag_ms']:.3f} ({rec.get('tuned')}) symm {rec.get('symm_mem_ms', float('nan')):.3f} "
-                  f"| x{rec['tileflag_ms'] / rec['floor_ms']:.2f} of floor, err {rec['rel_err_vs_cublas']:.1e}",
+                  f"| x{rec['tileflag_ms'] / rec['floor_ms']:.2f} of floor, err {rec['rel_err_vs_cublas']:.1e} "
+                  f"| synced: tileflag {rec['tileflag_synced_ms']:.3f} seq {rec['sequential_synced_ms']:.3f}",
                   flush=True)
     if main_rank:
         os.makedirs(args.out, exist_ok=True)
+        context = run_context(world)
         with open(os.path.join(args.out, "all_gather_matmul.json"), "w") as f:
-            json.dump({"context": run_context(world), "results": rows}, f, indent=1)
+            json.dump({"context": context, "results": rows}, f, indent=1)
+        with open(os.path.join(args.out, "all_gather_matmul.md"), "w") as f:
+            f.write(markdown_table(rows, context))
+        plot(rows, os.path.join(args.out, "all_gather_matmul.png"))
     dist.shutdown()
 
 
