@@ -788,11 +788,17 @@ def group_ranks(group: tdist.ProcessGroup | Sequence[int] | None = None) -> list
         try:
             return list(tdist.get_process_group_ranks(group))
         except KeyError:
-            raise ValueError("unknown process group (destroyed, or not made by torch.distributed)") from None
+            raise ValueError(
+                "unknown process group (destroyed, or not made by torch.distributed)"
+            ) from None
     if isinstance(group, int) and group == tdist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("this rank is not a member of the group (new_group returned NON_GROUP_MEMBER)")
+        raise ValueError(
+            "this rank is not a member of the group (new_group returned NON_GROUP_MEMBER)"
+        )
     if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
-        raise TypeError(f"group must be a ProcessGroup, a sequence of ranks or None, got {type(group).__name__}")
+        raise TypeError(
+            f"group must be a ProcessGroup, a sequence of ranks or None, got {type(group).__name__}"
+        )
     ranks = list(group)
     ws = tdist.get_world_size()
     if not ranks:
@@ -856,6 +862,8 @@ def nccl_comm(
     ranks = group_ranks(ctx.tp_group if group is None else group)
     if ctx.rank not in ranks:
         raise ValueError(f"rank {ctx.rank} is not in the group {ranks}")
+    if config is not None and getattr(config, "is_default", False):
+        config = None  # NcclConfig() and None make the same communicator: share it
     key = (tuple(ranks), config)
     with _lock:
         comm = ctx._comms.get(key)

@@ -19,6 +19,10 @@ class FakeNcclConfig:
     min_ctas: int | None = None
     cga_cluster_size: int | None = None
 
+    @property
+    def is_default(self) -> bool:
+        return self.max_ctas is None and self.min_ctas is None and self.cga_cluster_size is None
+
 
 @dataclass(eq=False)
 class FakeComm:

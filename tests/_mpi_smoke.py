@@ -14,10 +14,14 @@ import sys
 
 import torch
 import torch.distributed as tdist
+from _fake_nccl import FakeNccl
 from mpi4py import MPI
 
-from _fake_nccl import FakeNccl
 from overlap import dist
+
+
+def _value(rank: int, call: int) -> torch.Tensor:
+    return torch.arange(5, dtype=torch.float64) * (rank + 1) + 100 * rank + 1e4 * call
 
 
 def main() -> None:
@@ -31,15 +35,13 @@ def main() -> None:
     assert ctx.launch.master_addr and ctx.launch.master_port, ctx.launch
     assert ctx.backend == "gloo" and ctx.device.type == "cpu"
     tp_ranks = dist.group_ranks(ctx.tp_group)
-    for call in range(3):
-        def value(r: int) -> torch.Tensor:
-            return torch.arange(5, dtype=torch.float64) * (r + 1) + 100 * r + 1e4 * call
-        x = value(ctx.rank)
+    for call in range(3):  # inputs differ per rank and per call
+        x = _value(ctx.rank, call)
         tdist.all_reduce(x)
-        assert torch.equal(x, sum(value(r) for r in range(ctx.world_size))), (call, x)
-        y = value(ctx.rank)
+        assert torch.equal(x, sum(_value(r, call) for r in range(ctx.world_size))), (call, x)
+        y = _value(ctx.rank, call)
         tdist.all_reduce(y, group=ctx.tp_group)
-        assert torch.equal(y, sum(value(r) for r in tp_ranks)), (call, y)
+        assert torch.equal(y, sum(_value(r, call) for r in tp_ranks)), (call, y)
 
     comm = dist.nccl_comm()
     how = dist._last_uid_exchange

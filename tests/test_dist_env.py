@@ -270,6 +270,7 @@ def test_nccl_comm_single_rank(single: FakeNccl) -> None:
     comm = dist.nccl_comm()
     assert (comm.nranks, comm.rank) == (1, 0) and dist._last_uid_exchange == "local"
     assert dist.nccl_comm(ctx.world_group) is comm and dist.nccl_comm([0]) is comm
+    assert dist.nccl_comm(config=FakeNcclConfig()) is comm  # a default config is no config
     comm8 = dist.nccl_comm(config=FakeNcclConfig(max_ctas=8))
     assert comm8 is not comm and comm8.config == FakeNcclConfig(max_ctas=8)
     assert single.version_checks == 2 and len(single.ids_made) == 2

@@ -57,12 +57,12 @@ def test_sharded_block_matches_unsharded(tp: int) -> None:
         reduce_for = _thread_all_reduce(tp)
         outs: list[torch.Tensor | None] = [None] * tp
 
-        def rank(r: int) -> None:
+        def rank(r: int, x: torch.Tensor, outs: list, reduce_for: Callable) -> None:
             w = demo.shard_weights(full, heads=nh, tp_rank=r, tp_size=tp)
             assert w.w_qkv.shape == (3 * H // tp, H) and w.w_fc2.shape == (H, 4 * H // tp)
             outs[r] = demo.block_forward(x.clone(), w, nh // tp, reduce_for(r))
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+        threads = [threading.Thread(target=rank, args=(r, x, outs, reduce_for)) for r in range(tp)]
         for t in threads:
             t.start()
         for t in threads:
