@@ -25,6 +25,13 @@ if [ "$(id -u)" = 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1
     export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
+# Open MPI's launcher component insists on finding ssh or rsh even for ranks on this
+# node only; minimal images have neither. Any program satisfies it for a local job
+# (multi-node jobs need a real agent: set OMPI_MCA_plm_rsh_agent yourself).
+if [ -z "${OMPI_MCA_plm_rsh_agent:-}" ] && ! command -v ssh >/dev/null 2>&1 \
+        && ! command -v rsh >/dev/null 2>&1; then
+    export OMPI_MCA_plm_rsh_agent=false
+fi
 
 if [ -n "${PYTHON:-}" ]; then
     OVERLAP_PYTHON="$PYTHON"

@@ -655,18 +655,21 @@ def _wait_for_listener(addr: str, port: int, rank: int, ws: int, timeout: timede
 
 def _arrival_barrier(store: Any, name: str, rank: int, n: int, timeout: timedelta, *,
                      what: str, desc: str, ranks: Sequence[int] | None = None,
-                     value: bytes = b"1") -> list[bytes]:
-    """Each of n members posts ``<name>/<i>``; wait (bounded) for all; return their values.
+                     value: bytes = b"1") -> bytes:
+    """Each of n members posts ``<name>/<i>``; wait (bounded) for all; return member 0's value.
 
     ``rank`` is this member's index in 0..n-1; ``ranks`` maps indices to global ranks
-    for the error message.
+    for the error message. O(n) store operations in all: a counter, and one "all here"
+    key set by the last member to arrive; the per-member keys are read only to name
+    the missing members when the wait times out.
     """
-    keys = [f"{name}/{i}" for i in range(n)]
-    store.set(keys[rank], value)
+    store.set(f"{name}/{rank}", value)
+    if store.add(f"{name}/count", 1) == n:
+        store.set(f"{name}/all", b"1")
     try:
-        store.wait(keys, timeout)
+        store.wait([f"{name}/all"], timeout)
     except Exception as exc:
-        missing = [i for i in range(n) if not _store_has(store, keys[i])]
+        missing = [i for i in range(n) if not _store_has(store, f"{name}/{i}")]
         named = [ranks[i] for i in missing] if ranks is not None else missing
         me = ranks[rank] if ranks is not None else rank
         world = f" of a group of {n} (ranks {list(ranks)})" if ranks is not None else f" of {n}"
@@ -675,7 +678,7 @@ def _arrival_barrier(store: Any, name: str, rank: int, n: int, timeout: timedelt
             f"{what} for rank(s) {named or '?'} that never arrived; check that all of them "
             f"started and reach the same call ({exc})"
         ) from exc
-    return [store.get(k) for k in keys]
+    return value if rank == 0 else store.get(f"{name}/0")
 
 
 def _store_has(store: Any, key: str) -> bool:
@@ -884,14 +887,14 @@ def nccl_comm(
             uid, how = backend.get_unique_id(), "local"
         else:
             cfg = repr(config).encode()
-            posted = _arrival_barrier(
+            cfg0 = _arrival_barrier(
                 ctx._store, f"{name}/arrive", me, n, timeout, ranks=ranks,
                 what="overlap.dist.nccl_comm()", desc=ctx._store_desc, value=cfg,
             )
-            if posted[0] != cfg:
+            if cfg0 != cfg:
                 raise DistInitError(
                     f"rank {ctx.rank}: nccl_comm over ranks {ranks} asked for config={config!r} "
-                    f"but the group's rank 0 (rank {ranks[0]}) asked for {posted[0].decode()}"
+                    f"but the group's rank 0 (rank {ranks[0]}) asked for {cfg0.decode()}"
                 )
             if ctx.launch.launcher == "mpirun":
                 uid, how = _mpi_bcast_uid(backend, ranks, me, count), "mpi"

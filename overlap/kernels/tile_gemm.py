@@ -273,6 +273,10 @@ def launch_tile_gemm(
     b_store, b_kn = b_operand(b)
     if b_store.shape[0 if b_kn else 1] != K:
         raise ValueError(f"K mismatch: a has K={K}, b is {tuple(b.shape)}")
+    for name, t in (("a", a), ("a2", a2), ("b", b_store)):
+        if t is not None and ((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
+            raise ValueError(f"{name} {tuple(t.shape)} ({t.dtype}) cannot be read by TMA: rows must start on "
+                             f"16-byte boundaries (row stride {t.stride(0)} elements)")
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return

@@ -185,7 +185,9 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
         grid = rt.num_sms - nccl_ctas - cfg.sm_margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}")
-        p = _Plan(layout, table, grid, nccl_ctas if cfg.give_back else 0, nccl_ctas, gemm, len(layout.chunk_rows))
+        # the give-back grid takes every SM the main grid left: NCCL's and the margin
+        p = _Plan(layout, table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
+                  len(layout.chunk_rows))
         _plans[key] = p
     return p
 

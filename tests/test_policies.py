@@ -1,0 +1,92 @@
+"""Pure logic of tile tables, chunk splits and the all-gather layout (no GPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,
+                              split_rows)
+
+
+@pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
+def test_split_rows_covers_exactly(rows: int, chunks: int, align: int) -> None:
+    sizes = split_rows(rows, chunks, align)
+    assert sum(sizes) == rows and all(s > 0 for s in sizes)
+    assert len(sizes) <= chunks
+    assert all(s % align == 0 for s in sizes[:-1])
+
+
+def test_split_rows_rejects_bad_input() -> None:
+    for bad in [(0, 2, 1), (10, 0, 1), (10, 2, 0)]:
+        with pytest.raises(ValueError):
+            split_rows(*bad)
+
+
+def test_table_covers_every_output_element_once() -> None:
+    m, n, bm, bn = 300, 200, 64, 64
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=130), Segment(a_src=1, a_row=500, c_row=130, rows=170, wait_idx=2)]
+    table = build_tile_table(segs, n, bm, bn, group_m=2)
+    seen = [[0] * n for _ in range(m)]
+    for a_row, a_src, c_row, c_rows, pid_n, w_idx, w_mult, post in table:
+        assert 0 < c_rows <= bm
+        for i in range(c_rows):
+            for j in range(pid_n * bn, min(n, pid_n * bn + bn)):
+                seen[c_row + i][j] += 1
+        # a tile never straddles segments: its wait is its segment's
+        if c_row >= 130:
+            assert (a_src, w_idx) == (1, 2) and a_row - 500 == c_row - 130
+        else:
+            assert (a_src, w_idx) == (0, NO_FLAG) and a_row == c_row
+    assert all(v == 1 for row in seen for v in row)
+
+
+def test_table_order_is_segment_order_then_grouped() -> None:
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=256), Segment(a_src=0, a_row=256, c_row=256, rows=128, wait_idx=0)]
+    t = build_tile_table(segs, 256, 64, 128, group_m=2)
+    # first segment: 4 row tiles x 2 col tiles, groups of 2 row tiles, row tile fastest
+    assert [(r[2] // 64, r[4]) for r in t[:8]] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert all(r[5] == 0 for r in t[8:]) and all(r[5] == NO_FLAG for r in t[:8])
+
+
+@pytest.mark.parametrize("world,rank,ms,chunks", [(2, 0, 1000, 3), (2, 1, 512, 2), (4, 2, 777, 4), (4, 3, 128, 1)])
+def test_all_gather_layout(world: int, rank: int, ms: int, chunks: int) -> None:
+    lay = all_gather_layout(world, rank, ms, chunks, 128)
+    assert sum(lay.chunk_rows) == ms
+    # local shard first, from source 0, no wait
+    first = lay.segments[0]
+    assert (first.a_src, first.c_row, first.rows, first.wait_idx) == (0, rank * ms, ms, NO_FLAG)
+    # every peer row appears once, waits on its own chunk, reads where NCCL puts it
+    covered = set()
+    for seg in lay.segments[1:]:
+        c = seg.wait_idx
+        start, rows = lay.chunk_starts[c], lay.chunk_rows[c]
+        r = (seg.c_row - start) // ms
+        assert r != rank and seg.c_row == r * ms + start and seg.rows == rows
+        assert seg.a_row == world * start + r * rows  # chunk-major gathered buffer
+        covered.update(range(seg.c_row, seg.c_row + seg.rows))
+    assert covered == set(range(world * ms)) - set(range(rank * ms, (rank + 1) * ms))
+    # chunks in arrival order: waits never go backwards
+    waits = [s.wait_idx for s in lay.segments[1:]]
+    assert waits == sorted(waits)
+    # the permutation back to natural order is a bijection matching the layout
+    perm = lay.gathered_to_natural()
+    assert sorted(perm) == list(range(world * ms))
+    for seg in lay.segments[1:]:
+        assert perm[seg.c_row] == seg.a_row
+
+
+def test_rowsync_segments_wait_and_post() -> None:
+    segs = row_block_segments(300, 128, wait=RowSync(producer_n_tiles=5), post=True)
+    assert [(s.c_row, s.rows, s.wait_idx, s.wait_mult, s.post_base) for s in segs] == [
+        (0, 128, 0, 5, 0), (128, 128, 1, 5, 1), (256, 44, 2, 5, 2)]
+    t = build_tile_table(segs, 256, 128, 128)
+    assert [r[7] for r in t] == [0, 0, 1, 1, 2, 2]  # each producer tile posts to its row block
+
+
+def test_segment_validation() -> None:
+    with pytest.raises(ValueError):
+        Segment(a_src=0, a_row=0, c_row=0, rows=0)
+    with pytest.raises(ValueError):
+        Segment(a_src=2, a_row=0, c_row=0, rows=4)
+    with pytest.raises(ValueError):
+        all_gather_layout(2, 2, 10, 1, 16)
