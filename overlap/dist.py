@@ -887,14 +887,21 @@ def nccl_comm(
             uid, how = backend.get_unique_id(), "local"
         else:
             cfg = repr(config).encode()
-            cfg0 = _arrival_barrier(
-                ctx._store, f"{name}/arrive", me, n, timeout, ranks=ranks,
-                what="overlap.dist.nccl_comm()", desc=ctx._store_desc, value=cfg,
-            )
+            arrive = dict(ranks=ranks, what="overlap.dist.nccl_comm()", desc=ctx._store_desc)
+            cfg0 = _arrival_barrier(ctx._store, f"{name}/arrive", me, n, timeout, value=cfg,
+                                    **arrive)
+            # Every member compares its config with group rank 0's, then all learn whether
+            # anyone differed: raising on one rank only would leave the others inside
+            # NCCL's init, which has no timeout.
             if cfg0 != cfg:
+                ctx._store.add(f"{name}/mismatch", 1)
+            _arrival_barrier(ctx._store, f"{name}/checked", me, n, timeout, **arrive)
+            bad = ctx._store.add(f"{name}/mismatch", 0)
+            if bad:
                 raise DistInitError(
-                    f"rank {ctx.rank}: nccl_comm over ranks {ranks} asked for config={config!r} "
-                    f"but the group's rank 0 (rank {ranks[0]}) asked for {cfg0.decode()}"
+                    f"rank {ctx.rank}: nccl_comm over ranks {ranks}: {bad} member(s) asked for "
+                    f"another config than the group's rank 0 (rank {ranks[0]}: "
+                    f"{cfg0.decode()}); this rank asked for {config!r}"
                 )
             if ctx.launch.launcher == "mpirun":
                 uid, how = _mpi_bcast_uid(backend, ranks, me, count), "mpi"

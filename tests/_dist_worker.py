@@ -142,6 +142,22 @@ def scenario_nccl_missing() -> None:
     print(f"PASS nccl_missing rank={rank}", flush=True)
 
 
+def scenario_nccl_config_mismatch() -> None:
+    """Rank 1 asks for another config: every rank gets a DistInitError, none enters NCCL."""
+    rank = int(os.environ["RANK"])
+    fake = FakeNccl()
+    dist.set_nccl_backend(fake)
+    dist.init(timeout_s=T)
+    try:
+        dist.nccl_comm(config=FakeNcclConfig(max_ctas=8) if rank == 1 else None)
+        raise AssertionError("a config mismatch should raise")
+    except DistInitError as exc:
+        assert "another config" in str(exc), exc
+    assert fake.comms == [], "no communicator may be made"
+    dist.shutdown()
+    print(f"PASS nccl_config_mismatch rank={rank}", flush=True)
+
+
 def scenario_init(timeout_s: float) -> None:
     """Plain init; reports a DistInitError instead of a traceback."""
     t0 = time.monotonic()
@@ -163,6 +179,8 @@ if __name__ == "__main__":
         scenario_nccl(int(args[0]))
     elif name == "nccl_missing":
         scenario_nccl_missing()
+    elif name == "nccl_config_mismatch":
+        scenario_nccl_config_mismatch()
     elif name == "init":
         scenario_init(float(args[0]))
     else:

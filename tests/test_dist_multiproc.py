@@ -61,3 +61,7 @@ def test_missing_rank0_is_a_named_error() -> None:
 def test_nccl_comm_member_that_never_arrives() -> None:
     """Rank 1 skips nccl_comm(): rank 0 gets a DistInitError naming it, not a hang."""
     _all_pass(run_ranks(WORKER, 2, ["nccl_missing"], timeout_s=60), "nccl_missing")
+
+
+def test_nccl_comm_config_mismatch_raises_on_every_rank() -> None:
+    _all_pass(run_ranks(WORKER, 2, ["nccl_config_mismatch"], timeout_s=60), "nccl_config_mismatch")
