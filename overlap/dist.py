@@ -428,10 +428,10 @@ def init(
         timeout = timedelta(seconds=float(timeout_s))
         _generation += 1
 
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         owns_pg = not tdist.is_initialized()
         if owns_pg:
-            if dev.type == "cuda":
-                torch.cuda.set_device(dev)
             store, desc, addr, port = _rendezvous(launch, mpi, timeout, _generation)
             launch = dataclasses.replace(launch, master_addr=addr, master_port=port)
             try:
@@ -455,22 +455,14 @@ def init(
             )
             desc = "the default store of the caller's process group"
 
+        try:
+            tp_group, dp_group = _make_groups(launch.world_size, tp, timeout)
+        except BaseException:
+            if owns_pg:  # leave nothing half-made behind for a retry to adopt
+                tdist.destroy_process_group()
+            raise
         world_group = tdist.group.WORLD
         ws = launch.world_size
-        # Every rank creates every group, in the same order (torch's rule for new_group).
-        if tp == ws:
-            tp_group = world_group
-        else:
-            tp_group, _ = tdist.new_subgroups_by_enumeration(
-                [list(range(s, s + tp)) for s in range(0, ws, tp)], timeout=timeout
-            )
-        if tp == 1:
-            dp_group = world_group
-        else:
-            dp_group, _ = tdist.new_subgroups_by_enumeration(
-                [list(range(t, ws, tp)) for t in range(tp)], timeout=timeout
-            )
-        assert tp_group is not None and dp_group is not None
 
         _ctx = DistContext(
             launch=launch, device=dev, backend=be, world_group=world_group,
@@ -479,6 +471,21 @@ def init(
             _store=lib_store, _owns_pg=owns_pg, _store_desc=desc,
         )
         return _ctx
+
+
+def _make_groups(ws: int, tp: int, timeout: timedelta
+                 ) -> tuple[tdist.ProcessGroup, tdist.ProcessGroup]:
+    """This rank's (tp group, dp group). Every rank creates every group, in the same
+    order (torch's rule for new_group); a group equal to the world is the world group."""
+    world = tdist.group.WORLD
+    tp_group = world if tp == ws else tdist.new_subgroups_by_enumeration(
+        [list(range(s, s + tp)) for s in range(0, ws, tp)], timeout=timeout  # contiguous
+    )[0]
+    dp_group = world if tp == 1 else tdist.new_subgroups_by_enumeration(
+        [list(range(t, ws, tp)) for t in range(tp)], timeout=timeout  # strided
+    )[0]
+    assert tp_group is not None and dp_group is not None
+    return tp_group, dp_group
 
 
 def _check_same_init(ctx: DistContext, *, tp_size: int | None, backend: str | None,

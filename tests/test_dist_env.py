@@ -265,6 +265,21 @@ def test_world_size_not_divisible_by_tp_size_in_env(monkeypatch: pytest.MonkeyPa
     assert not tdist.is_initialized()
 
 
+def test_init_adopts_a_process_group_the_caller_made(single: FakeNccl) -> None:
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(DistInitError, match="backend 'gloo', not 'mpi'"):
+            dist.init(backend="mpi")
+        ctx = dist.init()
+        assert ctx.world_group is tdist.group.WORLD and ctx.backend == "gloo"
+        comm = dist.nccl_comm()  # the caller's default store carries the bootstrap
+        assert (comm.nranks, comm.rank) == (1, 0)
+        dist.shutdown()
+        assert tdist.is_initialized() and comm.destroyed  # the caller's group is the caller's
+    finally:
+        tdist.destroy_process_group()
+
+
 def test_nccl_comm_single_rank(single: FakeNccl) -> None:
     ctx = dist.init()
     comm = dist.nccl_comm()
