@@ -985,10 +985,16 @@ def shutdown() -> None:
         if not ctx._owns_pg:
             return
         if ctx.world_size > 1 and ctx._store is not None:
+            # Ranks other than 0 tear their side down first and only then say goodbye:
+            # a rank still destroying its process group after the store's host (rank 0)
+            # exited can die in the store client ("terminate called ...").
             try:
-                ctx._store.set(f"exit/{ctx.rank}", b"1")
-                if ctx.rank == 0:
-                    ctx._store.wait([f"exit/{r}" for r in range(ctx.world_size)],
+                if ctx.rank != 0:
+                    if tdist.is_initialized():
+                        tdist.destroy_process_group()
+                    ctx._store.set(f"exit/{ctx.rank}", b"1")
+                else:
+                    ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
                                     timedelta(seconds=ctx.timeout_s))
             except Exception as exc:
                 warnings.warn(f"overlap.dist.shutdown: not every rank reached shutdown: {exc}",
