@@ -137,10 +137,17 @@ def all_gather_matmul_chunked(a_shard: torch.Tensor, b: torch.Tensor, *, group: 
     return c
 
 
+_perms: dict[tuple, torch.Tensor] = {}
+
+
 def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
     if len(layout.chunk_rows) == 1:
         return gathered
-    perm = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
+    # the permutation is a Python loop over M rows: build it once per layout and device
+    key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows, gathered.device)
+    perm = _perms.get(key)
+    if perm is None:
+        perm = _perms[key] = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
     return gathered.index_select(0, perm)
 
 
