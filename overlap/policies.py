@@ -34,6 +34,7 @@ __all__ = [
     "AllGatherLayout",
     "RowSync",
     "row_block_segments",
+    "row_chunk_segments",
     "NO_FLAG",
 ]
 
@@ -182,6 +183,18 @@ def row_block_segments(m: int, block_m: int, *, wait: RowSync | None = None,
                             rows=min(block_m, m - i * block_m), wait_idx=w_idx, wait_mult=w_mult,
                             post_base=i if post else NO_FLAG))
     return segs
+
+
+def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], list[Segment]]:
+    """ChunkSync over the rows of an [m, *] GEMM whose A rows arrive in ``chunks``
+    row chunks in order (e.g. a chunked all-reduce): chunk sizes (multiples of
+    ``block_m`` except the last) and one segment per chunk, waiting on flags[c]."""
+    sizes = split_rows(m, chunks, block_m)
+    segs, start = [], 0
+    for c, rows in enumerate(sizes):
+        segs.append(Segment(a_src=0, a_row=start, c_row=start, rows=rows, wait_idx=c, wait_mult=1))
+        start += rows
+    return sizes, segs
 
 
 def flatten(rows: Iterable[Iterable[int]]) -> list[int]:

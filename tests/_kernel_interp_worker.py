@@ -15,7 +15,9 @@ import torch  # noqa: E402
 
 from overlap.flags import ErrorWord, FlagTimeoutError  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
-from overlap.policies import RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments  # noqa: E402
+from overlap.kernels.add_norm import launch_add_norm  # noqa: E402
+from overlap.policies import (RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,  # noqa: E402
+                              row_chunk_segments)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
@@ -149,6 +151,89 @@ def scenario_dispatch_counter() -> None:
     assert flags[:4].tolist() == [4, 4, 4, 4], flags  # 4 column tiles per row block, each once
     assert _rel(c, a.double() @ w.double().t()) < 1e-5
     print("PASS dispatch_counter")
+
+
+def _torch_norm(h, kind, w, b, eps):
+    if kind == "layernorm":
+        return torch.nn.functional.layer_norm(h.float(), (h.shape[1],), w.float(), None if b is None else b.float(),
+                                              eps)
+    return torch.nn.functional.rms_norm(h.float(), (h.shape[1],), w.float(), eps)
+
+
+def scenario_add_norm() -> None:
+    """Residual add in place and LayerNorm / RMSNorm of a row range, against torch;
+    rows outside the range are untouched; K not a multiple of the K block."""
+    g = torch.Generator().manual_seed(5)
+    m, k, row0, rows = 12, 40, 3, 6
+    for dt in (torch.float32, torch.float16):
+        for kind, with_bias in ((None, False), ("layernorm", True), ("layernorm", False), ("rmsnorm", False)):
+            for with_res in (True, False):
+                if kind is None and not with_res:
+                    continue
+                h0 = (torch.randn(m, k, generator=g) * 3 + 1).to(dt)
+                res = torch.randn(m, k, generator=g).to(dt) if with_res else None
+                w = torch.randn(k, generator=g).to(dt)
+                b = torch.randn(k, generator=g).to(dt) if with_bias else None
+                h = h0.clone()
+                y = torch.full((m, k), float("nan"), dtype=dt)
+                launch_add_norm(h, row0, rows, residual=res, norm=kind, weight=w if kind else None, bias=b,
+                                eps=1e-5, y=y if kind else None, block_k=16)
+                sl = slice(row0, row0 + rows)
+                h_ref = h0[sl] + res[sl] if with_res else h0[sl]
+                assert torch.equal(h[sl], h_ref), (dt, kind, "h rows")
+                assert torch.equal(h[:row0], h0[:row0]) and torch.equal(h[row0 + rows:], h0[row0 + rows:]), \
+                    "rows outside the range changed"
+                if kind:
+                    y_ref = _torch_norm(h_ref, kind, w, b, 1e-5)
+                    tol = 1e-5 if dt == torch.float32 else 2e-3
+                    torch.testing.assert_close(y[sl].float(), y_ref, atol=tol * 4, rtol=tol)
+                    assert torch.isnan(y[:row0]).all() and torch.isnan(y[row0 + rows:]).all()
+    print("PASS add_norm")
+
+
+def scenario_row_chunks() -> None:
+    """The all-reduce op's pipeline, one rank, no NCCL: chunks land one by one
+    (add + norm, then a flag); each GEMM tile waits on its own chunk only. With
+    the last chunk's flag never set, exactly that chunk's rows stay unwritten
+    and the timeout names its flag."""
+    g = torch.Generator().manual_seed(6)
+    m, n, k, chunks = 70, 32, 48, 3
+    x = torch.randn(m, k, generator=g, dtype=torch.float32)
+    res = torch.randn(m, k, generator=g, dtype=torch.float32)
+    w = torch.randn(k, generator=g, dtype=torch.float32)
+    wb = torch.randn(n, k, generator=g, dtype=torch.float32)
+    sizes, segs = row_chunk_segments(m, chunks, CFG.block_m)
+    assert len(sizes) == chunks and sum(sizes) == m
+    tab = _table(segs, n)
+    for land in (chunks, chunks - 1):
+        h, y = x.clone(), torch.full((m, k), float("nan"))
+        flags = torch.full((4,), 8, dtype=torch.int32)  # the previous call's epoch
+        ew = ErrorWord("cpu", what="test op")
+        start = 0
+        for c_idx, rows in enumerate(sizes[:land]):
+            launch_add_norm(h, start, rows, residual=res, norm="rmsnorm", weight=w, y=y, block_k=16)
+            flags[c_idx] = 9
+            start += rows
+        c = torch.full((m, n), float("nan"))
+        # the interpreter runs programs one after another, and a timeout stops
+        # the rest of the grid: one program walks the table in schedule order
+        # (chunk order), so every tile of a landed chunk runs before the stall
+        launch_tile_gemm(y, wb.t(), c, tab, flags=flags, err=ew.word, epoch=9, rank=1,
+                         grid=3 if land == chunks else 1, config=CFG, wait=True, max_spins=100)
+        ref = _torch_norm(x + res, "rmsnorm", w, None, 1e-5).double() @ wb.double().t()
+        done = sum(sizes[:land])
+        assert _rel(c[:done], ref[:done]) < 1e-5
+        if land == chunks:
+            ew.check()
+        else:
+            assert torch.isnan(c[done:]).all(), "a tile of an unlanded chunk wrote"
+            try:
+                ew.check()
+            except FlagTimeoutError as e:
+                assert (e.flag_idx, e.expected, e.seen) == (chunks - 1, 9, 8), e
+            else:
+                raise AssertionError("timeout not reported")
+    print("PASS row_chunks")
 
 
 if __name__ == "__main__":

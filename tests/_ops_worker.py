@@ -9,7 +9,9 @@ import torch
 
 from overlap import dist
 from overlap.ops import all_gather_matmul, all_gather_matmul_chunked, all_gather_matmul_ref
+from overlap.ops import Norm, all_reduce_matmul, all_reduce_matmul_chunked, all_reduce_matmul_ref
 from overlap.ops import all_gather as agmod
+from overlap.ops import all_reduce as armod
 
 
 def main() -> None:
@@ -40,8 +42,58 @@ def main() -> None:
             assert text in str(e), e
         else:
             raise AssertionError(f"accepted {text}")
+    check_all_reduce_matmul(rank, ws)
     dist.shutdown()
     print(f"PASS ops rank={rank}", flush=True)
+
+
+def check_all_reduce_matmul(rank: int, ws: int) -> None:
+    m, k, n = 7, 12, 5
+    for call in range(3):
+        # per-rank partial sums whose total is known; residual and norm params change every call
+        parts = [torch.randn(m, k, generator=torch.Generator().manual_seed(1000 * call + r)) for r in range(ws)]
+        total = sum(parts)
+        res = torch.randn(m, k, generator=torch.Generator().manual_seed(77 + call))
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(55 + call))
+        lw = torch.rand(k, generator=torch.Generator().manual_seed(33 + call)) + 0.5
+        lb = torch.randn(k, generator=torch.Generator().manual_seed(44 + call))
+        ln = Norm("layernorm", lw, lb, 1e-5)
+        rms = Norm("rmsnorm", lw, None, 1e-6)
+        cases = [(None, None, total, total),
+                 (res, None, total + res, total + res),
+                 (res, ln, total + res, torch.nn.functional.layer_norm(total + res, (k,), lw, lb, 1e-5)),
+                 (None, rms, total, torch.nn.functional.rms_norm(total, (k,), lw, 1e-6))]
+        for residual, norm, h_ref, y_ref in cases:
+            x = parts[rank].clone()
+            for fn in (all_reduce_matmul, all_reduce_matmul_ref, all_reduce_matmul_chunked):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    c, h = fn(x, w.t(), residual=residual, norm=norm)
+                torch.testing.assert_close(h, h_ref)
+                torch.testing.assert_close(c, y_ref @ w.t())
+            assert torch.equal(x, parts[rank]), "x_partial must not be modified"
+    assert armod.stats["reference"] >= 24, armod.stats
+    x, b = torch.randn(m, k), torch.randn(k, n)
+    bad = [((x, torch.randn(k + 1, n)), {}, ValueError, "K mismatch"),
+           ((x, b.double()), {}, TypeError, "dtype"),
+           ((x, b), {"residual": torch.randn(m + 1, k)}, ValueError, "residual must be"),
+           ((x, b), {"residual": torch.randn(m, k).double()}, TypeError, "residual is"),
+           ((x, b), {"norm": Norm("layernorm", torch.ones(k + 1))}, ValueError, "norm weight must be [K]"),
+           ((x, b), {"norm": "layernorm"}, TypeError, "overlap.ops.Norm")]
+    for args, kw, exc, text in bad:
+        try:
+            all_reduce_matmul(*args, **kw)
+        except exc as e:
+            assert text in str(e), e
+        else:
+            raise AssertionError(f"accepted {text}")
+    for kw in ({"kind": "batchnorm"}, {"kind": "rmsnorm", "bias": torch.ones(k)}, {"kind": "layernorm", "eps": 0.0}):
+        try:
+            Norm(weight=torch.ones(k), **kw)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"Norm accepted {kw}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,
-                              split_rows)
+                              row_chunk_segments, split_rows)
 
 
 @pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
@@ -90,3 +90,19 @@ def test_segment_validation() -> None:
         Segment(a_src=2, a_row=0, c_row=0, rows=4)
     with pytest.raises(ValueError):
         all_gather_layout(2, 2, 10, 1, 16)
+
+
+@pytest.mark.parametrize("m,chunks", [(8192, 4), (1000, 3), (130, 4), (64, 2)])
+def test_row_chunk_segments(m: int, chunks: int) -> None:
+    sizes, segs = row_chunk_segments(m, chunks, 128)
+    assert sum(sizes) == m and 1 <= len(sizes) <= chunks
+    assert all(s % 128 == 0 for s in sizes[:-1])
+    start = 0
+    for c, (rows, seg) in enumerate(zip(sizes, segs)):
+        # chunk c's rows read A and write C at the same rows, and wait on flag c (epoch x 1)
+        assert (seg.a_src, seg.a_row, seg.c_row, seg.rows, seg.wait_idx, seg.wait_mult) == (0, start, start, rows, c, 1)
+        start += rows
+    t = build_tile_table(segs, 512, 128, 256)
+    waits = [r[5] for r in t]
+    assert waits == sorted(waits), "tiles run in chunk order"
+    assert {r[0] for r in t} == set(range(0, m, 128))

@@ -1,17 +1,29 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
+from ._runtime import OverlapConfig
 from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
     all_gather_matmul_ref,
     tune_all_gather_matmul,
 )
-from ._runtime import OverlapConfig
+from .all_reduce import (
+    Norm,
+    all_reduce_matmul,
+    all_reduce_matmul_chunked,
+    all_reduce_matmul_ref,
+    tune_all_reduce_matmul,
+)
 
 __all__ = [
+    "Norm",
     "OverlapConfig",
     "all_gather_matmul",
     "all_gather_matmul_chunked",
     "all_gather_matmul_ref",
+    "all_reduce_matmul",
+    "all_reduce_matmul_chunked",
+    "all_reduce_matmul_ref",
     "tune_all_gather_matmul",
+    "tune_all_reduce_matmul",
 ]

@@ -5,7 +5,8 @@ One ``Runtime`` per (group ranks, device). It owns
 * the library's NCCL communicators over the group, one per CTA cap (capped ones
   for the overlapped path; an uncapped one for the chunked stream baseline),
 * a high-priority communication stream (NCCL kernels launched there are
-  scheduled ahead of queued GEMM work),
+  scheduled ahead of queued GEMM work) and a high-priority auxiliary stream
+  (per-chunk prologues such as the all-reduce op's residual add and norm),
 * flag arrays and an error word per op,
 
 and knows the SM count, from which the GEMM grid is sized so that NCCL's CTAs
@@ -24,7 +25,8 @@ import torch
 
 from .. import flags as _flags
 
-__all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once"]
+__all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
+           "report_errors"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -81,6 +83,8 @@ class Runtime:
         props = torch.cuda.get_device_properties(device)
         self.num_sms = int(props.multi_processor_count)
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
+        # prologue work between a chunk landing and its flag (e.g. residual add + norm)
+        self.aux_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comms: dict[int | None, Any] = {}
         self._flags: dict[str, _flags.FlagArray] = {}
         self._errs: dict[str, _flags.ErrorWord] = {}
@@ -149,3 +153,67 @@ def reset_runtimes() -> None:
     """Forget every runtime (their communicators are destroyed by ``dist.shutdown``)."""
     with _lock:
         _runtimes.clear()
+
+
+def resolve_group(group: Any) -> Any:
+    """``group``, else the tensor-parallel group of ``overlap.dist.init``, else WORLD."""
+    if group is not None:
+        return group
+    from .. import dist
+
+    ctx = dist.get_context()
+    if ctx is not None:
+        return ctx.tp_group
+    import torch.distributed as tdist
+
+    return tdist.group.WORLD
+
+
+_agreed: set[tuple] = set()
+
+
+def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...]) -> None:
+    """Sizes that must agree across the group's ranks (else NCCL sizes disagree
+    and peers hang). Checked once per (op, values) with a tiny all-gather on
+    torch's group; a rank that disagrees makes every rank raise."""
+    key = (rt.ranks, op, names, values)
+    if key in _agreed:
+        return
+    import torch.distributed as tdist
+
+    n = len(values)
+    mine = torch.tensor(values, dtype=torch.int64, device=rt.device)
+    alls = torch.empty(rt.world * n, dtype=torch.int64, device=rt.device)
+    tdist.all_gather_into_tensor(alls, mine, group=rt.group)
+    vals = alls.view(rt.world, n).tolist()
+    if any(v != vals[0] for v in vals):
+        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group)")
+    _agreed.add(key)
+
+
+def time_ms(fn: Any, iters: int, group: Any) -> float:
+    """Milliseconds per call of ``fn`` (calls back to back), slowest rank; collective."""
+    import torch.distributed as tdist
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    tdist.barrier(group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    t = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def report_errors(err: _flags.ErrorWord, check: str) -> None:
+    """Turn a recorded flag timeout into ``FlagTimeoutError`` as ``check`` says."""
+    if check == "sync":
+        err.check(block=True)
+    elif check == "async":
+        err.check(block=False)
+        err.snapshot()

@@ -26,7 +26,8 @@ import torch
 
 from .. import flags as _flags
 from ..policies import AllGatherLayout, all_gather_layout, build_tile_table
-from ._runtime import OverlapConfig, Runtime, get_runtime, warn_once
+from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
+                       warn_once)
 
 __all__ = [
     "all_gather_matmul",
@@ -40,17 +41,7 @@ stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_b
 """How many calls took each path (proof that the fast path ran)."""
 
 
-def _group(group: Any) -> Any:
-    if group is not None:
-        return group
-    from .. import dist
-
-    ctx = dist.get_context()
-    if ctx is not None:
-        return ctx.tp_group
-    import torch.distributed as tdist
-
-    return tdist.group.WORLD
+_group = resolve_group
 
 
 def _world(group: Any) -> tuple[int, int]:
@@ -167,7 +158,6 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
-_checked_shapes: set[tuple] = set()
 _tuned: dict[tuple, OverlapConfig | str] = {}
 
 
@@ -197,23 +187,6 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
                   len(layout.chunk_rows))
         _plans[key] = p
     return p
-
-
-def _check_shard_rows(rt: Runtime, ms: int, k: int, n: int) -> None:
-    """M/R, K and N must agree across ranks (else NCCL sizes disagree and peers
-    hang). Checked once per shape with a tiny all-gather on torch's group."""
-    key = (rt.ranks, ms, k, n)
-    if key in _checked_shapes:
-        return
-    import torch.distributed as tdist
-
-    mine = torch.tensor([ms, k, n], dtype=torch.int64, device=rt.device)
-    alls = torch.empty(rt.world * 3, dtype=torch.int64, device=rt.device)
-    tdist.all_gather_into_tensor(alls, mine, group=rt.group)
-    vals = alls.view(rt.world, 3).tolist()
-    if any(v != vals[0] for v in vals):
-        raise ValueError(f"all_gather_matmul: ranks disagree on (M/R, K, N): {vals} (rank order of the group)")
-    _checked_shapes.add(key)
 
 
 def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
@@ -247,7 +220,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
                          f"for {a_shard.dtype} (16-byte rows for TMA)")
     rt = get_runtime(group, a_shard.device)
-    _check_shard_rows(rt, ms, k, n)
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N"), (ms, k, n))
     if config is None:
         tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype))
         if tuned == "sequential":
@@ -293,11 +266,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     a_shard.record_stream(cs)
     gathered.record_stream(cs)
     c.record_stream(cs)
-    if cfg.check == "sync":
-        err.check(block=True)
-    elif cfg.check == "async":
-        err.check(block=False)
-        err.snapshot()
+    report_errors(err, cfg.check)
     stats["fused"] += 1
     if return_gathered:
         return c, _natural(gathered, p.layout)
@@ -307,24 +276,6 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
 # --------------------------------------------------------------------------
 # tuner
 # --------------------------------------------------------------------------
-
-def _time_ms(fn: Any, iters: int, group: Any) -> float:
-    import torch.distributed as tdist
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    tdist.barrier(group=group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
 
 def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
@@ -340,12 +291,12 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
     results: list[tuple[float, Any]] = []
-    t_seq = _time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
+    t_seq = time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
     results.append((t_seq, "sequential"))
     err = rt.err("all_gather_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")
-        t = _time_ms(lambda: _fused(rt, a_shard, b, False, cand), iters, group)
+        t = time_ms(lambda: _fused(rt, a_shard, b, False, cand), iters, group)
         failed = torch.zeros(1, device=a_shard.device)
         try:
             err.check(block=True)

@@ -1,4 +1,4 @@
-"""all_gather_matmul on two GPUs, under torchrun and under mpirun (see agmm_check.py)."""
+"""The collective ops on two GPUs, under torchrun and under mpirun (see agmm_check.py, armm_check.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ pytestmark = pytest.mark.gpu2
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpirun", marks=pytest.mark.mpi)])
-def test_all_gather_matmul_gpu(launcher: str) -> None:
-    r = run_cmd(["bash", f"launch/{launcher}.sh", "2", "tests/gpu/agmm_check.py"], timeout_s=400)
+@pytest.mark.parametrize("op", ["agmm", "armm"])
+def test_op_gpu(op: str, launcher: str) -> None:
+    r = run_cmd(["bash", f"launch/{launcher}.sh", "2", f"tests/gpu/{op}_check.py"], timeout_s=400)
     assert r.returncode == 0, r
-    assert re.search(rf"^PASS agmm {launcher} world=2 ", r.out, re.M), r
-    print(re.search(r"^PASS agmm .*$", r.out, re.M).group(0))
+    assert re.search(rf"^PASS {op} {launcher} world=2 ", r.out, re.M), r
+    print(re.search(rf"^PASS {op} .*$", r.out, re.M).group(0))

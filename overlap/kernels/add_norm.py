@@ -1,0 +1,97 @@
+"""Residual add and LayerNorm / RMSNorm of a block of rows, in one pass over memory.
+
+    h[i, :] = h[i, :] + residual[i, :]            (in place; skipped without a residual)
+    y[i, :] = norm(h[i, :]) * weight (+ bias)     (skipped without a norm: y is h)
+
+This is the all-reduce -> GEMM op's prologue: it runs on a side stream after
+each row chunk of the all-reduce lands, before the chunk's flag is written.
+One program per row (not persistent): programs are small (4 warps, no shared
+memory to speak of), so they fill whatever SMs are free, or sit next to a
+resident GEMM program on its SM, and a chunk never waits for a fixed set of
+SMs to come free.
+
+Statistics are taken in fp32 from ``h`` after rounding to its dtype, as
+``torch.nn.functional.layer_norm(h)`` sees it when the add is done by torch
+first; the row is read twice (the second read is an L2 hit for rows up to
+a few MB).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+__all__ = ["add_norm_kernel", "launch_add_norm", "NORM_KINDS"]
+
+NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
+
+
+@triton.jit
+def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
+                    stride_h, stride_r, stride_y,
+                    HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    row = (row0 + tl.program_id(0)).to(tl.int64)
+    h_row = h_ptr + row * stride_h
+    offs = tl.arange(0, BLOCK_K)
+    acc_s = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    acc_q = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs
+        m = cols < K
+        x = tl.load(h_row + cols, mask=m, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_row + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        acc_s += xf
+        acc_q += xf * xf
+    if NORM != 0:
+        if NORM == 1:
+            mean = tl.sum(acc_s, axis=0) / K
+            var = tl.maximum(tl.sum(acc_q, axis=0) / K - mean * mean, 0.0)
+        else:
+            mean = 0.0
+            var = tl.sum(acc_q, axis=0) / K
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y_row = y_ptr + row * stride_y
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            m = cols < K
+            xf = tl.load(h_row + cols, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            y = (xf - mean) * rstd * w
+            if HAS_BIAS:
+                y += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm: str | None = None,
+                    weight: Any = None, bias: Any = None, eps: float = 1e-5, y: Any = None,
+                    num_warps: int = 4, block_k: int | None = None) -> None:
+    """Rows [row0, row0 + rows) of ``h`` [M, K]: add ``residual`` in place, then
+    write ``norm(h)`` to ``y`` (same rows). Current stream. Unit column strides."""
+    if norm not in NORM_KINDS:
+        raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
+    if residual is None and norm is None:
+        return
+    if rows <= 0:
+        return
+    K = h.shape[1]
+    for name, t in (("h", h), ("residual", residual), ("y", y)):
+        if t is not None and t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit column stride")
+    if norm is not None and (y is None or weight is None):
+        raise ValueError("a norm needs y and weight")
+    block_k = block_k or min(triton.next_power_of_2(K), 2048)
+    add_norm_kernel[(rows,)](
+        h, residual if residual is not None else h, y if y is not None else h,
+        weight if weight is not None else h, bias if bias is not None else h,
+        int(row0), K, float(eps),
+        h.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0) if y is not None else 0,
+        HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
+        BLOCK_K=block_k, num_warps=num_warps,
+    )

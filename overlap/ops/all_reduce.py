@@ -1,0 +1,391 @@
+"""All-reduce -> GEMM:  ``h = all_reduce(x_partial) (+ residual);  c = norm(h) @ b``.
+
+    tensor      shape    on each of R ranks
+    x_partial   [M, K]   this rank's partial sums (output of a row-parallel GEMM)
+    residual    [M, K]   optional; the residual stream, added after the reduction
+    norm        Norm     optional LayerNorm / RMSNorm over K (weight [K], bias [K])
+    b           [K, N]   replicated (column shard of the next weight); any nn.Linear layout
+    c           [M, N]   norm(h) @ b
+    h           [M, K]   all_reduce(x_partial) + residual: the new residual stream
+
+The tile-flag schedule (2 chunks; W = flag write, no SM):
+
+    comm stream  | AR rows0 | AR rows1 |
+    norm stream             | add+norm rows0 |W0| add+norm rows1 |W1| give-back grid |
+    GEMM grid    | rows0 tiles (wait f0) ........ | rows1 tiles (wait f1) ........ |
+                 ^ one persistent launch on SMs - NCCL CTAs; tiles from one atomic counter
+
+The residual add and the norm of a chunk run on their own stream, so the
+all-reduce of the next chunk is not held up behind them; their programs are
+small and take whatever SM room is free. Without a residual or a norm the flag
+is written on the comm stream right after the chunk's all-reduce and the GEMM
+reads ``h`` itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+from ..policies import build_tile_table, row_chunk_segments, split_rows
+from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
+                       warn_once)
+
+__all__ = [
+    "Norm",
+    "all_reduce_matmul",
+    "all_reduce_matmul_ref",
+    "all_reduce_matmul_chunked",
+    "tune_all_reduce_matmul",
+    "stats",
+]
+
+stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
+"""How many calls took each path (proof that the fast path ran)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Norm:
+    """LayerNorm or RMSNorm over the last dimension K, applied to ``h`` before the GEMM.
+
+    ``kind``: "layernorm" (``(h - mean) / sqrt(var + eps) * weight + bias``) or
+    "rmsnorm" (``h / sqrt(mean(h^2) + eps) * weight``; no bias).
+    """
+
+    kind: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"Norm.kind must be 'layernorm' or 'rmsnorm', got {self.kind!r}")
+        if self.kind == "rmsnorm" and self.bias is not None:
+            raise ValueError("rmsnorm takes no bias")
+        if self.eps <= 0:
+            raise ValueError(f"Norm.eps must be > 0, got {self.eps}")
+
+    @classmethod
+    def from_module(cls, m: torch.nn.Module) -> "Norm":
+        """From a ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` over one dimension."""
+        shape = tuple(getattr(m, "normalized_shape", ()))
+        if len(shape) != 1 or getattr(m, "weight", None) is None:
+            raise ValueError(f"need a norm over one dimension with a weight, got {m}")
+        if isinstance(m, torch.nn.LayerNorm):
+            return cls("layernorm", m.weight, m.bias, m.eps)
+        if type(m).__name__ == "RMSNorm":
+            eps = m.eps if m.eps is not None else torch.finfo(m.weight.dtype).eps
+            return cls("rmsnorm", m.weight, None, eps)
+        raise ValueError(f"unsupported norm module {type(m).__name__}")
+
+    def apply(self, h: torch.Tensor) -> torch.Tensor:
+        """torch's own norm of ``h`` (the reference)."""
+        k = h.shape[-1]
+        if self.kind == "layernorm":
+            return torch.nn.functional.layer_norm(h, (k,), self.weight, self.bias, self.eps)
+        return torch.nn.functional.rms_norm(h, (k,), self.weight, self.eps)
+
+
+def _check_inputs(x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> None:
+    if x.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"x_partial must be [M, K] and b [K, N]; got {tuple(x.shape)} and {tuple(b.shape)}")
+    if x.shape[1] != b.shape[0]:
+        raise ValueError(f"K mismatch: x_partial is {tuple(x.shape)} (K={x.shape[1]}), "
+                         f"b is {tuple(b.shape)} (K={b.shape[0]})")
+    if x.dtype != b.dtype:
+        raise TypeError(f"dtype mismatch: x_partial {x.dtype}, b {b.dtype}")
+    if x.device != b.device:
+        raise ValueError(f"device mismatch: x_partial on {x.device}, b on {b.device}")
+    if x.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"empty operand: x_partial {tuple(x.shape)}, b {tuple(b.shape)}")
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"residual must be {tuple(x.shape)} like x_partial, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise TypeError(f"residual is {residual.dtype} on {residual.device}; "
+                            f"x_partial is {x.dtype} on {x.device}")
+    if norm is not None:
+        if not isinstance(norm, Norm):
+            raise TypeError(f"norm must be overlap.ops.Norm or None, got {type(norm).__name__}")
+        k = x.shape[1]
+        for name, t in (("weight", norm.weight), ("bias", norm.bias)):
+            if t is None:
+                continue
+            if tuple(t.shape) != (k,):
+                raise ValueError(f"norm {name} must be [K] = [{k}], got {tuple(t.shape)}")
+            if t.device != x.device:
+                raise ValueError(f"norm {name} on {t.device}, x_partial on {x.device}")
+
+
+def _finish(h: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y) from the all-reduced sum, with torch ops."""
+    if residual is not None:
+        h = h + residual
+    y = norm.apply(h) if norm is not None else h
+    return h, y
+
+
+def all_reduce_matmul_ref(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                          residual: torch.Tensor | None = None,
+                          norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain reference: one NCCL (or gloo) all-reduce, the residual add, the norm,
+    then ``torch.matmul``. Returns ``(c, h)``."""
+    import torch.distributed as tdist
+
+    _check_inputs(x_partial, b, residual, norm)
+    group = resolve_group(group)
+    s = x_partial.clone(memory_format=torch.contiguous_format)
+    tdist.all_reduce(s, group=group)
+    h, y = _finish(s, residual, norm)
+    stats["reference"] += 1
+    return y @ b, h
+
+
+def all_reduce_matmul_chunked(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                              residual: torch.Tensor | None = None, norm: Norm | None = None,
+                              chunks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked stream-overlap baseline: per-chunk NCCL all-reduces on a side
+    stream (the library's uncapped communicator); on the current stream, per
+    chunk: wait for its event, add, norm and cuBLAS matmul with torch ops.
+
+        comm     | AR c0 | AR c1 | ...
+        compute          | add+norm+mm c0 (wait e0) | add+norm+mm c1 (wait e1) |
+    """
+    _check_inputs(x_partial, b, residual, norm)
+    if not x_partial.is_cuda:
+        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+    group = resolve_group(group)
+    rt = get_runtime(group, x_partial.device)
+    comm = rt.comm(None)
+    x = x_partial.contiguous()
+    m, k = x.shape
+    sizes = split_rows(m, chunks, 128)
+    h = torch.empty_like(x)
+    c = x.new_empty((m, b.shape[1]))
+    cur = torch.cuda.current_stream(x.device)
+    rt.comm_stream.wait_stream(cur)
+    events = []
+    start = 0
+    for rows in sizes:
+        comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=rt.comm_stream)
+        ev = torch.cuda.Event()
+        ev.record(rt.comm_stream)
+        events.append((ev, start, rows))
+        start += rows
+    for ev, s, rows in events:
+        cur.wait_event(ev)
+        hs = h[s:s + rows]
+        if residual is not None:
+            hs.add_(residual[s:s + rows])
+        ys = norm.apply(hs) if norm is not None else hs
+        torch.mm(ys, b, out=c[s:s + rows])
+    x.record_stream(rt.comm_stream)
+    h.record_stream(rt.comm_stream)
+    stats["chunked"] += 1
+    return c, h
+
+
+# --------------------------------------------------------------------------
+# the fused op
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Plan:
+    chunk_rows: tuple[int, ...]
+    table: torch.Tensor
+    grid: int
+    give_back_grid: int
+    nccl_ctas: int
+    gemm: Any
+
+
+_plans: dict[tuple, _Plan] = {}
+_tuned: dict[tuple, OverlapConfig | str] = {}
+
+
+def _default_chunks(m: int) -> int:
+    return max(1, min(4, m // 2048))
+
+
+def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
+    from ..kernels.tile_gemm import DEFAULT_CONFIG
+
+    gemm = cfg.gemm or DEFAULT_CONFIG
+    chunks = cfg.chunks or _default_chunks(m)
+    nccl_ctas = cfg.nccl_ctas or 16
+    key = (rt.ranks, rt.device.index, m, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
+    p = _plans.get(key)
+    if p is None:
+        sizes, segs = row_chunk_segments(m, chunks, gemm.block_m)
+        table = torch.tensor(build_tile_table(segs, n, gemm.block_m, gemm.block_n), dtype=torch.int32,
+                             device=rt.device)
+        grid = rt.num_sms - nccl_ctas - cfg.sm_margin
+        if grid < 1:
+            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}")
+        p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm)
+        _plans[key] = p
+    return p
+
+
+def _tune_key(rt: Runtime, x: torch.Tensor, n: int, residual: Any, norm: Norm | None) -> tuple:
+    return (rt.ranks, x.shape[0], n, x.shape[1], x.dtype, residual is not None, norm.kind if norm else None)
+
+
+def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                      residual: torch.Tensor | None = None, norm: Norm | None = None,
+                      config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = all_reduce(x_partial) (+ residual)``, ``c = norm(h) @ b``, GEMM tiles
+    starting as row chunks of the all-reduce land. Returns ``(c, h)``.
+
+    ==========  ======  ====================================================
+    tensor      shape   meaning
+    ==========  ======  ====================================================
+    x_partial   [M, K]  this rank's partial sums; M and K equal on every rank
+    b           [K, N]  row-major, or ``w.t()`` of an nn.Linear weight
+                        ``w`` [N, K] (never copied)
+    residual    [M, K]  optional, added to the sum (not modified)
+    norm        Norm    optional LayerNorm / RMSNorm over K
+    returns             c [M, N], h [M, K] (the new residual stream)
+    ==========  ======  ====================================================
+
+    fp16 and bf16 on CUDA take the tile-flag path; other inputs (a CPU / gloo
+    group, fp32) take ``all_reduce_matmul_ref`` with a one-time warning.
+    ``config`` overrides the tuned chunking, NCCL CTA cap and GEMM config.
+    """
+    _check_inputs(x_partial, b, residual, norm)
+    group = resolve_group(group)
+    if not x_partial.is_cuda or x_partial.dtype not in (torch.float16, torch.bfloat16):
+        warn_once(f"armm-ref-{x_partial.device.type}-{x_partial.dtype}",
+                  f"all_reduce_matmul: no tile-flag path for {x_partial.dtype} on {x_partial.device.type}; "
+                  "running the reference (all-reduce, add, norm, then matmul)")
+        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+    m, k = x_partial.shape
+    n = b.shape[1]
+    esize = x_partial.element_size()
+    if (k * esize) % 16 or (n * esize) % 16:
+        raise ValueError(f"all_reduce_matmul: K={k} and N={n} must be multiples of {16 // esize} "
+                         f"for {x_partial.dtype} (16-byte rows for TMA)")
+    rt = get_runtime(group, x_partial.device)
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N"), (m, k, n))
+    if config is None:
+        tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm))
+        if tuned == "sequential":
+            stats["sequential_by_tuner"] += 1
+            return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+        config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
+
+
+def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
+           cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..kernels.add_norm import launch_add_norm
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    m, k = x.shape
+    n = b.shape[1]
+    p = _plan(rt, m, n, k, cfg)
+    comm = rt.comm(p.nccl_ctas)
+    fl = rt.flags("all_reduce_matmul", len(p.chunk_rows))
+    err = rt.err("all_reduce_matmul")
+    counter = rt.counter("all_reduce_matmul")
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    epoch = fl.next_epoch()
+
+    if residual is not None:
+        residual = residual.contiguous()
+    prologue = residual is not None or norm is not None
+    h = torch.empty_like(x)
+    y = torch.empty_like(x) if norm is not None else h
+    c = x.new_empty((m, n))
+    cur = torch.cuda.current_stream(x.device)
+    cs, ns = rt.comm_stream, rt.aux_stream
+    # reset the dispatch counter before the side streams fork from this one
+    _flags.stream_write_value(cur, counter, 0, 0)
+    cs.wait_stream(cur)
+    if prologue:
+        ns.wait_stream(cur)
+    start = 0
+    for c_idx, rows in enumerate(p.chunk_rows):
+        comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
+        if prologue:
+            ev = torch.cuda.Event()
+            ev.record(cs)
+            ns.wait_event(ev)
+            with torch.cuda.stream(ns):
+                launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                                weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                eps=norm.eps if norm else 1e-5, y=y)
+            _flags.stream_write_value(ns, fl.flags, c_idx, epoch)
+        else:
+            _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
+        start += rows
+    common = dict(flags=fl.flags, err=err.word, epoch=epoch, rank=rt.rank, config=p.gemm,
+                  timeout_ns=timeout_ns, counter=counter)
+    launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)
+    last = ns if prologue else cs
+    if p.give_back_grid:
+        # queued behind the last chunk: NCCL's SMs are free by then
+        with torch.cuda.stream(last):
+            launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
+    cur.wait_stream(cs)
+    if prologue:
+        cur.wait_stream(ns)
+    for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
+        if t is not None:
+            t.record_stream(cs)
+            if prologue:
+                t.record_stream(ns)
+    report_errors(err, cfg.check)
+    stats["fused"] += 1
+    return c, h
+
+
+# --------------------------------------------------------------------------
+# tuner
+# --------------------------------------------------------------------------
+
+def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                           residual: torch.Tensor | None = None, norm: Norm | None = None,
+                           candidates: list[OverlapConfig] | None = None, iters: int = 10,
+                           verbose: bool = False) -> OverlapConfig | str:
+    """Time candidate configs (collectively: every rank must call) and the plain
+    sequential path; cache the winner for this shape, residual and norm kind.
+    Returns the winning ``OverlapConfig`` or ``"sequential"`` (then the op warns
+    once and runs the reference for this case)."""
+    import torch.distributed as tdist
+
+    _check_inputs(x_partial, b, residual, norm)
+    group = resolve_group(group)
+    rt = get_runtime(group, x_partial.device)
+    m, k = x_partial.shape
+    n = b.shape[1]
+    x = x_partial.contiguous()
+    if candidates is None:
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
+    t_seq = time_ms(lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm), iters, group)
+    results: list[tuple[float, Any]] = [(t_seq, "sequential")]
+    err = rt.err("all_reduce_matmul")
+    for cand in candidates:
+        cand = replace(cand, check="none")
+        t = time_ms(lambda: _fused(rt, x, b, residual, norm, cand), iters, group)
+        failed = torch.zeros(1, device=x.device)
+        try:
+            err.check(block=True)
+        except _flags.FlagTimeoutError as e:
+            failed += 1
+            warn_once(f"armm-tune-timeout-{cand}", f"tuner: {cand} timed out ({e}); skipped")
+        tdist.all_reduce(failed, group=group)
+        if failed.item() == 0:
+            results.append((t, replace(cand, check="async")))
+        if verbose and rt.rank == 0:
+            print(f"  tune armm {m}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas: {t:.3f} ms"
+                  + (" (timed out: rejected)" if failed.item() else ""), flush=True)
+    best_t, best = min(results, key=lambda r: r[0])
+    _tuned[_tune_key(rt, x, n, residual, norm)] = best
+    if best == "sequential":
+        warn_once(f"armm-seq-{m}-{n}-{k}", f"all_reduce_matmul: overlap does not pay for M={m}, N={n}, K={k} "
+                  f"(sequential {t_seq:.3f} ms was fastest); running all-reduce, norm, then matmul for this case")
+    return best
