@@ -35,6 +35,7 @@ __all__ = [
     "RowSync",
     "row_block_segments",
     "row_chunk_segments",
+    "rowsync_chain_tables",
     "NO_FLAG",
 ]
 
@@ -195,6 +196,18 @@ def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], li
         segs.append(Segment(a_src=0, a_row=start, c_row=start, rows=rows, wait_idx=c, wait_mult=1))
         start += rows
     return sizes, segs
+
+
+def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int,
+                         cons_block_n: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Tile tables of a producer GEMM [m, f] feeding a consumer GEMM [m, f] x [f, n]
+    through RowSync, both in row-block order (a row block's N tiles, then the
+    next's): every producer tile posts once to flags[row block]; a consumer tile
+    of row block i waits for flags[i] >= epoch * (producer N tiles)."""
+    n_prod = _cdiv(f, prod_block_n)
+    prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n)
+    cons = build_tile_table(row_block_segments(m, block_m, wait=RowSync(n_prod)), n, block_m, cons_block_n)
+    return prod, cons
 
 
 def flatten(rows: Iterable[Iterable[int]]) -> list[int]:

@@ -17,7 +17,7 @@ from overlap.flags import ErrorWord, FlagTimeoutError  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
 from overlap.kernels.add_norm import launch_add_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,  # noqa: E402
-                              row_chunk_segments)
+                              row_chunk_segments, rowsync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
@@ -234,6 +234,48 @@ def scenario_row_chunks() -> None:
             else:
                 raise AssertionError("timeout not reported")
     print("PASS row_chunks")
+
+
+def scenario_chain() -> None:
+    """fc1 (GeLU epilogue, posts) -> fc2 (RowSync waits) through the chain's tables:
+    the result matches torch; fc2 run before fc1 (the interpreter runs one kernel
+    to the end before the next) times out on row block 0 instead of hanging,
+    and the previous call's flags do not satisfy it."""
+    g = torch.Generator().manual_seed(7)
+    m, k, f, n = 40, 32, 48, 24
+    x = torch.randn(m, k, generator=g, dtype=torch.float16)
+    w1 = torch.randn(f, k, generator=g, dtype=torch.float16) / k ** 0.5  # nn.Linear layouts
+    w2 = torch.randn(n, f, generator=g, dtype=torch.float16) / f ** 0.5
+    prod_l, cons_l = rowsync_chain_tables(m, f, n, CFG.block_m, CFG.block_n, CFG.block_n)
+    prod, cons = (torch.tensor(t, dtype=torch.int32) for t in (prod_l, cons_l))
+    n_prod = -(-f // CFG.block_n)
+    flags = torch.zeros(8, dtype=torch.int32)
+    for epoch in (1, 2):
+        xe = x * epoch  # inputs change every call
+        mid = torch.full((m, f), float("nan"), dtype=torch.float16)
+        y = torch.full((m, n), float("nan"), dtype=torch.float16)
+        ew = ErrorWord("cpu", what="chain")
+        launch_tile_gemm(xe, w1.t(), mid, prod, flags=flags, err=ew.word, epoch=epoch, grid=3, config=CFG,
+                         post=True, activation="gelu", counter=torch.zeros(1, dtype=torch.int32))
+        assert flags[:3].tolist() == [epoch * n_prod] * 3, flags
+        launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=epoch, grid=2, config=CFG,
+                         wait=True, counter=torch.zeros(1, dtype=torch.int32), max_spins=100)
+        ew.check()
+        ref = torch.nn.functional.gelu(xe.double() @ w1.double().t()) @ w2.double().t()
+        assert _rel(y, ref) < 3e-3, _rel(y, ref)
+    # consumer alone in epoch 3: flags hold epoch 2's counts
+    y = torch.full((m, n), float("nan"), dtype=torch.float16)
+    ew = ErrorWord("cpu", what="chain")
+    launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=3, grid=2, config=CFG, wait=True,
+                     max_spins=100)
+    try:
+        ew.check()
+    except FlagTimeoutError as e:
+        assert (e.flag_idx, e.expected, e.seen) == (0, 3 * n_prod, 2 * n_prod), e
+    else:
+        raise AssertionError("consumer ran on stale producer flags")
+    assert torch.isnan(y).all()
+    print("PASS chain")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from .all_gather import (
     all_gather_matmul_ref,
     tune_all_gather_matmul,
 )
+from .chain import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync
 from .all_reduce import (
     Norm,
     all_reduce_matmul,
@@ -16,6 +17,7 @@ from .all_reduce import (
 )
 
 __all__ = [
+    "ChainConfig",
     "Norm",
     "OverlapConfig",
     "all_gather_matmul",
@@ -24,6 +26,9 @@ __all__ = [
     "all_reduce_matmul",
     "all_reduce_matmul_chunked",
     "all_reduce_matmul_ref",
+    "mlp_chain",
+    "mlp_chain_ref",
+    "mlp_chain_stream_sync",
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
 ]

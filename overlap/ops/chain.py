@@ -1,0 +1,262 @@
+"""Intra-GPU producer -> consumer chain through tile flags: ``y = act(x @ w1) @ w2``.
+
+The seed's own case (cuSync, Jangda et al., CGO 2024): the MLP of a GPT layer
+on one GPU, two GEMMs in two kernels on two streams. A consumer (fc2) tile
+of row block i needs every producer (fc1) tile of row block i (RowSync):
+
+    producer  (high-priority stream): tiles of mid = act(x @ w1), row blocks in
+              order; each tile, once stored, adds 1 to flags[row block]
+    consumer  (current stream):       tiles of y = mid @ w2, row blocks in order;
+              a tile of row block i waits until flags[i] >= epoch * (N tiles of mid)
+
+With stream order instead, fc2 waits for the last fc1 tile: the SMs that run
+out of fc1 tiles in its last wave idle until the whole kernel ends, then fc2
+ramps up. With flags, fc2 tiles start on those SMs as soon as their row block
+is done.
+
+No deadlock, whichever kernel the GPU schedules first. Both kernels hand out
+tiles in order from an atomic counter (a program holds no tile until it runs),
+the producer never waits on anything, and the consumer's grid leaves
+``reserve_sms`` SMs (at least one) that its programs never occupy. Whatever the
+order, a producer program finds an SM and every producer tile is done by the
+programs that run; consumer tiles then find their flags set. Launched consumer
+first, the producer runs on the reserved SMs only until consumer programs
+finish (slow, never stuck); tests launch it that way on purpose.
+
+Flags are never reset (epochs); every wait is bounded and a timeout raises
+``overlap.flags.FlagTimeoutError``. cuSync's TileSync (the consumer's K loop
+waiting on each producer tile in turn) is not built: it needs waits inside
+the pipelined K loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+from ._runtime import report_errors, warn_once
+
+__all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "stats"]
+
+stats: dict[str, int] = {"fused": 0, "stream_sync": 0, "reference": 0}
+"""How many calls took each path."""
+
+_ACTS = (None, "gelu")
+
+
+def _default_gemm() -> Any:
+    from ..kernels.tile_gemm import DEFAULT_CONFIG
+
+    return DEFAULT_CONFIG
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainConfig:
+    """How the chain runs. Producer and consumer share BLOCK_M (RowSync maps row block to row block)."""
+
+    producer: Any = None
+    """GemmConfig of fc1; None: the default (128x256x64)."""
+    consumer: Any = None
+    """GemmConfig of fc2; None: the producer's."""
+    reserve_sms: int = 1
+    """SMs the consumer's grid leaves to the producer (>= 1: the no-deadlock argument needs one)."""
+    timeout_ms: float | None = None
+    """Bound of one consumer tile's wait; None: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    check: str = "async"
+    """'sync', 'async' or 'none', as in ``OverlapConfig``."""
+
+    def __post_init__(self) -> None:
+        if self.reserve_sms < 1:
+            raise ValueError(f"reserve_sms must be >= 1 (the producer needs an SM), got {self.reserve_sms}")
+        if self.check not in ("sync", "async", "none"):
+            raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
+        p = self.producer or _default_gemm()
+        c = self.consumer or p
+        if p.block_m != c.block_m:
+            raise ValueError(f"producer and consumer must share block_m ({p.block_m} != {c.block_m})")
+
+
+@dataclass
+class _State:
+    device: torch.device
+    num_sms: int
+    prod_stream: torch.cuda.Stream
+    flags: _flags.FlagArray
+    err: _flags.ErrorWord
+    counters: torch.Tensor
+    tables: dict = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_states: dict[int, _State] = {}
+
+
+def _state(device: torch.device) -> _State:
+    with _lock:
+        st = _states.get(device.index)
+        if st is None:
+            props = torch.cuda.get_device_properties(device)
+            st = _State(device, int(props.multi_processor_count), torch.cuda.Stream(device=device, priority=-1),
+                        _flags.FlagArray(64, device), _flags.ErrorWord(device, what="mlp_chain"),
+                        torch.zeros(2, dtype=torch.int32, device=device))
+            _states[device.index] = st
+        return st
+
+
+def _check_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> None:
+    if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2:
+        raise ValueError(f"x [M, K], w1 [K, F] and w2 [F, N] must be 2-D; got {tuple(x.shape)}, "
+                         f"{tuple(w1.shape)}, {tuple(w2.shape)}")
+    if x.shape[1] != w1.shape[0]:
+        raise ValueError(f"K mismatch: x is {tuple(x.shape)}, w1 is {tuple(w1.shape)}")
+    if w1.shape[1] != w2.shape[0]:
+        raise ValueError(f"F mismatch: w1 is {tuple(w1.shape)}, w2 is {tuple(w2.shape)}")
+    if not (x.dtype == w1.dtype == w2.dtype):
+        raise TypeError(f"dtype mismatch: x {x.dtype}, w1 {w1.dtype}, w2 {w2.dtype}")
+    if not (x.device == w1.device == w2.device):
+        raise ValueError(f"device mismatch: x on {x.device}, w1 on {w1.device}, w2 on {w2.device}")
+    if x.numel() == 0 or w1.numel() == 0 or w2.numel() == 0:
+        raise ValueError("empty operand")
+    if activation not in _ACTS:
+        raise ValueError(f"activation must be one of {_ACTS}, got {activation!r}")
+
+
+def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+                  activation: str | None = "gelu") -> torch.Tensor:
+    """torch: ``act(x @ w1) @ w2`` (cuBLAS and torch's GeLU)."""
+    _check_inputs(x, w1, w2, activation)
+    mid = x @ w1
+    if activation == "gelu":
+        mid = torch.nn.functional.gelu(mid)
+    stats["reference"] += 1
+    return mid @ w2
+
+
+def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+    from ..policies import rowsync_chain_tables
+
+    pc = cfg.producer or _default_gemm()
+    cc = cfg.consumer or pc
+    key = (m, f, n, pc, cc)
+    t = st.tables.get(key)
+    if t is None:
+        prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
+        t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
+             torch.tensor(cons, dtype=torch.int32, device=st.device), -(-m // pc.block_m))
+        st.tables[key] = t
+    return t
+
+
+def _validate_cuda(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    esize = x.element_size()
+    for name, v in (("K", x.shape[1]), ("F", w1.shape[1]), ("N", w2.shape[1])):
+        if (v * esize) % 16:
+            raise ValueError(f"mlp_chain: {name}={v} must be a multiple of {16 // esize} for {x.dtype} "
+                             "(16-byte rows for TMA)")
+
+
+def _takes_fast_path(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+                          activation: str | None = "gelu", config: ChainConfig | None = None) -> torch.Tensor:
+    """The same two tile kernels as ``mlp_chain``, one after the other on the
+    current stream, each over every SM (no flags): the stream-synchronized baseline."""
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    _check_inputs(x, w1, w2, activation)
+    if not _takes_fast_path(x):
+        return mlp_chain_ref(x, w1, w2, activation=activation)
+    _validate_cuda(x, w1, w2)
+    cfg = config or ChainConfig()
+    st = _state(x.device)
+    x = x.contiguous()
+    m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
+    prod, cons, _ = _tables(st, m, f, n, cfg)
+    pc = cfg.producer or _default_gemm()
+    mid = x.new_empty((m, f))
+    y = x.new_empty((m, n))
+    launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation)
+    launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms, config=cfg.consumer or pc)
+    stats["stream_sync"] += 1
+    return y
+
+
+def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
+              config: ChainConfig | None = None, consumer_first: bool = False,
+              _producer_delay_cycles: int = 0) -> torch.Tensor:
+    """``act(x @ w1) @ w2`` on one GPU, the fc2 tiles of a row block starting as
+    soon as that row block of fc1 is stored (RowSync tile flags).
+
+    ==========  ======  ==================================================
+    tensor      shape   meaning
+    ==========  ======  ==================================================
+    x           [M, K]  activations
+    w1          [K, F]  ``fc1.weight.t()`` (no copy) or row-major
+    w2          [F, N]  ``fc2.weight.t()`` (no copy) or row-major
+    returns     [M, N]
+    ==========  ======  ==================================================
+
+    fp16 / bf16 on CUDA take the tile-flag path; other inputs run
+    ``mlp_chain_ref`` with a one-time warning. ``consumer_first`` enqueues the
+    consumer before the producer (the order must not matter; tests use it).
+    """
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    _check_inputs(x, w1, w2, activation)
+    if not _takes_fast_path(x):
+        warn_once(f"chain-ref-{x.device.type}-{x.dtype}",
+                  f"mlp_chain: no tile-flag path for {x.dtype} on {x.device.type}; running torch")
+        return mlp_chain_ref(x, w1, w2, activation=activation)
+    _validate_cuda(x, w1, w2)
+    cfg = config or ChainConfig()
+    st = _state(x.device)
+    if cfg.reserve_sms >= st.num_sms:
+        raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
+    x = x.contiguous()
+    m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
+    prod, cons, row_blocks = _tables(st, m, f, n, cfg)
+    if len(st.flags) < row_blocks:
+        st.flags = _flags.FlagArray(row_blocks, st.device)
+    pc = cfg.producer or _default_gemm()
+    cc = cfg.consumer or pc
+    epoch = st.flags.next_epoch()
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    mid = x.new_empty((m, f))
+    y = x.new_empty((m, n))
+    cur = torch.cuda.current_stream(x.device)
+    ps = st.prod_stream
+    # both dispatch counters to 0, then fork: the producer must not wait on the consumer
+    _flags.stream_write_value(cur, st.counters, 0, 0)
+    _flags.stream_write_value(cur, st.counters, 1, 0)
+    ps.wait_stream(cur)
+    common = dict(flags=st.flags.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
+
+    def producer() -> None:
+        with torch.cuda.stream(ps):
+            if _producer_delay_cycles:
+                torch.cuda._sleep(int(_producer_delay_cycles))
+            launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
+                             counter=st.counters[0:1], **common)
+
+    def consumer() -> None:
+        launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
+                         counter=st.counters[1:2], **common)
+
+    if consumer_first:
+        consumer()
+        producer()
+    else:
+        producer()
+        consumer()
+    cur.wait_stream(ps)
+    for t in (x, w1, mid):
+        t.record_stream(ps)
+    report_errors(st.err, cfg.check)
+    stats["fused"] += 1
+    return y
