@@ -7,7 +7,7 @@ from .all_gather import (
     all_gather_matmul_ref,
     tune_all_gather_matmul,
 )
-from .chain import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync
+from .chain import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
 from .all_reduce import (
     Norm,
     all_reduce_matmul,
@@ -31,4 +31,5 @@ __all__ = [
     "mlp_chain_stream_sync",
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
+    "tune_mlp_chain",
 ]

@@ -40,7 +40,7 @@ import torch
 from .. import flags as _flags
 from ._runtime import report_errors, warn_once
 
-__all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "stats"]
+__all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
 stats: dict[str, int] = {"fused": 0, "stream_sync": 0, "reference": 0}
 """How many calls took each path."""
@@ -93,6 +93,14 @@ class _State:
 
 _lock = threading.Lock()
 _states: dict[int, _State] = {}
+_tuned: dict[tuple, "ChainConfig"] = {}
+
+
+def _tune_key(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> tuple:
+    from ..kernels.tile_gemm import b_operand
+
+    return (x.device.index, tuple(x.shape), w1.shape[1], w2.shape[1], x.dtype, b_operand(w1)[1],
+            b_operand(w2)[1], activation)
 
 
 def _state(device: torch.device) -> _State:
@@ -173,7 +181,7 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     if not _takes_fast_path(x):
         return mlp_chain_ref(x, w1, w2, activation=activation)
     _validate_cuda(x, w1, w2)
-    cfg = config or ChainConfig()
+    cfg = config or _tuned.get(_tune_key(x, w1, w2, activation)) or ChainConfig()
     st = _state(x.device)
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
@@ -214,7 +222,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
                   f"mlp_chain: no tile-flag path for {x.dtype} on {x.device.type}; running torch")
         return mlp_chain_ref(x, w1, w2, activation=activation)
     _validate_cuda(x, w1, w2)
-    cfg = config or ChainConfig()
+    cfg = config or _tuned.get(_tune_key(x, w1, w2, activation)) or ChainConfig()
     st = _state(x.device)
     if cfg.reserve_sms >= st.num_sms:
         raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
@@ -260,3 +268,34 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     report_errors(st.err, cfg.check)
     stats["fused"] += 1
     return y
+
+
+def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
+                   block_ms: tuple[int, ...] = (128, 64), verbose: bool = False) -> ChainConfig:
+    """Pick the chain's GEMM configs for this shape and cache them (later calls
+    of ``mlp_chain`` and ``mlp_chain_stream_sync`` without a config use them).
+
+    For each BLOCK_M, each GEMM's fastest config alone (``tune_gemm``); then the
+    pair whose chained run is fastest."""
+    from ..kernels.autotune import _time, tune_gemm
+    from ..kernels.tile_gemm import b_operand
+
+    _check_inputs(x, w1, w2, activation)
+    if not _takes_fast_path(x):
+        return ChainConfig()
+    m, k = x.shape
+    f, n = w1.shape[1], w2.shape[1]
+    best, best_ms = None, float("inf")
+    for bm in block_ms:
+        pc = tune_gemm(m, f, k, dtype=x.dtype, device=x.device, b_kn=b_operand(w1)[1], block_m=bm)
+        cc = tune_gemm(m, n, f, dtype=x.dtype, device=x.device, b_kn=b_operand(w2)[1], block_m=bm)
+        cfg = ChainConfig(producer=pc, consumer=cc, check="none")
+        ms = _time(lambda: mlp_chain(x, w1, w2, activation=activation, config=cfg))
+        _state(x.device).err.check(block=True)
+        if verbose:
+            print(f"  tune chain {m}x{k}x{f}x{n} bm={bm}: fc1 {pc}, fc2 {cc}: {ms:.3f} ms", flush=True)
+        if ms < best_ms:
+            best, best_ms = ChainConfig(producer=pc, consumer=cc), ms
+    assert best is not None
+    _tuned[_tune_key(x, w1, w2, activation)] = best
+    return best
