@@ -16,9 +16,11 @@ Shapes (R = tp size, B batch, T sequence, H hidden, nh heads, hs = H / nh):
     w_fc1_shard_n    [4H / R, H]
     w_fc2_shard_k    [H, 4H / R]       partial sums, then all-reduce
 
-Today this runs the reference path: torch.distributed all-reduces (nccl on GPUs, gloo on
-CPU) and torch matmuls. On rank 0 it checks the sharded result against one unsharded
-computation of the same block (small shapes), then times the forward.
+``--path reference`` (default): torch.distributed all-reduces (nccl on GPUs, gloo on
+CPU) and torch matmuls. ``--path overlap``: the all-reduce after proj, the residual add,
+LN2 and fc1 run as one ``overlap.ops.all_reduce_matmul`` (tile flags on fp16/bf16 GPUs;
+its reference with a warning elsewhere). On rank 0 it checks the sharded result against
+one unsharded computation of the same block (small shapes), then times the forward.
 """
 
 from __future__ import annotations
@@ -101,10 +103,13 @@ def shard_weights(w: BlockWeights, *, heads: int, tp_rank: int, tp_size: int) ->
 
 
 def block_forward(x: torch.Tensor, w: BlockWeights, n_head: int,
-                  all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                  ar_ln_fc1: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """One block. Unsharded when ``w`` is full and ``all_reduce`` is the identity;
     tensor-parallel when ``w`` is a shard, ``n_head`` the local heads and ``all_reduce``
-    sums over the tp group. The model code knows nothing else about distribution."""
+    sums over the tp group. The model code knows nothing else about distribution.
+    ``ar_ln_fc1(partial, residual, w)``, when given, returns ``(LN2(h1) @ w_fc1.t(), h1)``
+    with ``h1 = all_reduce(partial) + residual`` in one overlapped op."""
     b, t, h = x.shape
     hs = w.w_proj.shape[1] // n_head
     # attention
@@ -114,14 +119,19 @@ def block_forward(x: torch.Tensor, w: BlockWeights, n_head: int,
                for z in qkv.split(n_head * hs, dim=-1))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, n_head, T, hs)
     y = y.transpose(1, 2).reshape(b, t, n_head * hs)  # (B, T, H / R)
-    # >>> OVERLAP SWITCH-IN POINT 1 (overlap.ops, not here yet): the row-parallel proj GEMM
+    # >>> OVERLAP SWITCH-IN POINT 1 (not in overlap.ops yet): the row-parallel proj GEMM
     # and its all-reduce become one overlapped op (GEMM tiles post per-chunk counters, the
     # comm stream all-reduces each chunk as it is produced: matmul_all_reduce).
-    h1 = x + all_reduce(F.linear(y, w.w_proj)) + w.b_proj  # (B, T, H)
-    # >>> OVERLAP SWITCH-IN POINT 2: all-reduce + residual + LN2 + fc1 become
-    # all_reduce_matmul (fc1 tiles wait on the flags of the all-reduce chunks they read).
-    m = F.layer_norm(h1, (h,), w.ln2_w, w.ln2_b)
-    m = F.gelu(F.linear(m, w.w_fc1, w.b_fc1))  # (B, T, 4H / R)
+    if ar_ln_fc1 is None:
+        h1 = x + all_reduce(F.linear(y, w.w_proj)) + w.b_proj  # (B, T, H)
+        m = F.layer_norm(h1, (h,), w.ln2_w, w.ln2_b)
+        m = F.gelu(F.linear(m, w.w_fc1, w.b_fc1))  # (B, T, 4H / R)
+    else:
+        # all-reduce + residual + LN2 + fc1 in one op: fc1 tiles wait on the flags of
+        # the all-reduce chunks they read (overlap.ops.all_reduce_matmul)
+        c, h1 = ar_ln_fc1(F.linear(y, w.w_proj).reshape(b * t, h), (x + w.b_proj).reshape(b * t, h), w)
+        h1 = h1.view(b, t, h)
+        m = F.gelu(c.view(b, t, -1) + w.b_fc1)  # (B, T, 4H / R)
     return h1 + all_reduce(F.linear(m, w.w_fc2)) + w.b_fc2  # (B, T, H)
 
 
@@ -137,8 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed forwards (after 2 warm-up)")
     p.add_argument("--check", choices=["auto", "on", "off"], default="auto",
                    help="compare with an unsharded forward on rank 0 (auto: small shapes only)")
-    # Only the reference path exists today; "overlap" joins it when overlap.ops lands.
-    p.add_argument("--path", choices=["reference"], default="reference")
+    p.add_argument("--path", choices=["reference", "overlap"], default="reference",
+                   help="overlap: all-reduce + residual + LN2 + fc1 through overlap.ops.all_reduce_matmul")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0, help="start-up timeout, s")
     args = p.parse_args(argv)
@@ -178,14 +188,23 @@ def run(args: argparse.Namespace, ctx: dist.DistContext) -> int:
         return t
 
     # ---- path selection -----------------------------------------------------------------
-    # >>> OVERLAP SWITCH-IN POINT 0: when overlap.ops exists, --path overlap builds the
-    # forward from its fused ops (keeping block_forward as the reference it is checked
-    # against) and reports which fast path actually ran. Do not import overlap.ops before.
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return block_forward(x, w, nh // R, tp_all_reduce)
+    ar_ln_fc1 = None
+    if args.path == "overlap":
+        from overlap import ops
 
-    path = (f"reference (torch.distributed all_reduce on {ctx.backend} + torch matmul), "
-            f"tp={R}, world={ctx.world_size}, device={dev}, dtype={str(dtype).removeprefix('torch.')}")
+        ln2 = ops.Norm("layernorm", w.ln2_w, w.ln2_b, 1e-5)
+
+        def ar_ln_fc1(partial: torch.Tensor, residual: torch.Tensor,
+                      ww: BlockWeights) -> tuple[torch.Tensor, torch.Tensor]:
+            return ops.all_reduce_matmul(partial, ww.w_fc1.t(), group=ctx.tp_group, residual=residual, norm=ln2)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return block_forward(x, w, nh // R, tp_all_reduce, ar_ln_fc1)
+
+    what = ("overlap (all-reduce + residual + LN2 + fc1 in overlap.ops.all_reduce_matmul; other "
+            "all-reduces through torch.distributed)" if ar_ln_fc1 else
+            f"reference (torch.distributed all_reduce on {ctx.backend} + torch matmul)")
+    path = f"{what}, tp={R}, world={ctx.world_size}, device={dev}, dtype={str(dtype).removeprefix('torch.')}"
     say(f"path: {path}")
     if on_gpu:
         say(f"GPU: {torch.cuda.get_device_name(dev)}")

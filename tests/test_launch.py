@@ -78,11 +78,14 @@ def _demo_ok(out: str) -> None:
         assert "CPU reference path; figures are not GPU figures" in out, out
 
 
-def test_demo_under_torchrun_sh() -> None:
-    r = run_cmd(["bash", "launch/torchrun.sh", "2", "launch/gpt_block_demo.py", *SMALL], timeout_s=120)
+@pytest.mark.parametrize("path", ["reference", "overlap"])
+def test_demo_under_torchrun_sh(path: str) -> None:
+    r = run_cmd(["bash", "launch/torchrun.sh", "2", "launch/gpt_block_demo.py", *SMALL, "--path", path],
+                timeout_s=120)
     assert r.returncode == 0, r
     _demo_ok(r.out)
     assert "tp=2, world=2" in r.out, r
+    assert f"path: {path} (" in r.out, r
 
 
 @pytest.mark.mpi
