@@ -1,0 +1,77 @@
+"""Small helpers the op modules share (all of them lazy about importing the library)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from .spec import Env, Variant
+
+NEEDS_CUDA = "needs CUDA"
+CPU_FALLBACK = "CPU: the public op falls back to its reference"
+
+_symm_enabled: set[str] = set()
+
+
+def describe_config(best: Any) -> Any:
+    """A tuner's answer for the JSON: "sequential" or the config's main fields."""
+    if isinstance(best, str) or best is None:
+        return best
+    fields = ("chunks", "nccl_ctas", "sm_margin", "give_back")
+    return {f: getattr(best, f) for f in fields if hasattr(best, f)}
+
+
+def fast_path_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
+    """Reads ``stats["fused"]`` of the module ``fn`` lives in, when it keeps one."""
+    stats = getattr(sys.modules.get(getattr(fn, "__module__", ""), None), "stats", None)
+    if isinstance(stats, dict) and "fused" in stats:
+        return lambda: int(stats["fused"])
+    return None
+
+
+def library_comm(env: Env) -> Any:
+    """The library's NCCL communicator over the group (NCCL's default CTAs); CUDA only."""
+    from overlap.ops._runtime import get_runtime
+
+    return get_runtime(env.group, env.device).comm(None)
+
+
+def raise_kernel_errors(env: Env) -> None:
+    """Raise a flag-wait timeout any op of the library recorded on this runtime."""
+    if not env.on_gpu:
+        return
+    from overlap.ops._runtime import get_runtime
+
+    rt = get_runtime(env.group, env.device)
+    for err in list(getattr(rt, "_errs", {}).values()):
+        err.check(block=True)
+
+
+def symm_mem_variant(env: Env, title: str, make: Callable[[str], Callable[[], Any]]) -> Variant:
+    """torch's symmetric-memory op over the group: ``make(group_name)`` gives the call."""
+    if not env.on_gpu:
+        return Variant(title, role="external", na=NEEDS_CUDA)
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = env.group.group_name
+        if name not in _symm_enabled:
+            symm_mem.enable_symm_mem_for_group(name)
+            _symm_enabled.add(name)
+        if not hasattr(torch.ops, "symm_mem"):
+            raise RuntimeError("torch.ops.symm_mem is missing")
+    except Exception as e:  # reported as n/a with the reason
+        return Variant(title, role="external", na=f"symm_mem unavailable: {e!r}"[:300])
+    return Variant(title, fn=make(name), role="external")
+
+
+def torch_all_gather(env: Env, out: torch.Tensor, shard: torch.Tensor) -> Callable[[], Any]:
+    return lambda: tdist.all_gather_into_tensor(out, shard, group=env.group)
+
+
+def torch_all_reduce(env: Env, buf: torch.Tensor) -> Callable[[], Any]:
+    return lambda: tdist.all_reduce(buf, group=env.group)

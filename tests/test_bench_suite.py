@@ -1,0 +1,156 @@
+"""benchmarks/run.py on 2 gloo ranks (CPU): every op and shape asked for is measured and
+reported, with the reports saying that CPU figures are not GPU figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.suite import load_op
+from benchmarks.suite.report import NOT_GPU
+from benchmarks.suite.shapes import select
+from tests._procs import REPO, run_cmd, run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) figures and labels")
+
+OPS = ["agmm", "armm", "chain"]
+SETS = ["gpt3-175b", "llama-70b", "comm-heavy"]
+CUSTOM = "512x256x384"
+FAST = ["--iters", "2", "--warmup", "1"]
+# variants that cannot run on CPU, per op (everything else must have a positive time)
+NA_ON_CPU = {"agmm": {"symm_mem"}, "armm": {"symm_mem"}, "chain": {"stream_sync", "tile_flag"}}
+
+
+def _expected(op: str, sets: list[str], custom: list[str]) -> list[tuple[str, str]]:
+    shapes, _ = select(load_op(op), sets, custom)
+    return [(s.set, s.label) for s in shapes]
+
+
+def _check_run(out_dir: Path, stdout: str, ops: list[str], sets: list[str], custom: list[str]) -> dict:
+    doc = json.loads((out_dir / "results.json").read_text())
+    md = (out_dir / "results.md").read_text()
+    assert doc["gpu"] is False and doc["note"] == NOT_GPU, doc["note"]
+    assert NOT_GPU in md and NOT_GPU in stdout
+    assert doc["world"] == 2 and doc["backend"] == "gloo"
+    for key in ("date", "commit", "torch", "triton", "knobs", "world_size"):
+        assert key in doc["context"], key
+    total = 0
+    for op in ops:
+        assert doc["ops"][op]["status"] == "ok", doc["ops"][op]
+        recs = [r for r in doc["results"] if r["op"] == op]
+        want = _expected(op, sets, custom)
+        assert [(r["set"], r["label"]) for r in recs] == want, (op, want)
+        total += len(want)
+        assert f"## {op}:" in md
+        for r in recs:
+            case = f"{op} {r['set']} {r['label']}"
+            assert not r["errors"], (case, r["errors"])
+            assert max(r["run_dims"].values()) <= 256, case  # scaled down for the CPU
+            assert r["label"] in md, case
+            variants = doc["ops"][op]["variants"]
+            assert set(r["na"]) == NA_ON_CPU[op], (case, r["na"])
+            timed = [v for v in variants if v not in r["na"]]
+            assert timed, case
+            for v in timed:
+                assert r["ms"][v] > 0 and r["tflops"][v] > 0, (case, v)
+            for v in r["na"]:
+                assert r["ms"][v] is None, (case, v)
+            for p in doc["ops"][op]["part_titles"]:
+                assert r["ms"][p] > 0, (case, p)
+            assert r["floor_ms"] > 0 and r["flops"] > 0, case
+            if doc["ops"][op]["comm"]:
+                assert r["busbw_GBps"]["comm"] > 0 and r["comm_bytes"] > 0, case
+                assert set(r["hidden_frac"]) == set(timed) - {"reference"}, case
+                assert r["check"]["rel_err"] < 1e-4, case  # CPU: the library's op is its reference
+            else:
+                assert r["floor_ms"] == pytest.approx(r["ms"]["producer"] + r["ms"]["consumer"]), case
+    # a progress line per case, then the tables
+    assert len(re.findall(r"^\[\s*\d+/\d+\] ", stdout, re.MULTILINE)) == total, stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        for op in ops:
+            assert (out_dir / f"{op}.png").stat().st_size > 0
+    else:
+        assert "plots skipped: matplotlib not importable" in md
+    return doc
+
+
+def _launch(launcher: str, ops: list[str], sets: list[str], custom: list[str], out: Path) -> Any:
+    """The command the README gives, through launch/, with the library's ops as they are."""
+    shape_args = [a for c in custom for a in ("--shape", c)]
+    r = run_cmd(["bash", launcher, "2", "benchmarks/run.py", "--ops", ",".join(ops), "--shapes", ",".join(sets),
+                 *shape_args, *FAST, "--out", str(out)], timeout_s=90)
+    assert r.returncode == 0, r
+    _check_run(out, r.out, ops, sets, custom)
+    return r
+
+
+def test_every_op_and_shape_under_torchrun_sh(tmp_path: Path) -> None:
+    """All ops, all named sets and a shape by numbers (+ln: armm's residual + LayerNorm;
+    the other ops run the plain shape and say so)."""
+    r = _launch("launch/torchrun.sh", OPS, SETS, [CUSTOM + "+ln"], tmp_path)
+    assert "op chain: no shapes in set comm-heavy (skipped)" in r.out
+    assert f"op agmm: ignores +ln of --shape {CUSTOM}+ln" in r.out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert len(doc["results"]) == 5 + 1 + 10 + 1 + 10 + 1
+    assert [r["params"] for r in doc["results"] if r["op"] == "armm"][-1] == {"ln": True}
+
+
+@pytest.mark.mpi
+def test_under_mpirun_sh(tmp_path: Path) -> None:
+    _launch("launch/mpirun.sh", OPS, ["comm-heavy", "llama-70b"], [], tmp_path)
+
+
+def test_unavailable_op_is_reported_and_skipped(tmp_path: Path) -> None:
+    args = ["--ops", "armm,agmm", "--shapes", "comm-heavy", *FAST, "--out", str(tmp_path)]
+    procs = run_ranks(REPO / "tests/_bench_worker.py", 2, ["--break-op", "armm", "--", *args], timeout_s=60)
+    for p in procs:
+        assert p.returncode == 0, "\n".join(map(str, procs))
+    assert "op armm unavailable: ImportError: cannot import name 'missing_armm'" in procs[0].out, procs[0]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["ops"]["armm"]["status"] == "unavailable"
+    assert {r["op"] for r in doc["results"]} == {"agmm"}
+    assert "op armm unavailable" in (tmp_path / "results.md").read_text()
+
+
+def test_failing_variant_is_recorded_and_fails_the_run(tmp_path: Path) -> None:
+    args = ["--ops", "agmm", "--shape", "256x64x64", *FAST, "--out", str(tmp_path)]
+    procs = run_ranks(REPO / "tests/_bench_worker.py", 2, ["--break-variant", "agmm:chunked2", "--", *args],
+                      timeout_s=60)
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(map(str, procs))
+    doc = json.loads((tmp_path / "results.json").read_text())
+    (rec,) = doc["results"]
+    assert "chunked2 broken on purpose" in rec["errors"]["chunked2"] and rec["ms"]["chunked2"] is None
+    assert rec["ms"]["tile_flag"] > 0  # the other variants still ran
+    assert "ERROR custom 256x64x64 chunked2: RuntimeError: chunked2 broken on purpose" in procs[0].out
+    assert "| err |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv,text", [(["--ops", "nope"], "unknown op"), (["--shapes", "gpt4"], "unknown shape set"),
+                                       (["--shape", "8192x1024"], "M x N x K"),
+                                       (["--ops", "agmm", "--shape", "64x64x64+ln"], "no op of this run takes +ln")])
+def test_bad_arguments_fail_before_start(argv: list[str], text: str, capsys: pytest.CaptureFixture) -> None:
+    from benchmarks.suite.runner import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_named_and_numeric_shapes() -> None:
+    from benchmarks.suite.runner import parse_args
+
+    a = parse_args(["--ops", "armm", "--shape", "8192x1024x8192+ln"])
+    assert a.ops == ["armm"] and a.sets == []
+    shapes, _ = select(load_op("armm"), a.sets, a.shape)
+    assert [(s.dims, s.params) for s in shapes] == [({"M": 8192, "N": 1024, "K": 8192}, {"ln": True})]
+    assert parse_args([]).sets == ["all"] and parse_args([]).ops == OPS
+    agmm = {s.label for s in load_op("agmm").shapes["comm-heavy"] + load_op("agmm").shapes["gpt3-175b"]}
+    assert agmm == {"16384x2048x8192", "8192x1024x8192", "8192x18432x12288", "8192x24576x12288"}
+    small = load_op("agmm").shapes["gpt3-175b"][0].scaled(256, 16)
+    assert max(small.dims.values()) <= 256 and all(v % 16 == 0 for v in small.dims.values())
