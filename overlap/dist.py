@@ -985,13 +985,16 @@ def shutdown() -> None:
         if not ctx._owns_pg:
             return
         if ctx.world_size > 1 and ctx._store is not None:
-            # Ranks other than 0 tear their side down first and only then say goodbye:
-            # a rank still destroying its process group after the store's host (rank 0)
-            # exited can die in the store client ("terminate called ...").
+            # Every rank destroys its process group first: NCCL's teardown can wait on
+            # the peers' teardown, so no rank may sit in a store wait meanwhile. Then
+            # ranks other than 0 say goodbye, and rank 0 (which may host the store) waits
+            # for them before letting the store go: a rank still tearing down after the
+            # store's host exited can die in the store client ("terminate called ...").
+            # The store object outlives the group: this context holds it.
+            if tdist.is_initialized():
+                tdist.destroy_process_group()
             try:
                 if ctx.rank != 0:
-                    if tdist.is_initialized():
-                        tdist.destroy_process_group()
                     ctx._store.set(f"exit/{ctx.rank}", b"1")
                 else:
                     ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],

@@ -154,3 +154,38 @@ def test_named_and_numeric_shapes() -> None:
     assert agmm == {"16384x2048x8192", "8192x1024x8192", "8192x18432x12288", "8192x24576x12288"}
     small = load_op("agmm").shapes["gpt3-175b"][0].scaled(256, 16)
     assert max(small.dims.values()) <= 256 and all(v % 16 == 0 for v in small.dims.values())
+
+
+def test_time_interleaved_rounds_and_errors(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Rounds of one batch per callable (drift hits all alike); a callable that raises
+    is reported and dropped; medians per callable. CUDA calls stubbed: the logic only."""
+    import torch
+    import torch.distributed as tdist
+
+    from benchmarks.suite.timing import Timer
+
+    if tdist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        t = Timer(group=None, device=torch.device("cpu"), iters=1, warmup=1, reps=3)
+        order: list[str] = []
+        fake = iter([5.0, 1.0, 9.0, 2.0, 6.0, 3.0])
+        monkeypatch.setattr(t, "_batch", lambda fn: (order.append(fn.__name__), next(fake))[1])
+        monkeypatch.setattr(t, "_barrier", lambda: None)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+        def a() -> None: ...
+
+        def b() -> None: ...
+
+        def bad() -> None:
+            raise RuntimeError("boom")
+
+        errors: dict[str, str] = {}
+        got = t.time_interleaved({"a": a, "bad": bad, "b": b}, lambda n, e: errors.__setitem__(n, repr(e)))
+        assert order == ["a", "b"] * 3, order  # interleaved, the failing one never timed
+        assert got == {"a": 6.0, "b": 2.0}, got  # medians of [5, 9, 6] and [1, 2, 3]
+        assert list(errors) == ["bad"] and "boom" in errors["bad"]
+    finally:
+        tdist.destroy_process_group()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .oputil import (CPU_FALLBACK, describe_config, library_comm, raise_kernel_errors,
-                     symm_mem_variant, torch_all_gather)
+                     symm_mem_variant, tile_gemm_alone, torch_all_gather)
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
 SHAPES = {
@@ -71,7 +71,8 @@ def setup(shape: Shape, env: Env) -> Case:
             lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=name))),
     }
     return Case(variants=variants, parts=parts, flops=2.0 * m * n * k, comm_bytes=m * k * a.element_size(),
-                extra={"comm_torch": torch_all_gather(env, gathered, a)} if env.on_gpu else {},
+                extra={"comm_torch": torch_all_gather(env, gathered, a), "tile_gemm": tile_gemm_alone(env, full, b)}
+                if env.on_gpu else {},
                 check=check, finish=lambda: raise_kernel_errors(env))
 
 

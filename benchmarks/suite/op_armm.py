@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .oputil import (CPU_FALLBACK, describe_config, fast_path_counter, library_comm, raise_kernel_errors,
-                     torch_all_reduce)
+                     tile_gemm_alone, torch_all_reduce)
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
 _BASE = {
@@ -80,7 +80,8 @@ def setup(shape: Shape, env: Env) -> Case:
         "symm_mem": Variant("symm_mem", role="external", na="torch has no symmetric-memory all-reduce -> GEMM op"),
     }
     return Case(variants=variants, parts=parts, flops=2.0 * m * n * k, comm_bytes=m * k * x.element_size(),
-                extra={"comm_torch": torch_all_reduce(env, zeros)} if env.on_gpu else {},
+                extra={"comm_torch": torch_all_reduce(env, zeros), "tile_gemm": tile_gemm_alone(env, y, b)}
+                if env.on_gpu else {},
                 check=check, finish=lambda: raise_kernel_errors(env))
 
 

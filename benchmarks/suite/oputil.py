@@ -75,3 +75,18 @@ def torch_all_gather(env: Env, out: torch.Tensor, shard: torch.Tensor) -> Callab
 
 def torch_all_reduce(env: Env, buf: torch.Tensor) -> Callable[[], Any]:
     return lambda: tdist.all_reduce(buf, group=env.group)
+
+
+def tile_gemm_alone(env: Env, a: torch.Tensor, b: torch.Tensor) -> Callable[[], Any]:
+    """The library's tile GEMM ``a @ b`` alone over every SM, default config, no flags:
+    tells the GEMM's own speed apart from what overlapping costs. CUDA only."""
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, launch_tile_gemm
+    from overlap.policies import Segment, build_tile_table
+
+    m, n = a.shape[0], b.shape[1]
+    rows = build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, DEFAULT_CONFIG.block_m,
+                            DEFAULT_CONFIG.block_n)
+    table = torch.tensor(rows, dtype=torch.int32, device=env.device)
+    c = a.new_empty((m, n))
+    sms = torch.cuda.get_device_properties(env.device).multi_processor_count
+    return lambda: launch_tile_gemm(a, b, c, table, grid=sms)

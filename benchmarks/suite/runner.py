@@ -240,12 +240,10 @@ def run_case(op: OpSpec, shape: Shape, run_shape: Shape, env: Env, timer: Timer,
             return None
         return t
 
-    for p, fn in case.parts.items():
-        ms[p] = measure(p, fn)
-    for p, fn in case.extra.items():
-        ms[p] = measure(p, fn)
-    synced: dict[str, float | None] = {}
-    fast: dict[str, int] = {}
+    # tuners first, then every figure of the case
+    fns: dict[str, Any] = dict(case.parts)
+    fns.update(case.extra)
+    counted: dict[str, Any] = {}
     for n, v in case.variants.items():
         if v.na is not None:
             ms[n] = None
@@ -259,11 +257,26 @@ def run_case(op: OpSpec, shape: Shape, run_shape: Shape, env: Env, timer: Timer,
             except Exception as e:
                 rec["tuned"] = None
                 errors[f"{n}_prepare"] = _err(e)
-        before = v.counter() if v.counter else 0
-        ms[n] = measure(n, v.fn)
+        fns[n] = v.fn
         if v.counter:
-            fast[n] = v.counter() - before
-        if v.synced and env.on_gpu and not args.no_synced and ms[n] is not None:
+            counted[n] = (v.counter, v.counter())
+    if timer.cuda:
+        # interleaved rounds: clock and temperature drift over a case hits all alike
+        def failed(name: str, exc: BaseException | None) -> None:
+            errors[name] = _err(exc) if exc is not None else "failed on another rank"
+            if exc is not None and env.verbose:
+                traceback.print_exception(exc)
+
+        got = timer.time_interleaved(fns, failed)
+        for name in fns:
+            ms[name] = got.get(name)
+    else:
+        for name, fn in fns.items():
+            ms[name] = measure(name, fn)
+    fast: dict[str, int] = {n: c() - before for n, (c, before) in counted.items()}
+    synced: dict[str, float | None] = {}
+    for n, v in case.variants.items():
+        if v.synced and env.on_gpu and not args.no_synced and ms.get(n) is not None:
             synced[n] = measure(f"{n}_synced", v.fn, synced=True)
     if synced:
         rec["synced_ms"] = synced

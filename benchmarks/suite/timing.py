@@ -6,7 +6,9 @@ callables in the same order (the timers hold barriers and a reduction).
 
 GPU, pipelined (default): after ``warmup`` calls, ``reps`` batches of ``iters`` calls back
 to back between two CUDA events (the host runs ahead, as in a training step); the median
-of the batches' per-call means. GPU, synced: every call alone between a barrier and a
+of the batches' per-call means. ``time_interleaved`` times several callables this way in
+rounds (one batch of each per round), so that slow drifts of the GPU's clocks and
+temperature over a case touch every variant alike. GPU, synced: every call alone between a barrier and a
 synchronize (host launch latency shows); the median over ``iters`` calls.
 
 CPU (gloo): every call alone between a barrier and its return, timed with
@@ -61,19 +63,50 @@ class Timer:
             ms = self._cpu(fn)
         return slowest(ms, self.group, self.device)
 
+    def _batch(self, fn: Callable[[], Any]) -> float:
+        self._barrier()
+        torch.cuda.synchronize(self.device)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(self.iters):
+            fn()
+        e.record()
+        torch.cuda.synchronize(self.device)
+        return s.elapsed_time(e) / self.iters
+
     def _cuda_pipelined(self, fn: Callable[[], Any]) -> float:
-        times = []
+        return statistics.median(self._batch(fn) for _ in range(self.reps))
+
+    def time_interleaved(self, fns: dict[str, Callable[[], Any]],
+                         on_error: Callable[[str, BaseException | None], None]) -> dict[str, float]:
+        """GPU, pipelined: every callable warmed up, then ``reps`` rounds of one batch of
+        each; per callable the median batch, slowest rank. A callable that raises (on any
+        rank) is reported through ``on_error(name, exc or None)`` and dropped."""
+        live: dict[str, Callable[[], Any]] = {}
+        for name, fn in fns.items():
+            err: BaseException | None = None
+            try:
+                for _ in range(max(1, self.warmup)):
+                    fn()
+                torch.cuda.synchronize(self.device)
+            except Exception as e:  # noqa: BLE001  (reported, not fatal)
+                err = e
+            if any_rank(err is not None, self.group, self.device):
+                on_error(name, err)
+            else:
+                live[name] = fn
+        times: dict[str, list[float]] = {n: [] for n in live}
         for _ in range(self.reps):
-            self._barrier()
-            torch.cuda.synchronize(self.device)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(self.iters):
-                fn()
-            e.record()
-            torch.cuda.synchronize(self.device)
-            times.append(s.elapsed_time(e) / self.iters)
-        return statistics.median(times)
+            for name in list(live):
+                err = None
+                try:
+                    times[name].append(self._batch(live[name]))
+                except Exception as e:  # noqa: BLE001
+                    err = e
+                if any_rank(err is not None, self.group, self.device):
+                    on_error(name, err)
+                    del live[name], times[name]
+        return {n: slowest(statistics.median(t), self.group, self.device) for n, t in times.items()}
 
     def _cuda_synced(self, fn: Callable[[], Any]) -> float:
         times = []

@@ -191,21 +191,28 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
     _agreed.add(key)
 
 
-def time_ms(fn: Any, iters: int, group: Any) -> float:
-    """Milliseconds per call of ``fn`` (calls back to back), slowest rank; collective."""
+def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:
+    """Milliseconds per call of ``fn`` (calls back to back; the median of ``batches``
+    batches of ``iters`` calls), slowest rank; collective."""
+    import statistics
+
     import torch.distributed as tdist
 
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
-    tdist.barrier(group=group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
+    times = []
+    for _ in range(batches):
+        tdist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    t = torch.tensor([statistics.median(times)], device="cuda")
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
     return float(t.item())
 

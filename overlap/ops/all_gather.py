@@ -293,6 +293,8 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     results: list[tuple[float, Any]] = []
     t_seq = time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
     results.append((t_seq, "sequential"))
+    if verbose and rt.rank == 0:
+        print(f"  tune agmm {ms * rt.world}x{n}x{k}: sequential {t_seq:.3f} ms", flush=True)
     err = rt.err("all_gather_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")

@@ -367,6 +367,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
     t_seq = time_ms(lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm), iters, group)
     results: list[tuple[float, Any]] = [(t_seq, "sequential")]
+    if verbose and rt.rank == 0:
+        print(f"  tune armm {m}x{n}x{k}: sequential {t_seq:.3f} ms", flush=True)
     err = rt.err("all_reduce_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")

@@ -85,7 +85,6 @@ class _State:
     device: torch.device
     num_sms: int
     prod_stream: torch.cuda.Stream
-    flags: _flags.FlagArray
     err: _flags.ErrorWord
     counters: torch.Tensor
     tables: dict = field(default_factory=dict)
@@ -109,7 +108,7 @@ def _state(device: torch.device) -> _State:
         if st is None:
             props = torch.cuda.get_device_properties(device)
             st = _State(device, int(props.multi_processor_count), torch.cuda.Stream(device=device, priority=-1),
-                        _flags.FlagArray(64, device), _flags.ErrorWord(device, what="mlp_chain"),
+                        _flags.ErrorWord(device, what="mlp_chain"),
                         torch.zeros(2, dtype=torch.int32, device=device))
             _states[device.index] = st
         return st
@@ -144,7 +143,12 @@ def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
     return mid @ w2
 
 
-def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _tables(st: _State, m: int, f: int, n: int,
+            cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, _flags.FlagArray]:
+    """Producer and consumer tables, and the flags they share. Flags belong to one
+    pair of tables: a call adds exactly (producer N tiles) to each of its row
+    blocks' flags, so ``epoch * n_tiles`` stays the count to wait for only while
+    every call on these flags has the same row blocks and N tiles."""
     from ..policies import rowsync_chain_tables
 
     pc = cfg.producer or _default_gemm()
@@ -154,7 +158,8 @@ def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch
     if t is None:
         prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
         t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
-             torch.tensor(cons, dtype=torch.int32, device=st.device), -(-m // pc.block_m))
+             torch.tensor(cons, dtype=torch.int32, device=st.device),
+             _flags.FlagArray(-(-m // pc.block_m), st.device))
         st.tables[key] = t
     return t
 
@@ -228,12 +233,10 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    prod, cons, row_blocks = _tables(st, m, f, n, cfg)
-    if len(st.flags) < row_blocks:
-        st.flags = _flags.FlagArray(row_blocks, st.device)
+    prod, cons, fl = _tables(st, m, f, n, cfg)
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
-    epoch = st.flags.next_epoch()
+    epoch = fl.next_epoch(max_mult=-(-f // pc.block_n))
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     mid = x.new_empty((m, f))
     y = x.new_empty((m, n))
@@ -243,7 +246,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     _flags.stream_write_value(cur, st.counters, 0, 0)
     _flags.stream_write_value(cur, st.counters, 1, 0)
     ps.wait_stream(cur)
-    common = dict(flags=st.flags.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
+    common = dict(flags=fl.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
 
     def producer() -> None:
         with torch.cuda.stream(ps):
