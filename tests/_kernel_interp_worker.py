@@ -256,8 +256,9 @@ def scenario_chain() -> None:
         y = torch.full((m, n), float("nan"), dtype=torch.float16)
         ew = ErrorWord("cpu", what="chain")
         launch_tile_gemm(xe, w1.t(), mid, prod, flags=flags, err=ew.word, epoch=epoch, grid=3, config=CFG,
-                         post=True, activation="gelu", counter=torch.zeros(1, dtype=torch.int32))
+                         post=True, activation="gelu", counter=torch.zeros(1, dtype=torch.int32), start_flag=3)
         assert flags[:3].tolist() == [epoch * n_prod] * 3, flags
+        assert flags[3].item() == epoch, "the producer's start flag holds this call's epoch"
         launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=epoch, grid=2, config=CFG,
                          wait=True, counter=torch.zeros(1, dtype=torch.int32), max_spins=100)
         ew.check()

@@ -2,7 +2,7 @@
 
 Shapes M x N x K with M the rows after the gather (each rank holds M/R rows of A).
 Variants: sequential reference (NCCL all-gather, then cuBLAS), chunked stream overlap x2
-and x4, the tile-flag path (tuned first on CUDA), torch's symm_mem
+and x4, the library's op (tuned first on CUDA: tile-flag or sequential), torch's symm_mem
 fused_all_gather_matmul (CUDA only). Parts: the library communicator's all-gather alone
 (NCCL's default CTAs; torch's all_gather_into_tensor alone is recorded beside it) and the
 cuBLAS GEMM [M, K] x [K, N] alone.
@@ -40,7 +40,7 @@ def setup(shape: Shape, env: Env) -> Case:
     gathered = a.new_empty(m, k)
     full = env.randn(m, k, seed=11)
     cpu_note = None if env.on_gpu else CPU_FALLBACK
-    tile = Variant("tile-flag", fn=lambda: all_gather_matmul(a, b, group=g), role="library", synced=True,
+    tile = Variant("library (tuned)", fn=lambda: all_gather_matmul(a, b, group=g), role="library", synced=True,
                    note=None if env.on_gpu else "CPU: no tile-flag path, runs the reference")
     if env.on_gpu:
         from overlap.ops import OverlapConfig, tune_all_gather_matmul

@@ -121,14 +121,14 @@ def _wait(flags_ptr, err_ptr, idx, expected, rank, t, timeout_ns, max_spins,
     return ok
 
 
-@triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs"])
+@triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx"])
 def tile_gemm_kernel(
     # operands
     a_desc, a2_desc, b_desc, c_ptr,
     # schedule, flags, error word
     table_ptr, flags_ptr, err_ptr, counter_ptr,
     # sizes and scalars
-    N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs,
+    N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx,
     # strides
     stride_cm, stride_cn,
     # meta
@@ -136,9 +136,14 @@ def tile_gemm_kernel(
     HAS_A2: tl.constexpr, B_KN: tl.constexpr,
     HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
-    DYNAMIC: tl.constexpr,
+    DYNAMIC: tl.constexpr, POST_START: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if POST_START:
+        # "this grid is running": a dependent launch held back by a stream wait on
+        # this flag is dispatched only after this grid's programs took their SMs
+        if pid == 0:
+            tl.atomic_xchg(flags_ptr + start_idx, epoch, sem="relaxed", scope="gpu")
     out_dtype = c_ptr.dtype.element_ty
     offs_i = tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
@@ -251,7 +256,7 @@ def launch_tile_gemm(
     a2: Any = None, flags: Any = None, err: Any = None, epoch: int = 0, rank: int = 0,
     grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-    counter: Any = None,
+    counter: Any = None, start_flag: int | None = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -262,6 +267,7 @@ def launch_tile_gemm(
     ``counter``: int32 [1] device tensor, zero before the first launch of a call:
     tiles are then handed out in table order by ``atomic_add`` on it, so a
     second launch (e.g. on the SMs NCCL gives back) can share the same table.
+    ``start_flag``: program 0 sets ``flags[start_flag] = epoch`` as the grid starts.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -280,8 +286,8 @@ def launch_tile_gemm(
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
-    if (wait or post) and (flags is None or err is None):
-        raise ValueError("wait/post need flags and err tensors")
+    if (wait or post or start_flag is not None) and (flags is None or err is None):
+        raise ValueError("wait/post/start_flag need flags and err tensors")
     if flags is None:
         flags = table  # never read: HAS_WAIT/HAS_POST are off
     if err is None:
@@ -296,11 +302,13 @@ def launch_tile_gemm(
         a_desc, a2_desc, b_desc, c,
         table, flags, err, counter if counter is not None else table,
         N, K, num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
+        int(start_flag) if start_flag is not None else 0,
         c.stride(0), c.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_A2=a2 is not None, B_KN=b_kn,
         HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
         USE_TIMER=not interp, FENCE_ASYNC=not interp,
         UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
+        POST_START=start_flag is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -43,7 +43,7 @@ __all__ = [
     "stats",
 ]
 
-stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -275,6 +275,10 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         if tuned == "sequential":
             stats["sequential_by_tuner"] += 1
             return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+        if isinstance(tuned, str) and tuned.startswith("chunked x"):
+            stats["chunked_by_tuner"] += 1
+            return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm,
+                                             chunks=int(tuned.removeprefix("chunked x")))
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
 
@@ -351,10 +355,16 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                            residual: torch.Tensor | None = None, norm: Norm | None = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
                            verbose: bool = False) -> OverlapConfig | str:
-    """Time candidate configs (collectively: every rank must call) and the plain
-    sequential path; cache the winner for this shape, residual and norm kind.
-    Returns the winning ``OverlapConfig`` or ``"sequential"`` (then the op warns
-    once and runs the reference for this case)."""
+    """Time candidate configs (collectively: every rank must call), the plain
+    sequential path and the chunked stream-overlap path (2 and 4 chunks); cache
+    the winner for this shape, residual and norm kind. Returns the winning
+    ``OverlapConfig``, ``"sequential"`` or ``"chunked x2"`` / ``"chunked x4"``;
+    for the last three the op warns once and runs that path for this case.
+
+    Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
+    or norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
+    add + norm kernels run on free SMs: a resident GEMM program leaves no room
+    beside it)."""
     import torch.distributed as tdist
 
     _check_inputs(x_partial, b, residual, norm)
@@ -365,10 +375,19 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     x = x_partial.contiguous()
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
-    t_seq = time_ms(lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm), iters, group)
-    results: list[tuple[float, Any]] = [(t_seq, "sequential")]
-    if verbose and rt.rank == 0:
-        print(f"  tune armm {m}x{n}x{k}: sequential {t_seq:.3f} ms", flush=True)
+        if residual is not None or norm is not None:
+            candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24) for ch in (2, 4) for ct in (24, 32)]
+    results: list[tuple[float, Any]] = []
+    for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
+                     ("chunked x2", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
+                                                                      norm=norm, chunks=2)),
+                     ("chunked x4", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
+                                                                      norm=norm, chunks=4))):
+        t = time_ms(fn, iters, group)
+        results.append((t, name))
+        if verbose and rt.rank == 0:
+            print(f"  tune armm {m}x{n}x{k}: {name} {t:.3f} ms", flush=True)
+    t_seq = results[0][0]
     err = rt.err("all_reduce_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")
@@ -383,11 +402,12 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         if failed.item() == 0:
             results.append((t, replace(cand, check="async")))
         if verbose and rt.rank == 0:
-            print(f"  tune armm {m}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas: {t:.3f} ms"
-                  + (" (timed out: rejected)" if failed.item() else ""), flush=True)
+            print(f"  tune armm {m}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas, margin {cand.sm_margin}: "
+                  f"{t:.3f} ms" + (" (timed out: rejected)" if failed.item() else ""), flush=True)
     best_t, best = min(results, key=lambda r: r[0])
     _tuned[_tune_key(rt, x, n, residual, norm)] = best
-    if best == "sequential":
-        warn_once(f"armm-seq-{m}-{n}-{k}", f"all_reduce_matmul: overlap does not pay for M={m}, N={n}, K={k} "
-                  f"(sequential {t_seq:.3f} ms was fastest); running all-reduce, norm, then matmul for this case")
+    if isinstance(best, str):
+        warn_once(f"armm-{best}-{m}-{n}-{k}-{residual is not None}-{norm.kind if norm else None}",
+                  f"all_reduce_matmul: tile-flag overlap does not pay for M={m}, N={n}, K={k} "
+                  f"({best} {best_t:.3f} ms was fastest; sequential {t_seq:.3f} ms); running {best} for this case")
     return best

@@ -14,6 +14,12 @@ out of fc1 tiles in its last wave idle until the whole kernel ends, then fc2
 ramps up. With flags, fc2 tiles start on those SMs as soon as their row block
 is done.
 
+Speed: the consumer is enqueued behind a stream wait (no SM) on a flag the
+producer's grid sets as it starts, so the producer's programs take the SMs
+first and consumer programs move in as producer programs run out of tiles.
+Without it, a consumer grid dispatched first holds every SM but the reserved
+ones while the producer crawls on those (measured: 20-40x slower).
+
 No deadlock, whichever kernel the GPU schedules first. Both kernels hand out
 tiles in order from an atomic counter (a program holds no tile until it runs),
 the producer never waits on anything, and the consumer's grid leaves
@@ -159,7 +165,7 @@ def _tables(st: _State, m: int, f: int, n: int,
         prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
         t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
              torch.tensor(cons, dtype=torch.int32, device=st.device),
-             _flags.FlagArray(-(-m // pc.block_m), st.device))
+             _flags.FlagArray(-(-m // pc.block_m) + 1, st.device))  # + the producer's start flag
         st.tables[key] = t
     return t
 
@@ -248,12 +254,14 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     ps.wait_stream(cur)
     common = dict(flags=fl.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
 
+    start_idx = len(fl) - 1
+
     def producer() -> None:
         with torch.cuda.stream(ps):
             if _producer_delay_cycles:
                 torch.cuda._sleep(int(_producer_delay_cycles))
             launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
-                             counter=st.counters[0:1], **common)
+                             counter=st.counters[0:1], start_flag=start_idx, **common)
 
     def consumer() -> None:
         launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
@@ -264,6 +272,9 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         producer()
     else:
         producer()
+        # the consumer's grid is dispatched only once the producer's runs (no SM
+        # spent spinning while producer programs queue); the stream wait takes no SM
+        _flags.stream_wait_value(cur, fl.flags, start_idx, epoch)
         consumer()
     cur.wait_stream(ps)
     for t in (x, w1, mid):

@@ -92,6 +92,18 @@ def main() -> None:
         assert torch.equal(c, h), f"identity GEMM differs from h at call {it}"
         want = sum(float(it % 17 + r) for r in range(world))
         assert h[(it + 1) % 256, 0].item() == want and h[it % 256, 0].item() == want + world, f"stale h at call {it}"
+    # the tuner: whatever wins, later calls of the op take that path
+    x = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+    best = armod.tune_all_reduce_matmul(x, w.t(), candidates=[OverlapConfig(chunks=2, nccl_ctas=16)], iters=3)
+    before = dict(armod.stats)
+    c, h = armod.all_reduce_matmul(x, w.t())
+    moved = {k for k in armod.stats if armod.stats[k] != before[k]}
+    want = {"sequential": {"sequential_by_tuner", "reference"}, "chunked x2": {"chunked_by_tuner", "chunked"},
+            "chunked x4": {"chunked_by_tuner", "chunked"}}.get(best, {"fused"}) if isinstance(best, str) else {"fused"}
+    assert moved == want, (best, moved)
+    c_ref, _ = armod.all_reduce_matmul_ref(x, w.t())
+    assert rel(c, c_ref) < 2e-2
     # a provoked timeout: on rank 0 alone, each chunk's "all-reduce" is a
     # 0.2 s sleep on the comm stream (a slow peer); the GEMM's 50 ms bound
     # must expire and raise, never hang
