@@ -29,6 +29,12 @@ programs that run; consumer tiles then find their flags set. Launched consumer
 first, the producer runs on the reserved SMs only until consumer programs
 finish (slow, never stuck); tests launch it that way on purpose.
 
+One hazard is outside the kernels: loading a kernel's module (CUDA loads
+modules lazily, Triton on first launch) waits while a spinning kernel holds
+the GPU. Enqueued first, a consumer therefore times out if the producer's
+kernel was never launched before (measured); in the normal order the producer
+is loaded and running before the consumer spins.
+
 Flags are never reset (epochs); every wait is bounded and a timeout raises
 ``overlap.flags.FlagTimeoutError``. cuSync's TileSync (the consumer's K loop
 waiting on each producer tile in turn) is not built: it needs waits inside
