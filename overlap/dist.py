@@ -42,7 +42,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -65,6 +65,7 @@ __all__ = [
     "group_ranks",
     "init",
     "nccl_comm",
+    "on_shutdown",
     "set_nccl_backend",
     "shutdown",
 ]
@@ -962,6 +963,15 @@ def _mpi_bcast_uid(backend: Any, ranks: Sequence[int], me: int, count: int) -> b
 # --------------------------------------------------------------------------------------
 
 
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` at the start of every ``shutdown`` (before the communicators go)."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
 def shutdown() -> None:
     """Destroy the NCCL communicators made here and the process groups ``init`` made.
 
@@ -975,6 +985,11 @@ def shutdown() -> None:
         if ctx is None:
             return
         _ctx = None
+        for hook in list(_shutdown_hooks):  # e.g. the ops forget state built on these communicators
+            try:
+                hook()
+            except Exception as exc:
+                warnings.warn(f"overlap.dist.shutdown: a shutdown hook failed: {exc}", stacklevel=2)
         for comm in ctx._comms.values():
             try:
                 comm.destroy()
@@ -991,9 +1006,9 @@ def shutdown() -> None:
             # for them before letting the store go: a rank still tearing down after the
             # store's host exited can die in the store client ("terminate called ...").
             # The store object outlives the group: this context holds it.
-            if tdist.is_initialized():
-                tdist.destroy_process_group()
             try:
+                if tdist.is_initialized():
+                    tdist.destroy_process_group()
                 if ctx.rank != 0:
                     ctx._store.set(f"exit/{ctx.rank}", b"1")
                 else:

@@ -188,6 +188,12 @@ def scenario_add_norm() -> None:
                     tol = 1e-5 if dt == torch.float32 else 2e-3
                     torch.testing.assert_close(y[sl].float(), y_ref, atol=tol * 4, rtol=tol)
                     assert torch.isnan(y[:row0]).all() and torch.isnan(y[row0 + rows:]).all()
+    # a row mean far above its spread: the variance must not come from E[x^2] - mean^2
+    h = torch.randn(4, 64, generator=g) + 3000.0
+    w = torch.ones(64)
+    y = torch.empty_like(h)
+    launch_add_norm(h, 0, 4, norm="layernorm", weight=w, y=y, block_k=16)
+    torch.testing.assert_close(y, _torch_norm(h, "layernorm", w, None, 1e-5), atol=1e-3, rtol=1e-3)
     print("PASS add_norm")
 
 
@@ -206,7 +212,7 @@ def scenario_row_chunks() -> None:
     assert len(sizes) == chunks and sum(sizes) == m
     tab = _table(segs, n)
     for land in (chunks, chunks - 1):
-        h, y = x.clone(), torch.full((m, k), float("nan"))
+        h, y = x.clone(), torch.zeros(m, k)  # finite: a tile that ran early would write numbers
         flags = torch.full((4,), 8, dtype=torch.int32)  # the previous call's epoch
         ew = ErrorWord("cpu", what="test op")
         start = 0

@@ -156,7 +156,7 @@ def test_named_and_numeric_shapes() -> None:
     assert max(small.dims.values()) <= 256 and all(v % 16 == 0 for v in small.dims.values())
 
 
-def test_time_interleaved_rounds_and_errors(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_time_interleaved_rounds_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounds of one batch per callable (drift hits all alike); a callable that raises
     is reported and dropped; medians per callable. CUDA calls stubbed: the logic only."""
     import torch

@@ -357,3 +357,24 @@ def test_require_names_the_extra() -> None:
         require("no_such_mod", "build it yourself")
     assert require("math", "none").sqrt(4) == 2
     assert cuda_extra() in ("cu12", "cu13", "cu12|cu13")
+
+
+def test_shutdown_runs_hooks_and_ops_forget_their_runtimes() -> None:
+    from overlap.ops import _runtime
+
+    calls: list[int] = []
+
+    def hook() -> None:
+        calls.append(1)
+
+    dist.on_shutdown(hook)
+    try:
+        dist.init(timeout_s=10)
+        _runtime._runtimes[(("fake",), 0)] = object()  # a runtime built on this init's communicators
+        dist.shutdown()
+        assert calls == [1]
+        assert not _runtime._runtimes, "ops must not reuse communicators shutdown destroyed"
+        dist.shutdown()  # twice: hooks do not run again
+        assert calls == [1]
+    finally:
+        dist._shutdown_hooks.remove(hook)

@@ -13,7 +13,6 @@ tile-flag's speedup over stream-sync. On CPU only mlp_chain_ref runs.
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
@@ -49,8 +48,7 @@ def setup(shape: Shape, env: Env) -> Case:
     if env.on_gpu:
         from overlap.ops import mlp_chain, mlp_chain_stream_sync
 
-        # RowSync is mlp_chain's schedule; pass sync="row" where the op takes that argument
-        kw = {"sync": "row"} if "sync" in inspect.signature(mlp_chain).parameters else {}
+        kw: dict = {}  # RowSync is mlp_chain's only schedule
         variants["stream_sync"] = Variant("stream-sync", fn=lambda: mlp_chain_stream_sync(x, w1, w2))
         tune = getattr(sys.modules[mlp_chain.__module__], "tune_mlp_chain", None)
         if env.tune and tune is not None:

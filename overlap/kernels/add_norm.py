@@ -6,14 +6,16 @@
 This is the all-reduce -> GEMM op's prologue: it runs on a side stream after
 each row chunk of the all-reduce lands, before the chunk's flag is written.
 One program per row (not persistent): programs are small (4 warps, no shared
-memory to speak of), so they fill whatever SMs are free, or sit next to a
-resident GEMM program on its SM, and a chunk never waits for a fixed set of
-SMs to come free.
+memory to speak of), so they fill whatever SMs are free as they come free,
+and a chunk never waits for a fixed set of SMs. (A resident tile-GEMM program
+leaves no registers beside it, so in practice that means the SMs the GEMM grid
+leaves free.)
 
 Statistics are taken in fp32 from ``h`` after rounding to its dtype, as
 ``torch.nn.functional.layer_norm(h)`` sees it when the add is done by torch
-first; the row is read twice (the second read is an L2 hit for rows up to
-a few MB).
+first. LayerNorm reads the row three times (sum, squared deviations from the
+mean, output), RMSNorm twice; the later reads are L2 hits for rows up to a
+few MB. Weight and bias must be contiguous.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
     row = (row0 + tl.program_id(0)).to(tl.int64)
     h_row = h_ptr + row * stride_h
     offs = tl.arange(0, BLOCK_K)
-    acc_s = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    acc_q = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    # pass 1: the add (stored rounded, as torch would store h) and the sum (LayerNorm)
+    # or the sum of squares (RMSNorm)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs
         m = cols < K
@@ -47,15 +50,25 @@ def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
             x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
             tl.store(h_row + cols, x, mask=m)
         xf = x.to(tl.float32)
-        acc_s += xf
-        acc_q += xf * xf
+        if NORM == 2:
+            acc += xf * xf
+        else:
+            acc += xf
     if NORM != 0:
         if NORM == 1:
-            mean = tl.sum(acc_s, axis=0) / K
-            var = tl.maximum(tl.sum(acc_q, axis=0) / K - mean * mean, 0.0)
+            # pass 2 (LayerNorm): the variance around the mean, not E[x^2] - mean^2,
+            # which cancels when |mean| >> std
+            mean = tl.sum(acc, axis=0) / K
+            acc2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + offs
+                m = cols < K
+                d = tl.where(m, tl.load(h_row + cols, mask=m, other=0.0).to(tl.float32) - mean, 0.0)
+                acc2 += d * d
+            var = tl.sum(acc2, axis=0) / K
         else:
             mean = 0.0
-            var = tl.sum(acc_q, axis=0) / K
+            var = tl.sum(acc, axis=0) / K
         rstd = 1.0 / tl.sqrt(var + eps)
         y_row = y_ptr + row * stride_y
         for k0 in range(0, K, BLOCK_K):
@@ -84,6 +97,9 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
     for name, t in (("h", h), ("residual", residual), ("y", y)):
         if t is not None and t.stride(1) != 1:
             raise ValueError(f"{name} must have unit column stride")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"norm {name} must be contiguous")
     if norm is not None and (y is None or weight is None):
         raise ValueError("a norm needs y and weight")
     block_k = block_k or min(triton.next_power_of_2(K), 2048)

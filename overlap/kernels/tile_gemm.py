@@ -251,6 +251,18 @@ def b_operand(b: Any) -> tuple[Any, bool]:
     return b.contiguous(), True
 
 
+def check_tma(name: str, t: Any) -> None:
+    """ValueError unless TMA can read ``t`` (rows start on 16-byte boundaries)."""
+    if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        raise ValueError(f"{name} {tuple(t.shape)} ({t.dtype}) cannot be read by TMA: rows must start on "
+                         f"16-byte boundaries (row stride {t.stride(0)} elements)")
+
+
+def check_b(b: Any) -> None:
+    """What ``launch_tile_gemm`` will refuse about B, checked before an op queues any work."""
+    check_tma("b", b_operand(b)[0])
+
+
 def launch_tile_gemm(
     a: Any, b: Any, c: Any, table: Any, *,
     a2: Any = None, flags: Any = None, err: Any = None, epoch: int = 0, rank: int = 0,
@@ -280,9 +292,8 @@ def launch_tile_gemm(
     if b_store.shape[0 if b_kn else 1] != K:
         raise ValueError(f"K mismatch: a has K={K}, b is {tuple(b.shape)}")
     for name, t in (("a", a), ("a2", a2), ("b", b_store)):
-        if t is not None and ((t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16):
-            raise ValueError(f"{name} {tuple(t.shape)} ({t.dtype}) cannot be read by TMA: rows must start on "
-                             f"16-byte boundaries (row stride {t.stride(0)} elements)")
+        if t is not None:
+            check_tma(name, t)
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return

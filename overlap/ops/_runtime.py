@@ -150,9 +150,19 @@ def get_runtime(group: Any, device: torch.device) -> Runtime:
 
 
 def reset_runtimes() -> None:
-    """Forget every runtime (their communicators are destroyed by ``dist.shutdown``)."""
+    """Forget every runtime; ``dist.shutdown`` calls this before it destroys the
+    communicators the runtimes hold, so ops after a new ``init`` build fresh ones."""
     with _lock:
         _runtimes.clear()
+
+
+def _register() -> None:
+    from .. import dist
+
+    dist.on_shutdown(reset_runtimes)
+
+
+_register()
 
 
 def resolve_group(group: Any) -> Any:

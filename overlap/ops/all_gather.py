@@ -158,6 +158,8 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
+CHUNK_ALIGN = 128
+"""Chunks are multiples of this many rows (except the last), independent of the GEMM config."""
 _tuned: dict[tuple, OverlapConfig | str] = {}
 
 
@@ -176,7 +178,8 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
     key = (rt.ranks, ms, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
     p = _plans.get(key)
     if p is None:
-        layout = all_gather_layout(rt.world, rt.rank, ms, chunks, gemm.block_m)
+        # chunk sizes must agree across ranks whatever GEMM config each rank runs
+        layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
         rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n)
         table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
         grid = rt.num_sms - nccl_ctas - cfg.sm_margin
@@ -219,14 +222,20 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
                          f"for {a_shard.dtype} (16-byte rows for TMA)")
+    from ..kernels.tile_gemm import check_b
+
+    check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
     rt = get_runtime(group, a_shard.device)
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N"), (ms, k, n))
-    if config is None:
-        tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype))
-        if tuned == "sequential":
-            stats["sequential_by_tuner"] += 1
-            return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
+    if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    # NCCL call sizes come from (M/R, K) and the chunks (0: the sequential path):
+    # ranks must agree or peers hang
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "chunks"),
+                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(rt.world, ms, 0))))
+    if config is None:  # the tuner picked the sequential path
+        stats["sequential_by_tuner"] += 1
+        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
     return _fused(rt, a_shard.contiguous(), b, return_gathered, config)
 
 

@@ -77,6 +77,8 @@ class Norm:
         if isinstance(m, torch.nn.LayerNorm):
             return cls("layernorm", m.weight, m.bias, m.eps)
         if type(m).__name__ == "RMSNorm":
+            # torch's RMSNorm with eps=None uses the input dtype's eps; the weight's
+            # dtype stands in for it here (the same in the usual case)
             eps = m.eps if m.eps is not None else torch.finfo(m.weight.dtype).eps
             return cls("rmsnorm", m.weight, None, eps)
         raise ValueError(f"unsupported norm module {type(m).__name__}")
@@ -162,7 +164,7 @@ def all_reduce_matmul_chunked(x_partial: torch.Tensor, b: torch.Tensor, *, group
     comm = rt.comm(None)
     x = x_partial.contiguous()
     m, k = x.shape
-    sizes = split_rows(m, chunks, 128)
+    sizes = split_rows(m, chunks, CHUNK_ALIGN)
     h = torch.empty_like(x)
     c = x.new_empty((m, b.shape[1]))
     cur = torch.cuda.current_stream(x.device)
@@ -204,6 +206,8 @@ class _Plan:
 
 _plans: dict[tuple, _Plan] = {}
 _tuned: dict[tuple, OverlapConfig | str] = {}
+CHUNK_ALIGN = 128
+"""Row chunks are multiples of this (except the last), independent of the GEMM config."""
 
 
 def _default_chunks(m: int) -> int:
@@ -219,7 +223,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
     key = (rt.ranks, rt.device.index, m, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
     p = _plans.get(key)
     if p is None:
-        sizes, segs = row_chunk_segments(m, chunks, gemm.block_m)
+        # chunk sizes must agree across ranks whatever GEMM config each rank runs:
+        # align to a fixed 128 rows (a tile never straddles a chunk either way)
+        sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
         table = torch.tensor(build_tile_table(segs, n, gemm.block_m, gemm.block_n), dtype=torch.int32,
                              device=rt.device)
         grid = rt.num_sms - nccl_ctas - cfg.sm_margin
@@ -268,18 +274,25 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_reduce_matmul: K={k} and N={n} must be multiples of {16 // esize} "
                          f"for {x_partial.dtype} (16-byte rows for TMA)")
+    from ..kernels.tile_gemm import check_b
+
+    check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
     rt = get_runtime(group, x_partial.device)
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N"), (m, k, n))
-    if config is None:
-        tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm))
-        if tuned == "sequential":
-            stats["sequential_by_tuner"] += 1
-            return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
-        if isinstance(tuned, str) and tuned.startswith("chunked x"):
-            stats["chunked_by_tuner"] += 1
-            return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm,
-                                             chunks=int(tuned.removeprefix("chunked x")))
+    tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm)) if config is None else None
+    if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    if config is not None:
+        chunks = config.chunks or _default_chunks(m)
+    else:  # the tuner's pick: "sequential" (one all-reduce) or "chunked xN"
+        chunks = int(tuned.removeprefix("chunked x")) if tuned.startswith("chunked x") else 1
+    # NCCL call sizes come from (M, K) and the chunks: ranks must agree or peers hang
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks"), (m, k, n, chunks))
+    if tuned == "sequential":
+        stats["sequential_by_tuner"] += 1
+        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+    if config is None:
+        stats["chunked_by_tuner"] += 1
+        return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm, chunks=chunks)
     return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
 
 
@@ -300,6 +313,9 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 
     if residual is not None:
         residual = residual.contiguous()
+    if norm is not None:
+        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
+                    norm.eps)
     prologue = residual is not None or norm is not None
     h = torch.empty_like(x)
     y = torch.empty_like(x) if norm is not None else h
@@ -362,20 +378,27 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     for the last three the op warns once and runs that path for this case.
 
     Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
-    or norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
-    add + norm kernels run on free SMs: a resident GEMM program leaves no room
-    beside it)."""
+    or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
+    add + norm kernels run on the SMs the GEMM grid leaves free). Inputs with no
+    tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     import torch.distributed as tdist
 
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
-    rt = get_runtime(group, x_partial.device)
     m, k = x_partial.shape
     n = b.shape[1]
+    esize = x_partial.element_size()
+    if (not x_partial.is_cuda or x_partial.dtype not in (torch.float16, torch.bfloat16)
+            or (k * esize) % 16 or (n * esize) % 16):
+        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+    from ..kernels.tile_gemm import check_b
+
+    check_b(b)
+    rt = get_runtime(group, x_partial.device)
     x = x_partial.contiguous()
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
-        if residual is not None or norm is not None:
+        if residual is not None or norm is not None:  # the add + norm kernels need free SMs
             candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24) for ch in (2, 4) for ct in (24, 32)]
     results: list[tuple[float, Any]] = []
     for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
