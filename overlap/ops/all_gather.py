@@ -222,9 +222,10 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
                          f"for {a_shard.dtype} (16-byte rows for TMA)")
-    from ..kernels.tile_gemm import check_b
+    from ..kernels.tile_gemm import check_b, check_tma
 
     check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
+    check_tma("a_shard", a_shard.contiguous())  # the GEMM reads the local shard in place
     rt = get_runtime(group, a_shard.device)
     tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
     if config is None and not isinstance(tuned, str):

@@ -181,11 +181,18 @@ def _tables(st: _State, m: int, f: int, n: int,
 
 
 def _validate_cuda(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """Everything the tile kernels would refuse, checked before any work is queued
+    (a refusal between the two launches would leave the producer running unjoined)."""
+    from ..kernels.tile_gemm import check_b, check_tma
+
     esize = x.element_size()
     for name, v in (("K", x.shape[1]), ("F", w1.shape[1]), ("N", w2.shape[1])):
         if (v * esize) % 16:
             raise ValueError(f"mlp_chain: {name}={v} must be a multiple of {16 // esize} for {x.dtype} "
                              "(16-byte rows for TMA)")
+    check_tma("x", x.contiguous())
+    check_b(w1)
+    check_b(w2)
 
 
 def _takes_fast_path(x: torch.Tensor) -> bool:

@@ -1,0 +1,27 @@
+"""Operands TMA cannot read are refused up front (the ops check before queueing any work)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from overlap.kernels.tile_gemm import check_b, check_tma  # noqa: E402
+
+
+def test_check_tma_rows_and_base() -> None:
+    base = torch.zeros(64, 64, dtype=torch.float16)
+    check_tma("a", base)  # 128-byte rows from an aligned start
+    with pytest.raises(ValueError, match="16-byte"):
+        check_tma("a", base.view(-1)[3:3 + 32 * 64].view(32, 64))  # start 6 bytes in
+    with pytest.raises(ValueError, match="row stride 60"):
+        check_tma("a", base[:, :60].contiguous().view(64, 60)[:, :56])  # 120-byte rows
+
+
+def test_check_b_layouts() -> None:
+    w = torch.zeros(128, 64, dtype=torch.bfloat16)  # nn.Linear weight [N, K]
+    check_b(w.t())  # its transpose: read in place
+    check_b(w.t().contiguous())  # row-major [K, N]
+    with pytest.raises(ValueError, match="16-byte"):
+        check_b(w[:, 3:59].t())  # columns 3.. of the weight: every row starts 6 bytes in
