@@ -48,7 +48,6 @@ def setup(shape: Shape, env: Env) -> Case:
     if env.on_gpu:
         from overlap.ops import mlp_chain, mlp_chain_stream_sync
 
-        kw: dict = {}  # RowSync is mlp_chain's only schedule
         variants["stream_sync"] = Variant("stream-sync", fn=lambda: mlp_chain_stream_sync(x, w1, w2))
         tune = getattr(sys.modules[mlp_chain.__module__], "tune_mlp_chain", None)
         if env.tune and tune is not None:
@@ -58,13 +57,13 @@ def setup(shape: Shape, env: Env) -> Case:
 
             # the tuner picks both tile kernels' configs, which stream-sync and tile-flag share
             variants["stream_sync"].prepare = tuned
-        variants["tile_flag"] = Variant("tile-flag (row)", fn=lambda: mlp_chain(x, w1, w2, **kw),
+        variants["tile_flag"] = Variant("tile-flag (row)", fn=lambda: mlp_chain(x, w1, w2),
                                         role="library", synced=True, counter=fast_path_counter(mlp_chain))
 
         def check() -> dict[str, float]:
             x2 = torch.randn_like(x)
             ref = mlp_chain_ref(x2, w1, w2)
-            return {"rel_err": env.rel_err(mlp_chain(x2, w1, w2, **kw), ref),
+            return {"rel_err": env.rel_err(mlp_chain(x2, w1, w2), ref),
                     "rel_err_stream_sync": env.rel_err(mlp_chain_stream_sync(x2, w1, w2), ref)}
 
         def finish() -> None:  # a flag-wait timeout the chain recorded (its state is per device)

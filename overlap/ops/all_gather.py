@@ -163,8 +163,8 @@ CHUNK_ALIGN = 128
 _tuned: dict[tuple, OverlapConfig | str] = {}
 
 
-def _default_chunks(world: int, ms: int, block_m: int) -> int:
-    # one chunk per ~1024 rows of a shard, 2..4: more calls cost more than
+def _default_chunks(ms: int) -> int:
+    # one chunk per ~1024 rows of a shard, 1..4: more calls cost more than
     # they hide at these sizes (measured, DESIGN.md)
     return max(1, min(4, ms // 1024))
 
@@ -173,7 +173,7 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
-    chunks = cfg.chunks or _default_chunks(rt.world, ms, gemm.block_m)
+    chunks = cfg.chunks or _default_chunks(ms)
     nccl_ctas = cfg.nccl_ctas or 16
     key = (rt.ranks, ms, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
     p = _plans.get(key)
@@ -233,7 +233,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     # NCCL call sizes come from (M/R, K) and the chunks (0: the sequential path):
     # ranks must agree or peers hang
     check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "chunks"),
-                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(rt.world, ms, 0))))
+                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(ms))))
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
         return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
