@@ -32,6 +32,8 @@ __all__ = [
     "split_rows",
     "all_gather_layout",
     "AllGatherLayout",
+    "all_gather_push_layout",
+    "push_slot",
     "RowSync",
     "row_block_segments",
     "row_chunk_segments",
@@ -115,6 +117,8 @@ class AllGatherLayout:
     m_shard: int
     chunk_rows: tuple[int, ...]
     segments: tuple[Segment, ...]
+    natural: bool = False
+    """The gathered buffer is in natural row order (``all_gather_push_layout``)."""
 
     @property
     def chunk_starts(self) -> tuple[int, ...]:
@@ -126,6 +130,8 @@ class AllGatherLayout:
 
     def gathered_to_natural(self) -> list[int]:
         """Row permutation p with natural[i] = gathered[p[i]] (for return_gathered)."""
+        if self.natural:
+            return list(range(self.world * self.m_shard))
         perm = [0] * (self.world * self.m_shard)
         for start, rows in zip(self.chunk_starts, self.chunk_rows):
             for r in range(self.world):
@@ -160,6 +166,40 @@ def all_gather_layout(world: int, rank: int, m_shard: int, chunks: int, block_m:
                                 rows=rows, wait_idx=c, wait_mult=1))
         start += rows
     return AllGatherLayout(world, rank, m_shard, tuple(sizes), tuple(segs))
+
+
+def all_gather_push_layout(world: int, rank: int, m_shard: int, chunks: int, align: int) -> AllGatherLayout:
+    """Segments for ``all_gather(a_shard) @ b`` when every peer *pushes* its chunks
+    into this rank's buffer (copy engines, ``overlap._p2p``).
+
+    The buffer is in natural row order: peer r's chunk c lands at rows
+    ``r * m_shard + start_c`` and sets flags[r * chunks + c] (each sender writes
+    its own flags, so one flag per sender and chunk). Schedule: the local shard
+    first (A source 0, no wait), then chunk by chunk the peers in the order their
+    pushes reach this rank (rank r pushes to r + 1, r + 2, ...: the left
+    neighbour first).
+    """
+    if not (0 <= rank < world):
+        raise ValueError(f"rank {rank} outside [0, {world})")
+    sizes = split_rows(m_shard, chunks, align)
+    segs: list[Segment] = [Segment(a_src=0, a_row=0, c_row=rank * m_shard, rows=m_shard)]
+    start = 0
+    for c, rows in enumerate(sizes):
+        for step in range(1, world):
+            r = (rank - step) % world
+            segs.append(Segment(a_src=1, a_row=r * m_shard + start, c_row=r * m_shard + start, rows=rows,
+                                wait_idx=r * len(sizes) + c, wait_mult=1))
+        start += rows
+    return AllGatherLayout(world, rank, m_shard, tuple(sizes), tuple(segs), natural=True)
+
+
+def push_slot(sender: int, receiver: int, world: int) -> int:
+    """Slot of ``sender``'s rows in ``receiver``'s buffer when every rank pushes to
+    every other (one-shot all-reduce): 0 .. world - 2, the receiver's right
+    neighbour in slot 0."""
+    if sender == receiver or not (0 <= sender < world and 0 <= receiver < world):
+        raise ValueError(f"no slot for sender {sender}, receiver {receiver} of {world}")
+    return (sender - receiver - 1) % world
 
 
 @dataclass(frozen=True)

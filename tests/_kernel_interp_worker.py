@@ -15,9 +15,10 @@ import torch  # noqa: E402
 
 from overlap.flags import ErrorWord, FlagTimeoutError  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
-from overlap.kernels.add_norm import launch_add_norm  # noqa: E402
-from overlap.policies import (RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,  # noqa: E402
-                              row_chunk_segments, rowsync_chain_tables)
+from overlap.kernels.add_norm import launch_add_norm, launch_reduce_norm  # noqa: E402
+from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments,
+                              rowsync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
@@ -85,6 +86,118 @@ def scenario_all_gather_layout() -> None:
             assert err[0].item() == 0, err
             assert _rel(c, full.double() @ w.double().t()) < 1e-5, (rank, chunks)
     print("PASS all_gather_layout")
+
+
+def scenario_push_layout() -> None:
+    """The p2p all-gather: peers' chunks land in natural row order, each with its
+    own flag (sender * chunks + c); with one sender's last chunk missing, only
+    those rows stay unwritten and the timeout names that flag."""
+    g = torch.Generator().manual_seed(11)
+    world, ms, k, n = 3, 37, 32, 24
+    for rank in range(world):
+        for chunks in (1, 3):
+            full = torch.randn(world * ms, k, generator=g, dtype=torch.float32)
+            w = torch.randn(n, k, generator=g, dtype=torch.float32)
+            lay = all_gather_push_layout(world, rank, ms, chunks, CFG.block_m)
+            assert lay.gathered_to_natural() == list(range(world * ms))
+            nch = len(lay.chunk_rows)
+            peer_late = (rank + 1) % world
+            for missing in (False, True):
+                buf = torch.zeros_like(full)
+                flags = torch.full((world * nch,), 6, dtype=torch.int32)  # the previous call's epoch
+                for r in range(world):
+                    if r == rank:
+                        continue
+                    for c, (start, rows) in enumerate(zip(lay.chunk_starts, lay.chunk_rows)):
+                        if missing and r == peer_late and c == nch - 1:
+                            continue  # this push never lands
+                        buf[r * ms + start: r * ms + start + rows] = full[r * ms + start: r * ms + start + rows]
+                        flags[r * nch + c] = 7
+                ew = ErrorWord("cpu", what="push")
+                c_out = torch.full((world * ms, n), float("nan"))
+                launch_tile_gemm(full[rank * ms:(rank + 1) * ms].clone(), w.t(), c_out, _table(lay.segments, n),
+                                 a2=buf, flags=flags, err=ew.word, epoch=7, rank=rank, grid=1 if missing else 4,
+                                 config=CFG, wait=True, max_spins=100)
+                ref = full.double() @ w.double().t()
+                if not missing:
+                    ew.check()
+                    assert _rel(c_out, ref) < 1e-5, (rank, chunks)
+                    continue
+                start, rows = lay.chunk_starts[-1], lay.chunk_rows[-1]
+                lo, hi = peer_late * ms + start, peer_late * ms + start + rows
+                assert torch.isnan(c_out[lo:hi]).all(), "a tile of a missing push wrote"
+                # rows scheduled before the missing chunk's tiles were computed
+                assert _rel(c_out[rank * ms:(rank + 1) * ms], ref[rank * ms:(rank + 1) * ms]) < 1e-5
+                try:
+                    ew.check()
+                except FlagTimeoutError as e:
+                    assert (e.flag_idx, e.expected, e.seen) == (peer_late * nch + nch - 1, 7, 6), e
+                else:
+                    raise AssertionError("timeout not reported")
+    print("PASS push_layout")
+
+
+def scenario_reduce_norm() -> None:
+    """The p2p all-reduce's consumer kernel: the partials pushed into slots are
+    summed with the local one in rank order, the residual added, the norm taken,
+    and every program posts every chunk once; with one peer's chunk missing, the
+    timeout names its flag, those rows stay unwritten, and the chunk is still posted."""
+    g = torch.Generator().manual_seed(12)
+    m, k, chunks, programs = 23, 40, 3, 4
+    sizes, _ = row_chunk_segments(m, chunks, 8)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    for world, rank in ((2, 0), (3, 1), (4, 3)):
+        for dt in (torch.float32, torch.float16):
+            for kind, with_res in ((None, False), (None, True), ("layernorm", True), ("rmsnorm", False)):
+                parts = [(torch.randn(m, k, generator=g) * (r + 1)).to(dt) for r in range(world)]
+                res = torch.randn(m, k, generator=g).to(dt) if with_res else None
+                w = torch.randn(k, generator=g).to(dt)
+                bias = torch.randn(k, generator=g).to(dt) if kind == "layernorm" else None
+                recv = torch.zeros(world - 1, m, k, dtype=dt)
+                for r in range(world):
+                    if r != rank:
+                        recv[push_slot(r, rank, world)] = parts[r]
+                rflags = torch.full(((world - 1) * chunks,), 4, dtype=torch.int32)
+                for missing in (False, True):
+                    rflags.fill_(5)
+                    late_slot = push_slot((rank + 1) % world, rank, world)
+                    if missing:
+                        rflags[late_slot * chunks + chunks - 1] = 4
+                    ready = torch.zeros(chunks, dtype=torch.int32)
+                    ew = ErrorWord("cpu", what="reduce")
+                    h = torch.full((m, k), float("nan"), dtype=dt)
+                    y = torch.full((m, k), float("nan"), dtype=dt) if kind else None
+                    # the interpreter runs programs one after another and a timeout makes
+                    # later programs skip their rows: one program when a chunk is missing
+                    progs = 1 if missing else programs
+                    launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
+                                       err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
+                                       residual=res, norm=kind, weight=w if kind else None, bias=bias,
+                                       y=y, max_spins=50, block_k=16)
+                    assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
+                    tot = torch.zeros(m, k)
+                    for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank
+                        tot += parts[r].float()
+                    h_ref = tot.to(dt)
+                    if with_res:
+                        h_ref = (h_ref.float() + res.float()).to(dt)
+                    done = m - sizes[-1] if missing else m
+                    assert torch.equal(h[:done], h_ref[:done]), (world, rank, dt, kind, missing)
+                    if kind:
+                        tol = 1e-5 if dt == torch.float32 else 2e-3
+                        torch.testing.assert_close(y[:done].float(), _torch_norm(h_ref[:done], kind, w, bias, 1e-5),
+                                                   atol=tol * 4, rtol=tol)
+                    if not missing:
+                        ew.check()
+                        continue
+                    assert torch.isnan(h[done:].float()).all(), "rows of a missing chunk were written"
+                    try:
+                        ew.check()
+                    except FlagTimeoutError as e:
+                        assert (e.flag_idx, e.expected, e.seen) == (late_slot * chunks + chunks - 1, 5, 4), e
+                    else:
+                        raise AssertionError("timeout not reported")
+    print("PASS reduce_norm")
 
 
 def scenario_posts_and_gelu() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .oputil import (CPU_FALLBACK, describe_config, library_comm, raise_kernel_errors,
+from .oputil import (CPU_FALLBACK, describe_config, library_comm, p2p_push_alone, raise_kernel_errors,
                      symm_mem_variant, tile_gemm_alone, torch_all_gather)
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
@@ -23,9 +23,12 @@ SHAPES = {
     "llama-70b": [mnk("llama-70b", 8192, 14336, 8192, name="fc1")],
 }
 
-# the tuner's candidates: chunk counts x NCCL CTA caps, plus an SM-budget and a give-back probe
-TUNE_GRID = [dict(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)] + [
-    dict(chunks=2, nccl_ctas=8, sm_margin=12), dict(chunks=2, nccl_ctas=24, give_back=False)]
+# the tuner's candidates: NCCL chunk counts x CTA caps, plus an SM-budget and a give-back
+# probe; with peer memory, copy-engine pushes in 1..8 chunks
+TUNE_GRID = [dict(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4) for ct in (16, 24, 32)] + [
+    dict(chunks=2, nccl_ctas=8, sm_margin=12, transport="nccl"),
+    dict(chunks=2, nccl_ctas=24, give_back=False, transport="nccl")]
+TUNE_GRID_P2P = [dict(chunks=ch, transport="p2p") for ch in (1, 2, 4, 8)]
 
 
 def setup(shape: Shape, env: Env) -> Case:
@@ -47,9 +50,12 @@ def setup(shape: Shape, env: Env) -> Case:
         from overlap.ops import all_gather as agmod
 
         tile.counter = lambda: agmod.stats["fused"]
+        from overlap.ops._runtime import get_runtime
+
+        grid = TUNE_GRID + (TUNE_GRID_P2P if get_runtime(g, env.device).p2p() is not None else [])
         if env.tune:
             tile.prepare = lambda: describe_config(tune_all_gather_matmul(
-                a, b, group=g, candidates=[OverlapConfig(**c) for c in TUNE_GRID], verbose=env.verbose))
+                a, b, group=g, candidates=[OverlapConfig(**c) for c in grid], verbose=env.verbose))
         comm = library_comm(env)
         parts = {"comm": lambda: comm.all_gather(a, gathered), "gemm": lambda: full @ b}
     else:
@@ -71,7 +77,9 @@ def setup(shape: Shape, env: Env) -> Case:
             lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=name))),
     }
     return Case(variants=variants, parts=parts, flops=2.0 * m * n * k, comm_bytes=m * k * a.element_size(),
-                extra={"comm_torch": torch_all_gather(env, gathered, a), "tile_gemm": tile_gemm_alone(env, full, b)}
+                extra={k: v for k, v in (("comm_torch", torch_all_gather(env, gathered, a)),
+                                         ("tile_gemm", tile_gemm_alone(env, full, b)),
+                                         ("comm_p2p_push", p2p_push_alone(env, a))) if v is not None}
                 if env.on_gpu else {},
                 check=check, finish=lambda: raise_kernel_errors(env))
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .oputil import (CPU_FALLBACK, describe_config, fast_path_counter, library_comm, raise_kernel_errors,
-                     tile_gemm_alone, torch_all_reduce)
+from .oputil import (CPU_FALLBACK, describe_config, fast_path_counter, library_comm, p2p_push_alone,
+                     raise_kernel_errors, tile_gemm_alone, torch_all_reduce)
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
 _BASE = {
@@ -80,7 +80,9 @@ def setup(shape: Shape, env: Env) -> Case:
         "symm_mem": Variant("symm_mem", role="external", na="torch has no symmetric-memory all-reduce -> GEMM op"),
     }
     return Case(variants=variants, parts=parts, flops=2.0 * m * n * k, comm_bytes=m * k * x.element_size(),
-                extra={"comm_torch": torch_all_reduce(env, zeros), "tile_gemm": tile_gemm_alone(env, y, b)}
+                extra={k: v for k, v in (("comm_torch", torch_all_reduce(env, zeros)),
+                                         ("tile_gemm", tile_gemm_alone(env, y, b)),
+                                         ("comm_p2p_push", p2p_push_alone(env, x))) if v is not None}
                 if env.on_gpu else {},
                 check=check, finish=lambda: raise_kernel_errors(env))
 

@@ -21,8 +21,11 @@ def describe_config(best: Any) -> Any:
     """A tuner's answer for the JSON: "sequential" or the config's main fields."""
     if isinstance(best, str) or best is None:
         return best
-    fields = ("chunks", "nccl_ctas", "sm_margin", "give_back")
-    return {f: getattr(best, f) for f in fields if hasattr(best, f)}
+    fields = ("transport", "chunks", "nccl_ctas", "reduce_ctas", "sm_margin", "give_back")
+    out = {f: getattr(best, f) for f in fields if hasattr(best, f)}
+    if out.get("transport") == "p2p":  # NCCL's CTA cap means nothing to the peer-copy path
+        out.pop("nccl_ctas", None)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def fast_path_counter(fn: Callable[..., Any]) -> Callable[[], int] | None:
@@ -90,3 +93,27 @@ def tile_gemm_alone(env: Env, a: torch.Tensor, b: torch.Tensor) -> Callable[[], 
     c = a.new_empty((m, n))
     sms = torch.cuda.get_device_properties(env.device).multi_processor_count
     return lambda: launch_tile_gemm(a, b, c, table, grid=sms)
+
+
+def p2p_push_alone(env: Env, src: torch.Tensor) -> Callable[[], Any] | None:
+    """Copy-engine pushes of ``src`` into every peer's memory (what the library's
+    p2p transport moves per call), alone; None where peer memory is unavailable."""
+    if not env.on_gpu or env.world < 2:
+        return None
+    from overlap._p2p import memcpy_async
+    from overlap.ops._runtime import get_runtime
+
+    rt = get_runtime(env.group, env.device)
+    heap = rt.p2p()
+    if heap is None:
+        return None
+    nbytes = src.numel() * src.element_size()
+    blk = heap.block("bench_push", nbytes * (env.world - 1))
+
+    def fn() -> None:
+        cur = torch.cuda.current_stream(env.device)
+        for step in range(1, env.world):
+            peer = (rt.rank + step) % env.world
+            memcpy_async(blk.ptrs[peer] + (step - 1) * nbytes, src.data_ptr(), nbytes, cur)
+
+    return fn

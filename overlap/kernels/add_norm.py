@@ -25,7 +25,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["add_norm_kernel", "launch_add_norm", "NORM_KINDS"]
+__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "NORM_KINDS"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
 
@@ -55,6 +55,15 @@ def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
         else:
             acc += xf
     if NORM != 0:
+        _norm_row(h_row, y_ptr + row * stride_y, w_ptr, b_ptr, K, eps, acc, NORM, HAS_BIAS, BLOCK_K)
+
+
+@triton.jit
+def _norm_row(h_row, y_row, w_ptr, b_ptr, K, eps, acc, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """y_row = norm(h_row) given pass 1's per-lane sums ``acc`` (of h, or of h^2 for RMSNorm)."""
+    offs = tl.arange(0, BLOCK_K)
+    if NORM != 0:
         if NORM == 1:
             # pass 2 (LayerNorm): the variance around the mean, not E[x^2] - mean^2,
             # which cancels when |mean| >> std
@@ -70,7 +79,6 @@ def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
             mean = 0.0
             var = tl.sum(acc, axis=0) / K
         rstd = 1.0 / tl.sqrt(var + eps)
-        y_row = y_ptr + row * stride_y
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs
             m = cols < K
@@ -79,7 +87,7 @@ def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
             y = (xf - mean) * rstd * w
             if HAS_BIAS:
                 y += tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(y_row + cols, y.to(y_row.dtype.element_ty), mask=m)
 
 
 def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm: str | None = None,
@@ -110,4 +118,105 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
         h.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0) if y is not None else 0,
         HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
         BLOCK_K=block_k, num_warps=num_warps,
+    )
+
+
+# --------------------------------------------------------------------------
+# the p2p all-reduce's consumer: sum the pushed partials, add, norm, post
+# --------------------------------------------------------------------------
+from .tile_gemm import _wait, interpreting  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["n_chunks", "epoch", "rank", "world", "timeout_ns", "max_spins"])
+def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
+                       rflags_ptr, ready_ptr, err_ptr, starts_ptr,
+                       K, eps, n_chunks, epoch, rank, world, slot_stride, timeout_ns, max_spins,
+                       HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
+    """Persistent over row chunks in order. For chunk c every program waits until each
+    peer's rows landed (rflags[slot * n_chunks + c] >= epoch), then takes rows
+    start_c + pid, + G, ...:  h = sum of the R partials in rank order (identical
+    on every rank) (+ residual), y = norm(h); then adds 1 to ready[c] (release).
+    A consumer of chunk c waits for ready[c] >= its epoch * G. After a timeout
+    (recorded in the error word) programs skip their rows but still post."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_K)
+    dt = h_ptr.dtype.element_ty
+    for c in range(n_chunks):
+        r0 = tl.load(starts_ptr + c)
+        r1 = tl.load(starts_ptr + c + 1)
+        ok = 1
+        if tl.load(err_ptr, volatile=True) != 0:
+            ok = 0
+        for s in range(world - 1):
+            if ok != 0:
+                ok = _wait(rflags_ptr, err_ptr, s * n_chunks + c, epoch, rank, c, timeout_ns, max_spins,
+                           USE_TIMER, FENCE_ASYNC)
+        if ok != 0:
+            for row in range(r0 + pid, r1, G):
+                base = (tl.full((), 0, tl.int64) + row) * K  # 64-bit offsets
+                acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    cols = k0 + offs
+                    m = cols < K
+                    tot = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                    for r in range(world):
+                        if r == rank:
+                            v = tl.load(x_ptr + base + cols, mask=m, other=0.0)
+                        else:
+                            slot = tl.full((), 0, tl.int64) + (r - rank - 1 + world) % world
+                            v = tl.load(recv_ptr + slot * slot_stride + base + cols, mask=m, other=0.0)
+                        tot += v.to(tl.float32)
+                    hv = tot.to(dt)  # rounded like an all-reduce's output
+                    if HAS_RES:
+                        rv = tl.load(res_ptr + base + cols, mask=m, other=0.0)
+                        hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+                    tl.store(h_ptr + base + cols, hv, mask=m)
+                    hf = hv.to(tl.float32)
+                    if NORM == 2:
+                        acc += hf * hf
+                    else:
+                        acc += hf
+                if NORM != 0:
+                    _norm_row(h_ptr + base, y_ptr + base, w_ptr, b_ptr, K, eps, acc, NORM, HAS_BIAS, BLOCK_K)
+        # every thread's stores of this chunk precede the barrier; one release add publishes them
+        tl.debug_barrier()
+        tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
+
+
+def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any,
+                       epoch: int, rank: int, world: int, programs: int, residual: Any = None,
+                       norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
+                       y: Any = None, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
+                       num_warps: int = 4, block_k: int | None = None) -> None:
+    """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
+
+    ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
+    [world - 1, M, K] (peer r's partial in slot (r - rank - 1) mod world);
+    ``starts``: int32 [chunks + 1] row starts on the device; ``rflags``: int32
+    flags the peers set (slot * chunks + c); ``ready``: int32 [chunks] this
+    kernel posts to; ``err``: the error word shared with the consumer GEMM.
+    """
+    if norm not in NORM_KINDS:
+        raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
+    if norm is not None and (y is None or weight is None):
+        raise ValueError("a norm needs y and weight")
+    m, K = x.shape
+    for name, t in (("x", x), ("h", h), ("residual", residual), ("y", y), ("recv", recv),
+                    ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
+        raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
+    n_chunks = starts.numel() - 1
+    block_k = block_k or min(triton.next_power_of_2(K), 2048)
+    interp = interpreting()
+    reduce_norm_kernel[(max(1, int(programs)),)](
+        x, recv, residual if residual is not None else x, h, y if y is not None else h,
+        weight if weight is not None else x, bias if bias is not None else x,
+        rflags, ready, err, starts,
+        K, float(eps), n_chunks, int(epoch), int(rank), int(world), m * K, int(timeout_ns), int(max_spins),
+        HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
+        BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
     )

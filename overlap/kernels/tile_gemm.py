@@ -76,7 +76,8 @@ def _mainloop(a_desc, b_desc, off_am, off_bn, K,
 
 @triton.jit
 def _poll(flags_ptr, idx):
-    return tl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="gpu")
+    # system scope: a flag may be written by a peer GPU's copy stream (overlap._p2p)
+    return tl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="sys")
 
 
 @triton.jit

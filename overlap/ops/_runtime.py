@@ -48,8 +48,9 @@ class OverlapConfig:
     """NCCL calls the collective is cut into (each followed by a flag post)."""
     nccl_ctas: int | None = None
     """Cap on NCCL's CTAs for the op's communicator (about 10 GB/s each on NVLink)."""
-    sm_margin: int = 4
-    """SMs left idle beyond NCCL's CTAs, for the flag writes' neighbours and stragglers."""
+    sm_margin: int | None = None
+    """SMs left idle beyond NCCL's CTAs (or the reduce kernel's programs); ``None``:
+    4 on the NCCL transport, 0 on the peer-copy transport."""
     give_back: bool = True
     """After the last chunk lands, launch a second GEMM grid on NCCL's SMs that
     takes tiles from the same dispatch counter."""
@@ -57,6 +58,14 @@ class OverlapConfig:
     """``overlap.kernels.tile_gemm.GemmConfig``; ``None``: the tuned or default one."""
     timeout_ms: float | None = None
     """Bound of one tile's flag wait; ``None``: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    transport: str | None = None
+    """How rows move between GPUs: "nccl" (chunked NCCL collectives on the
+    library's communicator; their CTAs hold SMs) or "p2p" (copy-engine pushes into
+    peer memory on one node, ``overlap._p2p``; no SM). ``None``: "p2p" where the
+    group's ranks can map each other's memory (``OVERLAP_TRANSPORT`` overrides)."""
+    reduce_ctas: int | None = None
+    """p2p all-reduce: programs of the kernel that sums the pushed partials (and adds
+    the residual and norms) chunk by chunk; ``None``: 16."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""
@@ -66,12 +75,22 @@ class OverlapConfig:
             raise ValueError(f"chunks must be >= 1, got {self.chunks}")
         if self.nccl_ctas is not None and not (1 <= self.nccl_ctas <= 64):
             raise ValueError(f"nccl_ctas must be in [1, 64], got {self.nccl_ctas}")
-        if self.sm_margin < 0:
+        if self.sm_margin is not None and self.sm_margin < 0:
             raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
+        if self.transport not in (None, "nccl", "p2p"):
+            raise ValueError(f"transport must be 'nccl', 'p2p' or None, got {self.transport!r}")
+        if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 128):
+            raise ValueError(f"reduce_ctas must be in [1, 128], got {self.reduce_ctas}")
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
+
+    def margin(self, transport: str) -> int:
+        """``sm_margin`` resolved for ``transport``."""
+        if self.sm_margin is not None:
+            return self.sm_margin
+        return 4 if transport == "nccl" else 0
 
 
 class Runtime:
@@ -89,6 +108,36 @@ class Runtime:
         self._flags: dict[str, _flags.FlagArray] = {}
         self._errs: dict[str, _flags.ErrorWord] = {}
         self._counters: dict[str, torch.Tensor] = {}
+        self._heap: Any = None
+        self._p2p_why: str | None = None  # None: not decided yet
+
+    def p2p(self) -> Any:
+        """The group's ``overlap._p2p.PeerHeap``, or None where the ranks cannot map
+        each other's memory (then ``p2p_why`` says why). Collective the first time:
+        every rank of the group must call it at the same point."""
+        if self._p2p_why is None:
+            self._heap, self._p2p_why = _open_heap(self)
+        return self._heap
+
+    @property
+    def p2p_why(self) -> str:
+        return self._p2p_why or ""
+
+    def transport(self, cfg: "OverlapConfig") -> str:
+        """The transport ``cfg`` asks for, resolved (collective the first time)."""
+        want = cfg.transport or _env_transport()
+        if want == "nccl":
+            return "nccl"
+        if self.p2p() is not None:
+            return "p2p"
+        if want == "p2p":
+            raise RuntimeError(f"transport 'p2p' asked for, but this group cannot use peer memory: {self.p2p_why}")
+        return "nccl"
+
+    def close(self) -> None:
+        if self._heap is not None:
+            self._heap.close()
+            self._heap = None
 
     def comm(self, max_ctas: int | None) -> Any:
         """The library's communicator over this group, NCCL CTAs capped at ``max_ctas``."""
@@ -126,6 +175,46 @@ class Runtime:
         return self._counters[name]
 
 
+def _env_transport() -> str | None:
+    import os
+
+    v = os.environ.get("OVERLAP_TRANSPORT", "").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v not in ("nccl", "p2p"):
+        raise ValueError(f"OVERLAP_TRANSPORT must be 'nccl', 'p2p' or 'auto', got {v!r}")
+    return v
+
+
+def _open_heap(rt: Runtime) -> tuple[Any, str]:
+    """(PeerHeap, "") or (None, why). Collective over the runtime's group."""
+    import socket
+
+    import torch.distributed as tdist
+
+    from .._p2p import P2PUnavailable, PeerHeap
+
+    try:
+        import cupy  # noqa: F401
+
+        mine = (socket.gethostname(), "")
+    except Exception as e:  # noqa: BLE001
+        mine = (socket.gethostname(), f"cupy: {e}")
+    alls: list[Any] = [None] * rt.world
+    tdist.all_gather_object(alls, mine, group=rt.group)
+    hosts = {h for h, _ in alls}
+    errs = [e for _, e in alls if e]
+    if errs:
+        return None, "; ".join(errs)
+    if len(hosts) > 1:
+        return None, f"ranks on {len(hosts)} hosts"
+    try:
+        return PeerHeap(rt.group, rt.world, rt.rank, rt.device), ""
+    except P2PUnavailable as e:
+        warn_once(f"p2p-{rt.ranks}", f"peer memory unavailable ({e}); the ops use NCCL")
+        return None, str(e)
+
+
 def group_key(group: Any) -> tuple[tuple[int, ...], int]:
     import torch.distributed as tdist
 
@@ -153,6 +242,12 @@ def reset_runtimes() -> None:
     """Forget every runtime; ``dist.shutdown`` calls this before it destroys the
     communicators the runtimes hold, so ops after a new ``init`` build fresh ones."""
     with _lock:
+        for rt in _runtimes.values():
+            try:
+                torch.cuda.synchronize(rt.device)
+                rt.close()
+            except Exception:  # noqa: BLE001 - teardown is best effort
+                pass
         _runtimes.clear()
 
 

@@ -15,6 +15,15 @@ The tile-flag schedule (R = 2, 2 chunks; W = flag write, no SM):
 The gathered buffer is chunk-major (chunk c of every rank lands contiguously by
 one NCCL all-gather); the GEMM writes C in natural row order, so only
 ``return_gathered`` with more than one chunk pays a row permutation.
+
+On one node the rows can move without NCCL (``transport="p2p"``, the default
+where peers can map each other's memory): every rank pushes its chunks into
+each peer's buffer with the copy engines and writes the peer's flag for that
+chunk from the same stream (``overlap._p2p``). No SM moves data, so the GEMM
+grid covers every SM and there is no give-back launch:
+
+    copy stream  | push c0 -> peers |W| push c1 -> peers |W|      (copy engines; W = peer flag write)
+    GEMM grid    | local-shard tiles | peer c0 tiles (wait) | peer c1 tiles (wait) |   (all SMs)
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import AllGatherLayout, all_gather_layout, build_tile_table
+from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
 from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
                        warn_once)
 
@@ -37,7 +46,7 @@ __all__ = [
     "tune_all_gather_matmul",
 ]
 
-stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -169,25 +178,31 @@ def _default_chunks(ms: int) -> int:
     return max(1, min(4, ms // 1024))
 
 
-def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
+def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
     chunks = cfg.chunks or _default_chunks(ms)
-    nccl_ctas = cfg.nccl_ctas or 16
-    key = (rt.ranks, ms, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
+    nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
+    margin = cfg.margin(transport)
+    key = (rt.ranks, rt.device.index, transport, ms, n, k, chunks, nccl_ctas, margin, cfg.give_back, gemm)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs
-        layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
+        if transport == "p2p":
+            layout = all_gather_push_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
+            flag_count = rt.world * len(layout.chunk_rows)
+        else:
+            layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
+            flag_count = len(layout.chunk_rows)
         rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n)
         table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
-        grid = rt.num_sms - nccl_ctas - cfg.sm_margin
+        grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
-            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}")
+            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
         # the give-back grid takes every SM the main grid left: NCCL's and the margin
-        p = _Plan(layout, table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
-                  len(layout.chunk_rows))
+        give_back = rt.num_sms - grid if (cfg.give_back and transport == "nccl") else 0
+        p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count)
         _plans[key] = p
     return p
 
@@ -230,13 +245,16 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
-    # NCCL call sizes come from (M/R, K) and the chunks (0: the sequential path):
-    # ranks must agree or peers hang
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "chunks"),
-                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(ms))))
+    transport = rt.transport(config) if config is not None else "nccl"
+    # NCCL call sizes and pushed rows come from (M/R, K) and the chunks (0: the
+    # sequential path): ranks must agree or peers hang
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "chunks", "p2p"),
+                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(ms)), int(transport == "p2p")))
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
         return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    if transport == "p2p":
+        return _fused_p2p(rt, a_shard.contiguous(), b, return_gathered, config)
     return _fused(rt, a_shard.contiguous(), b, return_gathered, config)
 
 
@@ -283,6 +301,63 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     return c
 
 
+_last_done: dict[tuple, Any] = {}
+
+
+def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
+               cfg: OverlapConfig) -> Any:
+    from .._p2p import memcpy_async
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    ms, k = a_shard.shape
+    n = b.shape[1]
+    world, rank = rt.world, rt.rank
+    heap = rt.p2p()
+    p = _plan(rt, ms, n, k, cfg, "p2p")
+    chunks = len(p.layout.chunk_rows)
+    row_bytes = k * a_shard.element_size()
+    half = -(-world * ms * row_bytes // 1024) * 1024
+    # two halves, used by call parity (see overlap._p2p on why no handshake is needed);
+    # a grown block keeps that: every rank grows at the same call, after a barrier
+    blk = heap.block("all_gather_matmul", 2 * half)
+    sf = heap.flags("all_gather_matmul", p.flag_count)
+    err = rt.err("all_gather_matmul")
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    epoch = sf.next_epoch()
+    off = (epoch % 2) * (blk.nbytes // 2)
+    gathered = blk.tensor(rank, off, (world * ms, k), a_shard.dtype)
+    c = a_shard.new_empty((world * ms, n))
+    cur = torch.cuda.current_stream(a_shard.device)
+    cs = rt.comm_stream
+    cs.wait_stream(cur)
+    prev = _last_done.get((rt.ranks, rt.device.index))
+    if prev is not None:  # the previous call's work, wherever its stream was
+        cs.wait_event(prev)
+    src = a_shard.data_ptr()
+    for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+        for step in range(1, world):
+            peer = (rank + step) % world
+            memcpy_async(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
+                         rows * row_bytes, cs)
+            _flags.stream_write_value(cs, sf.peer(peer), rank * chunks + c_idx, epoch)
+    launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
+                     epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
+    cur.wait_stream(cs)
+    a_shard.record_stream(cs)
+    out_g = None
+    if return_gathered:
+        # the shared buffer is overwritten two calls later: hand out a copy
+        out_g = gathered.clone()
+        out_g[rank * ms:(rank + 1) * ms].copy_(a_shard)
+    done = torch.cuda.Event()
+    done.record(cur)
+    _last_done[(rt.ranks, rt.device.index)] = done
+    report_errors(err, cfg.check)
+    stats["fused"] += 1
+    stats["p2p"] += 1
+    return (c, out_g) if return_gathered else c
+
+
 # --------------------------------------------------------------------------
 # tuner
 # --------------------------------------------------------------------------
@@ -299,7 +374,10 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     ms, k = a_shard.shape
     n = b.shape[1]
     if candidates is None:
-        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
+                      for ct in (16, 24, 32)]
+        if rt.transport(OverlapConfig()) == "p2p":
+            candidates = [OverlapConfig(chunks=ch, transport="p2p") for ch in (1, 2, 4, 8)] + candidates
     results: list[tuple[float, Any]] = []
     t_seq = time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
     results.append((t_seq, "sequential"))
@@ -308,7 +386,8 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     err = rt.err("all_gather_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")
-        t = time_ms(lambda: _fused(rt, a_shard, b, False, cand), iters, group)
+        fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
+        t = time_ms(lambda: fused(rt, a_shard, b, False, cand), iters, group)
         failed = torch.zeros(1, device=a_shard.device)
         try:
             err.check(block=True)
@@ -321,7 +400,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
         if failed.item() == 0:
             results.append((t, replace(cand, check="async")))
         if verbose and rt.rank == 0:
-            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
+            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
                   f"margin {cand.sm_margin}, give_back {cand.give_back}: {t:.3f} ms"
                   + (" (timed out: rejected)" if failed.item() else ""), flush=True)
     best_t, best = min(results, key=lambda r: r[0])

@@ -20,6 +20,18 @@ all-reduce of the next chunk is not held up behind them; their programs are
 small and take whatever SM room is free. Without a residual or a norm the flag
 is written on the comm stream right after the chunk's all-reduce and the GEMM
 reads ``h`` itself.
+
+On one node (``transport="p2p"``, the default where peers can map each other's
+memory) no NCCL kernel runs: every rank pushes each row chunk of its partial
+sums into every peer's buffer with the copy engines and writes the peer's flag
+for it (``overlap._p2p``; a one-shot all-reduce, which for 2 ranks moves the
+same bytes as a ring). One persistent kernel on a few SMs waits for each chunk
+of every peer, sums the partials in rank order (the same bits on every rank),
+adds the residual, norms, and posts the chunk's flag for the GEMM:
+
+    copy stream  | push rows0 -> peers |W| push rows1 -> peers |W|        (copy engines)
+    reduce grid  | wait rows0; sum+add+norm; post | wait rows1; ... | give-back grid |
+    GEMM grid    | rows0 tiles (wait) ............ | rows1 tiles (wait) .............. |
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import build_tile_table, row_chunk_segments, split_rows
+from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
 from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
                        warn_once)
 
@@ -43,7 +55,7 @@ __all__ = [
     "stats",
 ]
 
-stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -202,6 +214,8 @@ class _Plan:
     give_back_grid: int
     nccl_ctas: int
     gemm: Any
+    reduce_ctas: int = 0
+    starts: torch.Tensor | None = None
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -214,24 +228,38 @@ def _default_chunks(m: int) -> int:
     return max(1, min(4, m // 2048))
 
 
-def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
+def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
     chunks = cfg.chunks or _default_chunks(m)
-    nccl_ctas = cfg.nccl_ctas or 16
-    key = (rt.ranks, rt.device.index, m, n, k, chunks, nccl_ctas, cfg.sm_margin, cfg.give_back, gemm)
+    # SMs the communication side holds: NCCL's CTAs, or the p2p reduce kernel's programs
+    nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
+    reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
+    margin = cfg.margin(transport)
+    key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
+           gemm)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
         # align to a fixed 128 rows (a tile never straddles a chunk either way)
         sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
+        if reduce_ctas:  # a chunk is ready when every reduce program posted it
+            segs = [replace(sg, wait_mult=reduce_ctas) for sg in segs]
         table = torch.tensor(build_tile_table(segs, n, gemm.block_m, gemm.block_n), dtype=torch.int32,
                              device=rt.device)
-        grid = rt.num_sms - nccl_ctas - cfg.sm_margin
+        grid = rt.num_sms - nccl_ctas - reduce_ctas - margin
         if grid < 1:
-            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}")
-        p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm)
+            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
+                             f"reduce_ctas={reduce_ctas}, margin {margin}")
+        starts = None
+        if reduce_ctas:
+            acc = [0]
+            for r in sizes:
+                acc.append(acc[-1] + r)
+            starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
+        p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
+                  reduce_ctas, starts)
         _plans[key] = p
     return p
 
@@ -285,14 +313,18 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         chunks = config.chunks or _default_chunks(m)
     else:  # the tuner's pick: "sequential" (one all-reduce) or "chunked xN"
         chunks = int(tuned.removeprefix("chunked x")) if tuned.startswith("chunked x") else 1
-    # NCCL call sizes come from (M, K) and the chunks: ranks must agree or peers hang
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks"), (m, k, n, chunks))
+    transport = rt.transport(config) if config is not None else "nccl"
+    # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks", "p2p"),
+                (m, k, n, chunks, int(transport == "p2p")))
     if tuned == "sequential":
         stats["sequential_by_tuner"] += 1
         return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
     if config is None:
         stats["chunked_by_tuner"] += 1
         return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm, chunks=chunks)
+    if transport == "p2p":
+        return _fused_p2p(rt, x_partial.contiguous(), b, residual, norm, config)
     return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
 
 
@@ -363,6 +395,90 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     return c, h
 
 
+_last_done: dict[tuple, Any] = {}
+
+
+def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
+               cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from .._p2p import memcpy_async
+    from ..kernels.add_norm import launch_reduce_norm
+    from ..kernels.tile_gemm import launch_tile_gemm
+
+    m, k = x.shape
+    n = b.shape[1]
+    world, rank = rt.world, rt.rank
+    heap = rt.p2p()
+    p = _plan(rt, m, n, k, cfg, "p2p")
+    chunks = len(p.chunk_rows)
+    row_bytes = k * x.element_size()
+    half = -(-(world - 1) * m * row_bytes // 1024) * 1024
+    # two halves by call parity (overlap._p2p: no handshake needed for reuse)
+    blk = heap.block("all_reduce_matmul", 2 * half)
+    sf = heap.flags("all_reduce_matmul", (world - 1) * chunks)
+    ready = rt.flags("all_reduce_matmul_ready", chunks)
+    err = rt.err("all_reduce_matmul")
+    counter = rt.counter("all_reduce_matmul")
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    epoch = sf.next_epoch()
+    r_epoch = ready.next_epoch(max_mult=p.reduce_ctas)
+    off = (epoch % 2) * (blk.nbytes // 2)
+    recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
+
+    if residual is not None:
+        residual = residual.contiguous()
+    if norm is not None:
+        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
+                    norm.eps)
+    h = torch.empty_like(x)
+    y = torch.empty_like(x) if norm is not None else h
+    c = x.new_empty((m, n))
+    cur = torch.cuda.current_stream(x.device)
+    cs, ns = rt.comm_stream, rt.aux_stream
+    # reset the dispatch counter before the side streams fork from this one
+    _flags.stream_write_value(cur, counter, 0, 0)
+    cs.wait_stream(cur)
+    prev = _last_done.get((rt.ranks, rt.device.index))
+    if prev is not None:  # the previous call's work, wherever its stream was
+        cs.wait_event(prev)
+    ns.wait_stream(cur)
+    src = x.data_ptr()
+    start = 0
+    for c_idx, rows in enumerate(p.chunk_rows):
+        for step in range(1, world):
+            peer = (rank + step) % world
+            slot = push_slot(rank, peer, world)
+            memcpy_async(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
+                         rows * row_bytes, cs)
+            _flags.stream_write_value(cs, sf.peer(peer), slot * chunks + c_idx, epoch)
+        start += rows
+    with torch.cuda.stream(ns):
+        launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
+                           epoch=epoch, rank=rank, world=world, programs=p.reduce_ctas, residual=residual,
+                           norm=norm.kind if norm else None, weight=norm.weight if norm else None,
+                           bias=norm.bias if norm else None, eps=norm.eps if norm else 1e-5,
+                           y=y if norm is not None else None, timeout_ns=timeout_ns)
+    common = dict(flags=ready.flags, err=err.word, epoch=r_epoch, rank=rank, config=p.gemm,
+                  timeout_ns=timeout_ns, counter=counter)
+    launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)
+    if p.give_back_grid:
+        # queued behind the reduce kernel: its SMs are free by then
+        with torch.cuda.stream(ns):
+            launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
+    cur.wait_stream(cs)
+    cur.wait_stream(ns)
+    x.record_stream(cs)
+    for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
+        if t is not None:
+            t.record_stream(ns)
+    done = torch.cuda.Event()
+    done.record(cur)
+    _last_done[(rt.ranks, rt.device.index)] = done
+    report_errors(err, cfg.check)
+    stats["fused"] += 1
+    stats["p2p"] += 1
+    return c, h
+
+
 # --------------------------------------------------------------------------
 # tuner
 # --------------------------------------------------------------------------
@@ -397,9 +513,14 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     rt = get_runtime(group, x_partial.device)
     x = x_partial.contiguous()
     if candidates is None:
-        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct) for ch in (1, 2, 4) for ct in (16, 24, 32)]
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
+                      for ct in (16, 24, 32)]
         if residual is not None or norm is not None:  # the add + norm kernels need free SMs
-            candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24) for ch in (2, 4) for ct in (24, 32)]
+            candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24, transport="nccl")
+                           for ch in (2, 4) for ct in (24, 32)]
+        if rt.transport(OverlapConfig()) == "p2p":
+            candidates = [OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (2, 4, 8)
+                          for rc in (8, 16, 32)] + candidates
     results: list[tuple[float, Any]] = []
     for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
                      ("chunked x2", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
@@ -414,7 +535,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     err = rt.err("all_reduce_matmul")
     for cand in candidates:
         cand = replace(cand, check="none")
-        t = time_ms(lambda: _fused(rt, x, b, residual, norm, cand), iters, group)
+        fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
+        t = time_ms(lambda: fused(rt, x, b, residual, norm, cand), iters, group)
         failed = torch.zeros(1, device=x.device)
         try:
             err.check(block=True)
@@ -425,7 +547,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         if failed.item() == 0:
             results.append((t, replace(cand, check="async")))
         if verbose and rt.rank == 0:
-            print(f"  tune armm {m}x{n}x{k}: {cand.chunks} chunks, {cand.nccl_ctas} ctas, margin {cand.sm_margin}: "
+            print(f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
+                  f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}: "
                   f"{t:.3f} ms" + (" (timed out: rejected)" if failed.item() else ""), flush=True)
     best_t, best = min(results, key=lambda r: r[0])
     _tuned[_tune_key(rt, x, n, residual, norm)] = best

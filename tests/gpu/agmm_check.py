@@ -42,8 +42,8 @@ def main() -> None:
     ]
     calls = 0
     for (ms, n, k, dt, chunks, layout) in cases:
-        for give_back in (True, False):
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync")
+        for transport, give_back in (("nccl", True), ("nccl", False), ("p2p", True)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport)
             for it in range(6):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + ms + chunks)
                 a = torch.randn(ms, k, device=dev, dtype=dt, generator=g)
@@ -65,13 +65,27 @@ def main() -> None:
     c1, g1 = agmod.all_gather_matmul_chunked(a, w.t(), chunks=3, return_gathered=True)
     c2, g2 = agmod.all_gather_matmul_ref(a, w.t(), return_gathered=True)
     assert torch.equal(g1, g2) and rel(c1, c2) < 1e-2
-    # many epochs on one shape, inputs changing every call
-    cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async")
-    for it in range(200):
-        a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16) * (1 + rank + it)
-        c = agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
-        ref = agmod.all_gather_matmul_ref(a, torch.eye(256, device=dev, dtype=torch.bfloat16))
-        assert torch.equal(c, ref), f"identity GEMM differs at call {it}"
+    assert agmod.stats["p2p"] >= calls // 3, agmod.stats
+    # many epochs on one shape, inputs changing every call, both transports (p2p:
+    # the shared buffer's two halves are reused every other call, with no handshake)
+    for transport in ("nccl", "p2p"):
+        cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async", transport=transport)
+        for it in range(200):
+            a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16) * (1 + rank + it)
+            c = agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
+            ref = agmod.all_gather_matmul_ref(a, torch.eye(256, device=dev, dtype=torch.bfloat16))
+            assert torch.equal(c, ref), f"identity GEMM differs at call {it} ({transport})"
+    # back to back with no host sync in between, shapes alternating (the halves of
+    # the shared buffer are fixed, whatever the shape), checked at the end
+    outs = []
+    for it in range(40):
+        ms_i = 256 if it % 2 else 384
+        a = torch.randn(ms_i, 256, device=dev, dtype=torch.bfloat16) * (1 + rank + it)
+        outs.append((a, agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16),
+                                                config=OverlapConfig(chunks=2, transport="p2p"))))
+    for it, (a, c) in enumerate(outs):
+        assert torch.equal(c, agmod.all_gather_matmul_ref(a, torch.eye(256, device=dev, dtype=torch.bfloat16))), \
+            f"back-to-back p2p call {it} differs"
     # a provoked timeout raises (flag never posted), does not hang
     from overlap.kernels.tile_gemm import launch_tile_gemm
     from overlap.policies import Segment, build_tile_table
@@ -92,6 +106,32 @@ def main() -> None:
         assert took < 5, took
     else:
         raise AssertionError("timeout was not reported")
+    # p2p: a peer whose pushes come late (rank 1's copy stream sleeps 0.4 s) makes
+    # rank 0's 50 ms wait expire and raise; rank 1's own wait (default bound) succeeds
+    import overlap._p2p as p2pmod
+
+    torch.cuda.synchronize()
+    tdist.barrier()
+    orig = p2pmod.memcpy_async
+
+    def _late(dst, src, nbytes, stream):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(400_000_000)
+        orig(dst, src, nbytes, stream)
+
+    if rank == 1:
+        p2pmod.memcpy_async = _late
+    a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", timeout_ms=50 if rank == 0 else 5000)
+    try:
+        agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
+    except FlagTimeoutError as e:
+        assert rank == 0 and e.rank == 0 and e.flag_idx in (2, 3), e  # rank 1's flags: 1 * chunks + c
+    else:
+        assert rank != 0, "p2p timeout was not reported"
+    finally:
+        p2pmod.memcpy_async = orig
+    torch.cuda.synchronize()
     tdist.barrier()
     if rank == 0:
         print(f"PASS agmm {launcher} world={world} calls={calls} stats={agmod.stats}", flush=True)

@@ -42,8 +42,9 @@ def main() -> None:
     ]
     calls = 0
     for (m, n, k, dt, chunks, layout, with_res, kind) in cases:
-        for give_back in (True, False):
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync")
+        for transport, give_back in (("nccl", True), ("nccl", False), ("p2p", True), ("p2p", False)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport,
+                                reduce_ctas=8)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + m + chunks)
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
@@ -62,6 +63,10 @@ def main() -> None:
                 assert torch.equal(x, x0), "x_partial was modified"
                 # NCCL's sum order may differ from the reference's call: one rounding step
                 assert rel(h, h_ref) < 1e-2, f"h differs: case {(m, n, k, chunks, kind)} it {it}: {rel(h, h_ref)}"
+                if transport == "p2p":  # the residual stream must be the same bits on every rank
+                    hs = [torch.empty_like(h) for _ in range(world)]
+                    tdist.all_gather(hs, h)
+                    assert all(torch.equal(hs[0], t) for t in hs), "h differs between ranks"
                 y64 = h_ref.double()
                 if kind == "layernorm":
                     y64 = torch.nn.functional.layer_norm(y64, (k,), norm.weight.double(), norm.bias.double(), 1e-5)
@@ -82,16 +87,28 @@ def main() -> None:
     c1, h1 = armod.all_reduce_matmul_chunked(x, w.t(), residual=res, norm=norm, chunks=3)
     c2, h2 = armod.all_reduce_matmul_ref(x, w.t(), residual=res, norm=norm)
     assert rel(h1, h2) < 1e-2 and rel(c1, c2) < 2e-2, (rel(h1, h2), rel(c1, c2))
+    assert armod.stats["p2p"] >= calls // 2, armod.stats
     # many epochs on one shape, inputs changing every call; identity B: c == norm(h) exactly
-    cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async")
     eye = torch.eye(256, device=dev, dtype=torch.bfloat16)
-    for it in range(200):
-        x = torch.full((256, 256), float(it % 17 + rank), device=dev, dtype=torch.bfloat16)
-        x[it % 256] += 1
-        c, h = armod.all_reduce_matmul(x, eye, config=cfg)
-        assert torch.equal(c, h), f"identity GEMM differs from h at call {it}"
-        want = sum(float(it % 17 + r) for r in range(world))
-        assert h[(it + 1) % 256, 0].item() == want and h[it % 256, 0].item() == want + world, f"stale h at call {it}"
+    for transport in ("nccl", "p2p"):
+        cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async", transport=transport)
+        for it in range(200):
+            x = torch.full((256, 256), float(it % 17 + rank), device=dev, dtype=torch.bfloat16)
+            x[it % 256] += 1
+            c, h = armod.all_reduce_matmul(x, eye, config=cfg)
+            assert torch.equal(c, h), f"identity GEMM differs from h at call {it} ({transport})"
+            want = sum(float(it % 17 + r) for r in range(world))
+            assert h[(it + 1) % 256, 0].item() == want and h[it % 256, 0].item() == want + world, \
+                f"stale h at call {it} ({transport})"
+    # p2p back to back with no host sync, shapes alternating, checked at the end
+    outs = []
+    for it in range(40):
+        m_i = 256 if it % 2 else 512
+        x = torch.full((m_i, 256), float(it % 13 + rank), device=dev, dtype=torch.bfloat16)
+        outs.append((it, m_i, armod.all_reduce_matmul(x, eye, config=OverlapConfig(chunks=2, transport="p2p"))))
+    for it, m_i, (c, h) in outs:
+        want = sum(float(it % 13 + r) for r in range(world))
+        assert torch.equal(c, h) and bool((h == want).all()), f"back-to-back p2p call {it} differs"
     # the tuner: whatever wins, later calls of the op take that path
     x = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
     w = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
@@ -131,6 +148,32 @@ def main() -> None:
             raise AssertionError("timeout was not reported")
         finally:
             rt.comm = saved
+    # p2p: rank 1's pushes come 0.4 s late; rank 0's reduce kernel must time out
+    # (50 ms) and the op raise, not hang; rank 1 (default bound) completes
+    import overlap._p2p as p2pmod
+
+    torch.cuda.synchronize()
+    tdist.barrier()
+    orig = p2pmod.memcpy_async
+
+    def _late(dst, src, nbytes, stream):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(400_000_000)
+        orig(dst, src, nbytes, stream)
+
+    if rank == 1:
+        p2pmod.memcpy_async = _late
+    from overlap.flags import FlagTimeoutError as _FTE
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", timeout_ms=50 if rank == 0 else 5000)
+    try:
+        armod.all_reduce_matmul(torch.randn(256, 256, device=dev, dtype=torch.bfloat16), eye, config=cfg)
+    except _FTE as e:
+        assert rank == 0 and e.rank == 0 and e.flag_idx in (0, 1), e  # slot 0, chunk 0 or 1
+    else:
+        assert rank != 0, "p2p timeout was not reported"
+    finally:
+        p2pmod.memcpy_async = orig
+    torch.cuda.synchronize()
     tdist.barrier()
     if rank == 0:
         print(f"PASS armm {launcher} world={world} calls={calls} stats={armod.stats}", flush=True)
