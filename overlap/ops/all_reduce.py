@@ -216,6 +216,10 @@ class _Plan:
     gemm: Any
     reduce_ctas: int = 0
     starts: torch.Tensor | None = None
+    ready: Any = None
+    """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
+    Counted flags need every flag posted on every call with the same count, so
+    each plan (chunking, programs) owns its own."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -252,14 +256,15 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"reduce_ctas={reduce_ctas}, margin {margin}")
-        starts = None
+        starts = ready = None
         if reduce_ctas:
             acc = [0]
             for r in sizes:
                 acc.append(acc[-1] + r)
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
+            ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
-                  reduce_ctas, starts)
+                  reduce_ctas, starts, ready)
         _plans[key] = p
     return p
 
@@ -415,7 +420,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     # two halves by call parity (overlap._p2p: no handshake needed for reuse)
     blk = heap.block("all_reduce_matmul", 2 * half)
     sf = heap.flags("all_reduce_matmul", (world - 1) * chunks)
-    ready = rt.flags("all_reduce_matmul_ready", chunks)
+    ready = p.ready
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
