@@ -173,7 +173,7 @@ def scenario_reduce_norm() -> None:
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
-                                       y=y, max_spins=50, block_k=16)
+                                       y=y, max_spins=50, block_k=16, rows=4)
                     assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
                     tot = torch.zeros(m, k)
                     for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank

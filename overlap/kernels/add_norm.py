@@ -127,21 +127,58 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
 from .tile_gemm import _wait, interpreting  # noqa: E402
 
 
+@triton.jit
+def _norm_rows(h_ptr, y_ptr, base, rmask, w_ptr, b_ptr, K, eps, acc, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """``_norm_row`` for a block of rows at element offsets ``base`` [ROWS] (int64)."""
+    offs = tl.arange(0, BLOCK_K)
+    if NORM == 1:
+        mean = tl.sum(acc, axis=1) / K
+        acc2 = tl.zeros(acc.shape, dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs
+            m = rmask[:, None] & (cols < K)[None, :]
+            hv = tl.load(h_ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            d = tl.where(m, hv - mean[:, None], 0.0)
+            acc2 += d * d
+        var = tl.sum(acc2, axis=1) / K
+    else:
+        mean = tl.zeros((acc.shape[0],), dtype=tl.float32)
+        var = tl.sum(acc, axis=1) / K
+    rstd = 1.0 / tl.sqrt(var + eps)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs
+        cm = cols < K
+        m = rmask[:, None] & cm[None, :]
+        hv = tl.load(h_ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        yv = (hv - mean[:, None]) * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + base[:, None] + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m)
+
+
 @triton.jit(do_not_specialize=["n_chunks", "epoch", "rank", "world", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr,
                        K, eps, n_chunks, epoch, rank, world, slot_stride, timeout_ns, max_spins,
                        HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
+                       ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
+                       FENCE_ASYNC: tl.constexpr):
     """Persistent over row chunks in order. For chunk c every program waits until each
-    peer's rows landed (rflags[slot * n_chunks + c] >= epoch), then takes rows
-    start_c + pid, + G, ...:  h = sum of the R partials in rank order (identical
-    on every rank) (+ residual), y = norm(h); then adds 1 to ready[c] (release).
-    A consumer of chunk c waits for ready[c] >= its epoch * G. After a timeout
-    (recorded in the error word) programs skip their rows but still post."""
+    peer's rows landed (rflags[slot * n_chunks + c] >= epoch), then takes blocks of
+    ROWS rows (start_c + pid * ROWS, + G * ROWS, ...):  h = sum of the R partials in
+    rank order (the same bits on every rank), rounded like an all-reduce's output
+    (+ residual, rounded again, as torch's add after an all-reduce), y = norm(h);
+    then adds 1 to ready[c] (release). A consumer of chunk c waits for
+    ready[c] >= its epoch * G. After a timeout (recorded in the error word)
+    programs skip their rows but still post, so nothing waits in vain.
+    Row blocks keep several loads in flight per program: one row at a time left
+    each program latency-bound (about 9 GB/s)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
+    rofs = tl.arange(0, ROWS)
     dt = h_ptr.dtype.element_ty
     for c in range(n_chunks):
         r0 = tl.load(starts_ptr + c)
@@ -154,32 +191,35 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 ok = _wait(rflags_ptr, err_ptr, s * n_chunks + c, epoch, rank, c, timeout_ns, max_spins,
                            USE_TIMER, FENCE_ASYNC)
         if ok != 0:
-            for row in range(r0 + pid, r1, G):
-                base = (tl.full((), 0, tl.int64) + row) * K  # 64-bit offsets
-                acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for rb in range(r0 + pid * ROWS, r1, G * ROWS):
+                rows = rb + rofs
+                rmask = rows < r1
+                base = rows.to(tl.int64) * K
+                acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     cols = k0 + offs
-                    m = cols < K
-                    tot = tl.zeros((BLOCK_K,), dtype=tl.float32)
+                    m = rmask[:, None] & (cols < K)[None, :]
+                    off2 = base[:, None] + cols[None, :]
+                    tot = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
                     for r in range(world):
                         if r == rank:
-                            v = tl.load(x_ptr + base + cols, mask=m, other=0.0)
+                            v = tl.load(x_ptr + off2, mask=m, other=0.0)
                         else:
                             slot = tl.full((), 0, tl.int64) + (r - rank - 1 + world) % world
-                            v = tl.load(recv_ptr + slot * slot_stride + base + cols, mask=m, other=0.0)
+                            v = tl.load(recv_ptr + slot * slot_stride + off2, mask=m, other=0.0)
                         tot += v.to(tl.float32)
-                    hv = tot.to(dt)  # rounded like an all-reduce's output
+                    hv = tot.to(dt)
                     if HAS_RES:
-                        rv = tl.load(res_ptr + base + cols, mask=m, other=0.0)
+                        rv = tl.load(res_ptr + off2, mask=m, other=0.0)
                         hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
-                    tl.store(h_ptr + base + cols, hv, mask=m)
+                    tl.store(h_ptr + off2, hv, mask=m)
                     hf = hv.to(tl.float32)
                     if NORM == 2:
                         acc += hf * hf
                     else:
                         acc += hf
                 if NORM != 0:
-                    _norm_row(h_ptr + base, y_ptr + base, w_ptr, b_ptr, K, eps, acc, NORM, HAS_BIAS, BLOCK_K)
+                    _norm_rows(h_ptr, y_ptr, base, rmask, w_ptr, b_ptr, K, eps, acc, NORM, HAS_BIAS, BLOCK_K)
         # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
@@ -189,7 +229,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        epoch: int, rank: int, world: int, programs: int, residual: Any = None,
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int = 4, block_k: int | None = None) -> None:
+                       num_warps: int = 8, block_k: int | None = None, rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -210,7 +250,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
         raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
     n_chunks = starts.numel() - 1
-    block_k = block_k or min(triton.next_power_of_2(K), 2048)
+    block_k = block_k or min(triton.next_power_of_2(K), 1024)
+    rows = rows or max(1, min(8, 8192 // block_k))  # about 8K elements per load: several KB in flight
     interp = interpreting()
     reduce_norm_kernel[(max(1, int(programs)),)](
         x, recv, residual if residual is not None else x, h, y if y is not None else h,
@@ -218,5 +259,5 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
         rflags, ready, err, starts,
         K, float(eps), n_chunks, int(epoch), int(rank), int(world), m * K, int(timeout_ns), int(max_spins),
         HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-        BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
+        ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
     )
