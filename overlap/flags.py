@@ -150,8 +150,11 @@ class ErrorWord:
     def snapshot(self) -> None:
         """Queue a copy of the word to host memory on the current stream (for ``check(block=False)``)."""
         if self.word.is_cuda:
+            if self._event is not None and not self._event.query():
+                return  # the last copy has not landed yet: one in flight is enough
             self._host.copy_(self.word, non_blocking=True)
-            self._event = torch.cuda.Event()
+            if self._event is None:
+                self._event = torch.cuda.Event()
             self._event.record()
 
     def check(self, block: bool = True) -> None:

@@ -158,7 +158,7 @@ def scenario_reduce_norm() -> None:
                     if r != rank:
                         recv[push_slot(r, rank, world)] = parts[r]
                 rflags = torch.full(((world - 1) * chunks,), 4, dtype=torch.int32)
-                for missing in (False, True):
+                for missing, block_k in ((False, 16), (False, None), (True, 16), (True, None)):
                     rflags.fill_(5)
                     late_slot = push_slot((rank + 1) % world, rank, world)
                     if missing:
@@ -173,7 +173,7 @@ def scenario_reduce_norm() -> None:
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
-                                       y=y, max_spins=50, block_k=16, rows=4)
+                                       y=y, max_spins=50, block_k=block_k, rows=4)
                     assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
                     tot = torch.zeros(m, k)
                     for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank
@@ -197,6 +197,20 @@ def scenario_reduce_norm() -> None:
                         assert (e.flag_idx, e.expected, e.seen) == (late_slot * chunks + chunks - 1, 5, 4), e
                     else:
                         raise AssertionError("timeout not reported")
+    # rows whose mean is far above their spread, K in several blocks: the merged
+    # statistics must not cancel (E[x^2] - mean^2 would)
+    m2_, k2 = 4, 64
+    parts = [torch.randn(m2_, k2, generator=g) + 1500.0 for _ in range(2)]
+    st = torch.tensor([0, m2_], dtype=torch.int32)
+    for block_k in (16, None):
+        h = torch.empty(m2_, k2)
+        y = torch.empty(m2_, k2)
+        launch_reduce_norm(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st,
+                           rflags=torch.ones(1, dtype=torch.int32), ready=torch.zeros(1, dtype=torch.int32),
+                           err=torch.zeros(8, dtype=torch.int32), epoch=1, rank=0, world=2, programs=2,
+                           norm="layernorm", weight=torch.ones(k2), y=y, block_k=block_k, rows=2)
+        torch.testing.assert_close(y, _torch_norm(parts[0] + parts[1], "layernorm", torch.ones(k2), None, 1e-5),
+                                   atol=2e-3, rtol=2e-3)
     print("PASS reduce_norm")
 
 

@@ -128,53 +128,47 @@ from .tile_gemm import _wait, interpreting  # noqa: E402
 
 
 @triton.jit
-def _norm_rows(h_ptr, y_ptr, base, rmask, w_ptr, b_ptr, K, eps, acc, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """``_norm_row`` for a block of rows at element offsets ``base`` [ROWS] (int64)."""
-    offs = tl.arange(0, BLOCK_K)
-    if NORM == 1:
-        mean = tl.sum(acc, axis=1) / K
-        acc2 = tl.zeros(acc.shape, dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + offs
-            m = rmask[:, None] & (cols < K)[None, :]
-            hv = tl.load(h_ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            d = tl.where(m, hv - mean[:, None], 0.0)
-            acc2 += d * d
-        var = tl.sum(acc2, axis=1) / K
-    else:
-        mean = tl.zeros((acc.shape[0],), dtype=tl.float32)
-        var = tl.sum(acc, axis=1) / K
-    rstd = 1.0 / tl.sqrt(var + eps)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + offs
-        cm = cols < K
-        m = rmask[:, None] & cm[None, :]
-        hv = tl.load(h_ptr + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        yv = (hv - mean[:, None]) * rstd[:, None] * w[None, :]
-        if HAS_BIAS:
-            yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + base[:, None] + cols[None, :], yv.to(y_ptr.dtype.element_ty), mask=m)
+def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl.constexpr, WORLD: tl.constexpr,
+               dt: tl.constexpr):
+    """h for a block at element offsets ``off2``: the WORLD partials (this rank's from
+    x, peer r's from recv slot (r - rank - 1) mod WORLD) summed in rank order in fp32,
+    rounded like an all-reduce's output, plus the residual (rounded again, as torch's
+    add after an all-reduce). Every load is issued before the sum needs it."""
+    vals = []
+    for r in tl.static_range(WORLD):
+        slot = (r - rank - 1 + WORLD) % WORLD
+        src = tl.where(r == rank, x_ptr + off2, recv_ptr + slot.to(tl.int64) * slot_stride + off2)
+        vals.append(tl.load(src, mask=m, other=0.0))
+    if HAS_RES:
+        rv = tl.load(res_ptr + off2, mask=m, other=0.0)
+    tot = vals[0].to(tl.float32)
+    for r in tl.static_range(1, WORLD):
+        tot += vals[r].to(tl.float32)
+    hv = tot.to(dt)
+    if HAS_RES:
+        hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+    return hv
 
 
-@triton.jit(do_not_specialize=["n_chunks", "epoch", "rank", "world", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["n_chunks", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr,
-                       K, eps, n_chunks, epoch, rank, world, slot_stride, timeout_ns, max_spins,
-                       HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       K, eps, n_chunks, epoch, rank, slot_stride, timeout_ns, max_spins,
+                       WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * n_chunks + c] >= epoch), then takes blocks of
-    ROWS rows (start_c + pid * ROWS, + G * ROWS, ...):  h = sum of the R partials in
-    rank order (the same bits on every rank), rounded like an all-reduce's output
-    (+ residual, rounded again, as torch's add after an all-reduce), y = norm(h);
-    then adds 1 to ready[c] (release). A consumer of chunk c waits for
-    ready[c] >= its epoch * G. After a timeout (recorded in the error word)
-    programs skip their rows but still post, so nothing waits in vain.
-    Row blocks keep several loads in flight per program: one row at a time left
-    each program latency-bound (about 9 GB/s)."""
+    ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
+    rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
+    to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
+    After a timeout (recorded in the error word) programs skip their rows but still
+    post, so nothing waits in vain.
+
+    With BLOCK_K >= K a row block stays in registers: h is written once and the norm
+    comes from registers (two-pass statistics, exact). Otherwise the K blocks merge
+    their means and squared deviations (Chan et al.'s pairwise update: stable when
+    |mean| >> std) and the output pass reads h back."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -186,7 +180,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         ok = 1
         if tl.load(err_ptr, volatile=True) != 0:
             ok = 0
-        for s in range(world - 1):
+        for s in range(WORLD - 1):
             if ok != 0:
                 ok = _wait(rflags_ptr, err_ptr, s * n_chunks + c, epoch, rank, c, timeout_ns, max_spins,
                            USE_TIMER, FENCE_ASYNC)
@@ -195,31 +189,61 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 rows = rb + rofs
                 rmask = rows < r1
                 base = rows.to(tl.int64) * K
-                acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    cols = k0 + offs
-                    m = rmask[:, None] & (cols < K)[None, :]
-                    off2 = base[:, None] + cols[None, :]
-                    tot = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-                    for r in range(world):
-                        if r == rank:
-                            v = tl.load(x_ptr + off2, mask=m, other=0.0)
-                        else:
-                            slot = tl.full((), 0, tl.int64) + (r - rank - 1 + world) % world
-                            v = tl.load(recv_ptr + slot * slot_stride + off2, mask=m, other=0.0)
-                        tot += v.to(tl.float32)
-                    hv = tot.to(dt)
-                    if HAS_RES:
-                        rv = tl.load(res_ptr + off2, mask=m, other=0.0)
-                        hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
+                if BLOCK_K >= K:
+                    cm = offs < K
+                    m = rmask[:, None] & cm[None, :]
+                    off2 = base[:, None] + offs[None, :]
+                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
                     tl.store(h_ptr + off2, hv, mask=m)
-                    hf = hv.to(tl.float32)
-                    if NORM == 2:
-                        acc += hf * hf
-                    else:
-                        acc += hf
-                if NORM != 0:
-                    _norm_rows(h_ptr, y_ptr, base, rmask, w_ptr, b_ptr, K, eps, acc, NORM, HAS_BIAS, BLOCK_K)
+                    if NORM != 0:
+                        hf = tl.where(m, hv.to(tl.float32), 0.0)
+                        if NORM == 1:
+                            mean = tl.sum(hf, axis=1) / K
+                            d = tl.where(m, hf - mean[:, None], 0.0)
+                        else:
+                            mean = tl.zeros((ROWS,), dtype=tl.float32)
+                            d = hf
+                        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
+                        w = tl.load(w_ptr + offs, mask=cm, other=0.0).to(tl.float32)
+                        yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
+                        if HAS_BIAS:
+                            yv += tl.load(b_ptr + offs, mask=cm, other=0.0).to(tl.float32)[None, :]
+                        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
+                else:
+                    mean = tl.zeros((ROWS,), dtype=tl.float32)
+                    m2 = tl.zeros((ROWS,), dtype=tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        cols = k0 + offs
+                        m = rmask[:, None] & (cols < K)[None, :]
+                        off2 = base[:, None] + cols[None, :]
+                        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
+                        tl.store(h_ptr + off2, hv, mask=m)
+                        if NORM == 1:
+                            hf = tl.where(m, hv.to(tl.float32), 0.0)
+                            nb = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
+                            bmean = tl.sum(hf, axis=1) / nb
+                            d = tl.where(m, hf - bmean[:, None], 0.0)
+                            bm2 = tl.sum(d * d, axis=1)
+                            n0 = k0 * 1.0
+                            delta = bmean - mean
+                            mean += delta * (nb / (n0 + nb))
+                            m2 += bm2 + delta * delta * (n0 * nb / (n0 + nb))
+                        elif NORM == 2:
+                            hf = tl.where(m, hv.to(tl.float32), 0.0)
+                            m2 += tl.sum(hf * hf, axis=1)
+                    if NORM != 0:
+                        rstd = 1.0 / tl.sqrt(m2 / K + eps)
+                        for k0 in range(0, K, BLOCK_K):
+                            cols = k0 + offs
+                            cm = cols < K
+                            m = rmask[:, None] & cm[None, :]
+                            off2 = base[:, None] + cols[None, :]
+                            hf = tl.load(h_ptr + off2, mask=m, other=0.0).to(tl.float32)
+                            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                            yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
+                            if HAS_BIAS:
+                                yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+                            tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
         # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
@@ -250,14 +274,17 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
         raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
     n_chunks = starts.numel() - 1
-    block_k = block_k or min(triton.next_power_of_2(K), 1024)
-    rows = rows or max(1, min(8, 8192 // block_k))  # about 8K elements per load: several KB in flight
+    # a row block in registers when K allows (up to 16K columns), about 8K elements a load
+    block_k = block_k or min(triton.next_power_of_2(K), 16384)
+    rows = rows or max(1, min(8, 8192 // block_k))
+    if block_k * rows > 8192:
+        num_warps = max(num_warps, 16)
     interp = interpreting()
     reduce_norm_kernel[(max(1, int(programs)),)](
         x, recv, residual if residual is not None else x, h, y if y is not None else h,
         weight if weight is not None else x, bias if bias is not None else x,
         rflags, ready, err, starts,
-        K, float(eps), n_chunks, int(epoch), int(rank), int(world), m * K, int(timeout_ns), int(max_spins),
-        HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
+        K, float(eps), n_chunks, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins),
+        WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
         ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
     )

@@ -26,7 +26,7 @@ import torch
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors"]
+           "report_errors", "on_stream"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -227,7 +227,14 @@ def group_key(group: Any) -> tuple[tuple[int, ...], int]:
     return ranks, ranks.index(me)
 
 
+_by_group: dict[tuple[int, int | None], tuple[Any, Runtime]] = {}
+
+
 def get_runtime(group: Any, device: torch.device) -> Runtime:
+    # hot path: the group object seen before (its ranks cannot change)
+    hit = _by_group.get((id(group), device.index))
+    if hit is not None and hit[0] is group:
+        return hit[1]
     ranks, rank = group_key(group)
     key = (ranks, device.index)
     with _lock:
@@ -235,7 +242,25 @@ def get_runtime(group: Any, device: torch.device) -> Runtime:
         if rt is None:
             rt = Runtime(group, ranks, rank, device)
             _runtimes[key] = rt
+        _by_group[(id(group), device.index)] = (group, rt)
         return rt
+
+
+class on_stream:
+    """``with on_stream(s, cur):`` makes ``s`` current, then ``cur`` again; a few
+    microseconds, where ``torch.cuda.stream`` costs about 19 (host time is what
+    bounds the ops at small shapes)."""
+
+    __slots__ = ("s", "cur")
+
+    def __init__(self, s: torch.cuda.Stream, cur: torch.cuda.Stream) -> None:
+        self.s, self.cur = s, cur
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.s)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_stream(self.cur)
 
 
 def reset_runtimes() -> None:
@@ -249,6 +274,7 @@ def reset_runtimes() -> None:
             except Exception:  # noqa: BLE001 - teardown is best effort
                 pass
         _runtimes.clear()
+        _by_group.clear()
 
 
 def _register() -> None:

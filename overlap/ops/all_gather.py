@@ -35,8 +35,8 @@ import torch
 
 from .. import flags as _flags
 from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
-from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
-                       warn_once)
+from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
+                       time_ms, warn_once)
 
 __all__ = [
     "all_gather_matmul",
@@ -288,7 +288,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
                   timeout_ns=timeout_ns, counter=counter)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, **common)
     if p.give_back_grid:
-        with torch.cuda.stream(cs):
+        with on_stream(cs, cur):
             launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.give_back_grid, wait=True, **common)
     cur.wait_stream(cs)
     a_shard.record_stream(cs)

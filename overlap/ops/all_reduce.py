@@ -43,8 +43,8 @@ import torch
 
 from .. import flags as _flags
 from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
-from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, report_errors, resolve_group, time_ms,
-                       warn_once)
+from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
+                       time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -371,7 +371,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
             ev = torch.cuda.Event()
             ev.record(cs)
             ns.wait_event(ev)
-            with torch.cuda.stream(ns):
+            with on_stream(ns, cur):
                 launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
                                 weight=norm.weight if norm else None, bias=norm.bias if norm else None,
                                 eps=norm.eps if norm else 1e-5, y=y)
@@ -385,7 +385,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     last = ns if prologue else cs
     if p.give_back_grid:
         # queued behind the last chunk: NCCL's SMs are free by then
-        with torch.cuda.stream(last):
+        with on_stream(last, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
     cur.wait_stream(cs)
     if prologue:
@@ -456,7 +456,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
                          rows * row_bytes, cs)
             _flags.stream_write_value(cs, sf.peer(peer), slot * chunks + c_idx, epoch)
         start += rows
-    with torch.cuda.stream(ns):
+    with on_stream(ns, cur):
         launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
                            epoch=epoch, rank=rank, world=world, programs=p.reduce_ctas, residual=residual,
                            norm=norm.kind if norm else None, weight=norm.weight if norm else None,
@@ -467,7 +467,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)
     if p.give_back_grid:
         # queued behind the reduce kernel: its SMs are free by then
-        with torch.cuda.stream(ns):
+        with on_stream(ns, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
     cur.wait_stream(cs)
     cur.wait_stream(ns)
@@ -500,7 +500,9 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
-    add + norm kernels run on the SMs the GEMM grid leaves free). Inputs with no
+    add + norm kernels run on the SMs the GEMM grid leaves free); where peer
+    memory is available, the p2p transport in 2, 4, 8 chunks x 8, 16, 24, 32
+    reduce programs, and two probes without the give-back grid. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     import torch.distributed as tdist
 
@@ -524,8 +526,10 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
             candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24, transport="nccl")
                            for ch in (2, 4) for ct in (24, 32)]
         if rt.transport(OverlapConfig()) == "p2p":
-            candidates = [OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (2, 4, 8)
-                          for rc in (8, 16, 32)] + candidates
+            candidates = ([OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (2, 4, 8)
+                           for rc in (8, 16, 24, 32)]
+                          + [OverlapConfig(chunks=ch, reduce_ctas=16, give_back=False, transport="p2p")
+                             for ch in (4, 8)] + candidates)
     results: list[tuple[float, Any]] = []
     for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
                      ("chunked x2", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ._runtime import report_errors, warn_once
+from ._runtime import on_stream, report_errors, warn_once
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
@@ -279,7 +279,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     start_idx = len(fl) - 1
 
     def producer() -> None:
-        with torch.cuda.stream(ps):
+        with on_stream(ps, cur):
             if _producer_delay_cycles:
                 torch.cuda._sleep(int(_producer_delay_cycles))
             launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
