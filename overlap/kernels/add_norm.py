@@ -134,16 +134,13 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     x, peer r's from recv slot (r - rank - 1) mod WORLD) summed in rank order in fp32,
     rounded like an all-reduce's output, plus the residual (rounded again, as torch's
     add after an all-reduce). Every load is issued before the sum needs it."""
-    vals = []
-    for r in tl.static_range(WORLD):
-        slot = (r - rank - 1 + WORLD) % WORLD
-        src = tl.where(r == rank, x_ptr + off2, recv_ptr + slot.to(tl.int64) * slot_stride + off2)
-        vals.append(tl.load(src, mask=m, other=0.0))
     if HAS_RES:
         rv = tl.load(res_ptr + off2, mask=m, other=0.0)
-    tot = vals[0].to(tl.float32)
-    for r in tl.static_range(1, WORLD):
-        tot += vals[r].to(tl.float32)
+    tot = tl.zeros(off2.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):  # unrolled: the loads do not wait for the adds
+        slot = (r - rank - 1 + WORLD) % WORLD
+        src = tl.where(r == rank, x_ptr + off2, recv_ptr + slot.to(tl.int64) * slot_stride + off2)
+        tot += tl.load(src, mask=m, other=0.0).to(tl.float32)
     hv = tot.to(dt)
     if HAS_RES:
         hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
