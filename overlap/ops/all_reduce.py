@@ -214,7 +214,7 @@ class _Plan:
     give_back_grid: int
     nccl_ctas: int
     gemm: Any
-    reduce_ctas: int = 0
+    reduce_programs: int = 0
     starts: torch.Tensor | None = None
     ready: Any = None
     """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
@@ -226,6 +226,11 @@ _plans: dict[tuple, _Plan] = {}
 _tuned: dict[tuple, OverlapConfig | str] = {}
 CHUNK_ALIGN = 128
 """Row chunks are multiples of this (except the last), independent of the GEMM config."""
+
+
+REDUCE_PROGRAMS_PER_SM = 2
+"""p2p reduce kernel programs per SM left to it: a program works one row block at a
+time, load, reduce, store; a second one per SM hides the first one's latency."""
 
 
 def _default_chunks(m: int) -> int:
@@ -248,8 +253,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
         # align to a fixed 128 rows (a tile never straddles a chunk either way)
         sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
+        programs = reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if reduce_ctas:  # a chunk is ready when every reduce program posted it
-            segs = [replace(sg, wait_mult=reduce_ctas) for sg in segs]
+            segs = [replace(sg, wait_mult=programs) for sg in segs]
         table = torch.tensor(build_tile_table(segs, n, gemm.block_m, gemm.block_n), dtype=torch.int32,
                              device=rt.device)
         grid = rt.num_sms - nccl_ctas - reduce_ctas - margin
@@ -264,7 +270,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
-                  reduce_ctas, starts, ready)
+                  programs, starts, ready)
         _plans[key] = p
     return p
 
@@ -425,7 +431,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     counter = rt.counter("all_reduce_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     epoch = sf.next_epoch()
-    r_epoch = ready.next_epoch(max_mult=p.reduce_ctas)
+    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
     off = (epoch % 2) * (blk.nbytes // 2)
     recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
 
@@ -458,7 +464,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         start += rows
     with on_stream(ns, cur):
         launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
-                           epoch=epoch, rank=rank, world=world, programs=p.reduce_ctas, residual=residual,
+                           epoch=epoch, rank=rank, world=world, programs=p.reduce_programs, residual=residual,
                            norm=norm.kind if norm else None, weight=norm.weight if norm else None,
                            bias=norm.bias if norm else None, eps=norm.eps if norm else 1e-5,
                            y=y if norm is not None else None, timeout_ns=timeout_ns)
