@@ -171,6 +171,10 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     offs = tl.arange(0, BLOCK_K)
     rofs = tl.arange(0, ROWS)
     dt = h_ptr.dtype.element_ty
+    # the norm's weight and bias, once per program (read by the in-register path;
+    # without a norm these point at x and are unused)
+    w_all = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    b_all = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
     for c in range(n_chunks):
         r0 = tl.load(starts_ptr + c)
         r1 = tl.load(starts_ptr + c + 1)
@@ -201,10 +205,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                             mean = tl.zeros((ROWS,), dtype=tl.float32)
                             d = hf
                         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
-                        w = tl.load(w_ptr + offs, mask=cm, other=0.0).to(tl.float32)
-                        yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
+                        yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
                         if HAS_BIAS:
-                            yv += tl.load(b_ptr + offs, mask=cm, other=0.0).to(tl.float32)[None, :]
+                            yv += b_all[None, :]
                         tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
                 else:
                     mean = tl.zeros((ROWS,), dtype=tl.float32)
@@ -250,7 +253,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        epoch: int, rank: int, world: int, programs: int, residual: Any = None,
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int = 8, block_k: int | None = None, rows: int | None = None) -> None:
+                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -274,8 +277,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     # a row block in registers when K allows (up to 16K columns), about 8K elements a load
     block_k = block_k or min(triton.next_power_of_2(K), 16384)
     rows = rows or max(1, min(8, 8192 // block_k))
-    if block_k * rows > 8192:
-        num_warps = max(num_warps, 16)
+    if num_warps is None:
+        num_warps = 16 if block_k * rows > 8192 else 8
     interp = interpreting()
     reduce_norm_kernel[(max(1, int(programs)),)](
         x, recv, residual if residual is not None else x, h, y if y is not None else h,
