@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, build_tile_table, row_block_segments,
-                              row_chunk_segments, split_rows)
+from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, all_gather_push_layout,
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments, split_rows)
 
 
 @pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
@@ -75,6 +75,48 @@ def test_all_gather_layout(world: int, rank: int, ms: int, chunks: int) -> None:
         assert perm[seg.c_row] == seg.a_row
 
 
+@pytest.mark.parametrize("world,rank,ms,chunks", [(2, 0, 1000, 3), (2, 1, 512, 2), (4, 2, 777, 4), (8, 5, 128, 1)])
+def test_all_gather_push_layout(world: int, rank: int, ms: int, chunks: int) -> None:
+    lay = all_gather_push_layout(world, rank, ms, chunks, 128)
+    n = len(lay.chunk_rows)
+    assert lay.natural and lay.gathered_to_natural() == list(range(world * ms))
+    first = lay.segments[0]
+    assert (first.a_src, first.c_row, first.rows, first.wait_idx) == (0, rank * ms, ms, NO_FLAG)
+    covered, flags = set(), []
+    for seg in lay.segments[1:]:
+        r, c = divmod(seg.wait_idx, n)  # one flag per sender and chunk
+        assert r != rank and seg.a_src == 1
+        assert seg.a_row == seg.c_row == r * ms + lay.chunk_starts[c] and seg.rows == lay.chunk_rows[c]
+        covered.update(range(seg.c_row, seg.c_row + seg.rows))
+        flags.append(seg.wait_idx)
+    assert covered == set(range(world * ms)) - set(range(rank * ms, (rank + 1) * ms))
+    assert len(set(flags)) == len(flags) == (world - 1) * n
+    # chunk by chunk; within a chunk the left neighbour (whose first push is to this rank) first
+    order = [divmod(f, n) for f in flags]
+    assert [c for _, c in order] == sorted(c for _, c in order)
+    assert [r for r, _ in order[:world - 1]] == [(rank - s) % world for s in range(1, world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_push_slot_is_a_bijection_per_receiver(world: int) -> None:
+    for recv in range(world):
+        slots = [push_slot(s, recv, world) for s in range(world) if s != recv]
+        assert sorted(slots) == list(range(world - 1))
+    assert push_slot((3 + 1) % world, 3 % world, world) == 0  # right neighbour in slot 0
+    with pytest.raises(ValueError):
+        push_slot(1, 1, world)
+
+
+def test_overlap_config_transport_fields() -> None:
+    from overlap.ops import OverlapConfig
+
+    assert OverlapConfig().margin("nccl") == 4 and OverlapConfig().margin("p2p") == 0
+    assert OverlapConfig(sm_margin=7).margin("p2p") == 7
+    for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=500), dict(sm_margin=-1)):
+        with pytest.raises(ValueError):
+            OverlapConfig(**bad)
+
+
 def test_rowsync_segments_wait_and_post() -> None:
     segs = row_block_segments(300, 128, wait=RowSync(producer_n_tiles=5), post=True)
     assert [(s.c_row, s.rows, s.wait_idx, s.wait_mult, s.post_base) for s in segs] == [
@@ -106,3 +148,14 @@ def test_row_chunk_segments(m: int, chunks: int) -> None:
     waits = [r[5] for r in t]
     assert waits == sorted(waits), "tiles run in chunk order"
     assert {r[0] for r in t} == set(range(0, m, 128))
+
+
+def test_transport_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from overlap.ops._runtime import _env_transport
+
+    for v, want in (("", None), ("auto", None), ("NCCL", "nccl"), ("p2p", "p2p")):
+        monkeypatch.setenv("OVERLAP_TRANSPORT", v)
+        assert _env_transport() == want
+    monkeypatch.setenv("OVERLAP_TRANSPORT", "shm")
+    with pytest.raises(ValueError, match="OVERLAP_TRANSPORT"):
+        _env_transport()

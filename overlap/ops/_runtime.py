@@ -65,7 +65,7 @@ class OverlapConfig:
     group's ranks can map each other's memory (``OVERLAP_TRANSPORT`` overrides)."""
     reduce_ctas: int | None = None
     """p2p all-reduce: SMs left to the kernel that sums the pushed partials (and adds
-    the residual and norms) chunk by chunk, two programs each; ``None``: 16."""
+    the residual and norms) chunk by chunk, one program each; ``None``: 16."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""

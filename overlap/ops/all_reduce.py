@@ -228,9 +228,11 @@ CHUNK_ALIGN = 128
 """Row chunks are multiples of this (except the last), independent of the GEMM config."""
 
 
-REDUCE_PROGRAMS_PER_SM = 2
-"""p2p reduce kernel programs per SM left to it: a program works one row block at a
-time, load, reduce, store; a second one per SM hides the first one's latency."""
+REDUCE_PROGRAMS_PER_SM = 1
+"""p2p reduce kernel programs per SM left to it. Its programs spin on flags, so every
+one must be resident while the GEMM holds the other SMs: at K = 8192 a program needs
+over half an SM's registers, so one per SM (more would wait for SMs that the GEMM
+frees only at its end, and the GEMM's waits would time out)."""
 
 
 def _default_chunks(m: int) -> int:
@@ -507,8 +509,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
     add + norm kernels run on the SMs the GEMM grid leaves free); where peer
-    memory is available, the p2p transport in 2, 4, 8 chunks x 8, 16, 24, 32
-    reduce programs, and two probes without the give-back grid. Inputs with no
+    memory is available, the p2p transport in 4 and 8 chunks x 16, 24, 32, 48 SMs
+    for the reduce kernel, 2 chunks x 24, 32, and two probes without the give-back grid. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     import torch.distributed as tdist
 
@@ -532,10 +534,11 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
             candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24, transport="nccl")
                            for ch in (2, 4) for ct in (24, 32)]
         if rt.transport(OverlapConfig()) == "p2p":
-            candidates = ([OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (2, 4, 8)
-                           for rc in (8, 16, 24, 32)]
-                          + [OverlapConfig(chunks=ch, reduce_ctas=16, give_back=False, transport="p2p")
-                             for ch in (4, 8)] + candidates)
+            candidates = ([OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (4, 8)
+                           for rc in (16, 24, 32, 48)]
+                          + [OverlapConfig(chunks=2, reduce_ctas=rc, transport="p2p") for rc in (24, 32)]
+                          + [OverlapConfig(chunks=8, reduce_ctas=rc, give_back=False, transport="p2p")
+                             for rc in (24, 32)] + candidates)
     results: list[tuple[float, Any]] = []
     for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
                      ("chunked x2", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
