@@ -146,16 +146,47 @@ class ErrorWord:
         dev = torch.device(device)
         self._host = torch.zeros(8, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._event: Any = None
+        self._by_sm: Any = None  # the pinned words as a kernel argument (see snapshot)
 
     def snapshot(self) -> None:
         """Queue a copy of the word to host memory on the current stream (for ``check(block=False)``)."""
         if self.word.is_cuda:
             if self._event is not None and not self._event.query():
                 return  # the last copy has not landed yet: one in flight is enough
-            self._host.copy_(self.word, non_blocking=True)
+            # stored by an SM, not a copy engine: on the p2p transport the copy
+            # engines are busy with the op's rows and a memcpy here would wait for them
+            if self._by_sm is None:
+                self._by_sm = self._probe_by_sm()
+            if self._by_sm is not False:
+                try:
+                    from .kernels.words import copy_words
+
+                    copy_words(self.word, self._by_sm)
+                except Exception as e:  # noqa: BLE001 - e.g. a driver that cannot map the pinned words
+                    warnings.warn(f"error-word snapshot by a kernel failed ({e}); using a copy", stacklevel=2)
+                    self._by_sm = False
+            if self._by_sm is False:
+                self._host.copy_(self.word, non_blocking=True)
             if self._event is None:
                 self._event = torch.cuda.Event()
             self._event.record()
+
+    def _probe_by_sm(self) -> Any:
+        """The pinned words as a kernel argument, after one checked copy (synchronizes
+        once); False (use a memcpy) where the kernel cannot store there."""
+        try:
+            from .kernels.words import HostWords, copy_words
+
+            dst = HostWords(self._host)
+            self._host.fill_(-1)
+            copy_words(self.word, dst)
+            torch.cuda.synchronize(self.word.device)
+            if self._host.tolist() != self.word.tolist():
+                raise RuntimeError("the pinned words did not receive the kernel's stores")
+            return dst
+        except Exception as e:  # noqa: BLE001
+            warnings.warn(f"error-word snapshot by a kernel unavailable ({e}); using a copy", stacklevel=3)
+            return False
 
     def check(self, block: bool = True) -> None:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.

@@ -1,0 +1,40 @@
+"""A copy of a few device words into pinned host memory by an SM, not a copy engine.
+
+``ErrorWord.snapshot`` queues one per call of an op. A ``cudaMemcpyAsync`` there
+would need a copy engine, and on the p2p transport the copy engines are busy
+pushing the op's rows to the peers: the tiny copy waited behind them and held up
+the compute stream (the op measured up to 1.5x slower back to back). One program of
+one warp stores the words straight into the pinned buffer instead (pinned host
+memory is addressable from the device under unified addressing).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+__all__ = ["copy_words_kernel", "HostWords"]
+
+
+@triton.jit
+def copy_words_kernel(src_ptr, dst_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, volatile=True))
+
+
+class HostWords:
+    """Pinned host int32 words passed to a Triton kernel as a raw pointer."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+        self.dtype = host.dtype
+
+    def data_ptr(self) -> int:
+        return self.host.data_ptr()
+
+
+def copy_words(src: Any, dst: HostWords) -> None:
+    """Enqueue ``dst[:] = src[:]`` (int32, power-of-two length) on the current stream."""
+    copy_words_kernel[(1,)](src, dst, N=src.numel(), num_warps=1)
