@@ -1,7 +1,7 @@
 """Peer memory on one node: buffers and flags that every rank of a group can write.
 
 The NCCL path of the overlapped ops pays for bandwidth with SMs (about 10 GB/s
-per NCCL CTA, DESIGN.md), and those SMs are taken from the GEMM. Between GPUs
+per NCCL CTA, measured on 2x H200), and those SMs are taken from the GEMM. Between GPUs
 of one node there is a second way: the copy engines. A rank *pushes* its rows
 straight into a peer's buffer with ``cudaMemcpyAsync`` over NVLink (no SM; a
 plain peer copy moved 381 GB/s on 2x H200, NCCL's all-gather 247 GB/s holding
@@ -22,6 +22,16 @@ after its own work of call e + 1 finished, which needed the peer's pushes of
 call e + 1, which the peer queued only after its work of call e (the ops make
 their copy stream wait for the previous call's work). So the peer is done with
 the half of call e before anyone writes it again.
+
+That argument needs every rank's kernels to really wait. A rank whose wait timed
+out skips its later waits until the error is reported, finishes its calls early and
+may push into a half a peer still reads. The waits catch that: a healthy peer is
+at most one call ahead, so a flag two or more calls ahead is reported as an error
+(``overlap.flags.FlagProtocolError``) instead of being taken as "landed".
+
+Memory: the blocks are outside torch's caching allocator and never shrink; the
+all-reduce holds 2 (R - 1) M K elements per rank (R = 8, M = 16384, K = 8192, bf16:
+3.5 GiB), the all-gather 2 M K.
 """
 
 from __future__ import annotations
@@ -30,12 +40,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["P2PUnavailable", "SharedBlock", "SharedFlags", "PeerHeap", "memcpy_async"]
+__all__ = ["P2PUnavailable", "SharedBlock", "SharedFlags", "PeerHeap", "memcpy_async", "flag_stride"]
 
 _FLAG_REGION = 1024
 """int32 flags per name in the shared flag block."""
 _FLAG_NAMES = 16
+_FIXED_REGIONS = {"all_gather_matmul": 0, "all_reduce_matmul": 1}
+"""Regions by name, the same on every rank whichever op runs first; other names take
+the next free region in the order they are first asked for."""
 _ALIGN = 2 << 20
+
+
+def flag_stride(world: int) -> int:
+    """Shared flags each of ``world`` senders owns in an op's region: the most chunks
+    one call of a p2p op may use."""
+    return _FLAG_REGION // max(1, world)
 
 
 class P2PUnavailable(RuntimeError):
@@ -84,14 +103,17 @@ class SharedBlock:
         self.ptrs: list[int] = []
         err = ""
         handle = b""
+        self._own: int | None = None
         with cupy.cuda.Device(device.index):
-            self._own = runtime.malloc(nbytes)
-            runtime.memset(self._own, 0, nbytes)
-            runtime.deviceSynchronize()
+            # every failure is reported through the gather below, so that no rank is
+            # left waiting in it (an out-of-memory here must not hang the peers)
             try:
+                self._own = runtime.malloc(nbytes)
+                runtime.memset(self._own, 0, nbytes)
+                runtime.deviceSynchronize()
                 handle = bytes(runtime.ipcGetMemHandle(self._own))
             except Exception as e:  # noqa: BLE001 - reported to every rank below
-                err = f"rank {rank}: cudaIpcGetMemHandle: {e}"
+                err = f"rank {rank}: allocating or exporting {nbytes} bytes: {e}"
         handles = _all_gather_obj((handle, err), group, world)
         errs = [e for _, e in handles if e]
         opened: list[int] = []
@@ -113,9 +135,8 @@ class SharedBlock:
             self.close(collective=False)
             raise P2PUnavailable("; ".join(errs))
         self.ptrs = opened
-        self.local = _view(self._own, nbytes, device)
         self.peers = [_view(p, nbytes, device) for p in self.ptrs]
-        """Torch uint8 views of every rank's block (``peers[rank]`` is ``local``)."""
+        """Torch uint8 views of every rank's block (``peers[rank]`` is this rank's own)."""
 
     def close(self, collective: bool = True) -> None:
         """Unmap the peers' blocks and free this rank's. ``collective``: first wait
@@ -140,7 +161,7 @@ class SharedBlock:
             if self._own is not None:
                 runtime.free(self._own)
         self.ptrs, self._own = [], None
-        self.local = self.peers = None  # type: ignore[assignment]
+        self.peers = None  # type: ignore[assignment]
 
     def tensor(self, r: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A typed view of rank ``r``'s block (``r == rank``: this rank's own)."""
@@ -157,7 +178,8 @@ class SharedFlags:
     """``n`` int32 flags in the shared flag block: this rank's (``local``, waited
     on by its kernels) and every peer's (``peer(r)``, written by this rank's copy
     stream). Epochs count the op's calls; they agree across ranks because every
-    rank makes the same calls."""
+    rank makes the same calls. A sender's chunk c sets flag
+    ``sender_or_slot * flag_stride(world) + c``."""
 
     def __init__(self, block: SharedBlock, offset: int, n: int) -> None:
         self._block, self._offset, self.n = block, offset, n
@@ -169,7 +191,7 @@ class SharedFlags:
         return self._peers[r]
 
     def next_epoch(self) -> int:
-        if self.epoch + 1 >= 2**31 - 1:
+        if self.epoch + 3 >= 2**31 - 1:  # waits compare with epoch + 2
             raise RuntimeError("shared flag epoch overflow (2^31 calls of one op)")
         self.epoch += 1
         return self.epoch
@@ -182,15 +204,22 @@ class PeerHeap:
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self._flag_block = SharedBlock(group, world, rank, device, _FLAG_REGION * _FLAG_NAMES * 4)
         self._flags: dict[str, SharedFlags] = {}
+        self._region: dict[str, int] = {}
         self._blocks: dict[str, SharedBlock] = {}
 
     def flags(self, name: str, n: int) -> SharedFlags:
         """The flags of op ``name`` (at most 1024; the same region on every rank)."""
         f = self._flags.get(name)
         if f is None:
-            if len(self._flags) >= _FLAG_NAMES:
-                raise RuntimeError(f"more than {_FLAG_NAMES} flag regions in a peer heap")
-            f = SharedFlags(self._flag_block, len(self._flags) * _FLAG_REGION * 4, _FLAG_REGION)
+            used = {self._region[k] for k in self._flags}
+            region = _FIXED_REGIONS.get(name)
+            if region is None:
+                free = [i for i in range(len(_FIXED_REGIONS), _FLAG_NAMES) if i not in used]
+                if not free:
+                    raise RuntimeError(f"more than {_FLAG_NAMES} flag regions in a peer heap")
+                region = free[0]
+            self._region[name] = region
+            f = SharedFlags(self._flag_block, region * _FLAG_REGION * 4, _FLAG_REGION)
             self._flags[name] = f
         if n > f.n:
             raise ValueError(f"{name}: {n} shared flags asked, at most {f.n} (fewer chunks or ranks)")
@@ -203,6 +232,7 @@ class PeerHeap:
         if b is not None and b.nbytes >= nbytes:
             return b
         if b is not None:
+            del self._blocks[name]  # never hand out a closed block, even if the new one fails
             b.close(collective=True)
         size = -(-nbytes // _ALIGN) * _ALIGN
         b = self._blocks[name] = SharedBlock(self.group, self.world, self.rank, self.device, size)

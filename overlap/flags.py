@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "stream_write_value", "stream_wait_value",
-           "default_timeout_ms"]
+__all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "stream_write_value",
+           "stream_wait_value", "default_timeout_ms"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -56,6 +56,22 @@ class FlagTimeoutError(RuntimeError):
             f"saw {seen} (tile {tile}). A peer did not send, NCCL got no SMs, or the wait bound "
             f"(OVERLAP_WAIT_TIMEOUT_MS) is shorter than the skew between ranks."
         )
+
+
+class FlagProtocolError(FlagTimeoutError):
+    """A kernel saw a flag two or more calls ahead of its own epoch: the ranks fell out
+    of step (a rank whose wait timed out ran on without waiting). The op's output is
+    not valid, and neither are later calls until every rank rebuilds the op's state
+    (``overlap.dist.shutdown`` and a new ``init``)."""
+
+    def __init__(self, what: str, rank: int, flag_idx: int, expected: int, seen: int, tile: int) -> None:
+        super().__init__(what, rank, flag_idx, expected, seen, tile)
+        self.args = (f"{what}: rank {rank} saw flag {flag_idx} at {seen}, two or more calls ahead of the "
+                     f"expected {expected} (tile {tile}): a peer ran on after an earlier failure and the ranks "
+                     f"are out of step; the output is not valid",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 _driver: Any = None
@@ -130,7 +146,7 @@ class FlagArray:
         """Epoch for the next call. Before ``epoch * max_mult`` would overflow
         int32 the flags are zeroed on the current stream (all earlier users of
         the flags are ordered before it on that stream) and counting restarts."""
-        if (self.epoch + 1) * max(1, max_mult) > _INT32_MAX:
+        if (self.epoch + 3) * max(1, max_mult) > _INT32_MAX:  # waits compare with (epoch + 2) * mult
             self.flags.zero_()
             self.epoch = 0
         self.epoch += 1
@@ -204,7 +220,8 @@ class ErrorWord:
             # A recorded timeout makes every later tile of every call skip its
             # work; once reported, clear it so the next call computes again.
             self.clear()
-            raise FlagTimeoutError(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
+            cls = FlagProtocolError if vals[0] == 2 else FlagTimeoutError
+            raise cls(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
 
     def clear(self) -> None:
         self.word.zero_()

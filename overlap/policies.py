@@ -168,13 +168,16 @@ def all_gather_layout(world: int, rank: int, m_shard: int, chunks: int, block_m:
     return AllGatherLayout(world, rank, m_shard, tuple(sizes), tuple(segs))
 
 
-def all_gather_push_layout(world: int, rank: int, m_shard: int, chunks: int, align: int) -> AllGatherLayout:
+def all_gather_push_layout(world: int, rank: int, m_shard: int, chunks: int, align: int,
+                           flag_stride: int | None = None) -> AllGatherLayout:
     """Segments for ``all_gather(a_shard) @ b`` when every peer *pushes* its chunks
     into this rank's buffer (copy engines, ``overlap._p2p``).
 
     The buffer is in natural row order: peer r's chunk c lands at rows
-    ``r * m_shard + start_c`` and sets flags[r * chunks + c] (each sender writes
-    its own flags, so one flag per sender and chunk). Schedule: the local shard
+    ``r * m_shard + start_c`` and sets flags[r * flag_stride + c]. Each sender owns
+    a fixed run of flags whatever the chunk count (``flag_stride``, default the chunk
+    count), so a sender one call ahead with another chunking never writes a flag
+    another sender's rows are waited on with. Schedule: the local shard
     first (A source 0, no wait), then chunk by chunk the peers in the order their
     pushes reach this rank (rank r pushes to r + 1, r + 2, ...: the left
     neighbour first).
@@ -182,13 +185,16 @@ def all_gather_push_layout(world: int, rank: int, m_shard: int, chunks: int, ali
     if not (0 <= rank < world):
         raise ValueError(f"rank {rank} outside [0, {world})")
     sizes = split_rows(m_shard, chunks, align)
+    stride = len(sizes) if flag_stride is None else flag_stride
+    if stride < len(sizes):
+        raise ValueError(f"flag_stride {stride} < {len(sizes)} chunks")
     segs: list[Segment] = [Segment(a_src=0, a_row=0, c_row=rank * m_shard, rows=m_shard)]
     start = 0
     for c, rows in enumerate(sizes):
         for step in range(1, world):
             r = (rank - step) % world
             segs.append(Segment(a_src=1, a_row=r * m_shard + start, c_row=r * m_shard + start, rows=rows,
-                                wait_idx=r * len(sizes) + c, wait_mult=1))
+                                wait_idx=r * stride + c, wait_mult=1))
         start += rows
     return AllGatherLayout(world, rank, m_shard, tuple(sizes), tuple(segs), natural=True)
 

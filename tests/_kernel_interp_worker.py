@@ -13,7 +13,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from overlap.flags import ErrorWord, FlagTimeoutError  # noqa: E402
+from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
 from overlap.kernels.add_norm import launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
@@ -157,12 +157,13 @@ def scenario_reduce_norm() -> None:
                 for r in range(world):
                     if r != rank:
                         recv[push_slot(r, rank, world)] = parts[r]
-                rflags = torch.full(((world - 1) * chunks,), 4, dtype=torch.int32)
+                stride = chunks + 2  # each sender owns a fixed run of flags, longer than this call's chunking
+                rflags = torch.full(((world - 1) * stride,), 4, dtype=torch.int32)
                 for missing, block_k in ((False, 16), (False, None), (True, 16), (True, None)):
                     rflags.fill_(5)
                     late_slot = push_slot((rank + 1) % world, rank, world)
                     if missing:
-                        rflags[late_slot * chunks + chunks - 1] = 4
+                        rflags[late_slot * stride + chunks - 1] = 4
                     ready = torch.zeros(chunks, dtype=torch.int32)
                     ew = ErrorWord("cpu", what="reduce")
                     h = torch.full((m, k), float("nan"), dtype=dt)
@@ -173,7 +174,7 @@ def scenario_reduce_norm() -> None:
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
-                                       y=y, max_spins=50, block_k=block_k, rows=4)
+                                       y=y, max_spins=50, block_k=block_k, rows=4, flag_stride=stride)
                     assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
                     tot = torch.zeros(m, k)
                     for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank
@@ -194,7 +195,7 @@ def scenario_reduce_norm() -> None:
                     try:
                         ew.check()
                     except FlagTimeoutError as e:
-                        assert (e.flag_idx, e.expected, e.seen) == (late_slot * chunks + chunks - 1, 5, 4), e
+                        assert (e.flag_idx, e.expected, e.seen) == (late_slot * stride + chunks - 1, 5, 4), e
                     else:
                         raise AssertionError("timeout not reported")
     # rows whose mean is far above their spread, K in several blocks: the merged
@@ -258,6 +259,38 @@ def scenario_timeout() -> None:
             raise AssertionError("timeout not reported")
         assert torch.isnan(c[16:]).all(), "a tile that timed out must not write"
         assert ew.word.tolist() == [0] * 8, "the word is cleared once reported"
+    # a flag one call ahead is fine (a peer may be one call ahead); two calls ahead
+    # means the ranks are out of step: a protocol error, not "landed"
+    for seen, bad in ((8, False), (9, True)):
+        flags = torch.tensor([0, seen], dtype=torch.int32)
+        ew = ErrorWord("cpu", what="test op")
+        c = torch.full((m, n), float("nan"))
+        launch_tile_gemm(a, w.t(), c, _table(segs, n), flags=flags, err=ew.word, epoch=7, rank=3, grid=1,
+                         config=CFG, wait=True, max_spins=200)
+        if not bad:
+            ew.check()
+            assert not torch.isnan(c).any()
+            continue
+        try:
+            ew.check()
+        except FlagProtocolError as e:
+            assert (e.flag_idx, e.expected, e.seen) == (1, 7, 9) and "out of step" in str(e), e
+        else:
+            raise AssertionError("a flag two calls ahead was taken as landed")
+        assert torch.isnan(c[16:]).all()
+    # the p2p reduce kernel checks the same
+    ew = ErrorWord("cpu", what="reduce")
+    h = torch.full((4, 16), float("nan"))
+    launch_reduce_norm(torch.ones(4, 16), torch.ones(1, 4, 16), h, starts=torch.tensor([0, 4], dtype=torch.int32),
+                       rflags=torch.tensor([9], dtype=torch.int32), ready=torch.zeros(1, dtype=torch.int32),
+                       err=ew.word, epoch=7, rank=0, world=2, programs=1, max_spins=50)
+    try:
+        ew.check()
+    except FlagProtocolError as e:
+        assert (e.flag_idx, e.expected, e.seen) == (0, 7, 9), e
+    else:
+        raise AssertionError("the reduce kernel took a flag two calls ahead as landed")
+    assert torch.isnan(h).all()
     print("PASS timeout")
 
 

@@ -159,3 +159,32 @@ def test_transport_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OVERLAP_TRANSPORT", "shm")
     with pytest.raises(ValueError, match="OVERLAP_TRANSPORT"):
         _env_transport()
+
+
+def test_push_layout_flag_stride() -> None:
+    # each sender owns flags [r * stride, r * stride + chunks), whatever the chunking
+    for chunks in (1, 3):
+        lay = all_gather_push_layout(4, 1, 512, chunks, 128, flag_stride=8)
+        n = len(lay.chunk_rows)
+        assert sorted(s.wait_idx for s in lay.segments[1:]) == sorted(r * 8 + c for r in (0, 2, 3) for c in range(n))
+    with pytest.raises(ValueError):
+        all_gather_push_layout(2, 0, 512, 4, 128, flag_stride=2)
+
+
+def test_runtime_transport_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+    rt = object.__new__(Runtime)  # no device needed: the heap decision is pre-set
+    rt._heap, rt._p2p_why = object(), ""
+    assert rt.transport(OverlapConfig()) == "p2p"
+    assert rt.transport(OverlapConfig(transport="nccl")) == "nccl"
+    monkeypatch.setenv("OVERLAP_TRANSPORT", "nccl")
+    assert rt.transport(OverlapConfig()) == "nccl"
+    assert rt.transport(OverlapConfig(transport="p2p")) == "p2p"
+    monkeypatch.delenv("OVERLAP_TRANSPORT")
+    rt._heap, rt._p2p_why = None, "ranks on 2 hosts"
+    assert rt.transport(OverlapConfig()) == "nccl"
+    with pytest.raises(RuntimeError, match="ranks on 2 hosts"):
+        rt.transport(OverlapConfig(transport="p2p"))

@@ -147,15 +147,15 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     return hv
 
 
-@triton.jit(do_not_specialize=["n_chunks", "epoch", "rank", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr,
-                       K, eps, n_chunks, epoch, rank, slot_stride, timeout_ns, max_spins,
+                       K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr):
     """Persistent over row chunks in order. For chunk c every program waits until each
-    peer's rows landed (rflags[slot * n_chunks + c] >= epoch), then takes blocks of
+    peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
     rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
     to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
@@ -183,8 +183,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
             ok = 0
         for s in range(WORLD - 1):
             if ok != 0:
-                ok = _wait(rflags_ptr, err_ptr, s * n_chunks + c, epoch, rank, c, timeout_ns, max_spins,
-                           USE_TIMER, FENCE_ASYNC)
+                ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
+                           max_spins, USE_TIMER, FENCE_ASYNC)
         if ok != 0:
             for rb in range(r0 + pid * ROWS, r1, G * ROWS):
                 rows = rb + rofs
@@ -252,14 +252,16 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
 def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any,
                        epoch: int, rank: int, world: int, programs: int, residual: Any = None,
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
-                       y: Any = None, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
+                       y: Any = None, flag_stride: int | None = None,
+                       timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
     [world - 1, M, K] (peer r's partial in slot (r - rank - 1) mod world);
     ``starts``: int32 [chunks + 1] row starts on the device; ``rflags``: int32
-    flags the peers set (slot * chunks + c); ``ready``: int32 [chunks] this
+    flags the peers set (slot * flag_stride + c; default stride: the chunk count);
+    ``ready``: int32 [chunks] this
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
     """
     if norm not in NORM_KINDS:
@@ -274,6 +276,9 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
         raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
     n_chunks = starts.numel() - 1
+    flag_stride = n_chunks if flag_stride is None else int(flag_stride)
+    if flag_stride < n_chunks:
+        raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
     # a row block in registers when K allows (up to 16K columns), about 16K elements a
     # block (measured on H200 at K = 8192: 2 rows beat 1 by 1.2-1.9x), 16 warps with a
     # norm above 8K elements (8 would need 255 registers and spill)
@@ -286,7 +291,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
         x, recv, residual if residual is not None else x, h, y if y is not None else h,
         weight if weight is not None else x, bias if bias is not None else x,
         rflags, ready, err, starts,
-        K, float(eps), n_chunks, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins),
+        K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins),
         WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
         ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
     )

@@ -21,6 +21,10 @@ Flags are never reset: each call of an op bumps ``epoch``, so a flag left by an
 earlier call cannot satisfy a later one (cuSync's iteration counter,
 Jangda et al., CGO 2024).
 
+A flag two or more calls ahead of the waiter's epoch is recorded too (code 2,
+``FlagProtocolError``): no writer runs that far ahead while every rank's waits
+hold, so it means the ranks fell out of step after an earlier failure.
+
 A wait is bounded: past ``timeout_ns`` (GPU global timer) or ``max_spins``
 polls (under the interpreter) the tile records [code, rank, flag index,
 expected, seen, table row] in the error word, does no work, and every other
@@ -41,11 +45,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT"]
+__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT", "ERR_AHEAD"]
 
 TABLE_COLS = 8
 ERR_WORDS = 8
 ERR_TIMEOUT = 1
+ERR_AHEAD = 2
 
 
 @triton.jit
@@ -81,9 +86,12 @@ def _poll(flags_ptr, idx):
 
 
 @triton.jit
-def _wait(flags_ptr, err_ptr, idx, expected, rank, t, timeout_ns, max_spins,
+def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spins,
           USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
-    """Spin until flags[idx] >= expected; returns 1 when satisfied, 0 on timeout/abort."""
+    """Spin until flags[idx] >= expected; returns 1 when satisfied, 0 on timeout/abort.
+    A value at or above ``ahead`` is an error too (code 2): every writer is at most
+    one call ahead of its waiter while all ranks' waits hold, so such a value means
+    an earlier timeout left the ranks out of step (see overlap._p2p)."""
     seen = _poll(flags_ptr, idx)
     spins = 0
     aborted = 0
@@ -106,9 +114,13 @@ def _wait(flags_ptr, err_ptr, idx, expected, rank, t, timeout_ns, max_spins,
         if late | (other != 0):
             aborted = 1
     ok = (seen >= expected).to(tl.int32)
+    code = 1
+    if seen >= ahead:
+        ok = 0
+        code = 2
     if ok == 0:
         # first failure wins the error word; later ones only stop
-        prev = tl.atomic_cas(err_ptr, 0, 1, sem="relaxed", scope="gpu")
+        prev = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
         if prev == 0:
             tl.store(err_ptr + 1, rank)
             tl.store(err_ptr + 2, idx)
@@ -166,8 +178,8 @@ def tile_gemm_kernel(
             if tl.load(err_ptr, volatile=True) != 0:
                 ok = 0
             elif w_idx >= 0:
-                ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, rank, t, timeout_ns, max_spins,
-                           USE_TIMER, FENCE_ASYNC)
+                ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t, timeout_ns,
+                           max_spins, USE_TIMER, FENCE_ASYNC)
         if ok != 0:
             off_bn = pid_n * BLOCK_N
             a_use = a_desc

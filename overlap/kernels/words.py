@@ -15,7 +15,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["copy_words_kernel", "HostWords"]
+__all__ = ["copy_words_kernel", "copy_words", "HostWords"]
 
 
 @triton.jit

@@ -52,8 +52,9 @@ class OverlapConfig:
     """SMs left idle beyond NCCL's CTAs (or the reduce kernel's programs); ``None``:
     4 on the NCCL transport, 0 on the peer-copy transport."""
     give_back: bool = True
-    """After the last chunk lands, launch a second GEMM grid on NCCL's SMs that
-    takes tiles from the same dispatch counter."""
+    """After the last chunk lands (or the p2p all-reduce's reduce kernel ends), launch a
+    second GEMM grid on the SMs the first one left, taking tiles from the same dispatch
+    counter. Ignored by the p2p all-gather, whose GEMM holds every SM."""
     gemm: Any = None
     """``overlap.kernels.tile_gemm.GemmConfig``; ``None``: the tuned or default one."""
     timeout_ms: float | None = None
@@ -124,11 +125,14 @@ class Runtime:
         return self._p2p_why or ""
 
     def transport(self, cfg: "OverlapConfig") -> str:
-        """The transport ``cfg`` asks for, resolved (collective the first time)."""
+        """The transport ``cfg`` asks for, resolved. Collective the first time on
+        every rank, whatever it asks for, so ranks that ask for different transports
+        still meet in the same collective (and then disagree in ``check_agree``)."""
         want = cfg.transport or _env_transport()
+        heap = self.p2p()
         if want == "nccl":
             return "nccl"
-        if self.p2p() is not None:
+        if heap is not None:
             return "p2p"
         if want == "p2p":
             raise RuntimeError(f"transport 'p2p' asked for, but this group cannot use peer memory: {self.p2p_why}")
@@ -194,12 +198,18 @@ def _open_heap(rt: Runtime) -> tuple[Any, str]:
 
     from .._p2p import P2PUnavailable, PeerHeap
 
+    if rt.world == 1:
+        return None, "one rank: nothing to move"
     try:
         import cupy  # noqa: F401
 
         mine = (socket.gethostname(), "")
     except Exception as e:  # noqa: BLE001
-        mine = (socket.gethostname(), f"cupy: {e}")
+        mine = (socket.gethostname(), f"rank {rt.rank}: cupy: {e}")
+    if not mine[1] and not _flags._cuda_driver():
+        # the flag writes would fall back to a fill kernel, which finds no SM while
+        # the GEMM (all SMs) waits for it: every call would time out
+        mine = (mine[0], f"rank {rt.rank}: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12])")
     alls: list[Any] = [None] * rt.world
     tdist.all_gather_object(alls, mine, group=rt.group)
     hosts = {h for h, _ in alls}

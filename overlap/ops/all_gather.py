@@ -190,8 +190,13 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs
         if transport == "p2p":
-            layout = all_gather_push_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
-            flag_count = rt.world * len(layout.chunk_rows)
+            from .._p2p import flag_stride
+
+            stride = flag_stride(rt.world)
+            if chunks > stride:
+                raise ValueError(f"all_gather_matmul: at most {stride} chunks on the p2p transport at {rt.world} ranks")
+            layout = all_gather_push_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN, flag_stride=stride)
+            flag_count = rt.world * stride
         else:
             layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
             flag_count = len(layout.chunk_rows)
@@ -242,6 +247,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
     check_tma("a_shard", a_shard.contiguous())  # the GEMM reads the local shard in place
     rt = get_runtime(group, a_shard.device)
+    rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
@@ -306,7 +312,7 @@ _last_done: dict[tuple, Any] = {}
 
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
                cfg: OverlapConfig) -> Any:
-    from .._p2p import memcpy_async
+    from .._p2p import flag_stride, memcpy_async
     from ..kernels.tile_gemm import launch_tile_gemm
 
     ms, k = a_shard.shape
@@ -314,7 +320,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     world, rank = rt.world, rt.rank
     heap = rt.p2p()
     p = _plan(rt, ms, n, k, cfg, "p2p")
-    chunks = len(p.layout.chunk_rows)
+    stride = flag_stride(world)
     row_bytes = k * a_shard.element_size()
     half = -(-world * ms * row_bytes // 1024) * 1024
     # two halves, used by call parity (see overlap._p2p on why no handshake is needed);
@@ -323,10 +329,12 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     sf = heap.flags("all_gather_matmul", p.flag_count)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    c = a_shard.new_empty((world * ms, n))
+    # the epoch last, just before the first work is queued: a call that fails before
+    # it must not leave this rank's count ahead of its peers'
     epoch = sf.next_epoch()
     off = (epoch % 2) * (blk.nbytes // 2)
     gathered = blk.tensor(rank, off, (world * ms, k), a_shard.dtype)
-    c = a_shard.new_empty((world * ms, n))
     cur = torch.cuda.current_stream(a_shard.device)
     cs = rt.comm_stream
     cs.wait_stream(cur)
@@ -339,7 +347,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
             peer = (rank + step) % world
             memcpy_async(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
                          rows * row_bytes, cs)
-            _flags.stream_write_value(cs, sf.peer(peer), rank * chunks + c_idx, epoch)
+            _flags.stream_write_value(cs, sf.peer(peer), rank * stride + c_idx, epoch)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
                      epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
     cur.wait_stream(cs)

@@ -319,6 +319,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
 
     check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
     rt = get_runtime(group, x_partial.device)
+    rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
@@ -413,7 +414,7 @@ _last_done: dict[tuple, Any] = {}
 
 def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from .._p2p import memcpy_async
+    from .._p2p import flag_stride, memcpy_async
     from ..kernels.add_norm import launch_reduce_norm
     from ..kernels.tile_gemm import launch_tile_gemm
 
@@ -427,16 +428,14 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     half = -(-(world - 1) * m * row_bytes // 1024) * 1024
     # two halves by call parity (overlap._p2p: no handshake needed for reuse)
     blk = heap.block("all_reduce_matmul", 2 * half)
-    sf = heap.flags("all_reduce_matmul", (world - 1) * chunks)
+    stride = flag_stride(world)
+    if chunks > stride:
+        raise ValueError(f"all_reduce_matmul: at most {stride} chunks on the p2p transport at {world} ranks")
+    sf = heap.flags("all_reduce_matmul", (world - 1) * stride)
     ready = p.ready
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    epoch = sf.next_epoch()
-    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
-    off = (epoch % 2) * (blk.nbytes // 2)
-    recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
-
     if residual is not None:
         residual = residual.contiguous()
     if norm is not None:
@@ -445,6 +444,13 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     h = torch.empty_like(x)
     y = torch.empty_like(x) if norm is not None else h
     c = x.new_empty((m, n))
+    # epochs last, just before the first work is queued: a call that fails before
+    # them must not leave this rank's counts ahead of its peers' (or of the plan's
+    # counted flags)
+    epoch = sf.next_epoch()
+    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
+    off = (epoch % 2) * (blk.nbytes // 2)
+    recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
     cur = torch.cuda.current_stream(x.device)
     cs, ns = rt.comm_stream, rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
@@ -462,14 +468,14 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             slot = push_slot(rank, peer, world)
             memcpy_async(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
                          rows * row_bytes, cs)
-            _flags.stream_write_value(cs, sf.peer(peer), slot * chunks + c_idx, epoch)
+            _flags.stream_write_value(cs, sf.peer(peer), slot * stride + c_idx, epoch)
         start += rows
     with on_stream(ns, cur):
         launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
                            epoch=epoch, rank=rank, world=world, programs=p.reduce_programs, residual=residual,
                            norm=norm.kind if norm else None, weight=norm.weight if norm else None,
                            bias=norm.bias if norm else None, eps=norm.eps if norm else 1e-5,
-                           y=y if norm is not None else None, timeout_ns=timeout_ns)
+                           y=y if norm is not None else None, flag_stride=stride, timeout_ns=timeout_ns)
     common = dict(flags=ready.flags, err=err.word, epoch=r_epoch, rank=rank, config=p.gemm,
                   timeout_ns=timeout_ns, counter=counter)
     launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)

@@ -106,7 +106,7 @@ def main() -> None:
         assert took < 5, took
     else:
         raise AssertionError("timeout was not reported")
-    # p2p: a peer whose pushes come late (rank 1's copy stream sleeps 0.4 s) makes
+    # p2p: a peer whose pushes come late (rank 1's copy stream sleeps ~0.2 s before each push) makes
     # rank 0's 50 ms wait expire and raise; rank 1's own wait (default bound) succeeds
     import overlap._p2p as p2pmod
 
