@@ -126,7 +126,10 @@ def main() -> None:
     try:
         agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
     except FlagTimeoutError as e:
-        assert rank == 0 and e.rank == 0 and e.flag_idx in (2, 3), e  # rank 1's flags: 1 * chunks + c
+        from overlap._p2p import flag_stride
+
+        # rank 1's flags: 1 * stride + chunk
+        assert rank == 0 and e.rank == 0 and e.flag_idx in (flag_stride(world), flag_stride(world) + 1), e
     else:
         assert rank != 0, "p2p timeout was not reported"
     finally:
