@@ -111,6 +111,23 @@ class Runtime:
         self._counters: dict[str, torch.Tensor] = {}
         self._heap: Any = None
         self._p2p_why: str | None = None  # None: not decided yet
+        self._p2p_done: dict[str, torch.cuda.Event] = {}
+
+    def p2p_begin(self, op: str, cur: torch.cuda.Stream) -> None:
+        """Fork the comm stream for a p2p call of ``op``: after the caller's work so far
+        and after ``op``'s previous call wherever it ran. The shared buffers' reuse
+        rests on this order (``overlap._p2p``)."""
+        self.comm_stream.wait_stream(cur)
+        prev = self._p2p_done.get(op)
+        if prev is not None:
+            self.comm_stream.wait_event(prev)
+
+    def p2p_end(self, op: str, cur: torch.cuda.Stream) -> None:
+        """Mark the end of a p2p call of ``op`` (all its streams joined into ``cur``)."""
+        ev = self._p2p_done.get(op)
+        if ev is None:
+            ev = self._p2p_done[op] = torch.cuda.Event()
+        ev.record(cur)  # a wait queued earlier keeps the record it saw
 
     def p2p(self) -> Any:
         """The group's ``overlap._p2p.PeerHeap``, or None where the ranks cannot map

@@ -307,9 +307,6 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     return c
 
 
-_last_done: dict[tuple, Any] = {}
-
-
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
                cfg: OverlapConfig) -> Any:
     from .._p2p import flag_stride, memcpy_async
@@ -337,10 +334,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     gathered = blk.tensor(rank, off, (world * ms, k), a_shard.dtype)
     cur = torch.cuda.current_stream(a_shard.device)
     cs = rt.comm_stream
-    cs.wait_stream(cur)
-    prev = _last_done.get((rt.ranks, rt.device.index))
-    if prev is not None:  # the previous call's work, wherever its stream was
-        cs.wait_event(prev)
+    rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         for step in range(1, world):
@@ -357,9 +351,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         # the shared buffer is overwritten two calls later: hand out a copy
         out_g = gathered.clone()
         out_g[rank * ms:(rank + 1) * ms].copy_(a_shard)
-    done = torch.cuda.Event()
-    done.record(cur)
-    _last_done[(rt.ranks, rt.device.index)] = done
+    rt.p2p_end("all_gather_matmul", cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     stats["p2p"] += 1

@@ -409,9 +409,6 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     return c, h
 
 
-_last_done: dict[tuple, Any] = {}
-
-
 def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from .._p2p import flag_stride, memcpy_async
@@ -455,10 +452,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     cs, ns = rt.comm_stream, rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
     _flags.stream_write_value(cur, counter, 0, 0)
-    cs.wait_stream(cur)
-    prev = _last_done.get((rt.ranks, rt.device.index))
-    if prev is not None:  # the previous call's work, wherever its stream was
-        cs.wait_event(prev)
+    rt.p2p_begin("all_reduce_matmul", cur)
     ns.wait_stream(cur)
     src = x.data_ptr()
     start = 0
@@ -489,9 +483,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
         if t is not None:
             t.record_stream(ns)
-    done = torch.cuda.Event()
-    done.record(cur)
-    _last_done[(rt.ranks, rt.device.index)] = done
+    rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     stats["p2p"] += 1

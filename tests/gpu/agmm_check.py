@@ -108,32 +108,21 @@ def main() -> None:
         raise AssertionError("timeout was not reported")
     # p2p: a peer whose pushes come late (rank 1's copy stream sleeps ~0.2 s before each push) makes
     # rank 0's 50 ms wait expire and raise; rank 1's own wait (default bound) succeeds
-    import overlap._p2p as p2pmod
+    from overlap._p2p import flag_stride
+    from tests.gpu._late import late_pushes
 
     torch.cuda.synchronize()
     tdist.barrier()
-    orig = p2pmod.memcpy_async
-
-    def _late(dst, src, nbytes, stream):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(400_000_000)
-        orig(dst, src, nbytes, stream)
-
-    if rank == 1:
-        p2pmod.memcpy_async = _late
     a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", timeout_ms=50 if rank == 0 else 5000)
-    try:
-        agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
-    except FlagTimeoutError as e:
-        from overlap._p2p import flag_stride
-
-        # rank 1's flags: 1 * stride + chunk
-        assert rank == 0 and e.rank == 0 and e.flag_idx in (flag_stride(world), flag_stride(world) + 1), e
-    else:
-        assert rank != 0, "p2p timeout was not reported"
-    finally:
-        p2pmod.memcpy_async = orig
+    with late_pushes(rank == 1):
+        try:
+            agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)
+        except FlagTimeoutError as e:
+            # rank 1's flags: 1 * stride + chunk
+            assert rank == 0 and e.rank == 0 and e.flag_idx in (flag_stride(world), flag_stride(world) + 1), e
+        else:
+            assert rank != 0, "p2p timeout was not reported"
     torch.cuda.synchronize()
     tdist.barrier()
     if rank == 0:

@@ -150,33 +150,23 @@ def main() -> None:
             rt.comm = saved
     # p2p: rank 1's pushes come ~0.2 s late each; rank 0's reduce kernel must time out
     # (50 ms) and the op raise, not hang; rank 1 (default bound) completes
-    import overlap._p2p as p2pmod
+    from overlap.flags import FlagTimeoutError as _FTE
+    from overlap.ops._runtime import get_runtime, resolve_group
+    from tests.gpu._late import late_pushes
 
     torch.cuda.synchronize()
     tdist.barrier()
-    orig = p2pmod.memcpy_async
-
-    def _late(dst, src, nbytes, stream):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(400_000_000)
-        orig(dst, src, nbytes, stream)
-
-    if rank == 1:
-        p2pmod.memcpy_async = _late
-    from overlap.flags import FlagTimeoutError as _FTE
-    from overlap.ops._runtime import get_runtime, resolve_group
     cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", timeout_ms=50 if rank == 0 else 5000)
-    try:
-        armod.all_reduce_matmul(torch.randn(256, 256, device=dev, dtype=torch.bfloat16), eye, config=cfg)
-    except _FTE as e:
-        # the reduce kernel's wait on the peers' flags (slot 0, chunk 0 or 1; expected the
-        # call's epoch), not the GEMM's wait on a counted ready flag (epoch * programs)
-        ep = get_runtime(resolve_group(None), dev).p2p().flags("all_reduce_matmul", 1).epoch
-        assert rank == 0 and e.rank == 0 and e.flag_idx in (0, 1) and e.expected == ep, (e, ep)
-    else:
-        assert rank != 0, "p2p timeout was not reported"
-    finally:
-        p2pmod.memcpy_async = orig
+    with late_pushes(rank == 1):
+        try:
+            armod.all_reduce_matmul(torch.randn(256, 256, device=dev, dtype=torch.bfloat16), eye, config=cfg)
+        except _FTE as e:
+            # the reduce kernel's wait on the peers' flags (slot 0, chunk 0 or 1; expected the
+            # call's epoch), not the GEMM's wait on a counted ready flag (epoch * programs)
+            ep = get_runtime(resolve_group(None), dev).p2p().flags("all_reduce_matmul", 1).epoch
+            assert rank == 0 and e.rank == 0 and e.flag_idx in (0, 1) and e.expected == ep, (e, ep)
+        else:
+            assert rank != 0, "p2p timeout was not reported"
     torch.cuda.synchronize()
     tdist.barrier()
     if rank == 0:
