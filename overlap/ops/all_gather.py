@@ -227,7 +227,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
 
     fp16 and bf16 on CUDA take the tile-flag path; other inputs (a CPU / gloo
     group, fp32) take ``all_gather_matmul_ref`` with a one-time warning.
-    ``config`` overrides the tuned chunking, NCCL CTA cap and GEMM config.
+    ``config`` overrides the tuned transport ("p2p" copy-engine pushes on one node,
+    or "nccl"), chunking, NCCL CTA cap and GEMM config.
     """
     _check_inputs(a_shard, b)
     group = _group(group)

@@ -300,7 +300,8 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
 
     fp16 and bf16 on CUDA take the tile-flag path; other inputs (a CPU / gloo
     group, fp32) take ``all_reduce_matmul_ref`` with a one-time warning.
-    ``config`` overrides the tuned chunking, NCCL CTA cap and GEMM config.
+    ``config`` overrides the tuned transport ("p2p" pushes and a reduce kernel on
+    ``reduce_ctas`` SMs, or "nccl"), chunking, NCCL CTA cap and GEMM config.
     """
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
