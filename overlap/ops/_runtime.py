@@ -26,7 +26,7 @@ import torch
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream"]
+           "report_errors", "on_stream", "time_candidates"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -373,6 +373,36 @@ def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:
     t = torch.tensor([statistics.median(times)], device="cuda")
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
     return float(t.item())
+
+
+def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[OverlapConfig], run: Any, iters: int,
+                    group: Any, describe: Any = None, timer: Any = None) -> list[tuple[float, OverlapConfig]]:
+    """The tuners' common loop (collective): time ``run(cand)`` for each candidate with
+    error checks off, then drop the candidate on every rank if its waits timed out on
+    any rank. Returns ``[(ms, cand with check="async")]`` for the survivors.
+    ``describe(cand)``: a label to print on rank 0 (None: quiet); ``timer``: ``time_ms``."""
+    from dataclasses import replace
+
+    import torch.distributed as tdist
+
+    timer = timer or time_ms
+    out: list[tuple[float, OverlapConfig]] = []
+    for cand in candidates:
+        cand = replace(cand, check="none")
+        t = timer(lambda: run(cand), iters, group)
+        failed = torch.zeros(1, device=rt.device)
+        try:
+            err.check(block=True)
+        except _flags.FlagTimeoutError as e:
+            failed += 1
+            warn_once(f"tune-timeout-{err.what}-{cand}", f"tuner: {cand} timed out ({e}); skipped")
+        tdist.all_reduce(failed, group=group)
+        ok = failed.item() == 0
+        if ok:
+            out.append((t, replace(cand, check="async")))
+        if describe is not None and rt.rank == 0:
+            print(f"{describe(cand)}: {t:.3f} ms" + ("" if ok else " (timed out: rejected)"), flush=True)
+    return out
 
 
 def report_errors(err: _flags.ErrorWord, check: str) -> None:

@@ -28,7 +28,7 @@ grid covers every SM and there is no give-back launch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from .. import flags as _flags
 from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
 from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
-                       time_ms, warn_once)
+                       time_candidates, time_ms, warn_once)
 
 __all__ = [
     "all_gather_matmul",
@@ -384,26 +384,17 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     results.append((t_seq, "sequential"))
     if verbose and rt.rank == 0:
         print(f"  tune agmm {ms * rt.world}x{n}x{k}: sequential {t_seq:.3f} ms", flush=True)
-    err = rt.err("all_gather_matmul")
-    for cand in candidates:
-        cand = replace(cand, check="none")
-        fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
-        t = time_ms(lambda: fused(rt, a_shard, b, False, cand), iters, group)
-        failed = torch.zeros(1, device=a_shard.device)
-        try:
-            err.check(block=True)
-        except _flags.FlagTimeoutError as e:
-            failed += 1
-            warn_once(f"agmm-tune-timeout-{cand}", f"tuner: {cand} timed out ({e}); skipped")
-        import torch.distributed as tdist
 
-        tdist.all_reduce(failed, group=group)
-        if failed.item() == 0:
-            results.append((t, replace(cand, check="async")))
-        if verbose and rt.rank == 0:
-            print(f"  tune agmm {ms * rt.world}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
-                  f"margin {cand.sm_margin}, give_back {cand.give_back}: {t:.3f} ms"
-                  + (" (timed out: rejected)" if failed.item() else ""), flush=True)
+    def run(cand: OverlapConfig) -> Any:
+        fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
+        return fused(rt, a_shard, b, False, cand)
+
+    def describe(cand: OverlapConfig) -> str:
+        return (f"  tune agmm {ms * rt.world}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, "
+                f"{cand.nccl_ctas} ctas, margin {cand.sm_margin}, give_back {cand.give_back}")
+
+    results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
+                               describe if verbose else None)
     best_t, best = min(results, key=lambda r: r[0])
     _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
     if best == "sequential":

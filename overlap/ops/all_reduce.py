@@ -44,7 +44,7 @@ import torch
 from .. import flags as _flags
 from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
 from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
-                       time_ms, warn_once)
+                       time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -511,8 +511,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     memory is available, the p2p transport in 4 and 8 chunks x 16, 24, 32, 48 SMs
     for the reduce kernel, 2 chunks x 24, 32, and two probes without the give-back grid. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
-    import torch.distributed as tdist
-
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
     m, k = x_partial.shape
@@ -549,24 +547,16 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         if verbose and rt.rank == 0:
             print(f"  tune armm {m}x{n}x{k}: {name} {t:.3f} ms", flush=True)
     t_seq = results[0][0]
-    err = rt.err("all_reduce_matmul")
-    for cand in candidates:
-        cand = replace(cand, check="none")
+    def run(cand: OverlapConfig) -> Any:
         fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
-        t = time_ms(lambda: fused(rt, x, b, residual, norm, cand), iters, group)
-        failed = torch.zeros(1, device=x.device)
-        try:
-            err.check(block=True)
-        except _flags.FlagTimeoutError as e:
-            failed += 1
-            warn_once(f"armm-tune-timeout-{cand}", f"tuner: {cand} timed out ({e}); skipped")
-        tdist.all_reduce(failed, group=group)
-        if failed.item() == 0:
-            results.append((t, replace(cand, check="async")))
-        if verbose and rt.rank == 0:
-            print(f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
-                  f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}: "
-                  f"{t:.3f} ms" + (" (timed out: rejected)" if failed.item() else ""), flush=True)
+        return fused(rt, x, b, residual, norm, cand)
+
+    def describe(cand: OverlapConfig) -> str:
+        return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
+                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}")
+
+    results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
+                               describe if verbose else None)
     best_t, best = min(results, key=lambda r: r[0])
     _tuned[_tune_key(rt, x, n, residual, norm)] = best
     if isinstance(best, str):
