@@ -41,9 +41,47 @@ def per_call_us(fn, calls: int) -> float:
     return dt
 
 
+def kernel_table(name: str, fn, rank: int) -> None:
+    """GPU side of ``fn``: ms per synchronized call (events), and the kernels of 20 calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        tdist.barrier()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    times.sort()
+    # start the profiler on every rank before any rank queues work: its start-up
+    # stalls one rank's queue for longer than a peer's flag wait may last
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.start()
+    torch.cuda.synchronize()
+    tdist.barrier()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    prof.stop()
+    tdist.barrier()
+    if rank == 0:
+        print(f"--- {name}: GPU ms per synchronized call: median {times[10]:.3f}, min {times[0]:.3f}, "
+              f"max {times[-1]:.3f}", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print torch.profiler's GPU kernel table of 20 calls of each p2p case, "
+                         "and the GPU time per call with the host held off (synchronized calls)")
     args = ap.parse_args()
     dist.init()
     rank = tdist.get_rank()
@@ -66,7 +104,10 @@ def main() -> None:
         us = per_call_us(fn, args.calls)
         if rank == 0:
             print(f"{name:40s} {us:8.1f} us per call (host)", flush=True)
-    for name in ("all_gather_matmul p2p", "all_reduce_matmul p2p +res+ln"):
+    if args.kernels:
+        for name in [c for c in cases if "p2p" in c]:
+            kernel_table(name, cases[name], rank)
+    for name in ("all_gather_matmul p2p", "all_reduce_matmul p2p", "all_reduce_matmul p2p +res+ln"):
         fn = cases[name]
         tdist.barrier()
         pr = cProfile.Profile()

@@ -17,8 +17,10 @@ Policies (cuSync's names, Jangda et al., CGO 2024):
     RowSync    consumer row block i waits on flags[i] >= epoch * n_tiles(producer)
                (each producer tile of row block i adds 1 when stored)
 
-(cuSync's TileSync, where a consumer's K loop waits on each producer tile just
-before loading it, needs waits inside the pipelined K loop; not built yet.)
+    TileSync   consumer tile of row block i waits, before K group j of its K loop,
+               on flags[i * n_prod + j] >= epoch: the one producer tile (i, j) that
+               wrote those K columns (``tilesync_chain_tables``; the GEMM's
+               ``k_wait`` is the producer's BLOCK_N over the consumer's BLOCK_K)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ __all__ = [
     "row_block_segments",
     "row_chunk_segments",
     "rowsync_chain_tables",
+    "TileSync",
+    "tilesync_chain_tables",
     "NO_FLAG",
 ]
 
@@ -219,7 +223,7 @@ class RowSync:
         return m_tile, self.producer_n_tiles
 
 
-def row_block_segments(m: int, block_m: int, *, wait: RowSync | None = None,
+def row_block_segments(m: int, block_m: int, *, wait: "RowSync | TileSync | None" = None,
                        post: bool = False) -> list[Segment]:
     """One segment per BLOCK_M row block of an [m, *] GEMM (A source 0), with
     the policy's wait per block and/or a post to flag = row block index."""
@@ -254,6 +258,53 @@ def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int
     prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n)
     cons = build_tile_table(row_block_segments(m, block_m, wait=RowSync(n_prod)), n, block_m, cons_block_n)
     return prod, cons
+
+
+@dataclass(frozen=True)
+class TileSync:
+    """Consumer tile of row block i reads K group j only after producer tile (i, j) posted.
+
+    ``producer_n_tiles`` producer tiles per row block (of ``producer_block_n`` columns);
+    the consumer's K step ``consumer_block_k`` must divide ``producer_block_n``."""
+
+    producer_n_tiles: int
+    producer_block_n: int
+    consumer_block_k: int
+
+    def __post_init__(self) -> None:
+        if self.consumer_block_k <= 0 or self.producer_block_n % self.consumer_block_k:
+            raise ValueError(f"TileSync: the consumer's BLOCK_K {self.consumer_block_k} must divide the "
+                             f"producer's BLOCK_N {self.producer_block_n}")
+
+    @property
+    def k_wait(self) -> int:
+        """Consumer K steps per producer tile (the GEMM's ``k_wait``)."""
+        return self.producer_block_n // self.consumer_block_k
+
+    def wait(self, m_tile: int) -> tuple[int, int]:
+        """(first flag index, multiplier) for consumer row block ``m_tile``: K group j
+        waits on the first index + j."""
+        return m_tile * self.producer_n_tiles, 1
+
+    def post(self, m_tile: int, n_tile: int) -> int:
+        """Flag the producer tile (m_tile, n_tile) adds 1 to when stored."""
+        return m_tile * self.producer_n_tiles + n_tile
+
+
+def tilesync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int, cons_block_n: int,
+                          cons_block_k: int) -> tuple[list[list[int]], list[list[int]], TileSync]:
+    """Tile tables of a producer GEMM [m, f] feeding a consumer [m, f] x [f, n]
+    through TileSync, both in row-block order: producer tile (i, j) posts once to
+    flags[i * n_prod + j]; a consumer tile of row block i waits on flags[i * n_prod + j]
+    >= epoch before its K steps over columns [j * prod_block_n, (j + 1) * prod_block_n)
+    of the producer's output. Flags used: cdiv(m, block_m) * n_prod."""
+    n_prod = _cdiv(f, prod_block_n)
+    pol = TileSync(n_prod, prod_block_n, cons_block_k)
+    prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n)
+    for r in prod:  # post per tile, not per row block
+        r[7] = pol.post(r[7], r[4])
+    cons = build_tile_table(row_block_segments(m, block_m, wait=pol), n, block_m, cons_block_n)
+    return prod, cons, pol
 
 
 def flatten(rows: Iterable[Iterable[int]]) -> list[int]:

@@ -18,7 +18,7 @@ from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
 from overlap.kernels.add_norm import launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,
-                              rowsync_chain_tables)
+                              rowsync_chain_tables, tilesync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
@@ -443,6 +443,57 @@ def scenario_chain() -> None:
         raise AssertionError("consumer ran on stale producer flags")
     assert torch.isnan(y).all()
     print("PASS chain")
+
+
+def scenario_tilesync() -> None:
+    """fc1 (posts per tile) -> fc2 (TileSync: its K loop waits group by group, each on the
+    one fc1 tile it reads): matches torch over two epochs; with only the first fc1 tile of a
+    row block posted, the fc2 tile times out on the second one (flag index 1), does not
+    write, and a stale flag from the previous call does not satisfy it."""
+    g = torch.Generator().manual_seed(8)
+    m, k, f, n = 40, 32, 48, 24
+    pcfg = GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4)
+    x = torch.randn(m, k, generator=g, dtype=torch.float16)
+    w1 = torch.randn(f, k, generator=g, dtype=torch.float16) / k ** 0.5
+    w2 = torch.randn(n, f, generator=g, dtype=torch.float16) / f ** 0.5
+    prod_l, cons_l, pol = tilesync_chain_tables(m, f, n, 16, pcfg.block_n, CFG.block_n, CFG.block_k)
+    assert pol.k_wait == 2 and pol.producer_n_tiles == 2
+    prod, cons = (torch.tensor(t, dtype=torch.int32) for t in (prod_l, cons_l))
+    flags = torch.zeros(7, dtype=torch.int32)  # 3 row blocks x 2 fc1 tiles + the start flag
+    for epoch in (1, 2):
+        xe = x * epoch
+        mid = torch.full((m, f), float("nan"), dtype=torch.float16)
+        y = torch.full((m, n), float("nan"), dtype=torch.float16)
+        ew = ErrorWord("cpu", what="chain")
+        launch_tile_gemm(xe, w1.t(), mid, prod, flags=flags, err=ew.word, epoch=epoch, grid=3, config=pcfg,
+                         post=True, activation="gelu", counter=torch.zeros(1, dtype=torch.int32), start_flag=6)
+        assert flags[:6].tolist() == [epoch] * 6, flags  # one post per fc1 tile
+        launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=epoch, grid=2, config=CFG,
+                         wait=True, k_wait=pol.k_wait, counter=torch.zeros(1, dtype=torch.int32), max_spins=100)
+        ew.check()
+        ref = torch.nn.functional.gelu(xe.double() @ w1.double().t()) @ w2.double().t()
+        assert _rel(y, ref) < 3e-3, _rel(y, ref)
+    # epoch 3: fc1 tile (0, 0) posted, tile (0, 1) still at epoch 2's count
+    flags[:6] = torch.tensor([3, 2, 3, 3, 3, 3], dtype=torch.int32)
+    y = torch.full((m, n), float("nan"), dtype=torch.float16)
+    ew = ErrorWord("cpu", what="chain")
+    launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=3, grid=1, config=CFG, wait=True,
+                     k_wait=pol.k_wait, max_spins=100)
+    try:
+        ew.check()
+    except FlagTimeoutError as e:
+        assert (e.flag_idx, e.expected, e.seen) == (1, 3, 2), e
+    else:
+        raise AssertionError("an fc2 tile read fc1 columns whose tile had not posted")
+    assert torch.isnan(y[:16]).all(), "a tile whose K group timed out must not write"
+    try:
+        launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=3, grid=1, config=CFG,
+                         k_wait=2)
+    except ValueError as e:
+        assert "k_wait" in str(e)
+    else:
+        raise AssertionError("k_wait without waits accepted")
+    print("PASS tilesync")
 
 
 if __name__ == "__main__":

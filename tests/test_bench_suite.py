@@ -24,7 +24,7 @@ SETS = ["gpt3-175b", "llama-70b", "comm-heavy"]
 CUSTOM = "512x256x384"
 FAST = ["--iters", "2", "--warmup", "1"]
 # variants that cannot run on CPU, per op (everything else must have a positive time)
-NA_ON_CPU = {"agmm": {"symm_mem"}, "armm": {"symm_mem"}, "chain": {"stream_sync", "tile_flag"}}
+NA_ON_CPU = {"agmm": {"symm_mem"}, "armm": {"symm_mem"}, "chain": {"stream_sync", "tile_flag", "tile_sync"}}
 
 
 def _expected(op: str, sets: list[str], custom: list[str]) -> list[tuple[str, str]]:

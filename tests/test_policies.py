@@ -125,6 +125,27 @@ def test_rowsync_segments_wait_and_post() -> None:
     assert [r[7] for r in t] == [0, 0, 1, 1, 2, 2]  # each producer tile posts to its row block
 
 
+def test_tilesync_tables_post_per_tile_and_wait_per_k_group() -> None:
+    from overlap.policies import TileSync, tilesync_chain_tables
+
+    # producer [300, 640] in 128x256 tiles (3 row blocks x 3 column tiles, the last
+    # 128 wide); consumer [300, 640] x [640, 256], BLOCK_K 64: 4 K steps per producer tile
+    prod, cons, pol = tilesync_chain_tables(300, 640, 256, 128, 256, 128, 64)
+    assert pol == TileSync(3, 256, 64) and pol.k_wait == 4
+    # every producer tile posts to its own flag: row block * 3 + column tile
+    assert sorted((r[2] // 128, r[4], r[7]) for r in prod) == [
+        (i, j, 3 * i + j) for i in range(3) for j in range(3)]
+    assert len({r[7] for r in prod}) == len(prod)
+    # a consumer tile of row block i waits from flag 3 * i on (K group j: + j), once per call
+    assert sorted({(r[2] // 128, r[5], r[6]) for r in cons}) == [(0, 0, 1), (1, 3, 1), (2, 6, 1)]
+    # K group j of a consumer tile is exactly producer tile j's columns
+    for j in range(3):
+        cols = range(j * pol.k_wait * 64, min((j + 1) * pol.k_wait * 64, 640))
+        assert all(c // 256 == j for c in cols)
+    with pytest.raises(ValueError, match="must divide"):
+        TileSync(3, 256, 96)
+
+
 def test_segment_validation() -> None:
     with pytest.raises(ValueError):
         Segment(a_src=0, a_row=0, c_row=0, rows=0)

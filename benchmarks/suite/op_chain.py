@@ -4,7 +4,8 @@ starting as fc1's row blocks finish (tile flags inside one GPU; no communication
 Shapes M x N x K: x [M, K], w1 [K, N], w2 [N, K] (N is the FFN slice, K the hidden size):
 GPT-3 175B MLP slice at TP = 8 (K = 12288, N = 6144) and LLaMA-65B's (K = 8192,
 N = 22016 / 8 = 2752), M = 256 ... 4096. Variants: torch (cuBLAS + gelu), stream-sync (the
-two tile kernels, stream-ordered), tile-flag (row-block flags, RowSync); on CUDA the
+two tile kernels, stream-ordered), tile-flag (row-block flags, RowSync), tile-flag (tile:
+per-tile flags, TileSync, waits inside fc2's K loop); on CUDA the
 library's chain tuner picks both tile kernels' configs first. Every rank runs the chain
 on its own GPU; figures are the slowest rank's. There is no overlap floor: the sequential figure
 is producer alone (fc1 + gelu, cuBLAS) + consumer alone (fc2, cuBLAS), and the report gives
@@ -57,13 +58,16 @@ def setup(shape: Shape, env: Env) -> Case:
 
             # the tuner picks both tile kernels' configs, which stream-sync and tile-flag share
             variants["stream_sync"].prepare = tuned
-        variants["tile_flag"] = Variant("tile-flag (row)", fn=lambda: mlp_chain(x, w1, w2),
+        variants["tile_flag"] = Variant("tile-flag (row)", fn=lambda: mlp_chain(x, w1, w2, sync="row"),
                                         role="library", synced=True, counter=fast_path_counter(mlp_chain))
+        variants["tile_sync"] = Variant("tile-flag (tile)", fn=lambda: mlp_chain(x, w1, w2, sync="tile"),
+                                        counter=fast_path_counter(mlp_chain))
 
         def check() -> dict[str, float]:
             x2 = torch.randn_like(x)
             ref = mlp_chain_ref(x2, w1, w2)
-            return {"rel_err": env.rel_err(mlp_chain(x2, w1, w2), ref),
+            return {"rel_err": env.rel_err(mlp_chain(x2, w1, w2, sync="row"), ref),
+                    "rel_err_tile_sync": env.rel_err(mlp_chain(x2, w1, w2, sync="tile"), ref),
                     "rel_err_stream_sync": env.rel_err(mlp_chain_stream_sync(x2, w1, w2), ref)}
 
         def finish() -> None:  # a flag-wait timeout the chain recorded (its state is per device)
@@ -72,6 +76,7 @@ def setup(shape: Shape, env: Env) -> Case:
     else:
         variants["stream_sync"] = Variant("stream-sync", na=NEEDS_CUDA)
         variants["tile_flag"] = Variant("tile-flag (row)", role="library", na=NEEDS_CUDA)
+        variants["tile_sync"] = Variant("tile-flag (tile)", na=NEEDS_CUDA)
         check = finish = None
     parts = {"producer": lambda: F.gelu(x @ w1), "consumer": lambda: hid @ w2}
     return Case(variants=variants, parts=parts, flops=4.0 * m * n * k, check=check, finish=finish)

@@ -124,6 +124,7 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
 # --------------------------------------------------------------------------
 # the p2p all-reduce's consumer: sum the pushed partials, add, norm, post
 # --------------------------------------------------------------------------
+from ._launch import CachedLauncher  # noqa: E402
 from .tile_gemm import _wait, interpreting  # noqa: E402
 
 
@@ -287,11 +288,19 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     if num_warps is None:
         num_warps = 16 if (norm is not None and block_k * rows > 8192) or block_k * rows > 16384 else 8
     interp = interpreting()
-    reduce_norm_kernel[(max(1, int(programs)),)](
-        x, recv, residual if residual is not None else x, h, y if y is not None else h,
-        weight if weight is not None else x, bias if bias is not None else x,
-        rflags, ready, err, starts,
-        K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins),
-        WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-        ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, num_warps=num_warps,
-    )
+    res = residual if residual is not None else x
+    yy = y if y is not None else h
+    ww = weight if weight is not None else x
+    bb = bias if bias is not None else x
+    args = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts,
+            K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins))
+    meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
+                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp)
+    # what Triton specializes on: constexprs, dtypes, K and the slot stride
+    tensors = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts)
+    key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
+    _reduce_launcher.launch(max(1, int(programs)), args, meta, key=key, num_warps=num_warps, interpret=interp,
+                            aligned=tensors)
+
+
+_reduce_launcher = CachedLauncher(reduce_norm_kernel)

@@ -80,6 +80,38 @@ def _mainloop(a_desc, b_desc, off_am, off_bn, K,
 
 
 @triton.jit
+def _mainloop_tilesync(a_desc, b_desc, off_am, off_bn, K, flags_ptr, err_ptr, w_idx, expected, ahead, rank, t,
+                       timeout_ns, max_spins,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       B_KN: tl.constexpr, UPCAST: tl.constexpr, K_WAIT: tl.constexpr,
+                       USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
+    """The K loop in groups of K_WAIT steps, group g only once flags[w_idx + g] >= expected
+    (TileSync: the producer tile that wrote these K columns has posted). The wait sits
+    between two loops, so the software pipeline of a group issues no load before it.
+    Returns (acc, ok); ok = 0 after a failed wait (the later groups are skipped)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    ok = 1
+    for g in range(0, tl.cdiv(k_tiles, K_WAIT)):
+        if ok != 0:
+            ok = _wait(flags_ptr, err_ptr, w_idx + g, expected, ahead, rank, t, timeout_ns, max_spins,
+                       USE_TIMER, FENCE_ASYNC)
+        if ok != 0:
+            for ki in range(g * K_WAIT, tl.minimum((g + 1) * K_WAIT, k_tiles)):
+                off_k = ki * BLOCK_K
+                a = a_desc.load([off_am, off_k])
+                if B_KN:
+                    b = b_desc.load([off_k, off_bn])
+                else:
+                    b = b_desc.load([off_bn, off_k]).T
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc)
+    return acc, ok
+
+
+@triton.jit
 def _poll(flags_ptr, idx):
     # system scope: a flag may be written by a peer GPU's copy stream (overlap._p2p)
     return tl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="sys")
@@ -149,7 +181,7 @@ def tile_gemm_kernel(
     HAS_A2: tl.constexpr, B_KN: tl.constexpr,
     HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
-    DYNAMIC: tl.constexpr, POST_START: tl.constexpr,
+    DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -178,29 +210,41 @@ def tile_gemm_kernel(
             if tl.load(err_ptr, volatile=True) != 0:
                 ok = 0
             elif w_idx >= 0:
-                ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t, timeout_ns,
-                           max_spins, USE_TIMER, FENCE_ASYNC)
+                if K_WAIT == 0:  # else the K loop waits, group by group (TileSync)
+                    ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
+                               timeout_ns, max_spins, USE_TIMER, FENCE_ASYNC)
         if ok != 0:
             off_bn = pid_n * BLOCK_N
             a_use = a_desc
             if HAS_A2:
                 if a_src != 0:
                     a_use = a2_desc
-            acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
-            if ACTIVATION == 1:
-                acc = _gelu(acc)
-            rows = c_row + offs_i
-            cols = off_bn + offs_j
-            mask = (offs_i < c_rows)[:, None] & (cols < N)[None, :]
-            ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-            tl.store(ptrs, acc.to(out_dtype), mask=mask)
-            if HAS_POST:
-                p_idx = tl.load(row + 7)
-                # every thread's C stores precede the barrier; the release
-                # add by one thread then publishes them (cumulativity)
-                tl.debug_barrier()
-                if p_idx >= 0:
-                    tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+            done = 1
+            if HAS_WAIT & (K_WAIT > 0):
+                if w_idx >= 0:
+                    acc, done = _mainloop_tilesync(a_use, b_desc, a_row, off_bn, K, flags_ptr, err_ptr, w_idx,
+                                                   epoch * w_mult, (epoch + 2) * w_mult, rank, t, timeout_ns,
+                                                   max_spins, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST, K_WAIT,
+                                                   USE_TIMER, FENCE_ASYNC)
+                else:
+                    acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+            else:
+                acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+            if done != 0:
+                if ACTIVATION == 1:
+                    acc = _gelu(acc)
+                rows = c_row + offs_i
+                cols = off_bn + offs_j
+                mask = (offs_i < c_rows)[:, None] & (cols < N)[None, :]
+                ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+                tl.store(ptrs, acc.to(out_dtype), mask=mask)
+                if HAS_POST:
+                    p_idx = tl.load(row + 7)
+                    # every thread's C stores precede the barrier; the release
+                    # add by one thread then publishes them (cumulativity)
+                    tl.debug_barrier()
+                    if p_idx >= 0:
+                        tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:
@@ -212,6 +256,8 @@ def tile_gemm_kernel(
 # --------------------------------------------------------------------------
 import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+
+from ._launch import CachedLauncher as _CachedLauncher  # noqa: E402
 from typing import Any  # noqa: E402
 
 
@@ -281,7 +327,7 @@ def launch_tile_gemm(
     a2: Any = None, flags: Any = None, err: Any = None, epoch: int = 0, rank: int = 0,
     grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-    counter: Any = None, start_flag: int | None = None,
+    counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -293,6 +339,8 @@ def launch_tile_gemm(
     tiles are then handed out in table order by ``atomic_add`` on it, so a
     second launch (e.g. on the SMs NCCL gives back) can share the same table.
     ``start_flag``: program 0 sets ``flags[start_flag] = epoch`` as the grid starts.
+    ``k_wait`` > 0 (TileSync): a tile's wait is not once before its K loop but before
+    every ``k_wait`` K steps, group g on ``flags[wait_idx + g]``.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -310,6 +358,8 @@ def launch_tile_gemm(
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
+    if k_wait < 0 or (k_wait and not wait):
+        raise ValueError(f"k_wait={k_wait} needs wait=True and k_wait >= 0")
     if (wait or post or start_flag is not None) and (flags is None or err is None):
         raise ValueError("wait/post/start_flag need flags and err tensors")
     if flags is None:
@@ -322,17 +372,24 @@ def launch_tile_gemm(
     b_desc = TensorDescriptor.from_tensor(b_store, b_block)
     nprog = max(1, min(int(grid), num_tiles))
     interp = interpreting()
-    tile_gemm_kernel[(nprog,)](
-        a_desc, a2_desc, b_desc, c,
-        table, flags, err, counter if counter is not None else table,
-        N, K, num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-        int(start_flag) if start_flag is not None else 0,
-        c.stride(0), c.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_A2=a2 is not None, B_KN=b_kn,
-        HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
-        USE_TIMER=not interp, FENCE_ASYNC=not interp,
-        UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
-        POST_START=start_flag is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    counter = counter if counter is not None else table
+    args = (a_desc, a2_desc, b_desc, c, table, flags, err, counter,
+            N, K, num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
+            int(start_flag) if start_flag is not None else 0, c.stride(0), c.stride(1))
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                HAS_A2=a2 is not None, B_KN=b_kn,
+                HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
+                USE_TIMER=not interp, FENCE_ASYNC=not interp,
+                UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not table,
+                POST_START=start_flag is not None, K_WAIT=int(k_wait))
+    # everything Triton specializes on: the constexprs, the dtypes, the specialized
+    # integers (N, K, C's strides) and the descriptors' shapes and strides
+    key = (tuple(meta.values()), a.dtype, a2_desc.base.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
+           err.dtype, counter.dtype, N, K, c.stride(0), c.stride(1),
+           a_desc.shape[0], a_desc.strides[0], a2_desc.shape[0], a2_desc.strides[0],
+           tuple(b_desc.shape), tuple(b_desc.strides))
+    _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                     interpret=interp, aligned=(c, table, flags, err, counter))
+
+
+_launcher = _CachedLauncher(tile_gemm_kernel)

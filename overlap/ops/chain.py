@@ -40,13 +40,23 @@ timeout raises ``overlap.flags.FlagTimeoutError``. The stream wait of the start
 gate has no bound of its own: it waits on the producer's launch, and the
 producer depends on nothing but work already queued before it.
 
-cuSync's TileSync (the consumer's K loop waiting on each producer tile in
-turn) is not built: it needs waits inside the pipelined K loop, and here every
-producer tile of a row block finishes at about the same time anyway.
+Two sync policies (``ChainConfig.sync``, cuSync's names):
+
+    "row"   RowSync: a consumer tile waits once, before its K loop, for every
+            producer tile of its row block (one counted flag per row block)
+    "tile"  TileSync: a consumer tile's K loop runs in groups of K steps, one group
+            per producer tile of its row block, each group waiting on that producer
+            tile's own flag. The wait sits between two K loops, so no load of a
+            group is issued before its wait (each group's software pipeline starts
+            after it); the price is a pipeline restart per group
+
+Producer tiles of a row block run side by side and finish at about the same time,
+so TileSync gains little over RowSync here; both are measured in the benchmarks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,8 +94,12 @@ class ChainConfig:
     """Bound of one consumer tile's wait; None: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
     check: str = "async"
     """'sync', 'async' or 'none', as in ``OverlapConfig``."""
+    sync: str = "row"
+    """'row' (RowSync) or 'tile' (TileSync); see the module docstring."""
 
     def __post_init__(self) -> None:
+        if self.sync not in ("row", "tile"):
+            raise ValueError(f"sync must be 'row' or 'tile', got {self.sync!r}")
         if self.reserve_sms < 1:
             raise ValueError(f"reserve_sms must be >= 1 (the producer needs an SM), got {self.reserve_sms}")
         if self.check not in ("sync", "async", "none"):
@@ -94,6 +108,9 @@ class ChainConfig:
         c = self.consumer or p
         if p.block_m != c.block_m:
             raise ValueError(f"producer and consumer must share block_m ({p.block_m} != {c.block_m})")
+        if self.sync == "tile" and p.block_n % c.block_k:
+            raise ValueError(f"TileSync needs the consumer's block_k ({c.block_k}) to divide the producer's "
+                             f"block_n ({p.block_n})")
 
 
 @dataclass
@@ -160,22 +177,28 @@ def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
 
 
 def _tables(st: _State, m: int, f: int, n: int,
-            cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, _flags.FlagArray]:
-    """Producer and consumer tables, and the flags they share. Flags belong to one
-    pair of tables: a call adds exactly (producer N tiles) to each of its row
-    blocks' flags, so ``epoch * n_tiles`` stays the count to wait for only while
-    every call on these flags has the same row blocks and N tiles."""
-    from ..policies import rowsync_chain_tables
+            cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, _flags.FlagArray, int, int]:
+    """Producer and consumer tables, the flags they share, the epoch multiplier of a
+    wait and the consumer's ``k_wait``. Flags belong to one pair of tables: a call
+    adds exactly (producer N tiles) to each row block's flag (RowSync) or 1 to each
+    producer tile's (TileSync), so ``epoch * mult`` stays the count to wait for only
+    while every call on these flags has the same tables."""
+    from ..policies import rowsync_chain_tables, tilesync_chain_tables
 
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
-    key = (m, f, n, pc, cc)
+    key = (m, f, n, pc, cc, cfg.sync)
     t = st.tables.get(key)
     if t is None:
-        prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
+        if cfg.sync == "tile":
+            prod, cons, pol = tilesync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, cc.block_k)
+            n_flags, mult, k_wait = -(-m // pc.block_m) * pol.producer_n_tiles, 1, pol.k_wait
+        else:
+            prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
+            n_flags, mult, k_wait = -(-m // pc.block_m), -(-f // pc.block_n), 0
         t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
              torch.tensor(cons, dtype=torch.int32, device=st.device),
-             _flags.FlagArray(-(-m // pc.block_m) + 1, st.device))  # + the producer's start flag
+             _flags.FlagArray(n_flags + 1, st.device), mult, k_wait)  # + the producer's start flag
         st.tables[key] = t
     return t
 
@@ -213,7 +236,7 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     st = _state(x.device)
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    prod, cons, _ = _tables(st, m, f, n, cfg)
+    prod, cons, _, _, _ = _tables(st, m, f, n, cfg)
     pc = cfg.producer or _default_gemm()
     mid = x.new_empty((m, f))
     y = x.new_empty((m, n))
@@ -224,10 +247,11 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
 
 
 def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
-              config: ChainConfig | None = None, consumer_first: bool = False,
+              config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
               _producer_delay_cycles: int = 0) -> torch.Tensor:
     """``act(x @ w1) @ w2`` on one GPU, the fc2 tiles of a row block starting as
-    soon as that row block of fc1 is stored (RowSync tile flags).
+    soon as that row block of fc1 is stored (RowSync), or each K group of an fc2
+    tile as soon as the one fc1 tile it reads is stored (TileSync).
 
     ==========  ======  ==================================================
     tensor      shape   meaning
@@ -239,18 +263,23 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     ==========  ======  ==================================================
 
     fp16 / bf16 on CUDA take the tile-flag path; other inputs run
-    ``mlp_chain_ref`` with a one-time warning. ``consumer_first`` enqueues the
-    consumer before the producer (the order must not matter; tests use it).
+    ``mlp_chain_ref`` with a one-time warning. ``sync`` ("row" or "tile")
+    overrides the config's (or the tuned config's) policy. ``consumer_first``
+    enqueues the consumer before the producer (the order must not matter; tests use it).
     """
     from ..kernels.tile_gemm import launch_tile_gemm
 
     _check_inputs(x, w1, w2, activation)
+    if sync not in (None, "row", "tile"):
+        raise ValueError(f"sync must be 'row' or 'tile', got {sync!r}")
     if not _takes_fast_path(x):
         warn_once(f"chain-ref-{x.device.type}-{x.dtype}",
                   f"mlp_chain: no tile-flag path for {x.dtype} on {x.device.type}; running torch")
         return mlp_chain_ref(x, w1, w2, activation=activation)
     _validate_cuda(x, w1, w2)
     cfg = config or _tuned.get(_tune_key(x, w1, w2, activation)) or ChainConfig()
+    if sync is not None and sync != cfg.sync:
+        cfg = dataclasses.replace(cfg, sync=sync)
     if not consumer_first and not _flags._cuda_driver():
         # the start gate needs cuStreamWaitValue32 (cuda-bindings); checked before
         # anything is queued. Without it the kernels still chain correctly, only slower
@@ -261,10 +290,10 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    prod, cons, fl = _tables(st, m, f, n, cfg)
+    prod, cons, fl, mult, k_wait = _tables(st, m, f, n, cfg)
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
-    epoch = fl.next_epoch(max_mult=-(-f // pc.block_n))
+    epoch = fl.next_epoch(max_mult=mult)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     mid = x.new_empty((m, f))
     y = x.new_empty((m, n))
@@ -287,7 +316,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
 
     def consumer() -> None:
         launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
-                         counter=st.counters[1:2], **common)
+                         counter=st.counters[1:2], k_wait=k_wait, **common)
 
     if consumer_first:
         consumer()

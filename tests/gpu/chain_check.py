@@ -2,7 +2,7 @@
 
 Fresh inputs on every call (a consumer tile reading fc1's rows before they
 were stored would read the last call's and fail), M not a multiple of the
-tile, both weight layouts, fp16 and bf16, many epochs, and the consumer
+tile, both weight layouts, fp16 and bf16, RowSync and TileSync, many epochs, and the consumer
 enqueued first with the producer held back on its stream: it must still
 finish, correct, without a timeout. Prints ``PASS chain``.
 """
@@ -45,8 +45,8 @@ def main() -> None:
     ]
     calls = 0
     for (m, k, f, n, dt, layout, gcfg) in cases:
-        for consumer_first in (False, True):
-            cfg = chmod.ChainConfig(producer=gcfg, check="sync")
+        for consumer_first, sync in ((False, "row"), (True, "row"), (False, "tile"), (True, "tile")):
+            cfg = chmod.ChainConfig(producer=gcfg, check="sync", sync=sync)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(100 * it + m + int(consumer_first))
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
@@ -61,8 +61,9 @@ def main() -> None:
                 y_t = chmod.mlp_chain_ref(x, b1, b2)
                 r64 = ref64(x, b1, b2)
                 e, e_ss, e_t = rel(y, r64), rel(y_ss, r64), rel(y_t, r64)
-                assert torch.equal(y, y_ss), f"chain differs from stream-sync: {(m, k, f, n, dt, layout)} it {it}"
-                assert e <= 2 * e_t + 2e-3, f"case {(m, k, f, n, dt, layout, consumer_first)} it {it}: {e:.2e} vs {e_t:.2e}"
+                what = (m, k, f, n, dt, layout, consumer_first, sync)
+                assert torch.equal(y, y_ss), f"chain differs from stream-sync: {what} it {it}"
+                assert e <= 2 * e_t + 2e-3, f"case {what} it {it}: {e:.2e} vs {e_t:.2e}"
                 calls += 1
     assert chmod.stats["fused"] >= calls
     # many epochs, inputs changing every call, async error checks
@@ -72,7 +73,7 @@ def main() -> None:
     t0 = time.time()
     for it in range(300):
         xi = x * (1 + it % 7)
-        y = chmod.mlp_chain(xi, w1, w2)
+        y = chmod.mlp_chain(xi, w1, w2, sync="tile" if it % 2 else "row")
         if it % 50 == 0 or it == 299:
             assert torch.equal(y, chmod.mlp_chain_stream_sync(xi, w1, w2)), f"epoch {it}"
     torch.cuda.synchronize()

@@ -1,0 +1,118 @@
+"""Launch a Triton kernel again without Triton's per-call argument binding.
+
+Triton's ``kernel[grid](...)`` binds and specializes every argument on every call
+(type, 16-byte alignment of pointers, divisibility of integers), hashes the result
+and looks the compiled kernel up: tens of microseconds of host time per launch,
+which is the whole budget of a small overlapped op. ``CachedLauncher`` does that
+once per *key* the caller gives and then calls the compiled kernel's own launcher
+(``CompiledKernel.run``, the call Triton's ``JITFunction.run`` ends in).
+
+The caller's key must determine Triton's specialization: every constexpr, the
+launch options, the dtypes, and the integer arguments Triton specializes on
+(those not in ``do_not_specialize``), by value. Pointers are assumed 16-byte
+aligned and tensor descriptors TMA-legal (both are checked before launching by
+the callers here); ``launch`` asserts the first for the tensors it is given.
+
+Off under the interpreter and while Triton's launch hooks are set (a profiler
+that wants them gets the normal path). If the compiled kernel's ``run`` does not
+take the call (another Triton version), the launcher falls back to the normal
+path for good, once, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+__all__ = ["CachedLauncher"]
+
+
+def _hooks() -> tuple[Any, Any]:
+    try:
+        from triton import knobs
+
+        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    except Exception:  # noqa: BLE001 - an older Triton without knobs: no fast path
+        return None, None
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _raw_stream(device: int) -> int:
+    import torch
+
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hook_set(h: Any) -> bool:
+    if h is None:
+        return False
+    calls = getattr(h, "calls", None)  # triton's HookChain
+    return bool(calls) if calls is not None else True
+
+
+class CachedLauncher:
+    """Launches of one ``@triton.jit`` function, the compiled kernel cached per key.
+
+    ``args`` are the kernel's arguments in signature order with the constexprs
+    left out; ``constexprs`` maps the constexpr names (which must all come after
+    the other parameters) to their values."""
+
+    def __init__(self, fn: Any, max_entries: int = 256) -> None:
+        self.fn = fn
+        self.max_entries = max_entries
+        self.enabled = True
+        self._cache: dict[Any, Any] = {}
+        params = getattr(fn, "params", None)
+        if params is not None:
+            kinds = [bool(p.is_constexpr) for p in params]
+            # constexprs must be a suffix of the signature: the compiled launcher then
+            # takes the same values in the same order as the call below
+            if True in kinds and False in kinds[kinds.index(True):]:
+                self.enabled = False
+            self.const_names = [p.name for p in params if p.is_constexpr]
+        else:
+            self.const_names = None
+        self.hits = 0
+        self.misses = 0
+
+    def launch(self, grid: int, args: Sequence[Any], constexprs: dict[str, Any], *, key: Any,
+               num_warps: int, num_stages: int | None = None, interpret: bool = False,
+               device: int | None = None, aligned: Sequence[Any] = ()) -> None:
+        opts: dict[str, Any] = {"num_warps": num_warps}
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
+        enter, leave = _hooks()
+        fast = self.enabled and not interpret and not _hook_set(enter) and not _hook_set(leave)
+        if fast and device is None:
+            device = _current_device()  # Triton launches on the current device
+        full_key = (key, num_warps, num_stages, device)
+        k = self._cache.get(full_key) if fast else None
+        if k is not None:
+            for t in aligned:
+                if t.data_ptr() % 16:
+                    k = None  # Triton would specialize differently: take its path
+                    break
+        if k is not None:
+            stream = _raw_stream(device)
+            vals = (*args, *[constexprs[n] for n in self.const_names])
+            try:
+                meta = k.launch_metadata((grid, 1, 1), stream, *vals)
+                k.run(grid, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave, *vals)
+                self.hits += 1
+                return
+            except TypeError as e:  # another Triton's launcher signature: nothing was launched
+                self.enabled = False
+                self._cache.clear()
+                warnings.warn(f"overlap: cached kernel launch unavailable with this Triton ({e}); "
+                              "using Triton's launch path", RuntimeWarning, stacklevel=3)
+        compiled = self.fn[(grid,)](*args, **constexprs, **opts)
+        self.misses += 1
+        if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
+            if len(self._cache) >= self.max_entries:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[full_key] = compiled

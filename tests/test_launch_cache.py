@@ -1,0 +1,142 @@
+"""overlap.kernels._launch.CachedLauncher with a fake Triton function (no GPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from overlap.kernels import _launch
+
+
+class FakeCompiled:
+    def __init__(self, log: list, fail_run: bool = False) -> None:
+        self.log = log
+        self.fail_run = fail_run
+        self.function = "fn-handle"
+        self.packed_metadata = "packed"
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("meta", grid, stream)
+
+    def run(self, gx, gy, gz, stream, function, packed, meta, enter, leave, *args):
+        if self.fail_run:
+            raise TypeError("run() takes other arguments")
+        self.log.append(("fast", gx, stream, function, packed, args))
+
+
+class FakeJit:
+    """Signature (a, b, N, BLOCK: constexpr, FLAG: constexpr)."""
+
+    def __init__(self, fail_run: bool = False) -> None:
+        self.log: list = []
+        self.fail_run = fail_run
+        self.params = [SimpleNamespace(name=n, is_constexpr=c) for n, c in
+                       (("a", False), ("b", False), ("N", False), ("BLOCK", True), ("FLAG", True))]
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.log.append(("jit", grid[0], args, kw))
+            return FakeCompiled(self.log, self.fail_run)
+        return call
+
+
+class Ptr:
+    def __init__(self, addr: int) -> None:
+        self.addr = addr
+
+    def data_ptr(self) -> int:
+        return self.addr
+
+
+@pytest.fixture(autouse=True)
+def _no_cuda(monkeypatch):
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 1234 + device)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_hooks", lambda: (None, None))
+
+
+def test_second_launch_takes_the_compiled_kernel_with_constexprs_last():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    a, b = Ptr(256), Ptr(512)
+    lc.launch(4, (a, b, 64), {"BLOCK": 128, "FLAG": True}, key=("k", 64), num_warps=8, num_stages=3, aligned=(a, b))
+    lc.launch(6, (a, b, 64), {"BLOCK": 128, "FLAG": True}, key=("k", 64), num_warps=8, num_stages=3, aligned=(a, b))
+    assert [e[0] for e in fn.log] == ["jit", "fast"]
+    assert fn.log[0][3] == {"BLOCK": 128, "FLAG": True, "num_warps": 8, "num_stages": 3}
+    # grid, the current stream, the compiled handle, then args in signature order
+    assert fn.log[1] == ("fast", 6, 1234, "fn-handle", "packed", (a, b, 64, 128, True))
+    assert (lc.hits, lc.misses) == (1, 1)
+
+
+def test_another_key_options_or_device_compile_through_triton():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    base = dict(key=("k",), num_warps=8, num_stages=3, aligned=(a,))
+    lc.launch(1, (a, a, 1), {"BLOCK": 64, "FLAG": False}, **base)
+    lc.launch(1, (a, a, 1), {"BLOCK": 64, "FLAG": False}, **{**base, "key": ("other",)})
+    lc.launch(1, (a, a, 1), {"BLOCK": 64, "FLAG": False}, **{**base, "num_warps": 4})
+    lc.launch(1, (a, a, 1), {"BLOCK": 64, "FLAG": False}, **{**base, "device": 1})
+    assert [e[0] for e in fn.log] == ["jit"] * 4
+    lc.launch(1, (a, a, 1), {"BLOCK": 64, "FLAG": False}, **{**base, "device": 1})
+    assert fn.log[-1][0] == "fast" and fn.log[-1][2] == 1235
+
+
+def test_unaligned_pointer_or_interpreter_or_hooks_take_tritons_path(monkeypatch):
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    good, bad = Ptr(1024), Ptr(1030)
+    kw = dict(key=("k",), num_warps=4)
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
+    lc.launch(1, (bad, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(bad,), **kw)
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), interpret=True, **kw)
+    monkeypatch.setattr(_launch, "_hooks", lambda: (SimpleNamespace(calls=[print]), None))
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
+    assert [e[0] for e in fn.log] == ["jit"] * 4
+    monkeypatch.setattr(_launch, "_hooks", lambda: (SimpleNamespace(calls=[]), None))  # empty chain: fast
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
+    assert fn.log[-1][0] == "fast"
+
+
+def test_a_launcher_that_refuses_the_call_falls_back_for_good():
+    fn = FakeJit(fail_run=True)
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    kw = dict(key=("k",), num_warps=4)
+    lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
+    with pytest.warns(RuntimeWarning, match="cached kernel launch unavailable"):
+        lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
+    lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
+    # the refused call and every later one went through Triton: nothing lost, nothing twice
+    assert [e[0] for e in fn.log] == ["jit", "jit", "jit"]
+    assert not lc.enabled
+
+
+def test_constexprs_not_last_disable_the_cache():
+    fn = FakeJit()
+    fn.params = [SimpleNamespace(name="BLOCK", is_constexpr=True), SimpleNamespace(name="a", is_constexpr=False)]
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    for _ in range(2):
+        lc.launch(1, (a,), {"BLOCK": 16}, key=("k",), num_warps=4)
+    assert [e[0] for e in fn.log] == ["jit", "jit"]
+
+
+def test_cache_is_bounded():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn, max_entries=2)
+    a = Ptr(0)
+    for k in (1, 2, 3, 1):
+        lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, key=(k,), num_warps=4)
+    assert len(lc._cache) == 2
+    assert [e[0] for e in fn.log] == ["jit"] * 4  # key 1 was dropped when key 3 came
+
+
+def test_real_kernels_have_constexprs_last():
+    pytest.importorskip("triton")
+    from overlap.kernels.add_norm import _reduce_launcher
+    from overlap.kernels.tile_gemm import _launcher
+
+    for lc in (_launcher, _reduce_launcher):
+        assert lc.enabled and lc.const_names, lc.fn
