@@ -100,10 +100,17 @@ def main() -> None:
         cases[f"all_reduce_matmul {tr} +res+ln"] = (
             lambda cfg=cfg: all_reduce_matmul(x, w.t(), residual=res, norm=norm, config=cfg))
     cases["torch.mm (for scale)"] = lambda: torch.mm(x, w.t())
+    from overlap.kernels import add_norm, tile_gemm, words
+
+    launchers = {"tile_gemm": tile_gemm._launcher, "reduce_norm": add_norm._reduce_launcher,
+                 "copy_words": words._launcher}
     for name, fn in cases.items():
         us = per_call_us(fn, args.calls)
         if rank == 0:
             print(f"{name:40s} {us:8.1f} us per call (host)", flush=True)
+    if rank == 0:  # launches that reused a compiled kernel (hits) or went through Triton's binding
+        print("cached launches: " + ", ".join(f"{n} {lc.hits} hits / {lc.misses} misses"
+                                              for n, lc in launchers.items()), flush=True)
     if args.kernels:
         for name in [c for c in cases if "p2p" in c]:
             kernel_table(name, cases[name], rank)

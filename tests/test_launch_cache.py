@@ -140,3 +140,34 @@ def test_real_kernels_have_constexprs_last():
 
     for lc in (_launcher, _reduce_launcher):
         assert lc.enabled and lc.const_names, lc.fn
+
+
+def test_an_integer_past_int32_is_another_kernel():
+    """Triton types an unspecialized integer argument i32 or i64 by its value: a cached
+    kernel compiled for an i32 must not be handed an i64 (a 5 s timeout in ns)."""
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    kw = dict(key=("k",), num_warps=4)
+    lc.launch(1, (a, a, 500_000_000), {"BLOCK": 16, "FLAG": 0}, **kw)
+    lc.launch(1, (a, a, 5_000_000_000), {"BLOCK": 16, "FLAG": 0}, **kw)
+    lc.launch(1, (a, a, -5_000_000_000), {"BLOCK": 16, "FLAG": 0}, **kw)
+    lc.launch(1, (a, a, 400_000_000), {"BLOCK": 16, "FLAG": 0}, **kw)
+    lc.launch(1, (a, a, 6_000_000_000), {"BLOCK": 16, "FLAG": 0}, **kw)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "fast", "fast", "fast"]
+
+
+def test_an_argument_the_cached_kernel_refuses_goes_through_triton_once():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    kw = dict(key=("k",), num_warps=4)
+    lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
+    cached = lc._cache[next(iter(lc._cache))]
+
+    def refuse(*args):
+        raise OverflowError("signed integer is greater than maximum")
+    cached.run = refuse
+    lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
+    assert [e[0] for e in fn.log] == ["jit", "jit"] and lc.enabled
+    assert lc._cache[next(iter(lc._cache))] is cached  # the refused call's kernel was not cached

@@ -9,7 +9,9 @@ once per *key* the caller gives and then calls the compiled kernel's own launche
 
 The caller's key must determine Triton's specialization: every constexpr, the
 launch options, the dtypes, and the integer arguments Triton specializes on
-(those not in ``do_not_specialize``), by value. Pointers are assumed 16-byte
+(those not in ``do_not_specialize``), by value. The width class of every integer
+argument (int32 or wider: Triton types even unspecialized integers by it) is
+added here. Pointers are assumed 16-byte
 aligned and tensor descriptors TMA-legal (both are checked before launching by
 the callers here); ``launch`` asserts the first for the tensors it is given.
 
@@ -90,7 +92,10 @@ class CachedLauncher:
         fast = self.enabled and not interpret and not _hook_set(enter) and not _hook_set(leave)
         if fast and device is None:
             device = _current_device()  # Triton launches on the current device
-        full_key = (key, num_warps, num_stages, device)
+        # Triton types every integer argument by its width (i32, i64, u64), even those it
+        # does not specialize on: a value past int32 needs another compiled kernel
+        widths = tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
+        full_key = (key, widths, num_warps, num_stages, device)
         k = self._cache.get(full_key) if fast else None
         if k is not None:
             for t in aligned:
@@ -110,6 +115,8 @@ class CachedLauncher:
                 self._cache.clear()
                 warnings.warn(f"overlap: cached kernel launch unavailable with this Triton ({e}); "
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
+            except (OverflowError, ValueError):  # an argument the cached kernel cannot take
+                fast = False  # (nothing was launched): Triton's path, and do not cache its pick
         compiled = self.fn[(grid,)](*args, **constexprs, **opts)
         self.misses += 1
         if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):

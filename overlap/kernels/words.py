@@ -15,6 +15,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from ._launch import CachedLauncher
+
 __all__ = ["copy_words_kernel", "copy_words", "HostWords"]
 
 
@@ -37,4 +39,8 @@ class HostWords:
 
 def copy_words(src: Any, dst: HostWords) -> None:
     """Enqueue ``dst[:] = src[:]`` (int32, power-of-two length) on the current stream."""
-    copy_words_kernel[(1,)](src, dst, N=src.numel(), num_warps=1)
+    n = src.numel()
+    _launcher.launch(1, (src, dst), {"N": n}, key=(n, src.dtype, dst.dtype), num_warps=1, aligned=(src, dst))
+
+
+_launcher = CachedLauncher(copy_words_kernel)
