@@ -142,7 +142,10 @@ def _state(device: torch.device) -> _State:
             props = torch.cuda.get_device_properties(device)
             st = _State(device, int(props.multi_processor_count), torch.cuda.Stream(device=device, priority=-1),
                         _flags.ErrorWord(device, what="mlp_chain"),
-                        torch.zeros(2, dtype=torch.int32, device=device))
+                        # the two dispatch counters 16 bytes apart: kernels are
+                        # compiled for 16-byte aligned pointers (Triton specializes
+                        # on it); an unaligned one would take a slower launch path
+                        torch.zeros(8, dtype=torch.int32, device=device))
             _states[device.index] = st
         return st
 
@@ -301,7 +304,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     ps = st.prod_stream
     # both dispatch counters to 0, then fork: the producer must not wait on the consumer
     _flags.stream_write_value(cur, st.counters, 0, 0)
-    _flags.stream_write_value(cur, st.counters, 1, 0)
+    _flags.stream_write_value(cur, st.counters, 4, 0)
     ps.wait_stream(cur)
     common = dict(flags=fl.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
 
@@ -316,7 +319,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
 
     def consumer() -> None:
         launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
-                         counter=st.counters[1:2], k_wait=k_wait, **common)
+                         counter=st.counters[4:5], k_wait=k_wait, **common)
 
     if consumer_first:
         consumer()
