@@ -97,6 +97,19 @@ def test_unaligned_pointer_or_interpreter_or_hooks_take_tritons_path(monkeypatch
     monkeypatch.setattr(_launch, "_hooks", lambda: (SimpleNamespace(calls=[]), None))  # empty chain: fast
     lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
     assert fn.log[-1][0] == "fast"
+    # the unaligned call's kernel was not cached over the aligned one
+    assert lc.misses == 4 and len(lc._cache) == 1
+
+
+def test_a_first_unaligned_call_is_not_cached():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    good, bad = Ptr(2048), Ptr(2052)
+    kw = dict(key=("k",), num_warps=4)
+    lc.launch(1, (bad, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(bad,), **kw)
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
+    lc.launch(1, (good, good, 2), {"BLOCK": 16, "FLAG": 0}, aligned=(good,), **kw)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "fast"]
 
 
 def test_a_launcher_that_refuses_the_call_falls_back_for_good():
@@ -137,8 +150,9 @@ def test_real_kernels_have_constexprs_last():
     pytest.importorskip("triton")
     from overlap.kernels.add_norm import _reduce_launcher
     from overlap.kernels.tile_gemm import _launcher
+    from overlap.kernels.words import _launcher as _words_launcher
 
-    for lc in (_launcher, _reduce_launcher):
+    for lc in (_launcher, _reduce_launcher, _words_launcher):
         assert lc.enabled and lc.const_names, lc.fn
 
 

@@ -12,8 +12,9 @@ launch options, the dtypes, and the integer arguments Triton specializes on
 (those not in ``do_not_specialize``), by value. The width class of every integer
 argument (int32 or wider: Triton types even unspecialized integers by it) is
 added here. Pointers are assumed 16-byte
-aligned and tensor descriptors TMA-legal (both are checked before launching by
-the callers here); ``launch`` asserts the first for the tensors it is given.
+aligned and tensor descriptors TMA-legal (the callers here check the second before
+launching); a tensor in ``aligned`` that is not 16-byte aligned sends that call through
+Triton's path, uncached.
 
 Off under the interpreter and while Triton's launch hooks are set (a profiler
 that wants them gets the normal path). If the compiled kernel's ``run`` does not
@@ -96,12 +97,14 @@ class CachedLauncher:
         # does not specialize on: a value past int32 needs another compiled kernel
         widths = tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
         full_key = (key, widths, num_warps, num_stages, device)
-        k = self._cache.get(full_key) if fast else None
-        if k is not None:
+        if fast:
             for t in aligned:
                 if t.data_ptr() % 16:
-                    k = None  # Triton would specialize differently: take its path
+                    # Triton compiles another kernel for it: take its path, and do not
+                    # cache that kernel (later aligned calls keep the aligned one)
+                    fast = False
                     break
+        k = self._cache.get(full_key) if fast else None
         if k is not None:
             stream = _raw_stream(device)
             vals = (*args, *[constexprs[n] for n in self.const_names])
@@ -113,6 +116,7 @@ class CachedLauncher:
             except TypeError as e:  # another Triton's launcher signature: nothing was launched
                 self.enabled = False
                 self._cache.clear()
+                fast = False
                 warnings.warn(f"overlap: cached kernel launch unavailable with this Triton ({e}); "
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
             except (OverflowError, ValueError):  # an argument the cached kernel cannot take

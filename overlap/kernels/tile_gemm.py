@@ -355,11 +355,11 @@ def launch_tile_gemm(
     for name, t in (("a", a), ("a2", a2), ("b", b_store)):
         if t is not None:
             check_tma(name, t)
+    if k_wait < 0 or (k_wait and not wait):
+        raise ValueError(f"k_wait={k_wait} needs wait=True and k_wait >= 0")
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
-    if k_wait < 0 or (k_wait and not wait):
-        raise ValueError(f"k_wait={k_wait} needs wait=True and k_wait >= 0")
     if (wait or post or start_flag is not None) and (flags is None or err is None):
         raise ValueError("wait/post/start_flag need flags and err tensors")
     if flags is None:
