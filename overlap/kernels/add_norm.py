@@ -280,13 +280,15 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flag_stride = n_chunks if flag_stride is None else int(flag_stride)
     if flag_stride < n_chunks:
         raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
-    # a row block in registers when K allows (up to 16K columns), about 16K elements a
-    # block (measured on H200 at K = 8192: 2 rows beat 1 by 1.2-1.9x), 16 warps with a
-    # norm above 8K elements (8 would need 255 registers and spill)
+    # a row block in registers when K allows (up to 16K columns). Each program runs
+    # alone on its SM beside the GEMM, so its loads in flight set its bandwidth: blocks
+    # of 32K elements and 16 warps up to 8K columns (measured on H200 at K = 8192, 24
+    # programs over 16384 rows: 4 rows x 16 warps 0.375 ms, 2 x 8 0.491, 1 x 8 1.116;
+    # with residual and LayerNorm 1.052, 1.122, 1.381), one row of 16K columns above
     block_k = block_k or min(triton.next_power_of_2(K), 16384)
-    rows = rows or max(1, min(8, 16384 // block_k))
+    rows = rows or max(1, min(8, (32768 if block_k <= 8192 else 16384) // block_k))
     if num_warps is None:
-        num_warps = 16 if (norm is not None and block_k * rows > 8192) or block_k * rows > 16384 else 8
+        num_warps = 16 if block_k * rows > 8192 and (norm is not None or block_k <= 8192) else 8
     interp = interpreting()
     res = residual if residual is not None else x
     yy = y if y is not None else h

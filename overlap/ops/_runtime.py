@@ -103,6 +103,11 @@ class Runtime:
         props = torch.cuda.get_device_properties(device)
         self.num_sms = int(props.multi_processor_count)
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
+        # p2p pushes alternate chunk by chunk between the comm stream and this one: a
+        # push's flag write (a fenced peer write, several us) then hides behind the
+        # next chunk's copy instead of idling the copy engine (measured on 2x H200:
+        # 16 chunks of 16 MB took 0.84 ms on one stream, 0.74 ms of it copying)
+        self.push_stream = torch.cuda.Stream(device=device, priority=-1)
         # prologue work between a chunk landing and its flag (e.g. residual add + norm)
         self.aux_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comms: dict[int | None, Any] = {}
@@ -114,13 +119,19 @@ class Runtime:
         self._p2p_done: dict[str, torch.cuda.Event] = {}
 
     def p2p_begin(self, op: str, cur: torch.cuda.Stream) -> None:
-        """Fork the comm stream for a p2p call of ``op``: after the caller's work so far
+        """Fork the push streams for a p2p call of ``op``: after the caller's work so far
         and after ``op``'s previous call wherever it ran. The shared buffers' reuse
         rests on this order (``overlap._p2p``)."""
-        self.comm_stream.wait_stream(cur)
         prev = self._p2p_done.get(op)
-        if prev is not None:
-            self.comm_stream.wait_event(prev)
+        for st in self.push_streams:
+            st.wait_stream(cur)
+            if prev is not None:
+                st.wait_event(prev)
+
+    @property
+    def push_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The streams p2p pushes take turns on (chunk ``c`` on ``push_streams[c % 2]``)."""
+        return self.comm_stream, self.push_stream
 
     def p2p_end(self, op: str, cur: torch.cuda.Stream) -> None:
         """Mark the end of a p2p call of ``op`` (all its streams joined into ``cur``)."""

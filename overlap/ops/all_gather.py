@@ -334,19 +334,21 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     off = (epoch % 2) * (blk.nbytes // 2)
     gathered = blk.tensor(rank, off, (world * ms, k), a_shard.dtype)
     cur = torch.cuda.current_stream(a_shard.device)
-    cs = rt.comm_stream
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
+    pushes = rt.push_streams
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+        ps = pushes[c_idx % 2]
         for step in range(1, world):
             peer = (rank + step) % world
             memcpy_async(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
-                         rows * row_bytes, cs)
-            _flags.stream_write_value(cs, sf.peer(peer), rank * stride + c_idx, epoch)
+                         rows * row_bytes, ps)
+            _flags.stream_write_value(ps, sf.peer(peer), rank * stride + c_idx, epoch)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
                      epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
-    cur.wait_stream(cs)
-    a_shard.record_stream(cs)
+    for ps in pushes:
+        cur.wait_stream(ps)
+        a_shard.record_stream(ps)
     out_g = None
     if return_gathered:
         # the shared buffer is overwritten two calls later: hand out a copy

@@ -450,20 +450,22 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     off = (epoch % 2) * (blk.nbytes // 2)
     recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
     cur = torch.cuda.current_stream(x.device)
-    cs, ns = rt.comm_stream, rt.aux_stream
+    ns = rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
     _flags.stream_write_value(cur, counter, 0, 0)
     rt.p2p_begin("all_reduce_matmul", cur)
     ns.wait_stream(cur)
     src = x.data_ptr()
+    pushes = rt.push_streams
     start = 0
     for c_idx, rows in enumerate(p.chunk_rows):
+        ps = pushes[c_idx % 2]
         for step in range(1, world):
             peer = (rank + step) % world
             slot = push_slot(rank, peer, world)
             memcpy_async(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
-                         rows * row_bytes, cs)
-            _flags.stream_write_value(cs, sf.peer(peer), slot * stride + c_idx, epoch)
+                         rows * row_bytes, ps)
+            _flags.stream_write_value(ps, sf.peer(peer), slot * stride + c_idx, epoch)
         start += rows
     with on_stream(ns, cur):
         launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
@@ -478,9 +480,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
-    cur.wait_stream(cs)
+    for ps in pushes:
+        cur.wait_stream(ps)
+        x.record_stream(ps)
     cur.wait_stream(ns)
-    x.record_stream(cs)
     for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
         if t is not None:
             t.record_stream(ns)
@@ -508,7 +511,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
     add + norm kernels run on the SMs the GEMM grid leaves free); where peer
-    memory is available, the p2p transport in 4 and 8 chunks x 16, 24, 32, 48 SMs
+    memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
     for the reduce kernel, 2 chunks x 24, 32, and two probes without the give-back grid. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
@@ -531,7 +534,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
             candidates += [OverlapConfig(chunks=ch, nccl_ctas=ct, sm_margin=24, transport="nccl")
                            for ch in (2, 4) for ct in (24, 32)]
         if rt.transport(OverlapConfig()) == "p2p":
-            candidates = ([OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (4, 8)
+            candidates = ([OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (4, 8, 16)
                            for rc in (16, 24, 32, 48)]
                           + [OverlapConfig(chunks=2, reduce_ctas=rc, transport="p2p") for rc in (24, 32)]
                           + [OverlapConfig(chunks=8, reduce_ctas=rc, give_back=False, transport="p2p")
