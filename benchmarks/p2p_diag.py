@@ -5,10 +5,12 @@
 push S streams   every rank pushes ``--mb`` MB into its peers' memory at the same time,
                  split into S equal pieces on S streams (one copy engine each, or not);
                  ms per call and GB/s received per rank
+push 16 chunks   the same in 16 chunks through ``Runtime.push``, a peer flag write after
+                 each, in each of the runtime's push modes
 reduce P ...     the p2p all-reduce's reduce kernel alone over [M, K] (peer rows already
                  landed, flags set) on P programs: ms and GB/s of HBM traffic
 gemm on S SMs    the tile GEMM [M, K] x [K, N] alone on S SMs
-armm ...         the fused p2p op at a few chunk counts and reduce-kernel SMs
+armm ...         the fused p2p op at a few chunk counts and reduce-kernel SMs, per push mode
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+PUSH_MODES = ("one", "alternate", "flag_stream")
 
 
 def main() -> None:
@@ -76,7 +81,25 @@ def main() -> None:
         for i in range(s_count):
             cur.wait_stream(streams[i])
 
+    sf = heap.flags("diag_push_flags", 64)
+    epoch = [0]
+
+    def push_chunks(chunks: int, mode: str) -> None:
+        rt.push_mode = mode
+        rt.p2p_begin("diag", cur)
+        epoch[0] += 1
+        piece = nbytes // chunks
+        for c in range(chunks):
+            for step in range(1, world):
+                peer = (rank + step) % world
+                rt.push(c, blk.ptrs[peer] + (step - 1) * nbytes + c * piece, src.data_ptr() + c * piece, piece,
+                        sf.peer(peer), c, epoch[0])
+        for st in rt.push_streams:
+            cur.wait_stream(st)
+        rt.p2p_end("diag", cur)
+
     fns = {f"push {s} streams": (lambda s=s: push(s)) for s in (1, 2, 4)}
+    fns.update({f"push 16 chunks + flags, {mode}": (lambda mode=mode: push_chunks(16, mode)) for mode in PUSH_MODES})
     got = timer.time_interleaved(fns, on_error)
     for name, ms in got.items():
         res[name] = ms
@@ -112,7 +135,7 @@ def main() -> None:
 
         bk = min(triton.next_power_of_2(k), 16384)
         for ln in (False, True):
-            for rows in (1, 2, 4, 8):
+            for rows in (2, 4, 8):
                 for nw in (8, 16):
                     if rows * bk > 65536:
                         continue
@@ -142,12 +165,16 @@ def main() -> None:
                                           DEFAULT_CONFIG.block_n), dtype=torch.int32, device=dev)
     nrm = Norm("layernorm", w, bias)
     fns = {f"gemm on {s} SMs": (lambda s=s: launch_tile_gemm(y, b, c, table, grid=s)) for s in (132, 108, 84)}
-    for ln in (False, True):
-        for ch, rc in ((8, 24), (8, 48), (16, 24), (16, 48), (4, 32)):
+
+    def armm(cfg: OverlapConfig, ln: bool, mode: str) -> None:
+        rt.push_mode = mode
+        all_reduce_matmul(x, b, group=g, residual=resid if ln else None, norm=nrm if ln else None, config=cfg)
+
+    for ln, ch, rc in ((False, 8, 24), (False, 16, 24), (True, 8, 48), (True, 16, 48)):
+        for mode in PUSH_MODES:
             cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p")
-            fns[f"armm {m}x{n}x{k}{'+ln' if ln else ''} c{ch} r{rc}"] = (
-                lambda cfg=cfg, ln=ln: all_reduce_matmul(x, b, group=g, residual=resid if ln else None,
-                                                         norm=nrm if ln else None, config=cfg))
+            fns[f"armm {m}x{n}x{k}{'+ln' if ln else ''} c{ch} r{rc} push {mode}"] = (
+                lambda cfg=cfg, ln=ln, mode=mode: armm(cfg, ln, mode))
     got = timer.time_interleaved(fns, on_error) if not args.no_fused else {}
     for name, ms in got.items():
         res[name] = ms

@@ -103,11 +103,9 @@ class Runtime:
         props = torch.cuda.get_device_properties(device)
         self.num_sms = int(props.multi_processor_count)
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
-        # p2p pushes alternate chunk by chunk between the comm stream and this one: a
-        # push's flag write (a fenced peer write, several us) then hides behind the
-        # next chunk's copy instead of idling the copy engine (measured on 2x H200:
-        # 16 chunks of 16 MB took 0.84 ms on one stream, 0.74 ms of it copying)
+        # the second stream of p2p pushes (see ``push``)
         self.push_stream = torch.cuda.Stream(device=device, priority=-1)
+        self._push_ev = torch.cuda.Event()
         # prologue work between a chunk landing and its flag (e.g. residual add + norm)
         self.aux_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comms: dict[int | None, Any] = {}
@@ -128,10 +126,37 @@ class Runtime:
             if prev is not None:
                 st.wait_event(prev)
 
+    push_mode = "flag_stream"
+    """How ``push`` queues a chunk: "flag_stream" (copies on the comm stream, each
+    peer flag write on the push stream behind an event of its copy), "alternate"
+    (chunk c's copy and flag write on ``push_streams[c % 2]``) or "one" (both on the
+    comm stream). On one stream a flag write (a fenced peer write) idles the copy
+    engine between chunks: 2x H200, 16 chunks of 16 MB took 0.84 ms there, 0.74 ms
+    of it copying."""
+
     @property
     def push_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """The streams p2p pushes take turns on (chunk ``c`` on ``push_streams[c % 2]``)."""
+        """The streams a p2p call's pushes use; fork both with ``p2p_begin``, join both."""
         return self.comm_stream, self.push_stream
+
+    def push(self, chunk: int, dst: int, src: int, nbytes: int, flags: torch.Tensor, idx: int, value: int) -> None:
+        """Copy ``nbytes`` from ``src`` to a peer's ``dst`` with the copy engines, then
+        set the peer's ``flags[idx] = value`` once the bytes have landed (``overlap._p2p``)."""
+        from .. import _p2p
+
+        if self.push_mode == "alternate":
+            st = self.push_streams[chunk % 2]
+            _p2p.memcpy_async(dst, src, nbytes, st)
+            _flags.stream_write_value(st, flags, idx, value)
+        elif self.push_mode == "one":
+            _p2p.memcpy_async(dst, src, nbytes, self.comm_stream)
+            _flags.stream_write_value(self.comm_stream, flags, idx, value)
+        else:
+            _p2p.memcpy_async(dst, src, nbytes, self.comm_stream)
+            # a wait takes the event's record at the time it is queued: one event serves
+            self._push_ev.record(self.comm_stream)
+            self.push_stream.wait_event(self._push_ev)
+            _flags.stream_write_value(self.push_stream, flags, idx, value)
 
     def p2p_end(self, op: str, cur: torch.cuda.Stream) -> None:
         """Mark the end of a p2p call of ``op`` (all its streams joined into ``cur``)."""

@@ -310,7 +310,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
 
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
                cfg: OverlapConfig) -> Any:
-    from .._p2p import flag_stride, memcpy_async
+    from .._p2p import flag_stride
     from ..kernels.tile_gemm import launch_tile_gemm
 
     ms, k = a_shard.shape
@@ -336,17 +336,14 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     cur = torch.cuda.current_stream(a_shard.device)
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
-    pushes = rt.push_streams
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-        ps = pushes[c_idx % 2]
         for step in range(1, world):
             peer = (rank + step) % world
-            memcpy_async(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
-                         rows * row_bytes, ps)
-            _flags.stream_write_value(ps, sf.peer(peer), rank * stride + c_idx, epoch)
+            rt.push(c_idx, blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
+                    rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
                      epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
-    for ps in pushes:
+    for ps in rt.push_streams:
         cur.wait_stream(ps)
         a_shard.record_stream(ps)
     out_g = None

@@ -412,7 +412,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 
 def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from .._p2p import flag_stride, memcpy_async
+    from .._p2p import flag_stride
     from ..kernels.add_norm import launch_reduce_norm
     from ..kernels.tile_gemm import launch_tile_gemm
 
@@ -456,16 +456,13 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     rt.p2p_begin("all_reduce_matmul", cur)
     ns.wait_stream(cur)
     src = x.data_ptr()
-    pushes = rt.push_streams
     start = 0
     for c_idx, rows in enumerate(p.chunk_rows):
-        ps = pushes[c_idx % 2]
         for step in range(1, world):
             peer = (rank + step) % world
             slot = push_slot(rank, peer, world)
-            memcpy_async(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
-                         rows * row_bytes, ps)
-            _flags.stream_write_value(ps, sf.peer(peer), slot * stride + c_idx, epoch)
+            rt.push(c_idx, blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
+                    rows * row_bytes, sf.peer(peer), slot * stride + c_idx, epoch)
         start += rows
     with on_stream(ns, cur):
         launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
@@ -480,7 +477,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
-    for ps in pushes:
+    for ps in rt.push_streams:
         cur.wait_stream(ps)
         x.record_stream(ps)
     cur.wait_stream(ns)
