@@ -11,8 +11,7 @@ Per shape, side by side in rounds (``Timer.time_interleaved``), slowest rank, ms
     tile_a2       the fused op's kernel and table (local shard and gathered buffer as two
                   operands), flags already set, no copy
     tile_a2_wait  the same with the per-tile flag waits on
-    fused c1      the fused op, p2p, 1 chunk
-    fused cN mode the fused op, p2p, 2 and 4 chunks, per push mode of the runtime
+    fused cN      the fused op, p2p, 1, 2 and 4 chunks
 
 and, for ``--configs``, the tile GEMM alone under other tile shapes (wave quantization).
 """
@@ -103,13 +102,9 @@ def main() -> None:
             "fused c1": lambda: all_gather_matmul(a, b, group=g, config=OverlapConfig(chunks=1, transport="p2p")),
         }
 
-        def fused(chunks: int, mode: str) -> None:
-            rt.push_mode = mode
-            all_gather_matmul(a, b, group=g, config=OverlapConfig(chunks=chunks, transport="p2p"))
-
         for chunks in (2, 4):
-            for mode in ("one", "alternate", "flag_stream"):
-                fns[f"fused c{chunks} {mode}"] = lambda chunks=chunks, mode=mode: fused(chunks, mode)
+            fns[f"fused c{chunks}"] = lambda chunks=chunks: all_gather_matmul(
+                a, b, group=g, config=OverlapConfig(chunks=chunks, transport="p2p"))
         if spec in args.configs.split(","):
             for cfg in (GemmConfig(block_m=256, block_n=128), GemmConfig(block_m=128, block_n=128, num_stages=4),
                         GemmConfig(block_m=128, block_n=128, num_stages=5, num_warps=4)):

@@ -1,16 +1,15 @@
 """p2p transport diagnosis: copy-engine push bandwidth and the reduce kernel's speed alone.
 
-    bash launch/torchrun.sh 2 benchmarks/p2p_diag.py [--mb 256] [--m 16384 --k 8192]
+    bash launch/torchrun.sh 2 benchmarks/p2p_diag.py [--mb 256] [--M 16384 --K 8192 --N 2048] [--sweep]
 
 push S streams   every rank pushes ``--mb`` MB into its peers' memory at the same time,
                  split into S equal pieces on S streams (one copy engine each, or not);
                  ms per call and GB/s received per rank
-push 16 chunks   the same in 16 chunks through ``Runtime.push``, a peer flag write after
-                 each, in each of the runtime's push modes
+push N chunks    the same in N chunks through ``Runtime.push``, a peer flag write after each
 reduce P ...     the p2p all-reduce's reduce kernel alone over [M, K] (peer rows already
                  landed, flags set) on P programs: ms and GB/s of HBM traffic
 gemm on S SMs    the tile GEMM [M, K] x [K, N] alone on S SMs
-armm ...         the fused p2p op at a few chunk counts and reduce-kernel SMs, per push mode
+armm ...         the fused p2p op at a few chunk counts and reduce-kernel SMs
 """
 from __future__ import annotations
 
@@ -25,15 +24,12 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-PUSH_MODES = ("one", "alternate", "flag_stream")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
-    ap.add_argument("--m", type=int, default=16384)
-    ap.add_argument("--k", type=int, default=8192)
-    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--M", type=int, default=16384)
+    ap.add_argument("--K", type=int, default=8192)
+    ap.add_argument("--N", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep", action="store_true", help="also time the reduce kernel's block shapes")
     ap.add_argument("--no-fused", action="store_true", help="skip the GEMM and fused-op timings")
@@ -84,22 +80,20 @@ def main() -> None:
     sf = heap.flags("diag_push_flags", 64)
     epoch = [0]
 
-    def push_chunks(chunks: int, mode: str) -> None:
-        rt.push_mode = mode
+    def push_chunks(chunks: int) -> None:
         rt.p2p_begin("diag", cur)
         epoch[0] += 1
         piece = nbytes // chunks
         for c in range(chunks):
             for step in range(1, world):
                 peer = (rank + step) % world
-                rt.push(c, blk.ptrs[peer] + (step - 1) * nbytes + c * piece, src.data_ptr() + c * piece, piece,
+                rt.push(blk.ptrs[peer] + (step - 1) * nbytes + c * piece, src.data_ptr() + c * piece, piece,
                         sf.peer(peer), c, epoch[0])
-        for st in rt.push_streams:
-            cur.wait_stream(st)
+        cur.wait_stream(rt.comm_stream)
         rt.p2p_end("diag", cur)
 
     fns = {f"push {s} streams": (lambda s=s: push(s)) for s in (1, 2, 4)}
-    fns.update({f"push 16 chunks + flags, {mode}": (lambda mode=mode: push_chunks(16, mode)) for mode in PUSH_MODES})
+    fns.update({f"push {c} chunks + flags": (lambda c=c: push_chunks(c)) for c in (4, 8, 16)})
     got = timer.time_interleaved(fns, on_error)
     for name, ms in got.items():
         res[name] = ms
@@ -107,7 +101,7 @@ def main() -> None:
             print(f"{name}: {ms:.3f} ms, {nbytes * (world - 1) / ms / 1e6:.0f} GB/s received", flush=True)
 
     # --- the reduce kernel alone
-    m, k = args.m, args.k
+    m, k = args.M, args.K
     gen = torch.Generator(device=dev).manual_seed(rank)
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     recv = torch.randn(world - 1, m, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -158,7 +152,7 @@ def main() -> None:
     from overlap.ops import Norm, OverlapConfig, all_reduce_matmul
     from overlap.policies import Segment, build_tile_table
 
-    n = args.n
+    n = args.N
     b = (torch.randn(n, k, device=dev, generator=gen) * k ** -0.5).to(torch.bfloat16).t()
     c = x.new_empty(m, n)
     table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, DEFAULT_CONFIG.block_m,
@@ -166,15 +160,12 @@ def main() -> None:
     nrm = Norm("layernorm", w, bias)
     fns = {f"gemm on {s} SMs": (lambda s=s: launch_tile_gemm(y, b, c, table, grid=s)) for s in (132, 108, 84)}
 
-    def armm(cfg: OverlapConfig, ln: bool, mode: str) -> None:
-        rt.push_mode = mode
+    def armm(cfg: OverlapConfig, ln: bool) -> None:
         all_reduce_matmul(x, b, group=g, residual=resid if ln else None, norm=nrm if ln else None, config=cfg)
 
-    for ln, ch, rc in ((False, 8, 24), (False, 16, 24), (True, 8, 48), (True, 16, 48)):
-        for mode in PUSH_MODES:
-            cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p")
-            fns[f"armm {m}x{n}x{k}{'+ln' if ln else ''} c{ch} r{rc} push {mode}"] = (
-                lambda cfg=cfg, ln=ln, mode=mode: armm(cfg, ln, mode))
+    for ln, ch, rc in ((False, 8, 24), (False, 16, 16), (False, 16, 24), (True, 8, 48), (True, 16, 48)):
+        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p")
+        fns[f"armm {m}x{n}x{k}{'+ln' if ln else ''} c{ch} r{rc}"] = lambda cfg=cfg, ln=ln: armm(cfg, ln)
     got = timer.time_interleaved(fns, on_error) if not args.no_fused else {}
     for name, ms in got.items():
         res[name] = ms

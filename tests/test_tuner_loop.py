@@ -13,7 +13,7 @@ import torch.distributed as tdist
 
 from overlap.flags import FlagTimeoutError
 from overlap.ops import OverlapConfig
-from overlap.ops._runtime import time_candidates
+from overlap.ops._runtime import confirm_best, time_candidates
 from tests._procs import free_port
 
 
@@ -56,3 +56,52 @@ def test_timed_out_candidate_is_dropped(group: Any, capsys: pytest.CaptureFixtur
     assert all(c.check == "async" for _, c in out) and all(c.check == "none" for c in seen)
     printed = capsys.readouterr().out
     assert "cand 2" in printed and "rejected" in printed and printed.count("rejected") == 1
+
+
+def test_confirm_best_retimes_finalists_interleaved(group: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first pass ranked "a" first (a clock drift flattered it); timed again in
+    interleaved rounds, "b" is faster and wins. Only the top 3 are timed again, each
+    once per round with one batch, in turn."""
+    rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+    err = _Err()
+    first = [(1.0, "a"), (1.1, "b"), (1.2, "c"), (9.0, "d")]
+    true_ms = {"a": 2.0, "b": 1.5, "c": 1.8, "d": 0.1}  # "d" is never timed again
+    calls: list[tuple[str, int]] = []
+
+    def fn_for(choice: str) -> Any:
+        return lambda: choice
+
+    def timer(fn: Any, iters: int, grp: Any, batches: int = 3) -> float:
+        choice = fn()
+        calls.append((choice, batches))
+        return true_ms[choice] + 0.01 * len(calls)
+
+    t, best = confirm_best(rt, err, first, fn_for, 5, group, top=3, rounds=3, describe=lambda c: f"cand {c}",
+                           timer=timer)
+    assert best == "b"
+    assert [c for c, _ in calls] == ["a", "b", "c"] * 3 and all(b == 1 for _, b in calls)
+    assert t == pytest.approx(1.5 + 0.01 * 5)  # the median of b's rounds (calls 2, 5, 8)
+    assert "cand b" in capsys.readouterr().out
+
+
+def test_confirm_best_keeps_first_pass_when_a_finalist_times_out(group: Any) -> None:
+    rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+    err = _Err()
+
+    def timer(fn: Any, iters: int, grp: Any, batches: int = 3) -> float:
+        fn()
+        err.fail_next = True  # some finalist's waits timed out
+        return {"a": 3.0, "b": 1.0}[fn()]
+
+    with pytest.warns(UserWarning, match="timed out"):
+        t, best = confirm_best(rt, err, [(1.0, "a"), (2.0, "b")], lambda c: (lambda: c), 5, group, timer=timer)
+    assert (t, best) == (1.0, "a")
+
+
+def test_confirm_best_single_result_is_returned_untimed(group: Any) -> None:
+    rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+
+    def timer(*a: Any, **k: Any) -> float:
+        raise AssertionError("nothing to compare: no timing")
+
+    assert confirm_best(rt, _Err(), [(2.0, "seq")], lambda c: (lambda: c), 5, group, timer=timer) == (2.0, "seq")

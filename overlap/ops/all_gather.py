@@ -28,15 +28,15 @@ grid covers every SM and there is no give-back launch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from .. import flags as _flags
 from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
-from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
-                       time_candidates, time_ms, warn_once)
+from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, get_runtime, on_stream,
+                       report_errors, resolve_group, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "all_gather_matmul",
@@ -339,13 +339,12 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         for step in range(1, world):
             peer = (rank + step) % world
-            rt.push(c_idx, blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
+            rt.push(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
                     rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
                      epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
-    for ps in rt.push_streams:
-        cur.wait_stream(ps)
-        a_shard.record_stream(ps)
+    cur.wait_stream(rt.comm_stream)
+    a_shard.record_stream(rt.comm_stream)
     out_g = None
     if return_gathered:
         # the shared buffer is overwritten two calls later: hand out a copy
@@ -394,7 +393,18 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
 
     results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
-    best_t, best = min(results, key=lambda r: r[0])
+
+    def fn_for(choice: Any) -> Any:
+        if choice == "sequential":
+            return lambda: all_gather_matmul_ref(a_shard, b, group=group)
+        quiet = replace(choice, check="none")
+        return lambda: run(quiet)
+
+    def label(choice: Any) -> str:
+        return f"  tune agmm {ms * rt.world}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
+
+    best_t, best = confirm_best(rt, rt.err("all_gather_matmul"), results, fn_for, iters, group,
+                                describe=label if verbose else None)
     _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
     if best == "sequential":
         warn_once(f"agmm-seq-{ms}-{n}-{k}", f"all_gather_matmul: overlap does not pay for M/R={ms}, N={n}, K={k} "

@@ -43,8 +43,8 @@ import torch
 
 from .. import flags as _flags
 from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
-from ._runtime import (OverlapConfig, Runtime, check_agree, get_runtime, on_stream, report_errors, resolve_group,
-                       time_candidates, time_ms, warn_once)
+from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, get_runtime, on_stream,
+                       report_errors, resolve_group, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -461,7 +461,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         for step in range(1, world):
             peer = (rank + step) % world
             slot = push_slot(rank, peer, world)
-            rt.push(c_idx, blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
+            rt.push(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
                     rows * row_bytes, sf.peer(peer), slot * stride + c_idx, epoch)
         start += rows
     with on_stream(ns, cur):
@@ -477,9 +477,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
-    for ps in rt.push_streams:
-        cur.wait_stream(ps)
-        x.record_stream(ps)
+    cur.wait_stream(rt.comm_stream)
+    x.record_stream(rt.comm_stream)
     cur.wait_stream(ns)
     for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
         if t is not None:
@@ -537,11 +536,12 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                           + [OverlapConfig(chunks=8, reduce_ctas=rc, give_back=False, transport="p2p")
                              for rc in (24, 32)] + candidates)
     results: list[tuple[float, Any]] = []
-    for name, fn in (("sequential", lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm)),
-                     ("chunked x2", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
-                                                                      norm=norm, chunks=2)),
-                     ("chunked x4", lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual,
-                                                                      norm=norm, chunks=4))):
+    paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
+             "chunked x2": lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm,
+                                                             chunks=2),
+             "chunked x4": lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm,
+                                                             chunks=4)}
+    for name, fn in paths.items():
         t = time_ms(fn, iters, group)
         results.append((t, name))
         if verbose and rt.rank == 0:
@@ -557,7 +557,18 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
-    best_t, best = min(results, key=lambda r: r[0])
+
+    def fn_for(choice: Any) -> Any:
+        if isinstance(choice, str):
+            return paths[choice]
+        quiet = replace(choice, check="none")
+        return lambda: run(quiet)
+
+    def label(choice: Any) -> str:
+        return f"  tune armm {m}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
+
+    best_t, best = confirm_best(rt, rt.err("all_reduce_matmul"), results, fn_for, iters, group,
+                                describe=label if verbose else None)
     _tuned[_tune_key(rt, x, n, residual, norm)] = best
     if isinstance(best, str):
         warn_once(f"armm-{best}-{m}-{n}-{k}-{residual is not None}-{norm.kind if norm else None}",
