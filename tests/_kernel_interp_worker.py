@@ -159,7 +159,10 @@ def scenario_reduce_norm() -> None:
                         recv[push_slot(r, rank, world)] = parts[r]
                 stride = chunks + 2  # each sender owns a fixed run of flags, longer than this call's chunking
                 rflags = torch.full(((world - 1) * stride,), 4, dtype=torch.int32)
-                for missing, block_k in ((False, 16), (False, None), (True, 16), (True, None)):
+                # one program with 4-row blocks: several blocks per chunk (the two-rank path
+                # loads the next block ahead), the last one ragged
+                for missing, block_k, progs in ((False, 16, programs), (False, None, programs), (False, None, 1),
+                                                (True, 16, 1), (True, None, 1)):
                     rflags.fill_(5)
                     late_slot = push_slot((rank + 1) % world, rank, world)
                     if missing:
@@ -168,9 +171,8 @@ def scenario_reduce_norm() -> None:
                     ew = ErrorWord("cpu", what="reduce")
                     h = torch.full((m, k), float("nan"), dtype=dt)
                     y = torch.full((m, k), float("nan"), dtype=dt) if kind else None
-                    # the interpreter runs programs one after another and a timeout makes
-                    # later programs skip their rows: one program when a chunk is missing
-                    progs = 1 if missing else programs
+                    # (the interpreter runs programs one after another and a timeout makes
+                    # later programs skip their rows: one program when a chunk is missing)
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
