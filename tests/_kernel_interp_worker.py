@@ -159,8 +159,7 @@ def scenario_reduce_norm() -> None:
                         recv[push_slot(r, rank, world)] = parts[r]
                 stride = chunks + 2  # each sender owns a fixed run of flags, longer than this call's chunking
                 rflags = torch.full(((world - 1) * stride,), 4, dtype=torch.int32)
-                # one program with 4-row blocks: several blocks per chunk (the two-rank path
-                # loads the next block ahead), the last one ragged
+                # one program with 4-row blocks: several blocks per chunk, the last one ragged
                 for missing, block_k, progs in ((False, 16, programs), (False, None, programs), (False, None, 1),
                                                 (True, 16, 1), (True, None, 1)):
                     rflags.fill_(5)

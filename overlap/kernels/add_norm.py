@@ -148,34 +148,13 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     return hv
 
 
-@triton.jit
-def _store_h_y(h_ptr, y_ptr, hv, off2, m, w_all, b_all, K, eps, ROWS: tl.constexpr, NORM: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
-    """Store a row block ``hv`` held whole in registers, and its norm (two-pass
-    statistics from registers: exact)."""
-    tl.store(h_ptr + off2, hv, mask=m)
-    if NORM != 0:
-        hf = tl.where(m, hv.to(tl.float32), 0.0)
-        if NORM == 1:
-            mean = tl.sum(hf, axis=1) / K
-            d = tl.where(m, hf - mean[:, None], 0.0)
-        else:
-            mean = tl.zeros((ROWS,), dtype=tl.float32)
-            d = hf
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
-        yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
-        if HAS_BIAS:
-            yv += b_all[None, :]
-        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
-
-
 @triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
-                       FENCE_ASYNC: tl.constexpr, PREFETCH: tl.constexpr = False):
+                       FENCE_ASYNC: tl.constexpr):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -207,90 +186,65 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
             if ok != 0:
                 ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
                            max_spins, USE_TIMER, FENCE_ASYNC)
-        if PREFETCH:
-            if ok != 0:
-                # two ranks, a row block in registers: the next block's loads are issued
-                # before this block's sums, stores and norm, so they are in flight while
-                # this block waits on its reductions (one program per SM cannot hide its
-                # load latency otherwise). Blocks of this chunk only: the next chunk's
-                # rows may not have landed. fp32 a + b is b + a: rank order is kept.
-                cm = offs < K
-                rb = r0 + pid * ROWS
+        if ok != 0:
+            for rb in range(r0 + pid * ROWS, r1, G * ROWS):
                 rows = rb + rofs
-                m = (rows < r1)[:, None] & cm[None, :]
-                off2 = rows.to(tl.int64)[:, None] * K + offs[None, :]
-                pa = tl.load(x_ptr + off2, mask=m, other=0.0)
-                pb = tl.load(recv_ptr + off2, mask=m, other=0.0)
-                pr = pa
-                if HAS_RES:
-                    pr = tl.load(res_ptr + off2, mask=m, other=0.0)
-                while rb < r1:
-                    nrb = rb + G * ROWS
-                    nrows = nrb + rofs
-                    nm = (nrows < r1)[:, None] & cm[None, :]
-                    noff = nrows.to(tl.int64)[:, None] * K + offs[None, :]
-                    na = tl.load(x_ptr + noff, mask=nm, other=0.0)
-                    nb = tl.load(recv_ptr + noff, mask=nm, other=0.0)
-                    nr = na
-                    if HAS_RES:
-                        nr = tl.load(res_ptr + noff, mask=nm, other=0.0)
-                    hv = (pa.to(tl.float32) + pb.to(tl.float32)).to(dt)
-                    if HAS_RES:
-                        hv = (hv.to(tl.float32) + pr.to(tl.float32)).to(dt)
-                    _store_h_y(h_ptr, y_ptr, hv, off2, m, w_all, b_all, K, eps, ROWS, NORM, HAS_BIAS)
-                    pa = na
-                    pb = nb
-                    pr = nr
-                    rb = nrb
-                    m = nm
-                    off2 = noff
-        else:
-            if ok != 0:
-                for rb in range(r0 + pid * ROWS, r1, G * ROWS):
-                    rows = rb + rofs
-                    rmask = rows < r1
-                    base = rows.to(tl.int64) * K
-                    if BLOCK_K >= K:
-                        cm = offs < K
-                        m = rmask[:, None] & cm[None, :]
-                        off2 = base[:, None] + offs[None, :]
+                rmask = rows < r1
+                base = rows.to(tl.int64) * K
+                if BLOCK_K >= K:
+                    cm = offs < K
+                    m = rmask[:, None] & cm[None, :]
+                    off2 = base[:, None] + offs[None, :]
+                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
+                    tl.store(h_ptr + off2, hv, mask=m)
+                    if NORM != 0:
+                        hf = tl.where(m, hv.to(tl.float32), 0.0)
+                        if NORM == 1:
+                            mean = tl.sum(hf, axis=1) / K
+                            d = tl.where(m, hf - mean[:, None], 0.0)
+                        else:
+                            mean = tl.zeros((ROWS,), dtype=tl.float32)
+                            d = hf
+                        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
+                        yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
+                        if HAS_BIAS:
+                            yv += b_all[None, :]
+                        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
+                else:
+                    mean = tl.zeros((ROWS,), dtype=tl.float32)
+                    m2 = tl.zeros((ROWS,), dtype=tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        cols = k0 + offs
+                        m = rmask[:, None] & (cols < K)[None, :]
+                        off2 = base[:, None] + cols[None, :]
                         hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
-                        _store_h_y(h_ptr, y_ptr, hv, off2, m, w_all, b_all, K, eps, ROWS, NORM, HAS_BIAS)
-                    else:
-                        mean = tl.zeros((ROWS,), dtype=tl.float32)
-                        m2 = tl.zeros((ROWS,), dtype=tl.float32)
+                        tl.store(h_ptr + off2, hv, mask=m)
+                        if NORM == 1:
+                            hf = tl.where(m, hv.to(tl.float32), 0.0)
+                            nb = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
+                            bmean = tl.sum(hf, axis=1) / nb
+                            d = tl.where(m, hf - bmean[:, None], 0.0)
+                            bm2 = tl.sum(d * d, axis=1)
+                            n0 = k0 * 1.0
+                            delta = bmean - mean
+                            mean += delta * (nb / (n0 + nb))
+                            m2 += bm2 + delta * delta * (n0 * nb / (n0 + nb))
+                        elif NORM == 2:
+                            hf = tl.where(m, hv.to(tl.float32), 0.0)
+                            m2 += tl.sum(hf * hf, axis=1)
+                    if NORM != 0:
+                        rstd = 1.0 / tl.sqrt(m2 / K + eps)
                         for k0 in range(0, K, BLOCK_K):
                             cols = k0 + offs
-                            m = rmask[:, None] & (cols < K)[None, :]
+                            cm = cols < K
+                            m = rmask[:, None] & cm[None, :]
                             off2 = base[:, None] + cols[None, :]
-                            hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
-                            tl.store(h_ptr + off2, hv, mask=m)
-                            if NORM == 1:
-                                hf = tl.where(m, hv.to(tl.float32), 0.0)
-                                nb = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
-                                bmean = tl.sum(hf, axis=1) / nb
-                                d = tl.where(m, hf - bmean[:, None], 0.0)
-                                bm2 = tl.sum(d * d, axis=1)
-                                n0 = k0 * 1.0
-                                delta = bmean - mean
-                                mean += delta * (nb / (n0 + nb))
-                                m2 += bm2 + delta * delta * (n0 * nb / (n0 + nb))
-                            elif NORM == 2:
-                                hf = tl.where(m, hv.to(tl.float32), 0.0)
-                                m2 += tl.sum(hf * hf, axis=1)
-                        if NORM != 0:
-                            rstd = 1.0 / tl.sqrt(m2 / K + eps)
-                            for k0 in range(0, K, BLOCK_K):
-                                cols = k0 + offs
-                                cm = cols < K
-                                m = rmask[:, None] & cm[None, :]
-                                off2 = base[:, None] + cols[None, :]
-                                hf = tl.load(h_ptr + off2, mask=m, other=0.0).to(tl.float32)
-                                w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                                yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
-                                if HAS_BIAS:
-                                    yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-                                tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
+                            hf = tl.load(h_ptr + off2, mask=m, other=0.0).to(tl.float32)
+                            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                            yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
+                            if HAS_BIAS:
+                                yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+                            tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
         # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
@@ -301,8 +255,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       prefetch: bool | None = None) -> None:
+                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -311,8 +264,6 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flags the peers set (slot * flag_stride + c; default stride: the chunk count);
     ``ready``: int32 [chunks] this
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
-    ``prefetch``: load a program's next row block while it works on this one (2 ranks,
-    a row block in registers); None: wherever that applies.
     """
     if norm not in NORM_KINDS:
         raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
@@ -331,17 +282,16 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
         raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
     # a row block in registers when K allows (up to 16K columns). Each program runs
     # alone on its SM beside the GEMM, so its loads in flight set its bandwidth: blocks
-    # of 32K elements and 16 warps up to 8K columns (measured on H200 at K = 8192, 24
-    # programs over 16384 rows: 4 rows x 16 warps 0.375 ms, 2 x 8 0.491, 1 x 8 1.116;
-    # with residual and LayerNorm 1.052, 1.122, 1.381), one row of 16K columns above
+    # of 32K elements and 16 warps up to 8K columns (measured on H200, 24 programs, at
+    # M x K = 16384 x 8192: 4 rows x 16 warps 0.375 ms, 2 x 8 0.491, 1 x 8 1.116, with
+    # residual and LayerNorm 1.052, 1.122, 1.381; at 8192 x 4096: 8 x 16 0.123 ms,
+    # 4 x 8 0.142, with LayerNorm 0.299, 0.318), one row of 16K columns above. Loading
+    # the next block into registers ahead of this one's work was slower at every shape
+    # tried (it spilled with a norm)
     block_k = block_k or min(triton.next_power_of_2(K), 16384)
     rows = rows or max(1, min(8, (32768 if block_k <= 8192 else 16384) // block_k))
     if num_warps is None:
         num_warps = 16 if block_k * rows > 8192 and (norm is not None or block_k <= 8192) else 8
-    can_prefetch = world == 2 and block_k >= K
-    if prefetch and not can_prefetch:
-        raise ValueError(f"prefetch needs 2 ranks and K <= block_k (world {world}, K {K}, block_k {block_k})")
-    prefetch = can_prefetch if prefetch is None else bool(prefetch)
     interp = interpreting()
     res = residual if residual is not None else x
     yy = y if y is not None else h
@@ -350,7 +300,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     args = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts,
             K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins))
     meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, PREFETCH=prefetch)
+                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp)
     # what Triton specializes on: constexprs, dtypes, K and the slot stride
     tensors = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts)
     key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
