@@ -124,25 +124,21 @@ def main() -> None:
 
     fns = {f"reduce {p} programs{' +res+ln' if ln else ''}": (lambda p=p, ln=ln: reduce(p, ln))
            for ln in (False, True) for p in (16, 24, 32, 48, 132)}
-    if args.sweep:  # the kernel's block shape on 24 programs: rows per block x warps, K in one block;
-        # with LayerNorm also the statistics in one reduction (onepass) or two
+    if args.sweep:  # the kernel's block shape on 24 programs: rows per block x warps, K in one block
         import triton
 
         bk = min(triton.next_power_of_2(k), 16384)
         for ln in (False, True):
             for rows in (2, 4, 8):
-                for nw in (8, 16, 32):
-                    for op in (True, False) if ln else (True,):
-                        if rows * bk > 65536 or (nw == 32 and rows * bk > 32768):
-                            continue
-                        fns[f"reduce 24 programs{' +res+ln' if ln else ''} rows {rows} bk {bk} w{nw}"
-                            f"{'' if op else ' two-pass'}"] = (
-                            lambda ln=ln, rows=rows, nw=nw, op=op: launch_reduce_norm(
-                                x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1, rank=rank,
-                                world=world, programs=24, residual=resid if ln else None,
-                                norm="layernorm" if ln else None, weight=w if ln else None,
-                                bias=bias if ln else None, y=y if ln else None, rows=rows, block_k=bk,
-                                num_warps=nw, onepass=op))
+                for nw in (8, 16):
+                    if rows * bk > 65536:
+                        continue
+                    fns[f"reduce 24 programs{' +res+ln' if ln else ''} rows {rows} bk {bk} w{nw}"] = (
+                        lambda ln=ln, rows=rows, nw=nw: launch_reduce_norm(
+                            x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1, rank=rank,
+                            world=world, programs=24, residual=resid if ln else None,
+                            norm="layernorm" if ln else None, weight=w if ln else None,
+                            bias=bias if ln else None, y=y if ln else None, rows=rows, block_k=bk, num_warps=nw))
     got = timer.time_interleaved(fns, on_error)
     esz = x.element_size()
     for name, ms in got.items():

@@ -148,18 +148,13 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     return hv
 
 
-@triton.jit
-def _add_pair(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
 @triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
-                       FENCE_ASYNC: tl.constexpr, ONEPASS: tl.constexpr = True):
+                       FENCE_ASYNC: tl.constexpr):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -205,24 +200,12 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                     if NORM != 0:
                         hf = tl.where(m, hv.to(tl.float32), 0.0)
                         if NORM == 1:
-                            if ONEPASS:
-                                # both sums in one reduction, of h less its first column
-                                # (a value near the mean: the sums do not cancel)
-                                sft = _sum_parts(x_ptr, recv_ptr, res_ptr, base, rmask, rank, slot_stride,
-                                                 HAS_RES, WORLD, dt).to(tl.float32)
-                                d = tl.where(m, hf - sft[:, None], 0.0)
-                                sd, sd2 = tl.reduce((d, d * d), 1, _add_pair)
-                                dm = sd / K
-                                mean = sft + dm
-                                var = tl.maximum(sd2 / K - dm * dm, 0.0)
-                            else:
-                                mean = tl.sum(hf, axis=1) / K
-                                d = tl.where(m, hf - mean[:, None], 0.0)
-                                var = tl.sum(d * d, axis=1) / K
+                            mean = tl.sum(hf, axis=1) / K
+                            d = tl.where(m, hf - mean[:, None], 0.0)
                         else:
                             mean = tl.zeros((ROWS,), dtype=tl.float32)
-                            var = tl.sum(hf * hf, axis=1) / K
-                        rstd = 1.0 / tl.sqrt(var + eps)
+                            d = hf
+                        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
                         yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
                         if HAS_BIAS:
                             yv += b_all[None, :]
@@ -272,8 +255,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       onepass: bool = True) -> None:
+                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -318,7 +300,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     args = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts,
             K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins))
     meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp, ONEPASS=bool(onepass))
+                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp)
     # what Triton specializes on: constexprs, dtypes, K and the slot stride
     tensors = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts)
     key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
