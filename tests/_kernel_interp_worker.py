@@ -143,10 +143,11 @@ def scenario_reduce_norm() -> None:
     and every program posts every chunk once; with one peer's chunk missing, the
     timeout names its flag, those rows stay unwritten, and the chunk is still posted."""
     g = torch.Generator().manual_seed(12)
-    m, k, chunks, programs = 23, 40, 3, 4
+    m, chunks, programs = 23, 3, 4
     sizes, _ = row_chunk_segments(m, chunks, 8)
     starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    for world, rank in ((2, 0), (3, 1), (4, 3)):
+    # K = 40: a row block in registers with masked columns; K = 32: the block is exactly K
+    for world, rank, k in ((2, 0, 40), (3, 1, 40), (4, 3, 40), (2, 1, 32)):
         for dt in (torch.float32, torch.float16):
             for kind, with_res in ((None, False), (None, True), ("layernorm", True), ("rmsnorm", False)):
                 parts = [(torch.randn(m, k, generator=g) * (r + 1)).to(dt) for r in range(world)]

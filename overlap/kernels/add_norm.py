@@ -154,7 +154,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
-                       FENCE_ASYNC: tl.constexpr):
+                       FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -192,16 +192,25 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 rmask = rows < r1
                 base = rows.to(tl.int64) * K
                 if BLOCK_K >= K:
-                    cm = offs < K
-                    m = rmask[:, None] & cm[None, :]
+                    if EVEN_K:  # K == BLOCK_K: every column is real, no column mask
+                        m = rmask[:, None]
+                    else:
+                        m = rmask[:, None] & (offs < K)[None, :]
                     off2 = base[:, None] + offs[None, :]
                     hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
                     tl.store(h_ptr + off2, hv, mask=m)
                     if NORM != 0:
-                        hf = tl.where(m, hv.to(tl.float32), 0.0)
+                        # masked-off rows loaded as 0: their statistics are finite and unused
+                        if EVEN_K:
+                            hf = hv.to(tl.float32)
+                        else:
+                            hf = tl.where(m, hv.to(tl.float32), 0.0)
                         if NORM == 1:
                             mean = tl.sum(hf, axis=1) / K
-                            d = tl.where(m, hf - mean[:, None], 0.0)
+                            if EVEN_K:
+                                d = hf - mean[:, None]
+                            else:
+                                d = tl.where(m, hf - mean[:, None], 0.0)
                         else:
                             mean = tl.zeros((ROWS,), dtype=tl.float32)
                             d = hf
@@ -300,7 +309,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     args = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts,
             K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins))
     meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp)
+                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
+                EVEN_K=block_k == K)
     # what Triton specializes on: constexprs, dtypes, K and the slot stride
     tensors = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts)
     key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
