@@ -124,21 +124,22 @@ def main() -> None:
 
     fns = {f"reduce {p} programs{' +res+ln' if ln else ''}": (lambda p=p, ln=ln: reduce(p, ln))
            for ln in (False, True) for p in (16, 24, 32, 48, 132)}
-    if args.sweep:  # the kernel's block shape on 24 programs: rows per block x warps, K in one block
+    if args.sweep:  # the kernel's block shape on 24 programs: rows per block x K block x warps
         import triton
 
-        bk = min(triton.next_power_of_2(k), 16384)
+        p2 = min(triton.next_power_of_2(k), 16384)
+        shapes = [(16384 // p2, p2, 8), (16384 // p2, p2, 16), (32768 // p2, p2, 16)] + [
+            (r, bk, 16) for bk in (8192, 4096, 2048) if bk < p2 for r in (16384 // bk, 32768 // bk)]
         for ln in (False, True):
-            for rows in (2, 4, 8):
-                for nw in (8, 16):
-                    if rows * bk > 65536:
-                        continue
-                    fns[f"reduce 24 programs{' +res+ln' if ln else ''} rows {rows} bk {bk} w{nw}"] = (
-                        lambda ln=ln, rows=rows, nw=nw: launch_reduce_norm(
-                            x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1, rank=rank,
-                            world=world, programs=24, residual=resid if ln else None,
-                            norm="layernorm" if ln else None, weight=w if ln else None,
-                            bias=bias if ln else None, y=y if ln else None, rows=rows, block_k=bk, num_warps=nw))
+            for rows, bk, nw in shapes:
+                if rows < 1 or rows > 16:
+                    continue
+                fns[f"reduce 24 programs{' +res+ln' if ln else ''} rows {rows} bk {bk} w{nw}"] = (
+                    lambda ln=ln, rows=rows, bk=bk, nw=nw: launch_reduce_norm(
+                        x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1, rank=rank,
+                        world=world, programs=24, residual=resid if ln else None,
+                        norm="layernorm" if ln else None, weight=w if ln else None,
+                        bias=bias if ln else None, y=y if ln else None, rows=rows, block_k=bk, num_warps=nw))
     got = timer.time_interleaved(fns, on_error)
     esz = x.element_size()
     for name, ms in got.items():
