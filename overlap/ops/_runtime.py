@@ -390,6 +390,21 @@ def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:
     return float(t.item())
 
 
+def _none_timed_out(rt: Runtime, err: _flags.ErrorWord, group: Any, key: str, message: Any) -> bool:
+    """Collective: True on every rank when no rank's ``err`` recorded a timeout; else
+    False everywhere, and the ranks that saw one warn once (``message(error)``)."""
+    import torch.distributed as tdist
+
+    failed = torch.zeros(1, device=rt.device)
+    try:
+        err.check(block=True)
+    except _flags.FlagTimeoutError as e:
+        failed += 1
+        warn_once(key, message(e))
+    tdist.all_reduce(failed, group=group)
+    return failed.item() == 0
+
+
 def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[OverlapConfig], run: Any, iters: int,
                     group: Any, describe: Any = None, timer: Any = None) -> list[tuple[float, OverlapConfig]]:
     """The tuners' common loop (collective): time ``run(cand)`` for each candidate with
@@ -398,21 +413,13 @@ def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[Overlap
     ``describe(cand)``: a label to print on rank 0 (None: quiet); ``timer``: ``time_ms``."""
     from dataclasses import replace
 
-    import torch.distributed as tdist
-
     timer = timer or time_ms
     out: list[tuple[float, OverlapConfig]] = []
     for cand in candidates:
         cand = replace(cand, check="none")
         t = timer(lambda: run(cand), iters, group)
-        failed = torch.zeros(1, device=rt.device)
-        try:
-            err.check(block=True)
-        except _flags.FlagTimeoutError as e:
-            failed += 1
-            warn_once(f"tune-timeout-{err.what}-{cand}", f"tuner: {cand} timed out ({e}); skipped")
-        tdist.all_reduce(failed, group=group)
-        ok = failed.item() == 0
+        ok = _none_timed_out(rt, err, group, f"tune-timeout-{err.what}-{cand}",
+                             lambda e, cand=cand: f"tuner: {cand} timed out ({e}); skipped")
         if ok:
             out.append((t, replace(cand, check="async")))
         if describe is not None and rt.rank == 0:
@@ -433,8 +440,6 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     ``describe(choice)``: a label to print on rank 0 (None: quiet)."""
     import statistics
 
-    import torch.distributed as tdist
-
     timer = timer or time_ms
     ranked = sorted(results, key=lambda r: r[0])[:max(1, top)]
     if len(ranked) < 2 or rounds < 1:
@@ -443,14 +448,8 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     for _ in range(rounds):
         for i, (_, choice) in enumerate(ranked):
             times[i].append(timer(fn_for(choice), iters, group, batches=1))
-    failed = torch.zeros(1, device=rt.device)
-    try:
-        err.check(block=True)
-    except _flags.FlagTimeoutError as e:
-        failed += 1
-        warn_once(f"tune-confirm-timeout-{err.what}", f"tuner: a finalist timed out ({e}); keeping the first pass")
-    tdist.all_reduce(failed, group=group)
-    if failed.item() != 0:
+    if not _none_timed_out(rt, err, group, f"tune-confirm-timeout-{err.what}",
+                           lambda e: f"tuner: a finalist timed out ({e}); keeping the first pass"):
         return ranked[0]
     meds = [statistics.median(t) for t in times]
     best = min(range(len(ranked)), key=lambda i: meds[i])
