@@ -259,20 +259,18 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
 
 
-LONG_ROW_BLOCK_K = 4096
-"""Columns per block of the reduce kernel for rows longer than 8192 (several blocks)."""
-
-
-def reduce_block_shape(K: int, block_k: int | None = None) -> tuple[int, int, int]:
+def reduce_block_shape(K: int, block_k: int | None = None, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_K, ROWS, num_warps) the reduce kernel takes by default for rows of K columns
-    (``block_k`` given: the rows and warps for it): a row block whole in registers up to
-    8192 columns, else blocks of ``LONG_ROW_BLOCK_K``; 32K elements a block, 16 warps
-    above 8K elements."""
+    (``block_k`` given: the rows and warps for it). A row block whole in registers up to
+    16K columns; up to 8K columns blocks of 32K elements with 16 warps above 8K elements;
+    above that one row a block, 16 warps with a norm. Rows over 16K columns go in
+    several K blocks."""
     if block_k is None:
-        p2 = triton.next_power_of_2(K)
-        block_k = p2 if p2 <= 8192 else LONG_ROW_BLOCK_K
-    rows = max(1, min(8, 32768 // block_k))
-    return block_k, rows, 16 if block_k * rows > 8192 else 8
+        block_k = min(triton.next_power_of_2(K), 16384)
+    if block_k <= 8192:
+        rows = max(1, min(8, 32768 // block_k))
+        return block_k, rows, 16 if block_k * rows > 8192 else 8
+    return block_k, max(1, 16384 // block_k), 16 if norm else 8
 
 
 def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any,
@@ -310,12 +308,13 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     # of 32K elements and 16 warps up to 8K columns (measured on H200, 24 programs, at
     # M x K = 16384 x 8192: 4 rows x 16 warps 0.375 ms, 2 x 8 0.491, 1 x 8 1.116, with
     # residual and LayerNorm 1.052, 1.122, 1.381; at 8192 x 4096: 8 x 16 0.123 ms,
-    # 4 x 8 0.142, with LayerNorm 0.299, 0.318), one row of 16K columns above. Loading
+    # 4 x 8 0.142, with LayerNorm 0.299, 0.318), one row of up to 16K columns above. Loading
     # the next block into registers ahead of this one's work was slower at every shape
-    # tried (it spilled with a norm). Rows longer than 8K columns go in blocks of
-    # LONG_ROW_BLOCK_K columns, 8 rows at a time (at 8192 x 12288 a row of 16K columns
-    # in registers moved only 42 GB/s per SM: 24 programs 0.591 ms)
-    d_block, d_rows, d_warps = reduce_block_shape(K, block_k)
+    # tried (it spilled with a norm). At 8192 x 12288 the one 16K-column row in
+    # registers moves only 42 GB/s per SM (24 programs 0.574 ms); 8 rows in 4096-column
+    # blocks took 0.316 ms there, but that path is not yet checked on a GPU at this K,
+    # so the default stays
+    d_block, d_rows, d_warps = reduce_block_shape(K, block_k, norm is not None)
     block_k = block_k or d_block
     rows = rows or d_rows
     num_warps = num_warps or d_warps
