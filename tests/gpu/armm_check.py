@@ -39,7 +39,6 @@ def main() -> None:
         (777, 256, 320, torch.float16, 4, "kn", True, None),
         (1536, 512, 2304, torch.bfloat16, 2, "kn", False, "rmsnorm"),  # K > the norm's K block
         (2048, 1024, 1024, torch.bfloat16, 4, "wt", True, "layernorm"),
-        (384, 256, 12288, torch.bfloat16, 2, "wt", True, "layernorm"),  # p2p reduce: rows in several K blocks
     ]
     calls = 0
     for (m, n, k, dt, chunks, layout, with_res, kind) in cases:
