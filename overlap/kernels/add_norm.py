@@ -306,8 +306,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     # a row block in registers when K allows (up to 16K columns). Each program runs
     # alone on its SM beside the GEMM, so its loads in flight set its bandwidth: blocks
     # of 32K elements and 16 warps up to 8K columns (measured on H200, 24 programs, at
-    # M x K = 16384 x 8192: 4 rows x 16 warps 0.375 ms, 2 x 8 0.491, 1 x 8 1.116, with
-    # residual and LayerNorm 1.052, 1.122, 1.381; at 8192 x 4096: 8 x 16 0.123 ms,
+    # M x K = 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and
+    # LayerNorm 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms,
     # 4 x 8 0.142, with LayerNorm 0.299, 0.318), one row of up to 16K columns above. Loading
     # the next block into registers ahead of this one's work was slower at every shape
     # tried (it spilled with a norm). At 8192 x 12288 the one 16K-column row in
