@@ -13,9 +13,10 @@ sees the chunk NCCL wrote before it. Without cuda-bindings a one-element
 warning says so once).
 
 The ``ErrorWord`` is where a kernel's bounded wait reports a timeout; the host
-turns it into ``FlagTimeoutError``. Checking needs the device value, so
-``check()`` either synchronizes (``block=True``) or looks at a copy queued on an
-earlier call (``block=False``, free on the hot path).
+turns it into ``FlagTimeoutError``. ``check()`` either synchronizes
+(``block=True``) or reads a pinned host word that the failing kernel stores
+its code into as well (``block=False``: a read of host memory on the hot path,
+nothing queued on the GPU).
 """
 
 from __future__ import annotations
@@ -154,63 +155,70 @@ class FlagArray:
 
 
 class ErrorWord:
-    """Device int32[8]: [code, rank, flag index, expected, seen, tile, 0, 0]."""
+    """Device int32[8]: [code, rank, flag index, expected, seen, tile, host lo, host hi].
+
+    Slots 6-7 hold the address of a pinned host word (0: none). A kernel that
+    records a failure also stores its code there, so ``check(block=False)`` reads
+    host memory: nothing is queued on the GPU per call. Where the device cannot
+    store to pinned host memory (checked once, when the word is made), every
+    ``snapshot()`` queues a copy of the word instead and ``check(block=False)``
+    reads the latest landed copy."""
 
     def __init__(self, device: torch.device | str, what: str = "overlap op") -> None:
         self.word = torch.zeros(8, dtype=torch.int32, device=device)
         self.what = what
         dev = torch.device(device)
         self._host = torch.zeros(8, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._host_np = self._host.numpy()
         self._event: Any = None
-        self._by_sm: Any = None  # the pinned words as a kernel argument (see snapshot)
+        self._mirror = self.word.is_cuda and self._open_mirror()
 
-    def snapshot(self) -> None:
-        """Queue a copy of the word to host memory on the current stream (for ``check(block=False)``)."""
-        if self.word.is_cuda:
-            if self._event is not None and not self._event.query():
-                return  # the last copy has not landed yet: one in flight is enough
-            # stored by an SM, not a copy engine: on the p2p transport the copy
-            # engines are busy with the op's rows and a memcpy here would wait for them
-            if self._by_sm is None:
-                self._by_sm = self._probe_by_sm()
-            if self._by_sm is not False:
-                try:
-                    from .kernels.words import copy_words
-
-                    copy_words(self.word, self._by_sm)
-                except Exception as e:  # noqa: BLE001 - e.g. a driver that cannot map the pinned words
-                    warnings.warn(f"error-word snapshot by a kernel failed ({e}); using a copy", stacklevel=2)
-                    self._by_sm = False
-            if self._by_sm is False:
-                self._host.copy_(self.word, non_blocking=True)
-            if self._event is None:
-                self._event = torch.cuda.Event()
-            self._event.record()
-
-    def _probe_by_sm(self) -> Any:
-        """The pinned words as a kernel argument, after one checked copy (synchronizes
-        once); False (use a memcpy) where the kernel cannot store there."""
+    def _open_mirror(self) -> bool:
+        """Point slots 6-7 at the pinned words after one checked store into them by a
+        kernel (synchronizes once); False (copies instead) where that store fails."""
         try:
             from .kernels.words import HostWords, copy_words
 
-            dst = HostWords(self._host)
             self._host.fill_(-1)
-            copy_words(self.word, dst)
+            copy_words(self.word, HostWords(self._host))
             torch.cuda.synchronize(self.word.device)
             if self._host.tolist() != self.word.tolist():
                 raise RuntimeError("the pinned words did not receive the kernel's stores")
-            return dst
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"error-word snapshot by a kernel unavailable ({e}); using a copy", stacklevel=3)
+            warnings.warn(f"error word: no host mirror ({e}); timeouts are seen through copies", stacklevel=3)
+            self._host.zero_()
             return False
+        ptr = self._host.data_ptr()
+        halves = [(ptr >> s) & 0xFFFFFFFF for s in (0, 32)]
+        self.word[6:8] = torch.tensor([h - (1 << 32) if h >= 1 << 31 else h for h in halves], dtype=torch.int32)
+        self._host.zero_()
+        torch.cuda.synchronize(self.word.device)
+        return True
+
+    def snapshot(self) -> None:
+        """Without a host mirror: queue a copy of the word to host memory on the current
+        stream (for ``check(block=False)``). With one (the usual case): nothing."""
+        if self._mirror or not self.word.is_cuda:
+            return
+        if self._event is not None and not self._event.query():
+            return  # the last copy has not landed yet: one in flight is enough
+        self._host.copy_(self.word, non_blocking=True)
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record()
 
     def check(self, block: bool = True) -> None:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
 
-        ``block=True`` synchronizes on the current stream's work; ``block=False``
-        reads the latest completed snapshot only (nothing if none completed).
+        ``block=True`` synchronizes on the current stream's work. ``block=False``
+        reads the host mirror (synchronizing only once it shows a failure, to read
+        the whole record), or without one the latest landed snapshot.
         """
         if block or not self.word.is_cuda:
+            vals = self.word.tolist()
+        elif self._mirror:
+            if self._host_np[0] == 0:
+                return
             vals = self.word.tolist()
         else:
             if self._event is None or not self._event.query():
@@ -224,6 +232,6 @@ class ErrorWord:
             raise cls(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
 
     def clear(self) -> None:
-        self.word.zero_()
+        self.word[:6].zero_()  # slots 6-7: the mirror's address
         self._host.zero_()
         self._event = None

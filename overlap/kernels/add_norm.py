@@ -259,18 +259,16 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
 
 
-def reduce_block_shape(K: int, block_k: int | None = None, norm: bool = False) -> tuple[int, int, int]:
+def reduce_block_shape(K: int, block_k: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_K, ROWS, num_warps) the reduce kernel takes by default for rows of K columns
-    (``block_k`` given: the rows and warps for it). A row block whole in registers up to
-    16K columns; up to 8K columns blocks of 32K elements with 16 warps above 8K elements;
-    above that one row a block, 16 warps with a norm. Rows over 16K columns go in
-    several K blocks."""
+    (``block_k`` given: the rows and warps for it). Up to 8192 columns a row block whole
+    in registers; above, 4096-column blocks (the K loop with merged statistics). Blocks
+    of 32K elements, 16 warps above 8K elements; the same with and without a norm."""
     if block_k is None:
-        block_k = min(triton.next_power_of_2(K), 16384)
-    if block_k <= 8192:
-        rows = max(1, min(8, 32768 // block_k))
-        return block_k, rows, 16 if block_k * rows > 8192 else 8
-    return block_k, max(1, 16384 // block_k), 16 if norm else 8
+        p2 = triton.next_power_of_2(K)
+        block_k = p2 if p2 <= 8192 else 4096
+    rows = max(1, min(8, 32768 // block_k))
+    return block_k, rows, 16 if block_k * rows > 8192 else 8
 
 
 def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any,
@@ -303,18 +301,16 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flag_stride = n_chunks if flag_stride is None else int(flag_stride)
     if flag_stride < n_chunks:
         raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
-    # a row block in registers when K allows (up to 16K columns). Each program runs
-    # alone on its SM beside the GEMM, so its loads in flight set its bandwidth: blocks
-    # of 32K elements and 16 warps up to 8K columns (measured on H200, 24 programs, at
-    # M x K = 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and
-    # LayerNorm 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms,
-    # 4 x 8 0.142, with LayerNorm 0.299, 0.318), one row of up to 16K columns above. Loading
-    # the next block into registers ahead of this one's work was slower at every shape
-    # tried (it spilled with a norm). At 8192 x 12288 the one 16K-column row in
-    # registers moves only 42 GB/s per SM (24 programs 0.574 ms); 8 rows in 4096-column
-    # blocks took 0.316 ms there, but that path is not yet checked on a GPU at this K,
-    # so the default stays
-    d_block, d_rows, d_warps = reduce_block_shape(K, block_k, norm is not None)
+    # a row block in registers up to 8K columns, 4096-column blocks above. Each program
+    # runs alone on its SM beside the GEMM, so its loads in flight set its bandwidth:
+    # blocks of 32K elements and 16 warps (measured on H200, 24 programs, at M x K =
+    # 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and LayerNorm
+    # 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms, 4 x 8 0.142, with
+    # LayerNorm 0.299, 0.318; at 8192 x 12288: 8 rows x 4096 columns 0.315 ms against 0.574
+    # for one 16K-column row in registers, with residual and LayerNorm 0.906 against
+    # 0.975 (351ab94)). Loading the next block into registers ahead of this one's work
+    # was slower at every shape tried (it spilled with a norm)
+    d_block, d_rows, d_warps = reduce_block_shape(K, block_k)
     block_k = block_k or d_block
     rows = rows or d_rows
     num_warps = num_warps or d_warps

@@ -159,6 +159,13 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
             tl.store(err_ptr + 3, expected)
             tl.store(err_ptr + 4, seen)
             tl.store(err_ptr + 5, t)
+            # and the code into the host's pinned word whose address slots 6-7 hold
+            # (0: none), which the host reads on every call without a copy
+            lo = tl.load(err_ptr + 6)
+            hi = tl.load(err_ptr + 7)
+            host = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+            if host != 0:
+                tl.store(host.to(tl.pointer_type(tl.int32)), code)
     if FENCE_ASYNC:
         # the A tiles are read by TMA (async proxy) after a generic-proxy acquire
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],

@@ -1,11 +1,8 @@
 """A copy of a few device words into pinned host memory by an SM, not a copy engine.
 
-``ErrorWord.snapshot`` queues one per call of an op. A ``cudaMemcpyAsync`` there
-would need a copy engine, and on the p2p transport the copy engines are busy
-pushing the op's rows to the peers: the tiny copy waited behind them and held up
-the compute stream (the op measured up to 1.5x slower back to back). One program of
-one warp stores the words straight into the pinned buffer instead (pinned host
-memory is addressable from the device under unified addressing).
+``ErrorWord`` uses it once, to check that a kernel's stores reach its pinned host
+mirror (pinned host memory is addressable from the device under unified
+addressing); the kernels' waits then store a failure's code there themselves.
 """
 
 from __future__ import annotations

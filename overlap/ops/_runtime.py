@@ -112,12 +112,39 @@ class Runtime:
         self._heap: Any = None
         self._p2p_why: str | None = None  # None: not decided yet
         self._p2p_done: dict[str, torch.cuda.Event] = {}
+        self._events: dict[Any, torch.cuda.Event] = {}  # fork / join, reused (see fork)
 
-    def p2p_begin(self, op: str, cur: torch.cuda.Stream) -> None:
-        """Fork the comm stream for a p2p call of ``op``: after the caller's work so far
-        and after ``op``'s previous call wherever it ran. The shared buffers' reuse
-        rests on this order (``overlap._p2p``)."""
-        self.comm_stream.wait_stream(cur)
+    def fork(self, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
+        """Make ``streams`` wait for the work queued on ``cur`` so far (one reused event;
+        ``Stream.wait_stream`` makes a new one per call)."""
+        ev = self._events.get("fork")
+        if ev is None:
+            ev = self._events["fork"] = torch.cuda.Event()
+        ev.record(cur)
+        for s in streams:
+            s.wait_event(ev)
+
+    def join(self, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
+        """Make ``cur`` wait for the work queued on ``streams`` so far.
+
+        The ops join every side stream back into ``cur`` before they return, so all
+        their side-stream uses of a tensor come before anything queued on ``cur``
+        later. The caching allocator hands a freed block out again only to
+        allocations on the stream it was allocated on (``cur``), so that order makes
+        ``record_stream`` unnecessary, and the ops do not call it."""
+        for i, s in enumerate(streams):
+            ev = self._events.get(i)
+            if ev is None:
+                ev = self._events[i] = torch.cuda.Event()
+            ev.record(s)
+            cur.wait_event(ev)
+
+    def p2p_begin(self, op: str, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
+        """Fork the comm stream (and ``streams``) for a p2p call of ``op``: after the
+        caller's work so far; the comm stream also after ``op``'s previous call
+        wherever it ran. The shared buffers' reuse rests on this order
+        (``overlap._p2p``)."""
+        self.fork(cur, self.comm_stream, *streams)
         prev = self._p2p_done.get(op)
         if prev is not None:
             self.comm_stream.wait_event(prev)

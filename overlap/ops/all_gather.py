@@ -287,7 +287,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     # reset the dispatch counter before the comm stream forks, so that both
     # launches (main grid here, give-back grid on the comm stream) see it
     _flags.stream_write_value(cur, counter, 0, 0)
-    cs.wait_stream(cur)
+    rt.fork(cur, cs)
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
         _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
@@ -297,10 +297,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     if p.give_back_grid:
         with on_stream(cs, cur):
             launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.give_back_grid, wait=True, **common)
-    cur.wait_stream(cs)
-    a_shard.record_stream(cs)
-    gathered.record_stream(cs)
-    c.record_stream(cs)
+    rt.join(cur, cs)  # no record_stream needed (Runtime.join)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     if return_gathered:
@@ -343,8 +340,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
                     rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
     launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
                      epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
-    cur.wait_stream(rt.comm_stream)
-    a_shard.record_stream(rt.comm_stream)
+    rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:
         # the shared buffer is overwritten two calls later: hand out a copy

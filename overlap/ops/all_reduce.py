@@ -371,9 +371,10 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     cs, ns = rt.comm_stream, rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
     _flags.stream_write_value(cur, counter, 0, 0)
-    cs.wait_stream(cur)
     if prologue:
-        ns.wait_stream(cur)
+        rt.fork(cur, cs, ns)
+    else:
+        rt.fork(cur, cs)
     start = 0
     for c_idx, rows in enumerate(p.chunk_rows):
         comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
@@ -397,14 +398,11 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         # queued behind the last chunk: NCCL's SMs are free by then
         with on_stream(last, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
-    cur.wait_stream(cs)
+    # joined: no record_stream needed (Runtime.join)
     if prologue:
-        cur.wait_stream(ns)
-    for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
-        if t is not None:
-            t.record_stream(cs)
-            if prologue:
-                t.record_stream(ns)
+        rt.join(cur, cs, ns)
+    else:
+        rt.join(cur, cs)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     return c, h
@@ -453,8 +451,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     ns = rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
     _flags.stream_write_value(cur, counter, 0, 0)
-    rt.p2p_begin("all_reduce_matmul", cur)
-    ns.wait_stream(cur)
+    rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
     start = 0
     for c_idx, rows in enumerate(p.chunk_rows):
@@ -477,12 +474,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
             launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
-    cur.wait_stream(rt.comm_stream)
-    x.record_stream(rt.comm_stream)
-    cur.wait_stream(ns)
-    for t in (x, h, y, c, b, residual, norm.weight if norm else None, norm.bias if norm else None):
-        if t is not None:
-            t.record_stream(ns)
+    rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1

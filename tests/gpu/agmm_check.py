@@ -106,6 +106,22 @@ def main() -> None:
         assert took < 5, took
     else:
         raise AssertionError("timeout was not reported")
+    # the same failure seen by the non-blocking check, which reads the word's pinned host
+    # mirror: the failing kernel stores its code there, nothing is copied per call
+    ew2 = ErrorWord(dev, what="provoked async")
+    launch_tile_gemm(a, torch.eye(256, device=dev, dtype=torch.bfloat16), out, table, flags=fl, err=ew2.word, epoch=3,
+                     rank=rank, grid=8, wait=True, timeout_ns=50_000_000)
+    seen = None
+    t0 = time.time()
+    while seen is None and time.time() - t0 < 5:
+        try:
+            ew2.check(block=False)
+        except FlagTimeoutError as e:
+            seen = e
+        time.sleep(0.005)
+    assert seen is not None, "the non-blocking check never saw the timeout"
+    assert seen.flag_idx == 1 and seen.expected == 3 and seen.seen == 0 and seen.rank == rank, seen
+    ew2.check(block=True)  # reported once, then cleared: a later check passes
     # p2p: a peer whose pushes come late (rank 1's copy stream sleeps ~0.2 s before each push) makes
     # rank 0's 50 ms wait expire and raise; rank 1's own wait (default bound) succeeds
     from overlap._p2p import flag_stride

@@ -39,6 +39,8 @@ def main() -> None:
         (777, 256, 320, torch.float16, 4, "kn", True, None),
         (1536, 512, 2304, torch.bfloat16, 2, "kn", False, "rmsnorm"),  # K > the norm's K block
         (2048, 1024, 1024, torch.bfloat16, 4, "wt", True, "layernorm"),
+        (384, 256, 12288, torch.bfloat16, 2, "wt", True, "layernorm"),  # p2p reduce: 3 K blocks of 4096
+        (272, 256, 9216, torch.float16, 3, "kn", False, "rmsnorm"),    # p2p reduce: a partial last K block
     ]
     calls = 0
     for (m, n, k, dt, chunks, layout, with_res, kind) in cases:

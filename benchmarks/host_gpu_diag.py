@@ -1,0 +1,191 @@
+"""Host time against GPU time of the p2p ops at real shapes (2+ GPUs, torchrun or mpirun).
+
+    bash launch/torchrun.sh 2 benchmarks/host_gpu_diag.py [--calls 20] [--breakdown]
+
+Per case (a fixed p2p config, no tuner), rank 0 prints, in ms per call:
+
+back-to-back    the public op, calls back to back between two events (as the suite times it)
+check none      the same with ``check="none"`` (no error-word snapshot per call)
+direct          the op's internal ``_fused_p2p`` with ``check="none"`` (as the tuner times it)
+host            host time to queue one call, the GPU held behind a sleep kernel (perf_counter)
+gpu             GPU time per call with the host far ahead: the calls queued behind the
+                sleep, timed from the sleep's end
+
+When back-to-back is above gpu and close to host, the op is host-bound at that shape.
+``--breakdown``: host time per call of the all-reduce op at a tiny shape with parts of it
+replaced by no-ops in turn (each line drops one more part), so the differences say what
+each part costs on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from overlap import dist  # noqa: E402
+from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402
+from overlap.ops import all_gather as _ag  # noqa: E402
+from overlap.ops import all_reduce as _ar  # noqa: E402
+from overlap.ops._runtime import get_runtime  # noqa: E402
+
+SLEEP_CYCLES = 60_000_000  # ~30 ms at H200 clocks: longer than queueing the calls takes
+
+
+def _slowest(v: float) -> float:
+    t = torch.tensor([v], device="cuda")
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def back_to_back(fn, calls: int, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        tdist.barrier()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(calls):
+            fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) / calls)
+    out.sort()
+    return _slowest(out[len(out) // 2])
+
+
+def queued_ahead(fn, calls: int, reps: int = 3) -> tuple[float, float]:
+    """(host ms per call, GPU ms per call) with the GPU held behind a sleep kernel."""
+    hosts, gpus = [], []
+    for _ in range(reps):
+        tdist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        hosts.append((time.perf_counter() - t0) * 1e3 / calls)
+        e.record()
+        busy = not s.query()  # the sleep still ran when the last call was queued
+        e.synchronize()
+        gpus.append(s.elapsed_time(e) / calls if busy else float("nan"))
+    hosts.sort()
+    gpus.sort()
+    return _slowest(hosts[len(hosts) // 2]), _slowest(gpus[len(gpus) // 2])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--breakdown", action="store_true")
+    args = ap.parse_args()
+    dist.init()
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rt = get_runtime(tdist.group.WORLD, dev)
+    bf = torch.bfloat16
+    torch.manual_seed(rank)
+
+    cases = []
+    for m, n, k in ((8192, 1024, 8192), (16384, 2048, 8192)):
+        a = torch.randn(m // world, k, device=dev, dtype=bf)
+        w = torch.randn(n, k, device=dev, dtype=bf)
+        cfg = OverlapConfig(chunks=1 if m == 8192 else 2, transport="p2p")
+        cases.append((f"agmm {m}x{n}x{k} {cfg.chunks} chunks",
+                      lambda a=a, w=w, cfg=cfg, c=None: all_gather_matmul(a, w.t(), config=cfg if c is None else c),
+                      lambda a=a, w=w, cfg=cfg: _ag._fused_p2p(rt, a, w.t(), False, replace(cfg, check="none")),
+                      cfg))
+    for m, n, k, ln in ((8192, 1024, 8192, False), (8192, 1024, 8192, True), (16384, 2048, 8192, False)):
+        x = torch.randn(m, k, device=dev, dtype=bf)
+        w = torch.randn(n, k, device=dev, dtype=bf)
+        res = torch.randn(m, k, device=dev, dtype=bf) if ln else None
+        norm = Norm("layernorm", torch.ones(k, device=dev, dtype=bf), torch.zeros(k, device=dev, dtype=bf)) \
+            if ln else None
+        cfg = OverlapConfig(chunks=2 if m == 8192 else 16, reduce_ctas=32 if m == 8192 else 16, transport="p2p")
+        cases.append((f"armm {m}x{n}x{k}{'+ln' if ln else ''} {cfg.chunks} chunks {cfg.reduce_ctas} SMs",
+                      lambda x=x, w=w, res=res, norm=norm, cfg=cfg, c=None: all_reduce_matmul(
+                          x, w.t(), residual=res, norm=norm, config=cfg if c is None else c),
+                      lambda x=x, w=w, res=res, norm=norm, cfg=cfg: _ar._fused_p2p(
+                          rt, x, w.t(), res, norm, replace(cfg, check="none")),
+                      cfg))
+    for name, fn, direct, cfg in cases:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        none_cfg = replace(cfg, check="none")
+        b2b = back_to_back(fn, args.calls)
+        b2b_none = back_to_back(lambda: fn(c=none_cfg), args.calls)
+        b2b_direct = back_to_back(direct, args.calls)
+        host, gpu = queued_ahead(fn, args.calls)
+        if rank == 0:
+            print(f"{name:44s} back-to-back {b2b:.3f}  check none {b2b_none:.3f}  direct {b2b_direct:.3f}  "
+                  f"host {host:.3f}  gpu {gpu:.3f}", flush=True)
+
+    if args.breakdown:
+        breakdown(rt, dev, args.calls * 10, rank)
+    tdist.barrier()
+    dist.shutdown()
+
+
+def breakdown(rt, dev, calls: int, rank: int) -> None:
+    """Host us per call of the p2p all-reduce op at 512x1024x512, parts dropped one by one."""
+    from overlap.kernels import tile_gemm
+    from overlap.ops import _runtime
+
+    bf = torch.bfloat16
+    x = torch.randn(512, 1024, device=dev, dtype=bf)
+    w = torch.randn(512, 1024, device=dev, dtype=bf)
+    cfg = OverlapConfig(chunks=2, reduce_ctas=16, transport="p2p")
+
+    def host_us() -> float:
+        fn = lambda: all_reduce_matmul(x, w.t(), config=cfg)  # noqa: E731
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return _slowest(us)
+
+    saved = []
+
+    def drop(obj, name, repl):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, repl)
+
+    steps = [("full op", None),
+             ("- report_errors", lambda: drop(_ar, "report_errors", lambda *a, **k: None)),
+             ("- record_stream", lambda: drop(torch.Tensor, "record_stream", lambda *a, **k: None)),
+             ("- GEMM launches", lambda: drop(tile_gemm, "launch_tile_gemm", lambda *a, **k: None)),
+             ("- reduce launch", lambda: drop(__import__("overlap.kernels.add_norm", fromlist=["x"]),
+                                              "launch_reduce_norm", lambda *a, **k: None)),
+             ("- pushes", lambda: drop(_runtime.Runtime, "push", lambda *a, **k: None))]
+    prev = None
+    try:
+        for label, act in steps:
+            if act is not None:
+                act()
+            us = host_us()
+            if rank == 0:
+                d = "" if prev is None else f"  (part: {prev - us:6.1f})"
+                print(f"breakdown armm 512x512x1024 p2p 2 chunks: {label:18s} {us:7.1f} us{d}", flush=True)
+            prev = us
+    finally:
+        for obj, name, old in reversed(saved):
+            setattr(obj, name, old)
+
+
+if __name__ == "__main__":
+    main()
