@@ -348,12 +348,39 @@ def launch_tile_gemm(
     ``start_flag``: program 0 sets ``flags[start_flag] = epoch`` as the grid starts.
     ``k_wait`` > 0 (TileSync): a tile's wait is not once before its K loop but before
     every ``k_wait`` K steps, group g on ``flags[wait_idx + g]``.
+
+    An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
+    instead: its checks and key are then made once, and one call's descriptors serve
+    several launches.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
+    num_tiles = table.shape[0]
+    if num_tiles == 0:
+        return
+    flags = flags if flags is not None else table  # never read: HAS_WAIT/HAS_POST are off
+    err = err if err is not None else table
+    cnt = counter if counter is not None else table
     cfg = config
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+    b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
+    interp = interpreting()
+    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait)
+    key = _key(meta, a, a2, b_store, c, table, flags, err, cnt)
+    nprog = max(1, min(int(grid), num_tiles))
+    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt,
+            c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
+            int(start_flag) if start_flag is not None else 0, c.stride(0), c.stride(1))
+    _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                     interpret=interp, aligned=(c, table, flags, err, cnt))
+
+
+def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
+                  k_wait: int) -> tuple[Any, bool]:
+    """``launch_tile_gemm``'s argument checks; returns ``b_operand(b)``."""
     K = a.shape[1]
-    N = c.shape[1]
     if a.stride(1) != 1 or (a2 is not None and a2.stride(1) != 1):
         raise ValueError("A operands must have unit stride along K")
     b_store, b_kn = b_operand(b)
@@ -364,39 +391,99 @@ def launch_tile_gemm(
             check_tma(name, t)
     if k_wait < 0 or (k_wait and not wait):
         raise ValueError(f"k_wait={k_wait} needs wait=True and k_wait >= 0")
-    num_tiles = table.shape[0]
-    if num_tiles == 0:
-        return
     if (wait or post or start_flag is not None) and (flags is None or err is None):
         raise ValueError("wait/post/start_flag need flags and err tensors")
-    if flags is None:
-        flags = table  # never read: HAS_WAIT/HAS_POST are off
-    if err is None:
-        err = table
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-    a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-    b_block = [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]
-    b_desc = TensorDescriptor.from_tensor(b_store, b_block)
-    nprog = max(1, min(int(grid), num_tiles))
-    interp = interpreting()
-    counter = counter if counter is not None else table
-    args = (a_desc, a2_desc, b_desc, c, table, flags, err, counter,
-            N, K, num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-            int(start_flag) if start_flag is not None else 0, c.stride(0), c.stride(1))
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    return b_store, b_kn
+
+
+def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
+          interp: bool, counter: Any, start_flag: Any, k_wait: int) -> dict[str, Any]:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not table,
+                UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait))
-    # everything Triton specializes on: the constexprs, the dtypes, the specialized
-    # integers (N, K, C's strides) and the descriptors' shapes and strides
-    key = (tuple(meta.values()), a.dtype, a2_desc.base.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
-           err.dtype, counter.dtype, N, K, c.stride(0), c.stride(1),
-           a_desc.shape[0], a_desc.strides[0], a2_desc.shape[0], a2_desc.strides[0],
-           tuple(b_desc.shape), tuple(b_desc.strides))
-    _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                     interpret=interp, aligned=(c, table, flags, err, counter))
+
+
+def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
+         counter: Any) -> tuple:
+    """Everything Triton specializes on: the constexprs, the dtypes, the specialized
+    integers (N, K, C's strides) and the descriptors' shapes and strides."""
+    a2 = a2 if a2 is not None else a
+    return (tuple(meta.values()), a.dtype, a2.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
+            err.dtype, counter.dtype, c.shape[1], a.shape[1], c.stride(0), c.stride(1),
+            a.shape[0], a.stride(0), a2.shape[0], a2.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+
+
+class TileGemmPlan:
+    """One GEMM of an op, checked and keyed once: operand shapes, strides and dtypes,
+    table, flags, error word, counter, config and options are fixed; per launch only
+    the operands' storage, the epoch and the grid change.
+
+    ``operands(a, b, a2)`` makes the TMA descriptors of a call, and raises ValueError
+    when an operand's shape or strides differ from the plan's (B as ``b_operand``
+    stores it); ``launch(descs, c, epoch=, grid=)`` launches on the current stream.
+    The arguments are those of ``launch_tile_gemm``."""
+
+    def __init__(self, a: Any, b: Any, c: Any, table: Any, *, a2: Any = None, flags: Any = None, err: Any = None,
+                 rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
+                 wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
+                 max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
+                 k_wait: int = 0) -> None:
+        b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
+        cfg = config
+        self.num_tiles = table.shape[0]
+        self.cfg, self.b_kn, self.table = cfg, b_kn, table
+        self.flags = flags if flags is not None else table
+        self.err = err if err is not None else table
+        self.counter = counter if counter is not None else table
+        self.a_block = [cfg.block_m, cfg.block_k]
+        self.b_block = [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]
+        self.a_layout = (tuple(a.shape), tuple(a.stride()))
+        self.a2_layout = (tuple(a2.shape), tuple(a2.stride())) if a2 is not None else None
+        self.b_layout = (tuple(b_store.shape), tuple(b_store.stride()))
+        self.c_layout = (c.shape[1], tuple(c.stride()))
+        self.interp = interpreting()
+        self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait)
+        self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
+        self.head = (c.shape[1], a.shape[1], self.num_tiles)
+        self.tail = (int(rank), int(timeout_ns), int(max_spins))
+        self.start = int(start_flag) if start_flag is not None else 0
+
+    def operands(self, a: Any, b: Any, a2: Any = None) -> tuple[Any, Any, Any]:
+        """The TMA descriptors (A, A2, B) of one call."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if (tuple(a.shape), a.stride()) != self.a_layout:
+            raise ValueError(f"a is {tuple(a.shape)} with strides {a.stride()}; the plan's is {self.a_layout}")
+        a_desc = TensorDescriptor(a, a.shape, a.stride(), self.a_block)
+        if a2 is None:
+            if self.a2_layout is not None:
+                raise ValueError("the plan has an a2; none given")
+            a2_desc = a_desc
+        else:
+            if (tuple(a2.shape), a2.stride()) != self.a2_layout:
+                raise ValueError(f"a2 is {tuple(a2.shape)} with strides {a2.stride()}; "
+                                 f"the plan's is {self.a2_layout}")
+            a2_desc = TensorDescriptor(a2, a2.shape, a2.stride(), self.a_block)
+        b_store = b if self.b_kn else b.t()
+        if (tuple(b_store.shape), b_store.stride()) != self.b_layout:
+            raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
+                             f"the plan's is {self.b_layout}")
+        return a_desc, a2_desc, TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
+
+    def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int) -> None:
+        if self.num_tiles == 0:
+            return
+        if (c.shape[1], c.stride()) != self.c_layout:
+            raise ValueError(f"c is {tuple(c.shape)} with strides {c.stride()}; the plan's is {self.c_layout}")
+        nprog = max(1, min(int(grid), self.num_tiles))
+        args = (*descs, c, self.table, self.flags, self.err, self.counter,
+                *self.head, int(epoch), *self.tail, nprog, self.start, *self.c_layout[1])
+        _launcher.launch(nprog, args, self.meta, key=self.key, num_warps=self.cfg.num_warps,
+                         num_stages=self.cfg.num_stages, interpret=self.interp,
+                         aligned=(c, self.table, self.flags, self.err, self.counter))
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

@@ -26,7 +26,7 @@ import torch
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream", "time_candidates"]
+           "report_errors", "on_stream", "time_candidates", "gemm_plan"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -485,6 +485,23 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
             print(f"{describe(choice)}: {t0:.3f} ms, again {med:.3f} ms{'  <- picked' if med == meds[best] else ''}",
                   flush=True)
     return meds[best], ranked[best][1]
+
+
+def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
+              flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
+              **kw: Any) -> Any:
+    """The ``TileGemmPlan`` in ``plans`` (an op plan's own dict) for these operands'
+    dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
+    first use. The op plan fixes everything else (shapes, table, config, rank)."""
+    key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
+           counter.data_ptr() if counter is not None else 0)
+    gp = plans.get(key)
+    if gp is None:
+        from ..kernels.tile_gemm import TileGemmPlan
+
+        gp = plans[key] = TileGemmPlan(a, b, c, table, flags=flags, err=err, timeout_ns=timeout_ns,
+                                       counter=counter, **kw)
+    return gp
 
 
 def report_errors(err: _flags.ErrorWord, check: str) -> None:

@@ -28,14 +28,14 @@ grid covers every SM and there is no give-back launch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .. import flags as _flags
 from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
-from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, get_runtime, on_stream,
+from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
                        report_errors, resolve_group, time_candidates, time_ms, warn_once)
 
 __all__ = [
@@ -164,6 +164,8 @@ class _Plan:
     nccl_ctas: int
     gemm: Any
     flag_count: int
+    gemms: dict = field(default_factory=dict)
+    """The GEMM's launch plans (``_runtime.gemm_plan``)."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -267,7 +269,6 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
 
 def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
            cfg: OverlapConfig) -> Any:
-    from ..kernels.tile_gemm import launch_tile_gemm
 
     ms, k = a_shard.shape
     n = b.shape[1]
@@ -291,12 +292,13 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
         _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
-    common = dict(flags=fl.flags, err=err.word, epoch=epoch, rank=rt.rank, config=p.gemm,
-                  timeout_ns=timeout_ns, counter=counter)
-    launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, **common)
+    gp = gemm_plan(p.gemms, a_shard, b, c, p.table, a2=gathered, flags=fl.flags, err=err.word,
+                   timeout_ns=timeout_ns, counter=counter, rank=rt.rank, config=p.gemm, wait=True)
+    descs = gp.operands(a_shard, b, gathered)
+    gp.launch(descs, c, epoch=epoch, grid=p.grid)
     if p.give_back_grid:
         with on_stream(cs, cur):
-            launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.give_back_grid, wait=True, **common)
+            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid)
     rt.join(cur, cs)  # no record_stream needed (Runtime.join)
     report_errors(err, cfg.check)
     stats["fused"] += 1
@@ -308,7 +310,6 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
                cfg: OverlapConfig) -> Any:
     from .._p2p import flag_stride
-    from ..kernels.tile_gemm import launch_tile_gemm
 
     ms, k = a_shard.shape
     n = b.shape[1]
@@ -338,8 +339,9 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
             peer = (rank + step) % world
             rt.push(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
                     rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
-    launch_tile_gemm(a_shard, b, c, p.table, a2=gathered, grid=p.grid, wait=True, flags=sf.local, err=err.word,
-                     epoch=epoch, rank=rank, config=p.gemm, timeout_ns=timeout_ns)
+    gp = gemm_plan(p.gemms, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
+                   timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True)
+    gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:

@@ -36,14 +36,14 @@ adds the residual, norms, and posts the chunk's flag for the GEMM:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .. import flags as _flags
 from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
-from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, get_runtime, on_stream,
+from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
                        report_errors, resolve_group, time_candidates, time_ms, warn_once)
 
 __all__ = [
@@ -220,6 +220,8 @@ class _Plan:
     """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
     Counted flags need every flag posted on every call with the same count, so
     each plan (chunking, programs) owns its own."""
+    gemms: dict = field(default_factory=dict)
+    """The GEMM's launch plans (``_runtime.gemm_plan``)."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -346,7 +348,6 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
 def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
            cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.add_norm import launch_add_norm
-    from ..kernels.tile_gemm import launch_tile_gemm
 
     m, k = x.shape
     n = b.shape[1]
@@ -390,14 +391,15 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         else:
             _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
         start += rows
-    common = dict(flags=fl.flags, err=err.word, epoch=epoch, rank=rt.rank, config=p.gemm,
-                  timeout_ns=timeout_ns, counter=counter)
-    launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)
+    gp = gemm_plan(p.gemms, y, b, c, p.table, flags=fl.flags, err=err.word, timeout_ns=timeout_ns, counter=counter,
+                   rank=rt.rank, config=p.gemm, wait=True)
+    descs = gp.operands(y, b)
+    gp.launch(descs, c, epoch=epoch, grid=p.grid)
     last = ns if prologue else cs
     if p.give_back_grid:
         # queued behind the last chunk: NCCL's SMs are free by then
         with on_stream(last, cur):
-            launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
+            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid)
     # joined: no record_stream needed (Runtime.join)
     if prologue:
         rt.join(cur, cs, ns)
@@ -412,7 +414,6 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from .._p2p import flag_stride
     from ..kernels.add_norm import launch_reduce_norm
-    from ..kernels.tile_gemm import launch_tile_gemm
 
     m, k = x.shape
     n = b.shape[1]
@@ -467,13 +468,14 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
                            norm=norm.kind if norm else None, weight=norm.weight if norm else None,
                            bias=norm.bias if norm else None, eps=norm.eps if norm else 1e-5,
                            y=y if norm is not None else None, flag_stride=stride, timeout_ns=timeout_ns)
-    common = dict(flags=ready.flags, err=err.word, epoch=r_epoch, rank=rank, config=p.gemm,
-                  timeout_ns=timeout_ns, counter=counter)
-    launch_tile_gemm(y, b, c, p.table, grid=p.grid, wait=True, **common)
+    gp = gemm_plan(p.gemms, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
+                   counter=counter, rank=rank, config=p.gemm, wait=True)
+    descs = gp.operands(y, b)
+    gp.launch(descs, c, epoch=r_epoch, grid=p.grid)
     if p.give_back_grid:
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
-            launch_tile_gemm(y, b, c, p.table, grid=p.give_back_grid, wait=True, **common)
+            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid)
     rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
