@@ -184,6 +184,8 @@ def launch_costs(dev, rank: int, n: int = 2000) -> None:
                                               err=ew.word, epoch=0, rank=0, world=2, programs=2, flag_stride=32)
     red()
     kr = next(iter(add_norm._reduce_launcher._cache.values()))
+    rp = add_norm.ReducePlan(x, recv, h, starts=starts, rflags=rf, ready=ready, err=ew.word, rank=0, world=2,
+                             programs=2, flag_stride=32)
     cases = {
         "torch.mm": lambda: torch.mm(a, w.t()),
         "launch_tile_gemm": lambda: tile_gemm.launch_tile_gemm(a, w.t(), c, table, grid=2, **kw),
@@ -193,6 +195,7 @@ def launch_costs(dev, rank: int, n: int = 2000) -> None:
         "tile GEMM compiled run alone": lambda: k.run(2, 1, 1, stream, k.function, k.packed_metadata, None, None,
                                                       None, *vals),
         "launch_reduce_norm": red,
+        "ReducePlan.launch": lambda: rp.launch(x, recv, h, epoch=0),
         "reduce compiled run alone": lambda: kr.run(
             2, 1, 1, stream, kr.function, kr.packed_metadata, None, None, None, x, recv, x, h, h, x, x, rf, ready,
             ew.word, starts, 1024, 1e-5, 2, 32, 0, 0, 512 * 1024, 500_000_000, 2_000_000,
@@ -244,8 +247,8 @@ def breakdown(rt, dev, calls: int, rank: int) -> None:
              ("- report_errors", lambda: drop(_ar, "report_errors", lambda *a, **k: None)),
              ("- GEMM launches", lambda: drop(tile_gemm.TileGemmPlan, "launch", lambda *a, **k: None)),
              ("- GEMM operands", lambda: drop(tile_gemm.TileGemmPlan, "operands", lambda *a, **k: None)),
-             ("- reduce launch", lambda: drop(__import__("overlap.kernels.add_norm", fromlist=["x"]),
-                                              "launch_reduce_norm", lambda *a, **k: None)),
+             ("- reduce launch", lambda: drop(__import__("overlap.kernels.add_norm", fromlist=["x"]).ReducePlan,
+                                              "launch", lambda *a, **k: None)),
              ("- pushes", lambda: drop(_runtime.Runtime, "push", lambda *a, **k: None))]
     prev = None
     try:

@@ -23,6 +23,7 @@ class FakeCompiled:
         if self.fail_run:
             raise TypeError("run() takes other arguments")
         self.log.append(("fast", gx, stream, function, packed, args))
+        self.hooks = (meta, enter, leave)
 
 
 class FakeJit:
@@ -185,3 +186,54 @@ def test_an_argument_the_cached_kernel_refuses_goes_through_triton_once():
     lc.launch(1, (a, a, 2), {"BLOCK": 16, "FLAG": 0}, **kw)
     assert [e[0] for e in fn.log] == ["jit", "jit"] and lc.enabled
     assert lc._cache[next(iter(lc._cache))] is cached  # the refused call's kernel was not cached
+
+
+def test_prepared_launch_goes_straight_to_the_compiled_kernel():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    a, b = Ptr(256), Ptr(512)
+    pl = lc.prepare(("k", 64), {"BLOCK": 128, "FLAG": True}, num_warps=8, num_stages=3)
+    pl.launch(4, (a, b, 64), aligned=(a, b))
+    assert [e[0] for e in fn.log] == ["jit"] and pl.compiled is not None
+    pl.launch(6, (b, a, 7), aligned=(a, b))
+    assert fn.log[-1] == ("fast", 6, 1234, "fn-handle", "packed", (b, a, 7, 128, True))
+    # no launch metadata and no hooks passed (none are set)
+    assert pl.compiled.hooks == (None, None, None)
+    # a plain launch with the same key and options shares the compiled kernel
+    lc.launch(2, (a, b, 64), {"BLOCK": 128, "FLAG": True}, key=("k", 64), num_warps=8, num_stages=3)
+    assert [e[0] for e in fn.log] == ["jit", "fast", "fast"] and lc.misses == 1
+
+
+def test_prepared_launch_takes_the_cache_path_when_anything_differs(monkeypatch):
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    good, bad = Ptr(1024), Ptr(1030)
+    pl = lc.prepare(("k",), {"BLOCK": 16, "FLAG": 0}, num_warps=4)
+    pl.launch(1, (good, good, 2), aligned=(good,))
+    pl.launch(1, (good, good, 2 ** 40), aligned=(good,))  # another width class: Triton compiles again
+    assert [e[0] for e in fn.log] == ["jit", "jit"]
+    assert pl.widths == (True,)  # the plan follows the last compiled kernel
+    pl.launch(1, (good, good, 2), aligned=(good,))  # back: the cache has it
+    assert fn.log[-1][0] == "fast" and pl.widths == (False,)
+    n = len(fn.log)
+    pl.launch(1, (bad, good, 2), aligned=(bad,))  # unaligned: Triton's path, not cached
+    assert fn.log[n][0] == "jit"
+    monkeypatch.setattr(_launch, "_hooks", lambda: (SimpleNamespace(calls=[print]), None))
+    pl.launch(1, (good, good, 2), aligned=(good,))  # a hook is set: Triton's path
+    assert fn.log[-1][0] == "jit"
+    monkeypatch.setattr(_launch, "_current_device", lambda: 1)
+    monkeypatch.setattr(_launch, "_hooks", lambda: (None, None))
+    pl.launch(1, (good, good, 2), aligned=(good,))  # another device: compiled for it
+    assert fn.log[-1][0] == "jit" and pl.device == 1
+
+
+def test_prepared_launch_refused_by_the_launcher_falls_back():
+    fn = FakeJit(fail_run=True)
+    lc = _launch.CachedLauncher(fn)
+    a = Ptr(0)
+    pl = lc.prepare(("k",), {"BLOCK": 16, "FLAG": 0}, num_warps=4)
+    pl.launch(1, (a, a, 2))
+    with pytest.warns(RuntimeWarning, match="cached kernel launch unavailable"):
+        pl.launch(1, (a, a, 2))
+    pl.launch(1, (a, a, 2))
+    assert [e[0] for e in fn.log] == ["jit", "jit", "jit"] and not lc.enabled

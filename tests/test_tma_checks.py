@@ -25,3 +25,24 @@ def test_check_b_layouts() -> None:
     check_b(w.t().contiguous())  # row-major [K, N]
     with pytest.raises(ValueError, match="16-byte"):
         check_b(w[:, 3:59].t())  # columns 3.. of the weight: every row starts 6 bytes in
+
+
+def test_gemm_plan_refuses_operands_of_another_layout() -> None:
+    from overlap.kernels.tile_gemm import TileGemmPlan
+    from overlap.policies import Segment, build_tile_table
+
+    a = torch.zeros(64, 128, dtype=torch.bfloat16)
+    w = torch.zeros(32, 128, dtype=torch.bfloat16)  # nn.Linear weight [N, K]
+    c = torch.zeros(64, 32, dtype=torch.bfloat16)
+    table = torch.tensor(build_tile_table([Segment(0, 0, 0, 64)], 32, 64, 32), dtype=torch.int32)
+    plan = TileGemmPlan(a, w.t(), c, table)
+    descs = plan.operands(torch.ones_like(a), w.t().clone().t().t())  # same layouts, other storage
+    assert descs[0] is descs[1] and tuple(descs[2].shape) == (32, 128)
+    with pytest.raises(ValueError, match="plan's"):
+        plan.operands(a, w.t().contiguous())  # B row-major [K, N]: not the plan's layout
+    with pytest.raises(ValueError, match="plan's"):
+        plan.operands(torch.zeros(64, 256, dtype=torch.bfloat16)[:, :128], w.t())  # A with another row stride
+    with pytest.raises(ValueError, match="a2"):
+        plan.operands(a, w.t(), a)
+    with pytest.raises(ValueError, match="plan's"):
+        plan.launch(descs, torch.zeros(64, 64, dtype=torch.bfloat16)[:, :32], epoch=1, grid=1)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-__all__ = ["CachedLauncher"]
+__all__ = ["CachedLauncher", "PreparedLaunch"]
 
 
 def _hooks() -> tuple[Any, Any]:
@@ -85,7 +85,9 @@ class CachedLauncher:
 
     def launch(self, grid: int, args: Sequence[Any], constexprs: dict[str, Any], *, key: Any,
                num_warps: int, num_stages: int | None = None, interpret: bool = False,
-               device: int | None = None, aligned: Sequence[Any] = ()) -> None:
+               device: int | None = None, aligned: Sequence[Any] = ()) -> Any:
+        """Launch; returns ``(compiled kernel, device, integer widths)`` when the compiled
+        kernel is cached for this launch (for ``PreparedLaunch``), else None."""
         opts: dict[str, Any] = {"num_warps": num_warps}
         if num_stages is not None:
             opts["num_stages"] = num_stages
@@ -95,7 +97,7 @@ class CachedLauncher:
             device = _current_device()  # Triton launches on the current device
         # Triton types every integer argument by its width (i32, i64, u64), even those it
         # does not specialize on: a value past int32 needs another compiled kernel
-        widths = tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
+        widths = _widths(args)
         full_key = (key, widths, num_warps, num_stages, device)
         if fast:
             for t in aligned:
@@ -112,7 +114,7 @@ class CachedLauncher:
                 meta = k.launch_metadata((grid, 1, 1), stream, *vals)
                 k.run(grid, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave, *vals)
                 self.hits += 1
-                return
+                return k, device, widths
             except TypeError as e:  # another Triton's launcher signature: nothing was launched
                 self.enabled = False
                 self._cache.clear()
@@ -127,3 +129,57 @@ class CachedLauncher:
             if len(self._cache) >= self.max_entries:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[full_key] = compiled
+            return compiled, device, widths
+        return None
+
+    def prepare(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
+                interpret: bool = False) -> "PreparedLaunch":
+        """Launches whose key, constexprs and options are fixed (see ``PreparedLaunch``)."""
+        return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret)
+
+
+def _widths(args: Sequence[Any]) -> tuple[bool, ...]:
+    return tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
+
+
+class PreparedLaunch:
+    """Launches of one kernel under a fixed key, constexprs and options (an op's plan).
+
+    The first goes through ``CachedLauncher.launch``; later ones call the compiled
+    kernel's launcher straight away, on the same device, with integer arguments of
+    the same width classes and the ``aligned`` tensors 16-byte aligned, while no
+    launch hook is set. They skip the cache's key lookup and Triton's launch
+    metadata, and pass no hooks (none are set). Anything else takes the cache's path."""
+
+    __slots__ = ("owner", "key", "constexprs", "num_warps", "num_stages", "interpret", "const_vals",
+                 "compiled", "device", "widths")
+
+    def __init__(self, owner: CachedLauncher, key: Any, constexprs: dict[str, Any], num_warps: int,
+                 num_stages: int | None, interpret: bool) -> None:
+        self.owner, self.key, self.constexprs = owner, key, constexprs
+        self.num_warps, self.num_stages, self.interpret = num_warps, num_stages, interpret
+        names = owner.const_names or []
+        self.const_vals = tuple(constexprs[n] for n in names)
+        self.compiled: Any = None
+        self.device: Any = None
+        self.widths: Any = None
+
+    def launch(self, grid: int, args: Sequence[Any], aligned: Sequence[Any] = ()) -> None:
+        k = self.compiled
+        if k is not None and self.owner.enabled:
+            enter, leave = _hooks()
+            if (not _hook_set(enter) and not _hook_set(leave) and _current_device() == self.device
+                    and _widths(args) == self.widths and not any(t.data_ptr() % 16 for t in aligned)):
+                try:
+                    k.run(grid, 1, 1, _raw_stream(self.device), k.function, k.packed_metadata, None, None, None,
+                          *args, *self.const_vals)
+                    self.owner.hits += 1
+                    return
+                except TypeError:  # another Triton's launcher signature: nothing was launched
+                    self.compiled = None  # the cache's path below turns the fast path off with a warning
+                except (OverflowError, ValueError):  # an argument the kernel cannot take: nothing launched
+                    pass
+        got = self.owner.launch(grid, args, self.constexprs, key=self.key, num_warps=self.num_warps,
+                                num_stages=self.num_stages, interpret=self.interpret, aligned=aligned)
+        if got is not None:
+            self.compiled, self.device, self.widths = got

@@ -25,7 +25,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "NORM_KINDS"]
+__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
+           "NORM_KINDS"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
 
@@ -285,50 +286,79 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flags the peers set (slot * flag_stride + c; default stride: the chunk count);
     ``ready``: int32 [chunks] this
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
+    An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
-    if norm not in NORM_KINDS:
-        raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
-    if norm is not None and (y is None or weight is None):
-        raise ValueError("a norm needs y and weight")
-    m, K = x.shape
-    for name, t in (("x", x), ("h", h), ("residual", residual), ("y", y), ("recv", recv),
-                    ("weight", weight), ("bias", bias)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
-        raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
-    n_chunks = starts.numel() - 1
-    flag_stride = n_chunks if flag_stride is None else int(flag_stride)
-    if flag_stride < n_chunks:
-        raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
-    # a row block in registers up to 8K columns, 4096-column blocks above. Each program
-    # runs alone on its SM beside the GEMM, so its loads in flight set its bandwidth:
-    # blocks of 32K elements and 16 warps (measured on H200, 24 programs, at M x K =
-    # 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and LayerNorm
-    # 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms, 4 x 8 0.142, with
-    # LayerNorm 0.299, 0.318; at 8192 x 12288: 8 rows x 4096 columns 0.315 ms against 0.574
-    # for one 16K-column row in registers, with residual and LayerNorm 0.906 against
-    # 0.975 (351ab94)). Loading the next block into registers ahead of this one's work
-    # was slower at every shape tried (it spilled with a norm)
-    d_block, d_rows, d_warps = reduce_block_shape(K, block_k)
-    block_k = block_k or d_block
-    rows = rows or d_rows
-    num_warps = num_warps or d_warps
-    interp = interpreting()
-    res = residual if residual is not None else x
-    yy = y if y is not None else h
-    ww = weight if weight is not None else x
-    bb = bias if bias is not None else x
-    args = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts,
-            K, float(eps), n_chunks, flag_stride, int(epoch), int(rank), m * K, int(timeout_ns), int(max_spins))
-    meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
-                ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                EVEN_K=block_k == K)
-    # what Triton specializes on: constexprs, dtypes, K and the slot stride
-    tensors = (x, recv, res, h, yy, ww, bb, rflags, ready, err, starts)
-    key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
-    _reduce_launcher.launch(max(1, int(programs)), args, meta, key=key, num_warps=num_warps, interpret=interp,
-                            aligned=tensors)
+    plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
+                      programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
+                      flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
+                      block_k=block_k, rows=rows)
+    plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y)
+
+
+class ReducePlan:
+    """``launch_reduce_norm`` checked and keyed once: shapes, dtypes, the flag and error
+    tensors, chunking, programs and block shape are fixed; per launch the operands
+    (contiguous, of the plan's shapes: the caller's guarantee) and the epoch change.
+    The arguments are ``launch_reduce_norm``'s."""
+
+    def __init__(self, x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any, rank: int,
+                 world: int, programs: int, residual: Any = None, norm: str | None = None, weight: Any = None,
+                 bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
+                 timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
+                 block_k: int | None = None, rows: int | None = None) -> None:
+        if norm not in NORM_KINDS:
+            raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
+        if norm is not None and (y is None or weight is None):
+            raise ValueError("a norm needs y and weight")
+        m, K = x.shape
+        for name, t in (("x", x), ("h", h), ("residual", residual), ("y", y), ("recv", recv),
+                        ("weight", weight), ("bias", bias)):
+            if t is not None and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
+            raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
+        n_chunks = starts.numel() - 1
+        flag_stride = n_chunks if flag_stride is None else int(flag_stride)
+        if flag_stride < n_chunks:
+            raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
+        # a row block in registers up to 8K columns, 4096-column blocks above. Each program
+        # runs alone on its SM beside the GEMM, so its loads in flight set its bandwidth:
+        # blocks of 32K elements and 16 warps (measured on H200, 24 programs, at M x K =
+        # 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and LayerNorm
+        # 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms, 4 x 8 0.142, with
+        # LayerNorm 0.299, 0.318; at 8192 x 12288: 8 rows x 4096 columns 0.315 ms against 0.574
+        # for one 16K-column row in registers, with residual and LayerNorm 0.906 against
+        # 0.975 (351ab94)). Loading the next block into registers ahead of this one's work
+        # was slower at every shape tried (it spilled with a norm)
+        d_block, d_rows, d_warps = reduce_block_shape(K, block_k)
+        block_k = block_k or d_block
+        rows = rows or d_rows
+        num_warps = num_warps or d_warps
+        interp = interpreting()
+        self.has_res, self.has_y, self.has_w, self.has_b = (residual is not None, y is not None, weight is not None,
+                                                            bias is not None)
+        self.fixed = (rflags, ready, err, starts)
+        self.scalars = (K, float(eps), n_chunks, flag_stride)
+        self.tail = (int(rank), m * K, int(timeout_ns), int(max_spins))
+        self.programs = max(1, int(programs))
+        meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
+                    ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
+                    EVEN_K=block_k == K)
+        res = residual if residual is not None else x
+        tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
+                   bias if bias is not None else x, rflags, ready, err, starts)
+        # what Triton specializes on: constexprs, dtypes, K and the slot stride
+        key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
+        self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
+
+    def launch(self, x: Any, recv: Any, h: Any, *, epoch: int, residual: Any = None, weight: Any = None,
+               bias: Any = None, y: Any = None) -> None:
+        if ((residual is not None, y is not None, weight is not None, bias is not None)
+                != (self.has_res, self.has_y, self.has_w, self.has_b)):
+            raise ValueError("residual, y, weight and bias must be given as when the plan was made")
+        ops = (x, recv, residual if residual is not None else x, h, y if y is not None else h,
+               weight if weight is not None else x, bias if bias is not None else x)
+        self.prepared.launch(self.programs, (*ops, *self.fixed, *self.scalars, int(epoch), *self.tail), aligned=ops)
 
 
 _reduce_launcher = CachedLauncher(reduce_norm_kernel)

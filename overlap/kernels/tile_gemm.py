@@ -448,6 +448,8 @@ class TileGemmPlan:
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait)
         self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
+        self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                          interpret=self.interp)
         self.tail = (int(rank), int(timeout_ns), int(max_spins))
         self.start = int(start_flag) if start_flag is not None else 0
 
@@ -481,9 +483,7 @@ class TileGemmPlan:
         nprog = max(1, min(int(grid), self.num_tiles))
         args = (*descs, c, self.table, self.flags, self.err, self.counter,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.c_layout[1])
-        _launcher.launch(nprog, args, self.meta, key=self.key, num_warps=self.cfg.num_warps,
-                         num_stages=self.cfg.num_stages, interpret=self.interp,
-                         aligned=(c, self.table, self.flags, self.err, self.counter))
+        self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter))
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

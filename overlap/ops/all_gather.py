@@ -164,8 +164,8 @@ class _Plan:
     nccl_ctas: int
     gemm: Any
     flag_count: int
-    gemms: dict = field(default_factory=dict)
-    """The GEMM's launch plans (``_runtime.gemm_plan``)."""
+    launches: dict = field(default_factory=dict)
+    """Launch plans of the call's kernels, made on first use (``_runtime.gemm_plan``)."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -292,7 +292,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
         _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
-    gp = gemm_plan(p.gemms, a_shard, b, c, p.table, a2=gathered, flags=fl.flags, err=err.word,
+    gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=fl.flags, err=err.word,
                    timeout_ns=timeout_ns, counter=counter, rank=rt.rank, config=p.gemm, wait=True)
     descs = gp.operands(a_shard, b, gathered)
     gp.launch(descs, c, epoch=epoch, grid=p.grid)
@@ -339,7 +339,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
             peer = (rank + step) % world
             rt.push(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
                     rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
-    gp = gemm_plan(p.gemms, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
+    gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
                    timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True)
     gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)

@@ -220,8 +220,8 @@ class _Plan:
     """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
     Counted flags need every flag posted on every call with the same count, so
     each plan (chunking, programs) owns its own."""
-    gemms: dict = field(default_factory=dict)
-    """The GEMM's launch plans (``_runtime.gemm_plan``)."""
+    launches: dict = field(default_factory=dict)
+    """Launch plans of the call's kernels, made on first use (``_runtime.gemm_plan``)."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -391,7 +391,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         else:
             _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
         start += rows
-    gp = gemm_plan(p.gemms, y, b, c, p.table, flags=fl.flags, err=err.word, timeout_ns=timeout_ns, counter=counter,
+    gp = gemm_plan(p.launches, y, b, c, p.table, flags=fl.flags, err=err.word, timeout_ns=timeout_ns, counter=counter,
                    rank=rt.rank, config=p.gemm, wait=True)
     descs = gp.operands(y, b)
     gp.launch(descs, c, epoch=epoch, grid=p.grid)
@@ -413,7 +413,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from .._p2p import flag_stride
-    from ..kernels.add_norm import launch_reduce_norm
+    from ..kernels.add_norm import ReducePlan
 
     m, k = x.shape
     n = b.shape[1]
@@ -462,13 +462,21 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             rt.push(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
                     rows * row_bytes, sf.peer(peer), slot * stride + c_idx, epoch)
         start += rows
+    w = norm.weight if norm else None
+    bias = norm.bias if norm else None
+    rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
+            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr())
+    rp = p.launches.get(rkey)
+    if rp is None:
+        rp = p.launches[rkey] = ReducePlan(
+            x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
+            programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
+            eps=norm.eps if norm else 1e-5, y=y if norm is not None else None, flag_stride=stride,
+            timeout_ns=timeout_ns)
     with on_stream(ns, cur):
-        launch_reduce_norm(x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word,
-                           epoch=epoch, rank=rank, world=world, programs=p.reduce_programs, residual=residual,
-                           norm=norm.kind if norm else None, weight=norm.weight if norm else None,
-                           bias=norm.bias if norm else None, eps=norm.eps if norm else 1e-5,
-                           y=y if norm is not None else None, flag_stride=stride, timeout_ns=timeout_ns)
-    gp = gemm_plan(p.gemms, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
+        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias,
+                  y=y if norm is not None else None)
+    gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True)
     descs = gp.operands(y, b)
     gp.launch(descs, c, epoch=r_epoch, grid=p.grid)
@@ -502,7 +510,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
     add + norm kernels run on the SMs the GEMM grid leaves free); where peer
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
-    for the reduce kernel, 2 chunks x 24, 32, and two probes without the give-back grid. Inputs with no
+    for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid, and
+    without a norm 8 and 16 chunks x 12 SMs. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -528,7 +537,11 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                            for rc in (16, 24, 32, 48)]
                           + [OverlapConfig(chunks=2, reduce_ctas=rc, transport="p2p") for rc in (24, 32)]
                           + [OverlapConfig(chunks=8, reduce_ctas=rc, give_back=False, transport="p2p")
-                             for rc in (24, 32)] + candidates)
+                             for rc in (24, 32)]
+                          # without a norm the reduce kernel keeps up with the pushes on fewer SMs
+                          + ([OverlapConfig(chunks=ch, reduce_ctas=12, transport="p2p") for ch in (8, 16)]
+                             if norm is None else [])
+                          + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
              "chunked x2": lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm,
