@@ -93,21 +93,11 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
     return table
 
 
-def split_rows(rows: int, chunks: int, align: int = 1, taper: bool = False) -> list[int]:
+def split_rows(rows: int, chunks: int, align: int = 1) -> list[int]:
     """Split ``rows`` into ``chunks`` sizes, each a multiple of ``align`` except the
-    last, as equal as that allows; no chunk is empty (fewer chunks if needed).
-
-    ``taper`` (4 chunks or more): the first and the last chunk about a quarter of the
-    others, the middle ones equal. A consumer of chunks in order then starts on a
-    small first chunk, and the work left after the last one lands is small."""
+    last, as equal as that allows; no chunk is empty (fewer chunks if needed)."""
     if rows <= 0 or chunks <= 0 or align <= 0:
         raise ValueError(f"rows, chunks, align must be positive (got {rows}, {chunks}, {align})")
-    if taper and chunks >= 4:
-        edge = max(1, round(rows / (4 * chunks - 6) / align)) * align  # 2 quarters + (chunks - 2) wholes
-        middle_units = (rows - 2 * edge) // align
-        if middle_units >= chunks - 2:
-            middle = split_rows(middle_units * align, chunks - 2, align)
-            return [edge, *middle, rows - edge - sum(middle)]
     units = _cdiv(rows, align)
     chunks = min(chunks, units)
     base, extra = divmod(units, chunks)
@@ -246,12 +236,11 @@ def row_block_segments(m: int, block_m: int, *, wait: "RowSync | TileSync | None
     return segs
 
 
-def row_chunk_segments(m: int, chunks: int, block_m: int, taper: bool = False) -> tuple[list[int], list[Segment]]:
+def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], list[Segment]]:
     """ChunkSync over the rows of an [m, *] GEMM whose A rows arrive in ``chunks``
     row chunks in order (e.g. a chunked all-reduce): chunk sizes (multiples of
-    ``block_m`` except the last; ``taper``: see ``split_rows``) and one segment per
-    chunk, waiting on flags[c]."""
-    sizes = split_rows(m, chunks, block_m, taper)
+    ``block_m`` except the last) and one segment per chunk, waiting on flags[c]."""
+    sizes = split_rows(m, chunks, block_m)
     segs, start = [], 0
     for c, rows in enumerate(sizes):
         segs.append(Segment(a_src=0, a_row=start, c_row=start, rows=rows, wait_idx=c, wait_mult=1))

@@ -16,24 +16,6 @@ def test_split_rows_covers_exactly(rows: int, chunks: int, align: int) -> None:
     assert all(s % align == 0 for s in sizes[:-1])
 
 
-@pytest.mark.parametrize("rows,chunks,align", [(16384, 16, 128), (8192, 8, 128), (8192, 4, 128), (1000, 4, 128),
-                                              (777, 5, 1), (300, 4, 128), (512, 5, 128), (100, 3, 8)])
-def test_split_rows_tapered(rows: int, chunks: int, align: int) -> None:
-    sizes = split_rows(rows, chunks, align, taper=True)
-    assert sum(sizes) == rows and all(s > 0 for s in sizes) and len(sizes) <= chunks
-    assert all(s % align == 0 for s in sizes[:-1])
-    if len(sizes) == chunks and chunks >= 4 and sizes != split_rows(rows, chunks, align):
-        # tapered: both ends well under the middle chunks
-        mid = sizes[1:-1]
-        assert sizes[0] <= min(mid) // 2 and sizes[-1] <= min(mid) // 2 + align, sizes
-
-
-def test_split_rows_taper_sizes() -> None:
-    assert split_rows(16384, 16, 128, taper=True) == [256] + [1152] * 12 + [1024, 1024, 256]
-    assert split_rows(8192, 8, 128, taper=True) == [256] + [1280] * 6 + [256]
-    assert split_rows(8192, 3, 128, taper=True) == split_rows(8192, 3, 128)  # under 4 chunks: equal
-
-
 def test_split_rows_rejects_bad_input() -> None:
     for bad in [(0, 2, 1), (10, 0, 1), (10, 2, 0)]:
         with pytest.raises(ValueError):

@@ -55,10 +55,6 @@ class OverlapConfig:
     """After the last chunk lands (or the p2p all-reduce's reduce kernel ends), launch a
     second GEMM grid on the SMs the first one left, taking tiles from the same dispatch
     counter. Ignored by the p2p all-gather, whose GEMM holds every SM."""
-    taper: bool = False
-    """All-reduce op: make the first and the last row chunk about a quarter of the others
-    (``overlap.policies.split_rows``), so the GEMM starts sooner and less is left after
-    the last chunk lands. 4 chunks or more."""
     gemm: Any = None
     """``overlap.kernels.tile_gemm.GemmConfig``; ``None``: the tuned or default one."""
     timeout_ms: float | None = None

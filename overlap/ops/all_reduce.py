@@ -250,13 +250,13 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
     margin = cfg.margin(transport)
-    key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, cfg.taper, nccl_ctas, reduce_ctas, margin,
-           cfg.give_back, gemm)
+    key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
+           gemm)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
         # align to a fixed 128 rows (a tile never straddles a chunk either way)
-        sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN, cfg.taper)
+        sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
         programs = reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if reduce_ctas:  # a chunk is ready when every reduce program posted it
             segs = [replace(sg, wait_mult=programs) for sg in segs]
@@ -332,9 +332,8 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         chunks = int(tuned.removeprefix("chunked x")) if tuned.startswith("chunked x") else 1
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
-    taper = int(config is not None and config.taper)
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks", "taper", "p2p"),
-                (m, k, n, chunks, taper, int(transport == "p2p")))
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks", "p2p"),
+                (m, k, n, chunks, int(transport == "p2p")))
     if tuned == "sequential":
         stats["sequential_by_tuner"] += 1
         return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
@@ -511,9 +510,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
     add + norm kernels run on the SMs the GEMM grid leaves free); where peer
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
-    for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid,
-    without a norm 8 and 16 chunks x 12 SMs, and 8 and 16 tapered chunks
-    (``OverlapConfig.taper``) x 16, 24 SMs (32, 48 with a norm). Inputs with no
+    for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid, and
+    without a norm 8 and 16 chunks x 12 SMs. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -543,8 +541,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                           # without a norm the reduce kernel keeps up with the pushes on fewer SMs
                           + ([OverlapConfig(chunks=ch, reduce_ctas=12, transport="p2p") for ch in (8, 16)]
                              if norm is None else [])
-                          + [OverlapConfig(chunks=ch, reduce_ctas=rc, taper=True, transport="p2p") for ch in (8, 16)
-                             for rc in ((16, 24) if norm is None else (32, 48))]
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
@@ -563,8 +559,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         return fused(rt, x, b, residual, norm, cand)
 
     def describe(cand: OverlapConfig) -> str:
-        shape = "tapered " if cand.taper else ""
-        return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} {shape}chunks, {cand.nccl_ctas} ctas, "
+        return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
                 f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}")
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,

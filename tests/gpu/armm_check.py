@@ -80,21 +80,6 @@ def main() -> None:
                     f"rank {rank} case {(m, n, k, dt, chunks, layout, with_res, kind)} it {it}: "
                     f"err {e_ours:.2e} vs torch {e_ref:.2e}")
                 calls += 1
-    # tapered chunks (a small first and last chunk): the same results, both transports
-    for transport in ("nccl", "p2p"):
-        cfg = OverlapConfig(chunks=6, taper=True, nccl_ctas=8, reduce_ctas=8, check="sync", transport=transport)
-        for it in range(3):
-            g = torch.Generator(device=dev).manual_seed(20_000 + 100 * rank + it)
-            x = torch.randn(2000, 512, device=dev, dtype=torch.bfloat16, generator=g)
-            gs = torch.Generator(device=dev).manual_seed(99 + it)
-            res = torch.randn(2000, 512, device=dev, dtype=torch.bfloat16, generator=gs)
-            w = torch.randn(384, 512, device=dev, dtype=torch.bfloat16, generator=gs) / 512 ** 0.5
-            norm = Norm("layernorm", (torch.rand(512, device=dev, generator=gs) + 0.5).to(torch.bfloat16),
-                        torch.randn(512, device=dev, generator=gs).to(torch.bfloat16), 1e-5)
-            c, h = armod.all_reduce_matmul(x, w.t(), residual=res, norm=norm, config=cfg)
-            c_ref, h_ref = armod.all_reduce_matmul_ref(x, w.t(), residual=res, norm=norm)
-            assert rel(h, h_ref) < 1e-2 and rel(c, c_ref) < 2e-2, (transport, it, rel(h, h_ref), rel(c, c_ref))
-            calls += 1
     assert armod.stats["fused"] >= calls, armod.stats
     # chunked baseline agrees too
     x = torch.randn(1024, 512, device=dev, dtype=torch.bfloat16)
