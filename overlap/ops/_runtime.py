@@ -111,7 +111,7 @@ class Runtime:
         self._counters: dict[str, torch.Tensor] = {}
         self._heap: Any = None
         self._p2p_why: str | None = None  # None: not decided yet
-        self._p2p_done: dict[str, torch.cuda.Event] = {}
+        self._p2p_done: dict[str, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}
         self._events: dict[Any, torch.cuda.Event] = {}  # fork / join, reused (see fork)
 
     def fork(self, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
@@ -146,8 +146,11 @@ class Runtime:
         (``overlap._p2p``)."""
         self.fork(cur, self.comm_stream, *streams)
         prev = self._p2p_done.get(op)
-        if prev is not None:
-            self.comm_stream.wait_event(prev)
+        if prev is not None and prev[1] != cur:
+            # on the same stream the fork above already comes after that call's end
+            # (torch's streams come from pools and are never destroyed: a handle seen
+            # again is the same stream)
+            self.comm_stream.wait_event(prev[0])
 
     def push(self, dst: int, src: int, nbytes: int, flags: torch.Tensor, idx: int, value: int) -> None:
         """Copy ``nbytes`` from ``src`` to a peer's ``dst`` with the copy engines on the
@@ -166,10 +169,10 @@ class Runtime:
 
     def p2p_end(self, op: str, cur: torch.cuda.Stream) -> None:
         """Mark the end of a p2p call of ``op`` (all its streams joined into ``cur``)."""
-        ev = self._p2p_done.get(op)
-        if ev is None:
-            ev = self._p2p_done[op] = torch.cuda.Event()
+        prev = self._p2p_done.get(op)
+        ev = prev[0] if prev is not None else torch.cuda.Event()
         ev.record(cur)  # a wait queued earlier keeps the record it saw
+        self._p2p_done[op] = (ev, cur)
 
     def p2p(self) -> Any:
         """The group's ``overlap._p2p.PeerHeap``, or None where the ranks cannot map

@@ -165,7 +165,8 @@ class _Plan:
     gemm: Any
     flag_count: int
     launches: dict = field(default_factory=dict)
-    """Launch plans of the call's kernels, made on first use (``_runtime.gemm_plan``)."""
+    """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
+    the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -329,16 +330,24 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     # the epoch last, just before the first work is queued: a call that fails before
     # it must not leave this rank's count ahead of its peers'
     epoch = sf.next_epoch()
-    off = (epoch % 2) * (blk.nbytes // 2)
-    gathered = blk.tensor(rank, off, (world * ms, k), a_shard.dtype)
+    # this parity's gathered view and push list, made once per plan, block and dtype
+    ck = ("p2p", epoch % 2, a_shard.dtype)
+    st = p.launches.get(ck)
+    if st is None or st[0] is not blk:
+        off = (epoch % 2) * (blk.nbytes // 2)
+        pushes = []
+        for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+            for step in range(1, world):
+                peer = (rank + step) % world
+                pushes.append((blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, start * row_bytes,
+                               rows * row_bytes, sf.peer(peer), rank * stride + c_idx))
+        st = p.launches[ck] = (blk, blk.tensor(rank, off, (world * ms, k), a_shard.dtype), pushes)
+    gathered = st[1]
     cur = torch.cuda.current_stream(a_shard.device)
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
-    for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-        for step in range(1, world):
-            peer = (rank + step) % world
-            rt.push(blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, src + start * row_bytes,
-                    rows * row_bytes, sf.peer(peer), rank * stride + c_idx, epoch)
+    for dst, src_off, nbytes, peer_flags, idx in st[2]:
+        rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
                    timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True)
     gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)

@@ -221,7 +221,8 @@ class _Plan:
     Counted flags need every flag posted on every call with the same count, so
     each plan (chunking, programs) owns its own."""
     launches: dict = field(default_factory=dict)
-    """Launch plans of the call's kernels, made on first use (``_runtime.gemm_plan``)."""
+    """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
+    the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -446,22 +447,29 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     # counted flags)
     epoch = sf.next_epoch()
     r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
-    off = (epoch % 2) * (blk.nbytes // 2)
-    recv = blk.tensor(rank, off, (world - 1, m, k), x.dtype)
+    # this parity's receive view and push list, made once per plan, block and dtype
+    ck = ("p2p", epoch % 2, x.dtype)
+    st = p.launches.get(ck)
+    if st is None or st[0] is not blk:
+        off = (epoch % 2) * (blk.nbytes // 2)
+        pushes, start = [], 0
+        for c_idx, rows in enumerate(p.chunk_rows):
+            for step in range(1, world):
+                peer = (rank + step) % world
+                slot = push_slot(rank, peer, world)
+                pushes.append((blk.ptrs[peer] + off + (slot * m + start) * row_bytes, start * row_bytes,
+                               rows * row_bytes, sf.peer(peer), slot * stride + c_idx))
+            start += rows
+        st = p.launches[ck] = (blk, blk.tensor(rank, off, (world - 1, m, k), x.dtype), pushes)
+    recv = st[1]
     cur = torch.cuda.current_stream(x.device)
     ns = rt.aux_stream
     # reset the dispatch counter before the side streams fork from this one
     _flags.stream_write_value(cur, counter, 0, 0)
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
-    start = 0
-    for c_idx, rows in enumerate(p.chunk_rows):
-        for step in range(1, world):
-            peer = (rank + step) % world
-            slot = push_slot(rank, peer, world)
-            rt.push(blk.ptrs[peer] + off + (slot * m + start) * row_bytes, src + start * row_bytes,
-                    rows * row_bytes, sf.peer(peer), slot * stride + c_idx, epoch)
-        start += rows
+    for dst, src_off, nbytes, peer_flags, idx in st[2]:
+        rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
     w = norm.weight if norm else None
     bias = norm.bias if norm else None
     rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
