@@ -180,7 +180,8 @@ class ErrorWord:
             from .kernels.words import HostWords, copy_words
 
             self._host.fill_(-1)
-            copy_words(self.word, HostWords(self._host))
+            with torch.cuda.device(self.word.device):  # the kernel runs on the word's device
+                copy_words(self.word, HostWords(self._host))
             torch.cuda.synchronize(self.word.device)
             if self._host.tolist() != self.word.tolist():
                 raise RuntimeError("the pinned words did not receive the kernel's stores")

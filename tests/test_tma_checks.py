@@ -46,3 +46,16 @@ def test_gemm_plan_refuses_operands_of_another_layout() -> None:
         plan.operands(a, w.t(), a)
     with pytest.raises(ValueError, match="plan's"):
         plan.launch(descs, torch.zeros(64, 64, dtype=torch.bfloat16)[:, :32], epoch=1, grid=1)
+
+
+def test_gemm_plan_takes_a_b_it_reads_through_a_copy() -> None:
+    from overlap.kernels.tile_gemm import TileGemmPlan
+    from overlap.policies import Segment, build_tile_table
+
+    a = torch.zeros(64, 128, dtype=torch.bfloat16)
+    b = torch.ones(128, 64, dtype=torch.bfloat16)[:, ::2]  # [K, N] with a column stride of 2
+    c = torch.zeros(64, 32, dtype=torch.bfloat16)
+    table = torch.tensor(build_tile_table([Segment(0, 0, 0, 64)], 32, 64, 32), dtype=torch.int32)
+    plan = TileGemmPlan(a, b, c, table)
+    descs = plan.operands(a, torch.full((128, 64), 2.0, dtype=torch.bfloat16)[:, ::2])
+    assert descs[2].base.is_contiguous() and float(descs[2].base[0, 0]) == 2.0

@@ -471,8 +471,10 @@ class TileGemmPlan:
             a2_desc = TensorDescriptor(a2, a2.shape, a2.stride(), self.a_block)
         b_store = b if self.b_kn else b.t()
         if (tuple(b_store.shape), b_store.stride()) != self.b_layout:
-            raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
-                             f"the plan's is {self.b_layout}")
+            b_store, b_kn = b_operand(b)  # a layout TMA reads through a copy
+            if b_kn != self.b_kn or (tuple(b_store.shape), b_store.stride()) != self.b_layout:
+                raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
+                                 f"the plan's is {self.b_layout}")
         return a_desc, a2_desc, TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
 
     def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int) -> None:
