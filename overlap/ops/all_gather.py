@@ -270,7 +270,6 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
 
 def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
            cfg: OverlapConfig) -> Any:
-
     ms, k = a_shard.shape
     n = b.shape[1]
     world = rt.world
