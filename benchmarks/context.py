@@ -24,6 +24,26 @@ def _commit() -> str:
         return os.environ.get("OVERLAP_COMMIT", "unknown")
 
 
+def _host_us_torch_mm(calls: int = 300) -> float:
+    """Host microseconds to queue one small torch.mm: a yardstick of the machine
+    instance's host speed (it moves by up to 2x between instances), beside which the
+    small, host-bound shapes of different runs can be compared."""
+    import time
+
+    import torch
+
+    a = torch.randn(256, 256, device="cuda")
+    for _ in range(20):
+        torch.mm(a, a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.mm(a, a)
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return round(us, 1)
+
+
 def run_context(world_size: int | None = None) -> dict[str, Any]:
     import torch
 
@@ -50,6 +70,7 @@ def run_context(world_size: int | None = None) -> dict[str, Any]:
             ctx["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:
             ctx["nccl"] = None
+        ctx["host_us_torch_mm"] = _host_us_torch_mm()
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20).stdout.strip().splitlines()

@@ -189,3 +189,13 @@ def test_time_interleaved_rounds_and_errors(monkeypatch: pytest.MonkeyPatch) -> 
         assert list(errors) == ["bad"] and "boom" in errors["bad"]
     finally:
         tdist.destroy_process_group()
+
+
+def test_run_line_names_the_host_yardstick_when_measured() -> None:
+    from benchmarks.suite.report import describe_run
+
+    ctx = {"date": "d", "gpu_count": 2, "gpu": "H200", "driver": "x", "cuda": "13.0", "nccl": "2.28.9",
+           "torch": "t", "triton": "3.6.0", "cupy": "14", "commit": "abc", "knobs": {}}
+    doc = {"context": dict(ctx, host_us_torch_mm=14.2), "gpu": True, "world": 2, "dtype": "bfloat16"}
+    assert "host 14.2 us per torch.mm" in describe_run(doc)
+    assert "torch.mm" not in describe_run(dict(doc, context=ctx))

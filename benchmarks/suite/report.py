@@ -113,8 +113,10 @@ def _notes(meta: dict, recs: list[dict]) -> list[str]:
 
 def describe_run(doc: dict) -> str:
     c = doc["context"]
+    host = (f"host {c['host_us_torch_mm']} us per torch.mm (the instance's host speed), "
+            if c.get("host_us_torch_mm") is not None else "")
     gpu = (f"{c.get('gpu_count')}x {c.get('gpu')}, driver {c.get('driver')}, CUDA {c.get('cuda')}, "
-           f"NCCL {c.get('nccl')}, " if doc["gpu"] else "no GPU (gloo), ")
+           f"NCCL {c.get('nccl')}, {host}" if doc["gpu"] else "no GPU (gloo), ")
     return (f"{c.get('date')}, {doc['world']} ranks, {gpu}torch {c.get('torch')}, triton {c.get('triton')}, "
             f"cupy {c.get('cupy')}, commit {c.get('commit')}, {doc['dtype']}; knobs {c.get('knobs')}")
 
