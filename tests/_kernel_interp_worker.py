@@ -217,6 +217,77 @@ def scenario_reduce_norm() -> None:
     print("PASS reduce_norm")
 
 
+def scenario_norm_fold() -> None:
+    """A norm folded into the GEMM: the reduce kernel writes each row's rstd and
+    mean * rstd instead of the normed rows, fold_norm makes diag(w) B and its column
+    vectors, and the GEMM's epilogue (waiting on the reduce kernel's posts) gives
+    norm(h) @ B; rows whose mean is far above their spread do not cancel."""
+    from dataclasses import replace
+
+    from overlap.kernels.norm_fold import fold_norm
+
+    g = torch.Generator().manual_seed(21)
+    world, rank, chunks, progs, eps = 2, 1, 3, 2, 1e-5
+    # K = 40: a row block in registers, masked columns; K = 64 in 16-column blocks (merged statistics)
+    for (m, n, k, block_k) in ((21, 24, 40, None), (19, 40, 64, 16)):
+        sizes, segs = row_chunk_segments(m, chunks, 8)
+        starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+        table = _table([replace(sg, wait_mult=progs) for sg in segs], n)
+        for dt, shift in ((torch.float32, 0.0), (torch.float16, 0.0), (torch.float32, 1500.0)):
+            for kind, with_bias, layout in (("layernorm", True, "wt"), ("layernorm", False, "kn"),
+                                            ("rmsnorm", False, "wt")):
+                parts = [(torch.randn(m, k, generator=g) + shift / world).to(dt) for _ in range(world)]
+                res = torch.randn(m, k, generator=g).to(dt)
+                w = (torch.rand(k, generator=g) + 0.5).to(dt)
+                bias = torch.randn(k, generator=g).to(dt) if with_bias else None
+                lin = torch.randn(n, k, generator=g).to(dt)
+                b = lin.t() if layout == "wt" else lin.t().contiguous()
+                recv = parts[1 - rank].unsqueeze(0).clone()
+                h = torch.full((m, k), float("nan"), dtype=dt)
+                stats = torch.full((m, 2), float("nan"))
+                ready = torch.zeros(chunks, dtype=torch.int32)
+                ew = ErrorWord("cpu", what="fold")
+                launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=torch.ones(chunks, dtype=torch.int32),
+                                   ready=ready, err=ew.word, epoch=1, rank=rank, world=world, programs=progs,
+                                   residual=res, norm=kind, stats=stats, block_k=block_k, rows=4, eps=eps)
+                h_ref = ((parts[0].float() + parts[1].float()).to(dt).float() + res.float()).to(dt)
+                assert torch.equal(h, h_ref), (m, k, dt, kind)
+                hf = h_ref.double()
+                mean = hf.mean(1) if kind == "layernorm" else torch.zeros(m, dtype=torch.float64)
+                var = hf.var(1, unbiased=False) if kind == "layernorm" else (hf * hf).mean(1)
+                rstd = 1.0 / (var + eps).sqrt()
+                torch.testing.assert_close(stats[:, 0].double(), rstd, rtol=1e-4, atol=0)
+                torch.testing.assert_close(stats[:, 1].double(), mean * rstd, rtol=1e-4, atol=1e-4)
+                bw, vec = fold_norm(b, w, bias, num_sms=4)
+                assert bw.stride() == b.stride() and bw.dtype == dt
+                assert torch.equal(bw, (b.float() * w.float()[:, None]).to(dt)), "B' is not w * B rounded"
+                torch.testing.assert_close(vec[0].double(), bw.double().sum(0), rtol=1e-5, atol=1e-4)
+                v_ref = (bias.double() @ b.double()) if bias is not None else torch.zeros(n, dtype=torch.float64)
+                torch.testing.assert_close(vec[1].double(), v_ref, rtol=1e-5, atol=1e-4)
+                c = torch.full((m, n), float("nan"), dtype=dt)
+                launch_tile_gemm(h, bw, c, table, flags=ready, err=ew.word, epoch=1, grid=3, config=CFG,
+                                 wait=True, rowstat=stats, colvec=vec)
+                ew.check()
+                y64 = _torch_norm(hf, kind, w.double(), None if bias is None else bias.double(), eps).double()
+                ref = y64 @ b.double()
+                # the reference's own error: y rounded to dt before its GEMM; and the folded
+                # product's: h @ B' - mean * u in fp32 loses about eps32 * |mean| / std
+                e_ref = _rel(y64.to(dt).double() @ b.double(), ref)
+                tol = TOL[dt] + 8 * 2.0 ** -24 * shift
+                assert _rel(c, ref) <= 2 * e_ref + tol, (m, k, dt, shift, kind, _rel(c, ref), e_ref)
+    # the epilogue's vectors come together and in fp32
+    a = torch.randn(16, 32, dtype=torch.float16)
+    for rs, cv in ((torch.ones(16, 2), None), (torch.ones(16, 2, dtype=torch.float16), torch.ones(2, 16))):
+        try:
+            launch_tile_gemm(a, torch.randn(32, 16, dtype=torch.float16), torch.empty(16, 16, dtype=torch.float16),
+                             _table([Segment(0, 0, 0, 16)], 16), grid=1, config=CFG, rowstat=rs, colvec=cv)
+        except ValueError as e:
+            assert "rowstat" in str(e), e
+        else:
+            raise AssertionError("bad rowstat/colvec accepted")
+    print("PASS norm_fold")
+
+
 def scenario_posts_and_gelu() -> None:
     """RowSync waits satisfied; every producer tile posts once to its row block; GeLU epilogue."""
     g = torch.Generator().manual_seed(2)

@@ -149,13 +149,21 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     return hv
 
 
+@triton.jit
+def _store_stats(stats_ptr, rows, rmask, rstd, shift):
+    """stats[row] = (rstd, mean * rstd): a folded norm's row statistics."""
+    p = stats_ptr + rows.to(tl.int64) * 2
+    tl.store(p, rstd, mask=rmask)
+    tl.store(p + 1, shift, mask=rmask)
+
+
 @triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
-                       rflags_ptr, ready_ptr, err_ptr, starts_ptr,
+                       rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
-                       FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False):
+                       FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -167,7 +175,12 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     With BLOCK_K >= K a row block stays in registers: h is written once and the norm
     comes from registers (two-pass statistics, exact). Otherwise the K blocks merge
     their means and squared deviations (Chan et al.'s pairwise update: stable when
-    |mean| >> std) and the output pass reads h back."""
+    |mean| >> std) and the output pass reads h back.
+
+    FOLD (with a norm): no y. Each row's rstd and mean * rstd (0 for RMSNorm) go to
+    stats [M, 2] fp32 for a GEMM that applies the norm in its epilogue (its B holding
+    the norm's weight, ``overlap.kernels.norm_fold``); the K-blocked path then skips
+    its output pass."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -175,8 +188,12 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     dt = h_ptr.dtype.element_ty
     # the norm's weight and bias, once per program (read by the in-register path;
     # without a norm these point at x and are unused)
-    w_all = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    b_all = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    if FOLD:
+        w_all = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        b_all = w_all
+    else:
+        w_all = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        b_all = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
     for c in range(n_chunks):
         r0 = tl.load(starts_ptr + c)
         r1 = tl.load(starts_ptr + c + 1)
@@ -216,10 +233,13 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                             mean = tl.zeros((ROWS,), dtype=tl.float32)
                             d = hf
                         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / K + eps)
-                        yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
-                        if HAS_BIAS:
-                            yv += b_all[None, :]
-                        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
+                        if FOLD:
+                            _store_stats(stats_ptr, rows, rmask, rstd, mean * rstd)
+                        else:
+                            yv = (hf - mean[:, None]) * rstd[:, None] * w_all[None, :]
+                            if HAS_BIAS:
+                                yv += b_all[None, :]
+                            tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
                 else:
                     mean = tl.zeros((ROWS,), dtype=tl.float32)
                     m2 = tl.zeros((ROWS,), dtype=tl.float32)
@@ -244,6 +264,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                             m2 += tl.sum(hf * hf, axis=1)
                     if NORM != 0:
                         rstd = 1.0 / tl.sqrt(m2 / K + eps)
+                    if FOLD:
+                        _store_stats(stats_ptr, rows, rmask, rstd, mean * rstd)
+                    elif NORM != 0:
                         for k0 in range(0, K, BLOCK_K):
                             cols = k0 + offs
                             cm = cols < K
@@ -277,7 +300,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None) -> None:
+                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
+                       stats: Any = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -286,13 +310,15 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flags the peers set (slot * flag_stride + c; default stride: the chunk count);
     ``ready``: int32 [chunks] this
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
+    ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
+    consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows)
-    plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y)
+                      block_k=block_k, rows=rows, stats=stats)
+    plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
 class ReducePlan:
@@ -305,14 +331,19 @@ class ReducePlan:
                  world: int, programs: int, residual: Any = None, norm: str | None = None, weight: Any = None,
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
-                 block_k: int | None = None, rows: int | None = None) -> None:
+                 block_k: int | None = None, rows: int | None = None, stats: Any = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
-        if norm is not None and (y is None or weight is None):
-            raise ValueError("a norm needs y and weight")
         m, K = x.shape
+        if stats is not None:
+            if norm is None or y is not None:
+                raise ValueError("stats replace y: they need a norm and no y")
+            if str(stats.dtype) != "torch.float32" or tuple(stats.shape) != (m, 2):
+                raise ValueError(f"stats must be fp32 [{m}, 2], got {stats.dtype} {tuple(stats.shape)}")
+        elif norm is not None and (y is None or weight is None):
+            raise ValueError("a norm needs y and weight (or stats)")
         for name, t in (("x", x), ("h", h), ("residual", residual), ("y", y), ("recv", recv),
-                        ("weight", weight), ("bias", bias)):
+                        ("weight", weight), ("bias", bias), ("stats", stats)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
@@ -335,30 +366,33 @@ class ReducePlan:
         rows = rows or d_rows
         num_warps = num_warps or d_warps
         interp = interpreting()
-        self.has_res, self.has_y, self.has_w, self.has_b = (residual is not None, y is not None, weight is not None,
-                                                            bias is not None)
+        self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats = (
+            residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
         self.fixed = (rflags, ready, err, starts)
         self.scalars = (K, float(eps), n_chunks, flag_stride)
         self.tail = (int(rank), m * K, int(timeout_ns), int(max_spins))
         self.programs = max(1, int(programs))
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                    EVEN_K=block_k == K)
+                    EVEN_K=block_k == K, FOLD=stats is not None)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
-                   bias if bias is not None else x, rflags, ready, err, starts)
+                   bias if bias is not None else x, rflags, ready, err, starts,
+                   stats if stats is not None else starts)
         # what Triton specializes on: constexprs, dtypes, K and the slot stride
         key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
         self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
 
     def launch(self, x: Any, recv: Any, h: Any, *, epoch: int, residual: Any = None, weight: Any = None,
-               bias: Any = None, y: Any = None) -> None:
-        if ((residual is not None, y is not None, weight is not None, bias is not None)
-                != (self.has_res, self.has_y, self.has_w, self.has_b)):
-            raise ValueError("residual, y, weight and bias must be given as when the plan was made")
+               bias: Any = None, y: Any = None, stats: Any = None) -> None:
+        if ((residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
+                != (self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats)):
+            raise ValueError("residual, y, weight, bias and stats must be given as when the plan was made")
         ops = (x, recv, residual if residual is not None else x, h, y if y is not None else h,
                weight if weight is not None else x, bias if bias is not None else x)
-        self.prepared.launch(self.programs, (*ops, *self.fixed, *self.scalars, int(epoch), *self.tail), aligned=ops)
+        st = stats if stats is not None else self.fixed[3]
+        self.prepared.launch(self.programs, (*ops, *self.fixed, st, *self.scalars, int(epoch), *self.tail),
+                             aligned=(*ops, st))
 
 
 _reduce_launcher = CachedLauncher(reduce_norm_kernel)

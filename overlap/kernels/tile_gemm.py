@@ -38,6 +38,10 @@ software-pipelined on its own.
 
 B is read through a TMA descriptor either as [K, N] row-major (``B_KN``) or as
 the [N, K] row-major storage of an ``nn.Linear`` weight (``b = w.t()``; no copy).
+
+With ``NORM_EPI`` the A rows are a residual stream h whose LayerNorm / RMSNorm the
+GEMM applies in its epilogue, B being diag(norm weight) B (``overlap.kernels.norm_fold``):
+``C = rstd * (h @ B') - mean * rstd * colsum(B') + bias @ B`` per row and column.
 """
 
 from __future__ import annotations
@@ -179,6 +183,8 @@ def tile_gemm_kernel(
     a_desc, a2_desc, b_desc, c_ptr,
     # schedule, flags, error word
     table_ptr, flags_ptr, err_ptr, counter_ptr,
+    # the folded norm's row statistics and column vectors (NORM_EPI)
+    rowstat_ptr, colvec_ptr,
     # sizes and scalars
     N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx,
     # strides
@@ -189,6 +195,7 @@ def tile_gemm_kernel(
     HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
+    NORM_EPI: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -238,10 +245,20 @@ def tile_gemm_kernel(
             else:
                 acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
             if done != 0:
-                if ACTIVATION == 1:
-                    acc = _gelu(acc)
                 rows = c_row + offs_i
                 cols = off_bn + offs_j
+                if NORM_EPI:
+                    # a norm folded into B (overlap.kernels.norm_fold): A rows are h, B is
+                    # diag(w) B; per row rstd and mean * rstd, per column u = colsum(B'), v = bias @ B
+                    rm = offs_i < c_rows
+                    cm = cols < N
+                    rs = tl.load(rowstat_ptr + rows.to(tl.int64) * 2, mask=rm, other=0.0)
+                    sh = tl.load(rowstat_ptr + rows.to(tl.int64) * 2 + 1, mask=rm, other=0.0)
+                    u = tl.load(colvec_ptr + cols, mask=cm, other=0.0)
+                    v = tl.load(colvec_ptr + N + cols, mask=cm, other=0.0)
+                    acc = acc * rs[:, None] - sh[:, None] * u[None, :] + v[None, :]
+                if ACTIVATION == 1:
+                    acc = _gelu(acc)
                 mask = (offs_i < c_rows)[:, None] & (cols < N)[None, :]
                 ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
                 tl.store(ptrs, acc.to(out_dtype), mask=mask)
@@ -335,6 +352,7 @@ def launch_tile_gemm(
     grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
+    rowstat: Any = None, colvec: Any = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -348,6 +366,10 @@ def launch_tile_gemm(
     ``start_flag``: program 0 sets ``flags[start_flag] = epoch`` as the grid starts.
     ``k_wait`` > 0 (TileSync): a tile's wait is not once before its K loop but before
     every ``k_wait`` K steps, group g on ``flags[wait_idx + g]``.
+    ``rowstat`` fp32 [rows of C, 2] and ``colvec`` fp32 [2, N] (both or neither): a norm
+    folded into B (``overlap.kernels.norm_fold``); each C element becomes
+    ``acc * rowstat[i, 0] - rowstat[i, 1] * colvec[0, j] + colvec[1, j]`` before the
+    activation. They are read after the tile's wait, like A.
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -355,7 +377,7 @@ def launch_tile_gemm(
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
+    b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait, rowstat, colvec)
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
@@ -367,18 +389,20 @@ def launch_tile_gemm(
     a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
     b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
     interp = interpreting()
-    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait)
+    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat)
     key = _key(meta, a, a2, b_store, c, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
-    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt,
+    rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
+    colvec = colvec if colvec is not None else table
+    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt, rowstat, colvec,
             c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
             int(start_flag) if start_flag is not None else 0, c.stride(0), c.stride(1))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                     interpret=interp, aligned=(c, table, flags, err, cnt))
+                     interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec))
 
 
 def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
-                  k_wait: int) -> tuple[Any, bool]:
+                  k_wait: int, rowstat: Any = None, colvec: Any = None) -> tuple[Any, bool]:
     """``launch_tile_gemm``'s argument checks; returns ``b_operand(b)``."""
     K = a.shape[1]
     if a.stride(1) != 1 or (a2 is not None and a2.stride(1) != 1):
@@ -393,17 +417,27 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
         raise ValueError(f"k_wait={k_wait} needs wait=True and k_wait >= 0")
     if (wait or post or start_flag is not None) and (flags is None or err is None):
         raise ValueError("wait/post/start_flag need flags and err tensors")
+    if (rowstat is None) != (colvec is None):
+        raise ValueError("rowstat and colvec come together (a folded norm) or not at all")
+    if rowstat is not None:
+        n = c.shape[1]
+        if (str(rowstat.dtype) != "torch.float32" or str(colvec.dtype) != "torch.float32"
+                or not rowstat.is_contiguous() or not colvec.is_contiguous()
+                or rowstat.dim() != 2 or rowstat.shape[1] != 2 or rowstat.shape[0] < c.shape[0]
+                or tuple(colvec.shape) != (2, n)):
+            raise ValueError(f"rowstat must be contiguous fp32 [>= {c.shape[0]}, 2] and colvec fp32 [2, {n}]; got "
+                             f"{rowstat.dtype} {tuple(rowstat.shape)} and {colvec.dtype} {tuple(colvec.shape)}")
     return b_store, b_kn
 
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
-          interp: bool, counter: Any, start_flag: Any, k_wait: int) -> dict[str, Any]:
+          interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
-                POST_START=start_flag is not None, K_WAIT=int(k_wait))
+                POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None)
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
@@ -430,7 +464,7 @@ class TileGemmPlan:
                  rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
-                 k_wait: int = 0) -> None:
+                 k_wait: int = 0, norm_epi: bool = False) -> None:
         b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
         cfg = config
         self.num_tiles = table.shape[0]
@@ -445,7 +479,9 @@ class TileGemmPlan:
         self.b_layout = (tuple(b_store.shape), tuple(b_store.stride()))
         self.c_layout = (c.shape[1], tuple(c.stride()))
         self.interp = interpreting()
-        self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait)
+        self.norm_epi = bool(norm_epi)
+        self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
+                          rowstat=True if norm_epi else None)
         self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
         self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -477,15 +513,23 @@ class TileGemmPlan:
                                  f"the plan's is {self.b_layout}")
         return a_desc, a2_desc, TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
 
-    def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int) -> None:
+    def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
+               colvec: Any = None) -> None:
+        """``rowstat`` and ``colvec``: those of ``launch_tile_gemm``, given exactly when
+        the plan was made with ``norm_epi`` (checked there; here only their presence)."""
         if self.num_tiles == 0:
             return
         if (c.shape[1], c.stride()) != self.c_layout:
             raise ValueError(f"c is {tuple(c.shape)} with strides {c.stride()}; the plan's is {self.c_layout}")
+        if (rowstat is not None, colvec is not None) != (self.norm_epi, self.norm_epi):
+            raise ValueError(f"rowstat and colvec must be given {'with' if self.norm_epi else 'without'} norm_epi")
+        if rowstat is None:
+            rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
-        args = (*descs, c, self.table, self.flags, self.err, self.counter,
+        args = (*descs, c, self.table, self.flags, self.err, self.counter, rowstat, colvec,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.c_layout[1])
-        self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter))
+        self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter, rowstat,
+                                                   colvec))
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

@@ -67,6 +67,13 @@ class OverlapConfig:
     reduce_ctas: int | None = None
     """p2p all-reduce: SMs left to the kernel that sums the pushed partials (and adds
     the residual and norms) chunk by chunk, one program each; ``None``: 16."""
+    fold_norm: bool = False
+    """p2p all-reduce with a norm: fold the norm into the GEMM instead of writing the
+    normed rows. The reduce kernel writes each row's statistics, B is replaced by
+    diag(norm weight) B once per call (``overlap.kernels.norm_fold``), and the GEMM
+    applies the rest in its epilogue. The reduce kernel then moves the bytes of the
+    no-norm case plus the residual, at the cost of one pass over B per call.
+    Ignored without a norm and on the NCCL transport."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""
@@ -497,7 +504,7 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
     first use. The op plan fixes everything else (shapes, table, config, rank)."""
     key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
-           counter.data_ptr() if counter is not None else 0)
+           counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")))
     gp = plans.get(key)
     if gp is None:
         from ..kernels.tile_gemm import TileGemmPlan

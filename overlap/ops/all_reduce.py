@@ -439,8 +439,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     if norm is not None:
         norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
                     norm.eps)
+    fold = cfg.fold_norm and norm is not None
     h = torch.empty_like(x)
-    y = torch.empty_like(x) if norm is not None else h
+    y = torch.empty_like(x) if norm is not None and not fold else h
+    stats = torch.empty((m, 2), dtype=torch.float32, device=x.device) if fold else None
     c = x.new_empty((m, n))
     # epochs last, just before the first work is queued: a call that fails before
     # them must not leave this rank's counts ahead of its peers' (or of the plan's
@@ -470,28 +472,34 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     src = x.data_ptr()
     for dst, src_off, nbytes, peer_flags, idx in st[2]:
         rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
-    w = norm.weight if norm else None
-    bias = norm.bias if norm else None
+    # folded: the reduce kernel takes no weight, bias or y, and writes the rows' statistics
+    w = norm.weight if norm and not fold else None
+    bias = norm.bias if norm and not fold else None
+    y_out = y if norm is not None and not fold else None
     rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
-            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr())
+            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold)
     rp = p.launches.get(rkey)
     if rp is None:
         rp = p.launches[rkey] = ReducePlan(
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
-            eps=norm.eps if norm else 1e-5, y=y if norm is not None else None, flag_stride=stride,
-            timeout_ns=timeout_ns)
+            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=stats)
     with on_stream(ns, cur):
-        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias,
-                  y=y if norm is not None else None)
+        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=stats)
+    vec = None
+    if fold:
+        from ..kernels.norm_fold import fold_norm, foldable
+
+        # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
+        b, vec = fold_norm(b if foldable(b) else b.contiguous(), norm.weight, norm.bias, num_sms=rt.num_sms)
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
-                   counter=counter, rank=rank, config=p.gemm, wait=True)
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold)
     descs = gp.operands(y, b)
-    gp.launch(descs, c, epoch=r_epoch, grid=p.grid)
+    gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=stats, colvec=vec)
     if p.give_back_grid:
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
-            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid)
+            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=stats, colvec=vec)
     rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
@@ -518,8 +526,9 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     or a norm also 2 and 4 chunks x 24, 32 CTAs with 20 SMs more left free (the
     add + norm kernels run on the SMs the GEMM grid leaves free); where peer
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
-    for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid, and
-    without a norm 8 and 16 chunks x 12 SMs. Inputs with no
+    for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid,
+    without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
+    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 12, 16, 24 SMs. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -549,6 +558,9 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                           # without a norm the reduce kernel keeps up with the pushes on fewer SMs
                           + ([OverlapConfig(chunks=ch, reduce_ctas=12, transport="p2p") for ch in (8, 16)]
                              if norm is None else [])
+                          # with a norm folded into the GEMM, the reduce kernel writes no normed rows
+                          + ([OverlapConfig(chunks=ch, reduce_ctas=rc, fold_norm=True, transport="p2p")
+                              for ch in (4, 8, 16) for rc in (12, 16, 24)] if norm is not None else [])
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
@@ -568,7 +580,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
-                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}")
+                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}" + (", norm folded" if cand.fold_norm else ""))
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)

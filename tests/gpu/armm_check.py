@@ -2,8 +2,8 @@
 
 Every call gets fresh inputs (a tile reading a chunk before it landed would
 read the last call's rows and fail), chunkings that do not divide M, with and
-without a residual, LayerNorm and RMSNorm, both B layouts, fp16 and bf16, many
-epochs, the chunked baseline, and a timeout that must raise instead of hanging
+without a residual, LayerNorm and RMSNorm (also folded into the GEMM), both B
+layouts, fp16 and bf16, many epochs, the chunked baseline, and a timeout that must raise instead of hanging
 (one rank skips its all-reduce). Prints ``PASS armm <launcher>`` on success.
 """
 
@@ -44,9 +44,12 @@ def main() -> None:
     ]
     calls = 0
     for (m, n, k, dt, chunks, layout, with_res, kind) in cases:
-        for transport, give_back in (("nccl", True), ("nccl", False), ("p2p", True), ("p2p", False)):
+        variants = [("nccl", True, False), ("nccl", False, False), ("p2p", True, False), ("p2p", False, False)]
+        if kind:  # the norm folded into the GEMM (statistics from the reduce kernel, diag(w) B)
+            variants += [("p2p", True, True), ("p2p", False, True)]
+        for transport, give_back, fold in variants:
             cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport,
-                                reduce_ctas=8)
+                                reduce_ctas=8, fold_norm=fold)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + m + chunks)
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
@@ -77,7 +80,7 @@ def main() -> None:
                 c64 = y64 @ b.double()
                 e_ours, e_ref = rel(c, c64), rel(c_ref, c64)
                 assert e_ours <= 2 * e_ref + 2e-3, (
-                    f"rank {rank} case {(m, n, k, dt, chunks, layout, with_res, kind)} it {it}: "
+                    f"rank {rank} case {(m, n, k, dt, chunks, layout, with_res, kind, fold)} it {it}: "
                     f"err {e_ours:.2e} vs torch {e_ref:.2e}")
                 calls += 1
     assert armod.stats["fused"] >= calls, armod.stats
