@@ -23,6 +23,8 @@ def describe_config(best: Any) -> Any:
         return best
     fields = ("transport", "chunks", "nccl_ctas", "reduce_ctas", "sm_margin", "give_back")
     out = {f: getattr(best, f) for f in fields if hasattr(best, f)}
+    if getattr(best, "fold_norm", False):
+        out["fold_norm"] = True
     if out.get("transport") == "p2p":  # NCCL's CTA cap means nothing to the peer-copy path
         out.pop("nccl_ctas", None)
     return {k: v for k, v in out.items() if v is not None}

@@ -32,6 +32,12 @@ adds the residual, norms, and posts the chunk's flag for the GEMM:
     copy stream  | push rows0 -> peers |W| push rows1 -> peers |W|        (copy engines)
     reduce grid  | wait rows0; sum+add+norm; post | wait rows1; ... | give-back grid |
     GEMM grid    | rows0 tiles (wait) ............ | rows1 tiles (wait) .............. |
+
+With ``OverlapConfig(fold_norm=True)`` the reduce kernel writes no normed rows:
+only each row's rstd and mean * rstd. The GEMM reads h and B' = diag(norm
+weight) B, made by one pass over B per call (``overlap.kernels.norm_fold``), and
+its epilogue finishes the norm. The reduce kernel then moves fewer bytes and
+keeps pace with the pushes on fewer SMs, which the GEMM gets.
 """
 
 from __future__ import annotations
