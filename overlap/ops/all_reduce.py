@@ -448,7 +448,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     fold = cfg.fold_norm and norm is not None
     h = torch.empty_like(x)
     y = torch.empty_like(x) if norm is not None and not fold else h
-    stats = torch.empty((m, 2), dtype=torch.float32, device=x.device) if fold else None
+    rowstat = torch.empty((m, 2), dtype=torch.float32, device=x.device) if fold else None
     c = x.new_empty((m, n))
     # epochs last, just before the first work is queued: a call that fails before
     # them must not leave this rank's counts ahead of its peers' (or of the plan's
@@ -489,9 +489,9 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         rp = p.launches[rkey] = ReducePlan(
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
-            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=stats)
+            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat)
     with on_stream(ns, cur):
-        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=stats)
+        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
     if fold:
         from ..kernels.norm_fold import fold_norm, foldable
@@ -501,11 +501,11 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold)
     descs = gp.operands(y, b)
-    gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=stats, colvec=vec)
+    gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
     if p.give_back_grid:
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):
-            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=stats, colvec=vec)
+            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
     rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
