@@ -3,8 +3,9 @@
     python benchmarks/bench_reduce_norm.py [--m 16384] [--k 8192]
 
 Every wait is already satisfied, so this is the kernel's own speed: ms and GB/s moved
-(partials and residual read, h and y written) per program count, warps and row block,
-with and without residual + LayerNorm. The op leaves the kernel a few SMs while the
+(partials and residual read, h and y written) per program count and block shape: the
+sum alone, with the residual, with residual and LayerNorm, and with the LayerNorm folded
+into the consumer GEMM (row statistics written instead of y). The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
 """
 
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=16384)
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--programs", type=int, nargs="+", default=[16, 24, 32, 48])
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     m, k, world = args.m, args.k, args.world
@@ -41,36 +43,46 @@ def main() -> None:
     starts = torch.tensor([i * m // chunks for i in range(chunks + 1)], dtype=torch.int32, device=dev)
     rflags = torch.full(((world - 1) * chunks,), 1, dtype=torch.int32, device=dev)
     err = torch.zeros(8, dtype=torch.int32, device=dev)
+    stats = torch.empty(m, 2, device=dev, dtype=torch.float32)
     print(f"reduce_norm alone: M={m} K={k} world={world} bf16, {chunks} chunks; ms, GB/s", flush=True)
-    for ln in (False, True):
-        moved = (world + 1 + (1 if ln else 0)) * m * k * 2 + (m * k * 2 if ln else 0)
-        for programs in (32, 64, 128, 264):
-            for nw in (4, 8, 16):
-                for rows in (1, 2):
-                    ready = torch.zeros(chunks, dtype=torch.int32, device=dev)
+    # (name, residual, norm, folded): folded writes each row's statistics instead of y
+    modes = (("sum", False, False, False), ("add", True, False, False), ("add+ln", True, True, False),
+             ("add+ln folded", True, True, True))
+    # block shapes: (block_k, rows, warps); None: the kernel's default for this K
+    shapes = (None, (None, 2, 8), (4096, 8, 16), (2048, 16, 16), (1024, 16, 16), (2048, 8, 8))
+    for name, with_res, ln, folded in modes:
+        tensors = (world + (1 if with_res else 0)) * m * k * 2 + m * k * 2  # partials (+ residual) read, h written
+        moved = tensors + (m * k * 2 if ln and not folded else 0)
+        for shape in shapes if ln else shapes[:1]:
+            bk, rows, nw = shape if shape is not None else (None, None, None)
+            for programs in args.programs:
+                ready = torch.zeros(chunks, dtype=torch.int32, device=dev)
 
-                    def run() -> None:
-                        launch_reduce_norm(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1,
-                                           rank=0, world=world, programs=programs,
-                                           residual=res if ln else None, norm="layernorm" if ln else None,
-                                           weight=w if ln else None, bias=bias if ln else None,
-                                           y=y if ln else None, num_warps=nw, rows=rows)
+                def run() -> None:
+                    launch_reduce_norm(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1,
+                                       rank=0, world=world, programs=programs,
+                                       residual=res if with_res else None, norm="layernorm" if ln else None,
+                                       weight=w if ln and not folded else None,
+                                       bias=bias if ln and not folded else None,
+                                       y=y if ln and not folded else None, stats=stats if folded else None,
+                                       num_warps=nw, rows=rows, block_k=bk)
 
-                    try:
-                        for _ in range(3):
-                            run()
-                        torch.cuda.synchronize()
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        s.record()
-                        for _ in range(10):
-                            run()
-                        e.record()
-                        torch.cuda.synchronize()
-                        ms = s.elapsed_time(e) / 10
-                        print(f"  {'add+ln' if ln else 'sum   '} programs {programs:4d} warps {nw:2d} rows {rows}: "
-                              f"{ms:.3f} ms {moved / ms / 1e6:7.0f} GB/s", flush=True)
-                    except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a config
-                        print(f"  programs {programs} warps {nw} rows {rows}: failed ({type(ex).__name__}: {ex})"[:200])
+                label = f"{name:14s} block {shape or 'default'}"
+                try:
+                    for _ in range(3):
+                        run()
+                    torch.cuda.synchronize()
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    for _ in range(10):
+                        run()
+                    e.record()
+                    torch.cuda.synchronize()
+                    ms = s.elapsed_time(e) / 10
+                    print(f"  {label} programs {programs:3d}: {ms:.3f} ms {moved / ms / 1e6:7.0f} GB/s "
+                          f"({moved / ms / 1e6 / programs:5.1f} per program)", flush=True)
+                except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a block shape
+                    print(f"  {label} programs {programs}: failed ({type(ex).__name__}: {ex})"[:200], flush=True)
     assert err[0].item() == 0, err
 
 

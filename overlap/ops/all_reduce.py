@@ -534,7 +534,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
     for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid,
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
-    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 12, 16, 24 SMs. Inputs with no
+    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 24, 32, 48 SMs. Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -566,7 +566,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                              if norm is None else [])
                           # with a norm folded into the GEMM, the reduce kernel writes no normed rows
                           + ([OverlapConfig(chunks=ch, reduce_ctas=rc, fold_norm=True, transport="p2p")
-                              for ch in (4, 8, 16) for rc in (12, 16, 24)] if norm is not None else [])
+                              for ch in (4, 8, 16) for rc in (24, 32, 48)] if norm is not None else [])
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
