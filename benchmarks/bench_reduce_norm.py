@@ -5,7 +5,8 @@
 Every wait is already satisfied, so this is the kernel's own speed: ms and GB/s moved
 (partials and residual read, h and y written) per program count and block shape: the
 sum alone, with the residual, with residual and LayerNorm, and with the LayerNorm folded
-into the consumer GEMM (row statistics written instead of y). The op leaves the kernel a few SMs while the
+into the consumer GEMM (row statistics written instead of y); loads through L1 or
+streamed past it; and the residual placed off the other tensors' alignment. The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
 """
 
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=16384)
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--programs", type=int, nargs="+", default=[16, 24, 32, 48])
+    ap.add_argument("--programs", type=int, nargs="+", default=[16, 32])
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     m, k, world = args.m, args.k, args.world
@@ -48,12 +49,19 @@ def main() -> None:
     # (name, residual, norm, folded): folded writes each row's statistics instead of y
     modes = (("sum", False, False, False), ("add", True, False, False), ("add+ln", True, True, False),
              ("add+ln folded", True, True, True))
-    # block shapes: (block_k, rows, warps); None: the kernel's default for this K
-    shapes = (None, (None, 2, 8), (4096, 8, 16), (2048, 16, 16), (1024, 16, 16), (2048, 8, 8))
+    # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
+    variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
+                ((None, 1, 8), True), ((4096, 8, 16), True))
+    # the residual 1 MB + 4 KB away from the partials' and h's alignment (DRAM and L2 slice spread)
+    res_off = torch.empty(m * k + (1 << 19) + 2048, device=dev, dtype=dt)[(1 << 19) + 2048:].view(m, k)
+    res_off.copy_(res)
     for name, with_res, ln, folded in modes:
         tensors = (world + (1 if with_res else 0)) * m * k * 2 + m * k * 2  # partials (+ residual) read, h written
         moved = tensors + (m * k * 2 if ln and not folded else 0)
-        for shape in shapes if ln else shapes[:1]:
+        runs = [(shape, stream, res) for shape, stream in variants]
+        if with_res:
+            runs.append((None, True, res_off))
+        for shape, stream, r_t in runs:
             bk, rows, nw = shape if shape is not None else (None, None, None)
             for programs in args.programs:
                 ready = torch.zeros(chunks, dtype=torch.int32, device=dev)
@@ -61,13 +69,14 @@ def main() -> None:
                 def run() -> None:
                     launch_reduce_norm(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1,
                                        rank=0, world=world, programs=programs,
-                                       residual=res if with_res else None, norm="layernorm" if ln else None,
+                                       residual=r_t if with_res else None, norm="layernorm" if ln else None,
                                        weight=w if ln and not folded else None,
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
-                                       num_warps=nw, rows=rows, block_k=bk)
+                                       num_warps=nw, rows=rows, block_k=bk, stream_loads=stream)
 
-                label = f"{name:14s} block {shape or 'default'}"
+                label = (f"{name:14s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
+                         f"{' residual offset' if r_t is res_off else ''}")
                 try:
                     for _ in range(3):
                         run()

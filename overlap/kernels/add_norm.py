@@ -131,18 +131,25 @@ from .tile_gemm import _wait, interpreting  # noqa: E402
 
 @triton.jit
 def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl.constexpr, WORLD: tl.constexpr,
-               dt: tl.constexpr):
+               dt: tl.constexpr, STREAM: tl.constexpr = False):
     """h for a block at element offsets ``off2``: the WORLD partials (this rank's from
     x, peer r's from recv slot (r - rank - 1) mod WORLD) summed in rank order in fp32,
     rounded like an all-reduce's output, plus the residual (rounded again, as torch's
-    add after an all-reduce). Every load is issued before the sum needs it."""
+    add after an all-reduce). Every load is issued before the sum needs it. STREAM:
+    the loads bypass L1 (each element is read once)."""
     if HAS_RES:
-        rv = tl.load(res_ptr + off2, mask=m, other=0.0)
+        if STREAM:
+            rv = tl.load(res_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            rv = tl.load(res_ptr + off2, mask=m, other=0.0)
     tot = tl.zeros(off2.shape, dtype=tl.float32)
     for r in tl.static_range(WORLD):  # unrolled: the loads do not wait for the adds
         slot = (r - rank - 1 + WORLD) % WORLD
         src = tl.where(r == rank, x_ptr + off2, recv_ptr + slot.to(tl.int64) * slot_stride + off2)
-        tot += tl.load(src, mask=m, other=0.0).to(tl.float32)
+        if STREAM:
+            tot += tl.load(src, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            tot += tl.load(src, mask=m, other=0.0).to(tl.float32)
     hv = tot.to(dt)
     if HAS_RES:
         hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
@@ -163,7 +170,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
-                       FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False):
+                       FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
+                       STREAM: tl.constexpr = False):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -215,7 +223,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                     else:
                         m = rmask[:, None] & (offs < K)[None, :]
                     off2 = base[:, None] + offs[None, :]
-                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
+                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM)
                     tl.store(h_ptr + off2, hv, mask=m)
                     if NORM != 0:
                         # masked-off rows loaded as 0: their statistics are finite and unused
@@ -247,7 +255,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         cols = k0 + offs
                         m = rmask[:, None] & (cols < K)[None, :]
                         off2 = base[:, None] + cols[None, :]
-                        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt)
+                        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt,
+                                        STREAM)
                         tl.store(h_ptr + off2, hv, mask=m)
                         if NORM == 1:
                             hf = tl.where(m, hv.to(tl.float32), 0.0)
@@ -301,7 +310,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       stats: Any = None) -> None:
+                       stats: Any = None, stream_loads: bool = False) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -312,12 +321,13 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
     ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
     consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
+    ``stream_loads``: the partials and the residual are loaded past L1 (read once).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows, stats=stats)
+                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -331,7 +341,8 @@ class ReducePlan:
                  world: int, programs: int, residual: Any = None, norm: str | None = None, weight: Any = None,
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
-                 block_k: int | None = None, rows: int | None = None, stats: Any = None) -> None:
+                 block_k: int | None = None, rows: int | None = None, stats: Any = None,
+                 stream_loads: bool = False) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -374,7 +385,7 @@ class ReducePlan:
         self.programs = max(1, int(programs))
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                    EVEN_K=block_k == K, FOLD=stats is not None)
+                    EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
