@@ -28,3 +28,13 @@ def test_given_block_k_sets_rows_and_warps() -> None:
     assert reduce_block_shape(8192, 2048) == (2048, 8, 16)
     assert reduce_block_shape(64, 16) == (16, 8, 8)
     assert reduce_block_shape(12288, 4096) == (4096, 8, 16)
+
+
+@pytest.mark.parametrize("K, want", [
+    (8192, (4096, 8, 16)),     # a residual without a norm: measured best at 16384 x 8192
+    (4096, (4096, 8, 16)),
+    (1024, (1024, 8, 8)),
+    (12288, (4096, 8, 16)),
+])
+def test_split_block_shape(K: int, want: tuple[int, int, int]) -> None:
+    assert reduce_block_shape(K, split=True) == want

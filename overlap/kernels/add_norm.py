@@ -187,11 +187,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
 
     FOLD (with a norm): no y. Each row's rstd and mean * rstd (0 for RMSNorm) go to
     stats [M, 2] fp32 for a GEMM that applies the norm in its epilogue (its B holding
-    the norm's weight, ``overlap.kernels.norm_fold``). The K-blocked path then has no
-    output pass, and its statistics are sums of (h - shift) and (h - shift)^2 per
-    thread, reduced across threads once per row block: LayerNorm's shift is the mean
-    of the row's first K block, so the sums stay centred to within the spread of
-    block means (where E[h^2] - mean^2 over raw h would cancel)."""
+    the norm's weight, ``overlap.kernels.norm_fold``); the K-blocked path then skips
+    its output pass."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -254,11 +251,6 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 else:
                     mean = tl.zeros((ROWS,), dtype=tl.float32)
                     m2 = tl.zeros((ROWS,), dtype=tl.float32)
-                    # FOLD: per-thread sums of d = h - shift and d^2 over groups of 8 columns
-                    # (LayerNorm's shift: block 0's mean), reduced across threads once per
-                    # row block rather than twice per K block
-                    s1 = tl.zeros((ROWS, BLOCK_K // 8), dtype=tl.float32)
-                    s2 = tl.zeros((ROWS, BLOCK_K // 8), dtype=tl.float32)
                     for k0 in range(0, K, BLOCK_K):
                         cols = k0 + offs
                         m = rmask[:, None] & (cols < K)[None, :]
@@ -266,17 +258,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt,
                                         STREAM)
                         tl.store(h_ptr + off2, hv, mask=m)
-                        if FOLD:
-                            hf = tl.where(m, hv.to(tl.float32), 0.0)
-                            if NORM == 1:
-                                if k0 == 0:
-                                    mean = tl.sum(hf, axis=1) / tl.minimum(K, BLOCK_K).to(tl.float32)
-                                d = tl.where(m, hf - mean[:, None], 0.0)
-                                s1 += tl.sum(tl.reshape(d, (ROWS, BLOCK_K // 8, 8)), axis=2)
-                            else:
-                                d = hf
-                            s2 += tl.sum(tl.reshape(d * d, (ROWS, BLOCK_K // 8, 8)), axis=2)
-                        elif NORM == 1:
+                        if NORM == 1:
                             hf = tl.where(m, hv.to(tl.float32), 0.0)
                             nb = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
                             bmean = tl.sum(hf, axis=1) / nb
@@ -289,13 +271,6 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         elif NORM == 2:
                             hf = tl.where(m, hv.to(tl.float32), 0.0)
                             m2 += tl.sum(hf * hf, axis=1)
-                    if FOLD:
-                        if NORM == 1:
-                            a1 = tl.sum(s1, axis=1) / K  # mean - shift
-                            m2 = tl.maximum(tl.sum(s2, axis=1) - a1 * a1 * K, 0.0)
-                            mean += a1
-                        else:
-                            m2 = tl.sum(s2, axis=1)
                     if NORM != 0:
                         rstd = 1.0 / tl.sqrt(m2 / K + eps)
                     if FOLD:
@@ -320,8 +295,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
 def reduce_block_shape(K: int, block_k: int | None = None, split: bool = False) -> tuple[int, int, int]:
     """(BLOCK_K, ROWS, num_warps) the reduce kernel takes by default for rows of K columns
     (``block_k`` given: the rows and warps for it). Up to 8192 columns (4096 with
-    ``split``) a row block whole in registers; above, 4096-column blocks (the K loop).
-    Blocks of 32K elements, 16 warps above 8K elements."""
+    ``split``) a row block whole in registers; above, 4096-column blocks (the K loop
+    with merged statistics). Blocks of 32K elements, 16 warps above 8K elements."""
     if block_k is None:
         p2 = triton.next_power_of_2(K)
         block_k = p2 if p2 <= (4096 if split else 8192) else 4096
@@ -397,10 +372,11 @@ class ReducePlan:
         # for one 16K-column row in registers, with residual and LayerNorm 0.906 against
         # 0.975 (351ab94)). Loading the next block into registers ahead of this one's work
         # was slower at every shape tried (it spilled with a norm)
-        # with a residual and no y, 4096-column blocks of 8 rows: at 16384 x 8192 on 16
-        # programs, residual alone 0.679 ms against 0.984 for 4 whole rows (bench_reduce_norm,
-        # 0a6c191); folded statistics then need one reduction across threads per row block
-        split = stats is not None or (residual is not None and norm is None)
+        # a residual without a norm: 4096-column blocks of 8 rows. At 16384 x 8192 on 16
+        # programs: 0.699 ms against 0.984 for 4 whole rows (bench_reduce_norm, 0a6c191 and
+        # 94a86b9). With a norm the whole rows stay faster (y: 1.415 against 1.600; folded
+        # statistics: 1.234 against 1.391, 0a6c191)
+        split = residual is not None and norm is None
         d_block, d_rows, d_warps = reduce_block_shape(K, block_k, split)
         block_k = block_k or d_block
         rows = rows or d_rows
