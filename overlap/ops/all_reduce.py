@@ -36,8 +36,9 @@ adds the residual, norms, and posts the chunk's flag for the GEMM:
 With ``OverlapConfig(fold_norm=True)`` the reduce kernel writes no normed rows:
 only each row's rstd and mean * rstd. The GEMM reads h and B' = diag(norm
 weight) B, made by one pass over B per call (``overlap.kernels.norm_fold``), and
-its epilogue finishes the norm. The reduce kernel then moves fewer bytes and
-keeps pace with the pushes on fewer SMs, which the GEMM gets.
+its epilogue finishes the norm. The reduce kernel then writes 8 bytes per row
+instead of the normed row (and above 8192 columns skips its output pass); the
+tuner weighs that against the pass over B.
 """
 
 from __future__ import annotations
@@ -498,6 +499,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
 
         # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
         b, vec = fold_norm(b if foldable(b) else b.contiguous(), norm.weight, norm.bias, num_sms=rt.num_sms)
+        if p.give_back_grid:
+            # the give-back grid on the reduce stream reads them too: after the fold (queued
+            # there behind the reduce kernel, so that one does not wait)
+            rt.fork(cur, ns)
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold)
     descs = gp.operands(y, b)
