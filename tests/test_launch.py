@@ -104,7 +104,9 @@ def test_groups_under_torchrun_agent_store() -> None:
 
 def test_module_entry_under_torchrun_sh(tmp_path: Path) -> None:
     (tmp_path / "probe_mod.py").write_text(
-        "import os, sys\nprint('PROBE', os.environ['RANK'], os.environ['NCCL_NVLS_ENABLE'], sys.argv[1:])\n")
+        # one write per rank: the ranks share the pipe, and print's pieces could interleave
+        "import os, sys\nline = f\"PROBE {os.environ['RANK']} {os.environ['NCCL_NVLS_ENABLE']} {sys.argv[1:]}\\n\"\n"
+        "os.write(1, line.encode())\n")
     r = run_cmd(["bash", "launch/torchrun.sh", "2", "-m", "probe_mod", "--flag", "x"], timeout_s=60,
                 env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r
