@@ -104,14 +104,18 @@ def main() -> None:
                       lambda a=a, w=w, cfg=cfg, c=None: all_gather_matmul(a, w.t(), config=cfg if c is None else c),
                       lambda a=a, w=w, cfg=cfg: _ag._fused_p2p(rt, a, w.t(), False, replace(cfg, check="none")),
                       cfg))
-    for m, n, k, ln in ((8192, 1024, 8192, False), (8192, 1024, 8192, True), (16384, 2048, 8192, False)):
+    for m, n, k, ln, fold in ((8192, 1024, 8192, False, False), (8192, 1024, 8192, True, False),
+                              (8192, 1024, 8192, True, True), (16384, 2048, 8192, False, False)):
         x = torch.randn(m, k, device=dev, dtype=bf)
         w = torch.randn(n, k, device=dev, dtype=bf)
         res = torch.randn(m, k, device=dev, dtype=bf) if ln else None
         norm = Norm("layernorm", torch.ones(k, device=dev, dtype=bf), torch.zeros(k, device=dev, dtype=bf)) \
             if ln else None
         cfg = OverlapConfig(chunks=2 if m == 8192 else 16, reduce_ctas=32 if m == 8192 else 16, transport="p2p")
-        cases.append((f"armm {m}x{n}x{k}{'+ln' if ln else ''} {cfg.chunks} chunks {cfg.reduce_ctas} SMs",
+        if fold:  # the tuner's pick for this case at 48345d1 and cc75d86
+            cfg = OverlapConfig(chunks=8, reduce_ctas=48, fold_norm=True, transport="p2p")
+        cases.append((f"armm {m}x{n}x{k}{'+ln' if ln else ''} {cfg.chunks} chunks {cfg.reduce_ctas} SMs"
+                      f"{' folded' if fold else ''}",
                       lambda x=x, w=w, res=res, norm=norm, cfg=cfg, c=None: all_reduce_matmul(
                           x, w.t(), residual=res, norm=norm, config=cfg if c is None else c),
                       lambda x=x, w=w, res=res, norm=norm, cfg=cfg: _ar._fused_p2p(

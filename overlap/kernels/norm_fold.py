@@ -29,7 +29,7 @@ import triton.language as tl
 from ._launch import CachedLauncher
 from .tile_gemm import interpreting
 
-__all__ = ["fold_norm_kernel", "fold_norm", "fold_block_n", "foldable"]
+__all__ = ["fold_norm_kernel", "fold_norm", "fold_block_n", "foldable", "FoldPlan"]
 
 
 @triton.jit
@@ -102,16 +102,43 @@ def fold_norm(b: Any, weight: Any, bias: Any = None, *, out: Any = None, vec: An
         vec = torch.empty((2, N), dtype=torch.float32, device=b.device)
     elif tuple(vec.shape) != (2, N) or vec.dtype != torch.float32 or not vec.is_contiguous():
         raise ValueError(f"fold_norm: vec must be contiguous fp32 [2, {N}]")
-    bn = fold_block_n(N, num_sms)
-    bk = max(16, min(triton.next_power_of_2(K), 4096 // bn))
-    bias_t = bias if bias is not None else weight
-    args = (b, weight, bias_t, out, vec, K, N, b.stride(0), b.stride(1), out.stride(0), out.stride(1))
-    meta = dict(HAS_BIAS=bias is not None, BLOCK_K=bk, BLOCK_N=bn)
-    # what Triton specializes on: the constexprs, the dtypes, and the integers by value
-    key = (tuple(meta.values()), b.dtype, weight.dtype, bias_t.dtype, args[5:])
-    _launcher.launch(triton.cdiv(N, bn), args, meta, key=key, num_warps=4, interpret=interpreting(),
-                     aligned=(b, weight, bias_t, out, vec))
+    FoldPlan(b, weight, bias, num_sms=num_sms).launch(b, weight, bias, out, vec)
     return out, vec
+
+
+class FoldPlan:
+    """``fold_norm`` checked and keyed once (an op's plan): B's shape, strides and dtype,
+    the weight's and bias's dtypes and the column blocks are fixed; ``launch`` takes
+    operands of the plan's layout (the caller's guarantee) and, unless given, allocates
+    B' and [u; v] on the current stream. Returns them."""
+
+    def __init__(self, b: Any, weight: Any, bias: Any = None, *, num_sms: int = 132) -> None:
+        K, N = b.shape
+        self.shape, self.strides = (K, N), b.stride()
+        self.has_bias = bias is not None
+        bn = fold_block_n(N, num_sms)
+        bk = max(16, min(triton.next_power_of_2(K), 4096 // bn))
+        self.grid = triton.cdiv(N, bn)
+        self.ints = (K, N, b.stride(0), b.stride(1), b.stride(0), b.stride(1))
+        meta = dict(HAS_BIAS=bias is not None, BLOCK_K=bk, BLOCK_N=bn)
+        bias_t = bias if bias is not None else weight
+        # what Triton specializes on: the constexprs, the dtypes, and the integers by value
+        key = (tuple(meta.values()), b.dtype, weight.dtype, bias_t.dtype, self.ints)
+        self.prepared = _launcher.prepare(key, meta, num_warps=4, interpret=interpreting())
+
+    def launch(self, b: Any, weight: Any, bias: Any = None, out: Any = None, vec: Any = None) -> tuple[Any, Any]:
+        import torch
+
+        if (bias is not None) != self.has_bias:
+            raise ValueError("fold_norm: bias given as when the plan was made, or not at all")
+        if out is None:
+            out = torch.empty_strided(self.shape, self.strides, dtype=b.dtype, device=b.device)
+        if vec is None:
+            vec = torch.empty((2, self.shape[1]), dtype=torch.float32, device=b.device)
+        bias_t = bias if bias is not None else weight
+        self.prepared.launch(self.grid, (b, weight, bias_t, out, vec, *self.ints),
+                             aligned=(b, weight, bias_t, out, vec))
+        return out, vec
 
 
 _launcher = CachedLauncher(fold_norm_kernel)

@@ -495,10 +495,16 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
     if fold:
-        from ..kernels.norm_fold import fold_norm, foldable
+        from ..kernels.norm_fold import FoldPlan, foldable
 
         # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
-        b, vec = fold_norm(b if foldable(b) else b.contiguous(), norm.weight, norm.bias, num_sms=rt.num_sms)
+        if not foldable(b):
+            b = b.contiguous()
+        fkey = ("fold", b.dtype, b.stride(), norm.weight.dtype, None if norm.bias is None else norm.bias.dtype)
+        fp = p.launches.get(fkey)
+        if fp is None:
+            fp = p.launches[fkey] = FoldPlan(b, norm.weight, norm.bias, num_sms=rt.num_sms)
+        b, vec = fp.launch(b, norm.weight, norm.bias)
         if p.give_back_grid:
             # the give-back grid on the reduce stream reads them too: after the fold (queued
             # there behind the reduce kernel, so that one does not wait)
