@@ -288,6 +288,125 @@ def scenario_norm_fold() -> None:
     print("PASS norm_fold")
 
 
+def scenario_p2p_all_reduce_op() -> None:
+    """The p2p all-reduce op's host side (``_fused_p2p``) on a stand-in runtime, its
+    kernels interpreted: rank 0 of 2, the peer's pushes already landed (its partial in
+    the receive slot, its flags at the call's epoch), streams and pushes recorded only.
+    Calls with changing inputs over both call parities, with and without residual,
+    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off:
+    c and h match torch, and each call queues one push per chunk of the local partial."""
+    from unittest import mock
+
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_reduce as ar
+    from overlap.ops import _runtime
+
+    class Stream:
+        pass
+
+    class Flags:  # the heap's shared flags: the peer's pushes have all landed
+        def __init__(self, n):
+            self.local = torch.zeros(n, dtype=torch.int32)
+            self.remote = torch.zeros(n, dtype=torch.int32)
+            self.epoch = 0
+
+        def next_epoch(self):
+            self.epoch += 1
+            self.local.fill_(self.epoch)
+            return self.epoch
+
+        def peer(self, r):
+            return self.remote
+
+    class Block:
+        def __init__(self, nbytes):
+            self.nbytes, self.ptrs = nbytes, [1 << 20, 1 << 30]
+            self.recv = torch.zeros(1, 300, 64, dtype=torch.float16)  # the peer's partial lands here
+
+        def tensor(self, rank, off, shape, dtype):
+            return self.recv
+
+    class Heap:
+        def __init__(self):
+            self.blocks, self.fl = {}, {}
+
+        def block(self, name, nbytes):
+            return self.blocks.setdefault(name, Block(nbytes))
+
+        def flags(self, name, n):
+            return self.fl.setdefault(name, Flags(n))
+
+    class Runtime:
+        world, rank, ranks, device, num_sms = 2, 0, (0, 1), torch.device("cpu"), 12
+
+        def __init__(self):
+            self.heap, self.comm_stream, self.aux_stream = Heap(), Stream(), Stream()
+            self.errs, self.counters, self.pushes = {}, {}, []
+
+        def p2p(self):
+            return self.heap
+
+        def err(self, name):
+            return self.errs.setdefault(name, ErrorWord("cpu", what=name))
+
+        def counter(self, name):
+            return self.counters.setdefault(name, torch.zeros(1, dtype=torch.int32))
+
+        def push(self, dst, src, nbytes, flags, idx, value):
+            self.pushes.append((dst, src, nbytes, idx, value))
+
+        def p2p_begin(self, *a):
+            pass
+
+        fork = join = p2p_end = p2p_begin
+
+    def write_value(stream, flags, idx, value):
+        flags[idx] = value
+
+    rt = Runtime()
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 300, 48, 64  # row chunks of 128 (the op's alignment), 128, 44
+    with mock.patch.object(torch.cuda, "current_stream", lambda *a: Stream()), \
+            mock.patch.object(torch.cuda, "set_stream", lambda s: None), \
+            mock.patch.object(ar._flags, "stream_write_value", write_value), \
+            mock.patch.object(_runtime._flags, "stream_write_value", write_value):
+        calls = 0
+        for kind, with_res, fold, layout, give_back in (
+                (None, False, False, "wt", True), ("layernorm", True, False, "wt", True),
+                ("layernorm", True, True, "wt", True), ("layernorm", True, True, "kn", False),
+                ("rmsnorm", False, True, "wt", True)):
+            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=fold, give_back=give_back, check="sync",
+                                transport="p2p", gemm=CFG)
+            lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            b = lin.t() if layout == "wt" else lin.t().contiguous()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+            for it in range(3):  # both call parities, then the first again: plans reused
+                x = torch.randn(m, k, generator=g).half()
+                peer = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                rt.heap.block("all_reduce_matmul", 0).recv[0].copy_(peer)  # the op keeps views of it
+                before = len(rt.pushes)
+                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                pushes = rt.pushes[before:]
+                assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in pushes] == \
+                    [(0, 128 * k * 2), (128 * k * 2, 128 * k * 2), (256 * k * 2, 44 * k * 2)], pushes
+                h_ref = (x.float() + peer.float()).half()
+                if res is not None:
+                    h_ref = (h_ref.float() + res.float()).half()
+                assert torch.equal(h, h_ref), (kind, fold, it)
+                y = h_ref.float()
+                if norm is not None:
+                    y = _torch_norm(h_ref, kind, norm.weight, norm.bias, norm.eps).half().float()
+                ref = y.double() @ b.double()
+                assert _rel(c, ref) < 1e-2, (kind, with_res, fold, layout, it, _rel(c, ref))
+                calls += 1
+    assert ar.stats["p2p"] >= calls, ar.stats
+    print("PASS p2p_all_reduce_op")
+
+
 def scenario_posts_and_gelu() -> None:
     """RowSync waits satisfied; every producer tile posts once to its row block; GeLU epilogue."""
     g = torch.Generator().manual_seed(2)
