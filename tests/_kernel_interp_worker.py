@@ -288,23 +288,17 @@ def scenario_norm_fold() -> None:
     print("PASS norm_fold")
 
 
-def scenario_p2p_all_reduce_op() -> None:
-    """The p2p all-reduce op's host side (``_fused_p2p``) on a stand-in runtime, its
-    kernels interpreted: rank 0 of 2, the peer's pushes already landed (its partial in
-    the receive slot, its flags at the call's epoch), streams and pushes recorded only.
-    Calls with changing inputs over both call parities, with and without residual,
-    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off:
-    c and h match torch, and each call queues one push per chunk of the local partial."""
-    from unittest import mock
-
-    from overlap.ops import Norm, OverlapConfig
-    from overlap.ops import all_reduce as ar
-    from overlap.ops import _runtime
+class _StandIn:
+    """A stand-in for the runtime of a p2p op on rank 0 of 2 (``overlap.ops._runtime.Runtime``
+    and its ``PeerHeap``), for the ops' ``_fused_p2p`` with kernels interpreted: the
+    peer's pushes have landed when a call starts (its flags at the call's epoch, its rows
+    where the test put them with ``recv``), this rank's pushes and stream work are only
+    recorded. ``with stand_in.patched():`` replaces the CUDA stream calls."""
 
     class Stream:
         pass
 
-    class Flags:  # the heap's shared flags: the peer's pushes have all landed
+    class Flags:
         def __init__(self, n):
             self.local = torch.zeros(n, dtype=torch.int32)
             self.remote = torch.zeros(n, dtype=torch.int32)
@@ -320,56 +314,74 @@ def scenario_p2p_all_reduce_op() -> None:
 
     class Block:
         def __init__(self, nbytes):
-            self.nbytes, self.ptrs = nbytes, [1 << 20, 1 << 30]
-            self.recv = torch.zeros(1, 300, 64, dtype=torch.float16)  # the peer's partial lands here
+            self.nbytes, self.ptrs, self.bufs = nbytes, [1 << 20, 1 << 30], {}
 
-        def tensor(self, rank, off, shape, dtype):
-            return self.recv
+        def tensor(self, rank, off, shape, dtype):  # both parities share one buffer here
+            return self.bufs.setdefault((tuple(shape), dtype), torch.zeros(shape, dtype=dtype))
 
-    class Heap:
-        def __init__(self):
-            self.blocks, self.fl = {}, {}
+    world, rank, ranks, device, num_sms = 2, 0, (0, 1), torch.device("cpu"), 12
 
-        def block(self, name, nbytes):
-            return self.blocks.setdefault(name, Block(nbytes))
+    def __init__(self):
+        self.blocks, self.fl, self.errs, self.counters, self.pushes = {}, {}, {}, {}, []
+        self.comm_stream, self.aux_stream = self.Stream(), self.Stream()
 
-        def flags(self, name, n):
-            return self.fl.setdefault(name, Flags(n))
+    def recv(self, name, shape, dtype):
+        """The peer's landing buffer of op ``name`` (made on first use)."""
+        return self.block(name, 0).tensor(0, 0, shape, dtype)
 
-    class Runtime:
-        world, rank, ranks, device, num_sms = 2, 0, (0, 1), torch.device("cpu"), 12
+    def p2p(self):
+        return self
 
-        def __init__(self):
-            self.heap, self.comm_stream, self.aux_stream = Heap(), Stream(), Stream()
-            self.errs, self.counters, self.pushes = {}, {}, []
+    def block(self, name, nbytes):
+        return self.blocks.setdefault(name, self.Block(nbytes))
 
-        def p2p(self):
-            return self.heap
+    def flags(self, name, n):
+        return self.fl.setdefault(name, self.Flags(n))
 
-        def err(self, name):
-            return self.errs.setdefault(name, ErrorWord("cpu", what=name))
+    def err(self, name):
+        return self.errs.setdefault(name, ErrorWord("cpu", what=name))
 
-        def counter(self, name):
-            return self.counters.setdefault(name, torch.zeros(1, dtype=torch.int32))
+    def counter(self, name):
+        return self.counters.setdefault(name, torch.zeros(1, dtype=torch.int32))
 
-        def push(self, dst, src, nbytes, flags, idx, value):
-            self.pushes.append((dst, src, nbytes, idx, value))
+    def push(self, dst, src, nbytes, flags, idx, value):
+        self.pushes.append((dst, src, nbytes, idx, value))
 
-        def p2p_begin(self, *a):
-            pass
+    def p2p_begin(self, *a):
+        pass
 
-        fork = join = p2p_end = p2p_begin
+    fork = join = p2p_end = p2p_begin
 
-    def write_value(stream, flags, idx, value):
-        flags[idx] = value
+    def patched(self):
+        import contextlib
+        from unittest import mock
 
-    rt = Runtime()
+        from overlap import flags as fl
+
+        def write_value(stream, flags, idx, value):
+            flags[idx] = value
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a: self.Stream()))
+        stack.enter_context(mock.patch.object(torch.cuda, "set_stream", lambda s: None))
+        stack.enter_context(mock.patch.object(fl, "stream_write_value", write_value))
+        return stack
+
+
+def scenario_p2p_all_reduce_op() -> None:
+    """The p2p all-reduce op's host side (``_fused_p2p``) on a stand-in runtime, its
+    kernels interpreted: rank 0 of 2, the peer's pushes already landed (its partial in
+    the receive slot, its flags at the call's epoch), streams and pushes recorded only.
+    Calls with changing inputs over both call parities, with and without residual,
+    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off:
+    c and h match torch, and each call queues one push per chunk of the local partial."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_reduce as ar
+
+    rt = _StandIn()
     g = torch.Generator().manual_seed(3)
     m, n, k = 300, 48, 64  # row chunks of 128 (the op's alignment), 128, 44
-    with mock.patch.object(torch.cuda, "current_stream", lambda *a: Stream()), \
-            mock.patch.object(torch.cuda, "set_stream", lambda s: None), \
-            mock.patch.object(ar._flags, "stream_write_value", write_value), \
-            mock.patch.object(_runtime._flags, "stream_write_value", write_value):
+    with rt.patched():
         calls = 0
         for kind, with_res, fold, layout, give_back in (
                 (None, False, False, "wt", True), ("layernorm", True, False, "wt", True),
@@ -387,7 +399,7 @@ def scenario_p2p_all_reduce_op() -> None:
                 x = torch.randn(m, k, generator=g).half()
                 peer = torch.randn(m, k, generator=g).half()
                 res = torch.randn(m, k, generator=g).half() if with_res else None
-                rt.heap.block("all_reduce_matmul", 0).recv[0].copy_(peer)  # the op keeps views of it
+                rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
                 before = len(rt.pushes)
                 c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
                 pushes = rt.pushes[before:]
@@ -405,6 +417,43 @@ def scenario_p2p_all_reduce_op() -> None:
                 calls += 1
     assert ar.stats["p2p"] >= calls, ar.stats
     print("PASS p2p_all_reduce_op")
+
+
+def scenario_p2p_all_gather_op() -> None:
+    """The p2p all-gather op's host side on the stand-in runtime, kernels interpreted:
+    rank 0 of 2 with the peer's shard landed in its rows of the gathered buffer; over
+    both call parities, both B layouts, one and two chunks, ``return_gathered``: C is
+    the gathered A times B, the gathered copy holds both shards, and each call queues
+    one push per chunk of the local shard."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(4)
+    ms, n, k = 150, 40, 48
+    with rt.patched():
+        calls = 0
+        for chunks, layout, ret in ((1, "wt", False), (2, "kn", True), (2, "wt", True)):
+            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG)
+            lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            b = lin.t() if layout == "wt" else lin.t().contiguous()
+            for it in range(3):
+                a = torch.randn(ms, k, generator=g).half()
+                peer = torch.randn(ms, k, generator=g).half()
+                rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+                before = len(rt.pushes)
+                out = ag._fused_p2p(rt, a, b, ret, cfg)
+                c, gathered = out if ret else (out, None)
+                pushes = rt.pushes[before:]
+                assert sum(nb for _, _, nb, _, _ in pushes) == ms * k * 2 and len(pushes) == chunks, pushes
+                assert min(src for _, src, _, _, _ in pushes) == a.data_ptr(), pushes
+                full = torch.cat([a, peer])
+                assert _rel(c, full.double() @ b.double()) < 1e-2, (chunks, layout, it)
+                if ret:
+                    assert torch.equal(gathered, full), "the gathered copy differs"
+                calls += 1
+    assert ag.stats["p2p"] >= calls, ag.stats
+    print("PASS p2p_all_gather_op")
 
 
 def scenario_posts_and_gelu() -> None:
