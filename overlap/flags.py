@@ -120,6 +120,24 @@ def stream_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int,
         flags[idx : idx + 1].fill_(value)
 
 
+def stream_zero(stream: torch.cuda.Stream, t: torch.Tensor, n: int) -> None:
+    """Enqueue ``t[:n] = 0`` (int32) on ``stream``: one ``cuStreamWriteValue32`` for one
+    word, else one ``cuMemsetD32Async``."""
+    if n <= 1:
+        stream_write_value(stream, t, 0, 0)
+        return
+    if n > t.numel():
+        raise ValueError(f"stream_zero: {n} words asked of a tensor of {t.numel()}")
+    drv = _cuda_driver()
+    if drv:
+        _check(drv.cuMemsetD32Async(drv.CUdeviceptr(t.data_ptr()), 0, n, drv.CUstream(stream.cuda_stream)),
+               "cuMemsetD32Async")
+        return
+    _warn_fallback()
+    with torch.cuda.stream(stream):
+        t[:n].zero_()
+
+
 def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
     """Make ``stream`` wait until ``flags[idx] >= value`` (signed 32-bit compare; no SM)."""
     drv = _cuda_driver()

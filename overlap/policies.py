@@ -32,6 +32,8 @@ __all__ = [
     "Segment",
     "build_tile_table",
     "split_rows",
+    "split_tail",
+    "tail_parts",
     "all_gather_layout",
     "AllGatherLayout",
     "all_gather_push_layout",
@@ -91,6 +93,35 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
                     table.append([seg.a_row + off, seg.a_src, seg.c_row + off, min(block_m, seg.rows - off),
                                   pn, seg.wait_idx, seg.wait_mult, post])
     return table
+
+
+def split_tail(table: list[list[int]], tiles: int, parts: int) -> tuple[list[list[int]], int | None]:
+    """Split the last ``tiles`` rows of ``table`` into ``parts`` K pieces each: every such
+    tile's row is repeated ``parts`` times in a row, and the GEMM (``launch_tile_gemm(split=)``)
+    runs piece p of a tile over K steps [p * k / parts, (p + 1) * k / parts), the last piece
+    to finish summing them (stream-K's fix-up, Osama et al., PPoPP 2023, in its simplest
+    form: whole tiles, equal pieces). Returns (table, first split row), or (table, None)
+    with nothing to split.
+
+    Why: a tile is the unit of work, so the tiles that become ready last (those of the
+    last chunk to land) or that are left over after the last full wave of the grid run
+    on a part of the GPU while the rest idles; in pieces they spread over more SMs."""
+    tiles = min(max(int(tiles), 0), len(table))
+    if tiles == 0 or parts < 2:
+        return table, None
+    head = table[:len(table) - tiles]
+    return head + [list(r) for r in table[len(table) - tiles:] for _ in range(parts)], len(head)
+
+
+def tail_parts(tail_tiles: int, sms: int, k_steps: int, max_parts: int) -> int:
+    """K pieces per tail tile for ``split_tail``: as many as the tail's pieces can run on
+    the ``sms`` SMs the GEMM holds at once (``sms // tail_tiles``), at most ``max_parts``
+    and ``k_steps``; 1 (no split) when that is under 2 (no tail, or one that fills over
+    half the SMs already)."""
+    if tail_tiles <= 0:
+        return 1
+    parts = min(sms // tail_tiles, max_parts, k_steps)
+    return parts if parts >= 2 else 1
 
 
 def split_rows(rows: int, chunks: int, align: int = 1) -> list[int]:

@@ -14,13 +14,14 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa: E402
-from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm  # noqa: E402
+from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_workspace  # noqa: E402
 from overlap.kernels.add_norm import launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,
-                              rowsync_chain_tables, tilesync_chain_tables)
+                              rowsync_chain_tables, split_tail, tilesync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
+CFG32 = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)  # split tiles need 32 rows
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
 
 
@@ -341,8 +342,11 @@ class _StandIn:
     def err(self, name):
         return self.errs.setdefault(name, ErrorWord("cpu", what=name))
 
-    def counter(self, name):
-        return self.counters.setdefault(name, torch.zeros(1, dtype=torch.int32))
+    def counter(self, name, n=1):
+        c = self.counters.get(name)
+        if c is None or c.numel() < n:
+            c = self.counters[name] = torch.zeros(n, dtype=torch.int32)
+        return c
 
     def push(self, dst, src, nbytes, flags, idx, value):
         self.pushes.append((dst, src, nbytes, idx, value))
@@ -361,10 +365,14 @@ class _StandIn:
         def write_value(stream, flags, idx, value):
             flags[idx] = value
 
+        def zero(stream, t, n):
+            t[:n] = 0
+
         stack = contextlib.ExitStack()
         stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a: self.Stream()))
         stack.enter_context(mock.patch.object(torch.cuda, "set_stream", lambda s: None))
         stack.enter_context(mock.patch.object(fl, "stream_write_value", write_value))
+        stack.enter_context(mock.patch.object(fl, "stream_zero", zero))
         return stack
 
 
@@ -373,8 +381,9 @@ def scenario_p2p_all_reduce_op() -> None:
     kernels interpreted: rank 0 of 2, the peer's pushes already landed (its partial in
     the receive slot, its flags at the call's epoch), streams and pushes recorded only.
     Calls with changing inputs over both call parities, with and without residual,
-    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off:
-    c and h match torch, and each call queues one push per chunk of the local partial."""
+    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off,
+    the last chunk's tiles split along K or not: c and h match torch, and each call
+    queues one push per chunk of the local partial."""
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_reduce as ar
 
@@ -383,12 +392,16 @@ def scenario_p2p_all_reduce_op() -> None:
     m, n, k = 300, 48, 64  # row chunks of 128 (the op's alignment), 128, 44
     with rt.patched():
         calls = 0
-        for kind, with_res, fold, layout, give_back in (
-                (None, False, False, "wt", True), ("layernorm", True, False, "wt", True),
-                ("layernorm", True, True, "wt", True), ("layernorm", True, True, "kn", False),
-                ("rmsnorm", False, True, "wt", True)):
+        for kind, with_res, fold, layout, give_back, split in (
+                (None, False, False, "wt", True, 0), ("layernorm", True, False, "wt", True, 0),
+                ("layernorm", True, True, "wt", True, 0), ("layernorm", True, True, "kn", False, 0),
+                ("rmsnorm", False, True, "wt", True, 0), (None, True, False, "kn", True, 4),
+                ("layernorm", True, True, "wt", True, 2)):
             cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=fold, give_back=give_back, check="sync",
-                                transport="p2p", gemm=CFG)
+                                transport="p2p", gemm=CFG32 if split else CFG, split_tail=split)
+            if split:  # the last chunk's 2 x 3 tiles, in 2 K pieces each on the 12 SMs
+                assert ar._plan(rt, m, n, k, cfg, "p2p").split == (ar._plan(rt, m, n, k, cfg, "p2p").table.shape[0]
+                                                                   - 12, 2)
             lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
             b = lin.t() if layout == "wt" else lin.t().contiguous()
             norm = None
@@ -422,9 +435,10 @@ def scenario_p2p_all_reduce_op() -> None:
 def scenario_p2p_all_gather_op() -> None:
     """The p2p all-gather op's host side on the stand-in runtime, kernels interpreted:
     rank 0 of 2 with the peer's shard landed in its rows of the gathered buffer; over
-    both call parities, both B layouts, one and two chunks, ``return_gathered``: C is
-    the gathered A times B, the gathered copy holds both shards, and each call queues
-    one push per chunk of the local shard."""
+    both call parities, both B layouts, one and two chunks, ``return_gathered``, the
+    tiles after the last full wave split along K or not: C is the gathered A times B,
+    the gathered copy holds both shards, and each call queues one push per chunk of
+    the local shard."""
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather as ag
 
@@ -433,8 +447,13 @@ def scenario_p2p_all_gather_op() -> None:
     ms, n, k = 150, 40, 48
     with rt.patched():
         calls = 0
-        for chunks, layout, ret in ((1, "wt", False), (2, "kn", True), (2, "wt", True)):
-            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG)
+        for chunks, layout, ret, split in ((1, "wt", False, 0), (2, "kn", True, 0), (2, "wt", True, 0),
+                                           (1, "kn", False, 8), (2, "wt", True, 2)):
+            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG32 if split else CFG,
+                                split_tail=split)
+            if split:  # 5 + 5 row tiles x 3 column tiles: 30 % 12 = 6 left, in 2 pieces each
+                p = ag._plan(rt, ms, n, k, cfg, "p2p")
+                assert p.split == (p.table.shape[0] - 12, 2), p.split
             lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
             b = lin.t() if layout == "wt" else lin.t().contiguous()
             for it in range(3):
@@ -735,6 +754,76 @@ def scenario_tilesync() -> None:
     else:
         raise AssertionError("k_wait without waits accepted")
     print("PASS tilesync")
+
+
+def scenario_split_tail() -> None:
+    """Split tiles: the last tiles of a table in K pieces; the last piece of each sums the
+    pieces and finishes the tile (epilogue, one post per tile, not per piece). Every
+    piece count up to the K steps, partial tiles, both dtypes, the folded-norm epilogue,
+    two launches sharing the table; and what the launcher refuses."""
+    from overlap.kernels.norm_fold import fold_norm
+
+    cfg = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 70, 40, 64  # 3 x 3 tiles, the last row and column partial; 4 K steps
+    for dt in (torch.float16, torch.float32):
+        a = torch.randn(m, k, generator=g).to(dt)
+        w = torch.randn(n, k, generator=g).to(dt)
+        ref = a.double() @ w.double().t()
+        base = build_tile_table(row_block_segments(m, cfg.block_m, post=True), n, cfg.block_m, cfg.block_n, 2)
+        for tiles, parts in ((4, 2), (9, 3), (1, 4), (5, 4)):
+            rows, start = split_tail(base, tiles, parts)
+            assert start == len(base) - tiles and len(rows) == start + tiles * parts
+            tab = torch.tensor(rows, dtype=torch.int32)
+            ws = split_workspace((start, parts), len(rows), cfg, "cpu")
+            counter = torch.zeros(1 + tiles, dtype=torch.int32)
+            flags = torch.zeros(8, dtype=torch.int32)
+            err = torch.zeros(8, dtype=torch.int32)
+            c = torch.full((m, n), float("nan"), dtype=dt)
+            # two launches share the table through the dispatch counter
+            for grid in (2, 3):
+                launch_tile_gemm(a, w.t(), c, tab, flags=flags, err=err, grid=grid, config=cfg, post=True,
+                                 counter=counter, split=(start, parts), workspace=ws)
+            assert not torch.isnan(c).any(), (dt, tiles, parts, "a split tile was not stored")
+            assert _rel(c, ref) < TOL[dt], (dt, tiles, parts, _rel(c, ref))
+            assert counter[1:].tolist() == [parts] * tiles, counter  # every piece counted once
+            assert flags[:3].tolist() == [3, 3, 3], flags  # one post per tile of each row block
+    # the folded norm's epilogue on the summed pieces
+    h = (torch.randn(m, k, generator=g) + 3.0).to(torch.float16)
+    wn, bn = torch.randn(k, generator=g).to(torch.float16), torch.randn(k, generator=g).to(torch.float16)
+    w = torch.randn(n, k, generator=g).to(torch.float16)
+    hf = h.float()
+    mean, var = hf.mean(1), hf.var(1, unbiased=False)
+    rstd = torch.rsqrt(var + 1e-5)
+    rowstat = torch.stack([rstd, mean * rstd], 1).contiguous()
+    bf, vec = fold_norm(w.t(), wn, bn)
+    rows, start = split_tail(build_tile_table([Segment(0, 0, 0, m)], n, cfg.block_m, cfg.block_n), 6, 2)
+    tab = torch.tensor(rows, dtype=torch.int32)
+    c = torch.full((m, n), float("nan"), dtype=torch.float16)
+    launch_tile_gemm(h, bf, c, tab, grid=2, config=cfg, counter=torch.zeros(7, dtype=torch.int32),
+                     split=(start, 2), workspace=split_workspace((start, 2), len(rows), cfg, "cpu"),
+                     rowstat=rowstat, colvec=vec)
+    ref = torch.nn.functional.layer_norm(hf, (k,), wn.float(), bn.float(), 1e-5).double() @ w.double().t()
+    assert _rel(c, ref) < 3e-3, _rel(c, ref)
+    # refused: no counter, a short counter or workspace, a ragged tail, more pieces than K steps
+    a, w = torch.randn(m, k), torch.randn(n, k)
+    rows, start = split_tail(build_tile_table([Segment(0, 0, 0, m)], n, cfg.block_m, cfg.block_n), 2, 2)
+    tab = torch.tensor(rows, dtype=torch.int32)
+    ws = split_workspace((start, 2), len(rows), cfg, "cpu")
+    cnt = torch.zeros(3, dtype=torch.int32)
+    for kw, what in ((dict(counter=None, workspace=ws, split=(start, 2)), "counter"),
+                     (dict(counter=cnt[:2], workspace=ws, split=(start, 2)), "counter"),
+                     (dict(counter=cnt, workspace=ws[:10], split=(start, 2)), "workspace"),
+                     (dict(counter=cnt, workspace=ws, split=(start + 1, 2)), "whole number"),
+                     (dict(counter=cnt, workspace=ws, split=(len(rows) - 4, 4), k=16), "steps")):
+        kk = kw.pop("k", k)
+        try:
+            launch_tile_gemm(a[:, :kk], w.t()[:kk], torch.empty(m, n), tab, grid=1, config=cfg, **kw)
+        except ValueError as e:
+            assert what in str(e), (what, e)
+        else:
+            raise AssertionError(f"accepted a bad split ({what})")
+    print("PASS split_tail")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, all_gather_push_layout,
-                              build_tile_table, push_slot, row_block_segments, row_chunk_segments, split_rows)
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments, split_rows,
+                              split_tail, tail_parts)
 
 
 @pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
@@ -209,3 +210,27 @@ def test_runtime_transport_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rt.transport(OverlapConfig()) == "nccl"
     with pytest.raises(RuntimeError, match="ranks on 2 hosts"):
         rt.transport(OverlapConfig(transport="p2p"))
+
+
+def test_split_tail_repeats_the_last_tiles_in_place():
+    table = [[i] * 8 for i in range(5)]
+    out, start = split_tail(table, 2, 3)
+    assert start == 3
+    assert [r[0] for r in out] == [0, 1, 2, 3, 3, 3, 4, 4, 4]  # a tile's pieces in a row, order kept
+    assert out[3] is not out[4]  # rows are copies, not one list repeated
+    assert split_tail(table, 0, 4) == (table, None)
+    assert split_tail(table, 2, 1) == (table, None)
+    assert split_tail(table, 9, 2)[1] == 0  # at most the whole table
+
+
+@pytest.mark.parametrize("tail,sms,k_steps,max_parts,want", [
+    (20, 132, 128, 8, 6),    # a last wave of 20 tiles on 132 SMs: 6 pieces each (120 running at once)
+    (64, 132, 128, 8, 2),    # the last chunk of 64 tiles: 2 pieces
+    (64, 132, 128, 1, 1),    # off
+    (100, 132, 128, 8, 1),   # over half the SMs busy already: no split
+    (0, 132, 128, 8, 1),     # no tail
+    (4, 132, 3, 8, 3),       # no more pieces than K steps
+    (4, 132, 1, 8, 1),
+])
+def test_tail_parts(tail, sms, k_steps, max_parts, want):
+    assert tail_parts(tail, sms, k_steps, max_parts) == want

@@ -64,12 +64,12 @@ def _gelu(x):
 
 
 @triton.jit
-def _mainloop(a_desc, b_desc, off_am, off_bn, K,
+def _mainloop(a_desc, b_desc, off_am, off_bn, k_lo, k_hi,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               B_KN: tl.constexpr, UPCAST: tl.constexpr):
+    """K steps [k_lo, k_hi) of one tile (all of them, or one split piece's)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for ki in range(k_tiles):
+    for ki in range(k_lo, k_hi):
         off_k = ki * BLOCK_K
         a = a_desc.load([off_am, off_k])
         if B_KN:
@@ -113,6 +113,58 @@ def _mainloop_tilesync(a_desc, b_desc, off_am, off_bn, K, flags_ptr, err_ptr, w_
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc)
     return acc, ok
+
+
+@triton.jit
+def _epilogue(acc, c_ptr, rows, rmask, cols, N, stride_cm, stride_cn, rowstat_ptr, colvec_ptr,
+              NORM_EPI: tl.constexpr, ACTIVATION: tl.constexpr):
+    """Folded norm, activation and the store of C rows ``rows`` (valid where ``rmask``)."""
+    cm = cols < N
+    if NORM_EPI:
+        # a norm folded into B (overlap.kernels.norm_fold): A rows are h, B is
+        # diag(w) B; per row rstd and mean * rstd, per column u = colsum(B'), v = bias @ B
+        rs = tl.load(rowstat_ptr + rows.to(tl.int64) * 2, mask=rmask, other=0.0)
+        sh = tl.load(rowstat_ptr + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0.0)
+        u = tl.load(colvec_ptr + cols, mask=cm, other=0.0)
+        v = tl.load(colvec_ptr + N + cols, mask=cm, other=0.0)
+        acc = acc * rs[:, None] - sh[:, None] * u[None, :] + v[None, :]
+    if ACTIVATION == 1:
+        acc = _gelu(acc)
+    mask = rmask[:, None] & cm[None, :]
+    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_finish(acc, ws_ptr, cnt_ptr, slot, piece, parts, c_ptr, c_row, c_rows, cols, N, stride_cm, stride_cn,
+                  rowstat_ptr, colvec_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NORM_EPI: tl.constexpr, ACTIVATION: tl.constexpr, FIX_M: tl.constexpr):
+    """One K piece of a split tile: store its fp32 partial in the workspace and count it;
+    the piece that counts last sums all ``parts`` partials in piece order (the same bits
+    whichever piece is last) and finishes the tile. Nothing waits, so nothing can hang.
+    Returns 1 in the program that stored the C tile."""
+    tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, BLOCK_N)
+    base = ws_ptr + (slot * parts).to(tl.int64) * tile_elems
+    tl.store(base + piece * tile_elems + offs_i[:, None] * BLOCK_N + offs_j[None, :], acc)
+    # every thread's partial precedes the barrier; the release by the one thread of the
+    # scalar atomic publishes them, its acquire makes the others' visible here
+    tl.debug_barrier()
+    seen = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+    last = (seen == parts - 1).to(tl.int32)
+    if last != 0:
+        tl.debug_barrier()
+        for r0 in tl.static_range(0, BLOCK_M, FIX_M):
+            offs_r = r0 + tl.arange(0, FIX_M)
+            tot = tl.zeros((FIX_M, BLOCK_N), dtype=tl.float32)
+            for p in range(parts):
+                # .cg: from L2, where the other SMs' partials are (not a stale L1 line)
+                tot += tl.load(base + p * tile_elems + offs_r[:, None] * BLOCK_N + offs_j[None, :],
+                               cache_modifier=".cg")
+            _epilogue(tot, c_ptr, c_row + offs_r, offs_r < c_rows, cols, N, stride_cm, stride_cn,
+                      rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
+    return last
 
 
 @triton.jit
@@ -177,7 +229,8 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
     return ok
 
 
-@triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx"])
+@triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx",
+                               "split_start", "split_parts"])
 def tile_gemm_kernel(
     # operands
     a_desc, a2_desc, b_desc, c_ptr,
@@ -185,8 +238,10 @@ def tile_gemm_kernel(
     table_ptr, flags_ptr, err_ptr, counter_ptr,
     # the folded norm's row statistics and column vectors (NORM_EPI)
     rowstat_ptr, colvec_ptr,
+    # split tiles' fp32 partials (SPLIT)
+    ws_ptr,
     # sizes and scalars
-    N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx,
+    N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, split_start, split_parts,
     # strides
     stride_cm, stride_cn,
     # meta
@@ -195,7 +250,7 @@ def tile_gemm_kernel(
     HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
-    NORM_EPI: tl.constexpr = False,
+    NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -203,9 +258,9 @@ def tile_gemm_kernel(
         # this flag is dispatched only after this grid's programs took their SMs
         if pid == 0:
             tl.atomic_xchg(flags_ptr + start_idx, epoch, sem="relaxed", scope="gpu")
-    out_dtype = c_ptr.dtype.element_ty
     offs_i = tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
     if DYNAMIC:
         t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
     else:
@@ -233,6 +288,18 @@ def tile_gemm_kernel(
             if HAS_A2:
                 if a_src != 0:
                     a_use = a2_desc
+            # a split tile (rows split_start.. of the table, ``split_parts`` rows per tile,
+            # one per K piece) runs K steps [k_lo, k_hi) and leaves a partial sum
+            k_lo = 0
+            k_hi = k_tiles
+            slot = -1
+            piece = 0
+            if SPLIT:
+                if t >= split_start:
+                    slot = (t - split_start) // split_parts
+                    piece = (t - split_start) - slot * split_parts
+                    k_lo = piece * k_tiles // split_parts
+                    k_hi = (piece + 1) * k_tiles // split_parts
             done = 1
             if HAS_WAIT & (K_WAIT > 0):
                 if w_idx >= 0:
@@ -241,33 +308,30 @@ def tile_gemm_kernel(
                                                    max_spins, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST, K_WAIT,
                                                    USE_TIMER, FENCE_ASYNC)
                 else:
-                    acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+                    acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN,
+                                    UPCAST)
             else:
-                acc = _mainloop(a_use, b_desc, a_row, off_bn, K, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+                acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
             if done != 0:
-                rows = c_row + offs_i
                 cols = off_bn + offs_j
-                if NORM_EPI:
-                    # a norm folded into B (overlap.kernels.norm_fold): A rows are h, B is
-                    # diag(w) B; per row rstd and mean * rstd, per column u = colsum(B'), v = bias @ B
-                    rm = offs_i < c_rows
-                    cm = cols < N
-                    rs = tl.load(rowstat_ptr + rows.to(tl.int64) * 2, mask=rm, other=0.0)
-                    sh = tl.load(rowstat_ptr + rows.to(tl.int64) * 2 + 1, mask=rm, other=0.0)
-                    u = tl.load(colvec_ptr + cols, mask=cm, other=0.0)
-                    v = tl.load(colvec_ptr + N + cols, mask=cm, other=0.0)
-                    acc = acc * rs[:, None] - sh[:, None] * u[None, :] + v[None, :]
-                if ACTIVATION == 1:
-                    acc = _gelu(acc)
-                mask = (offs_i < c_rows)[:, None] & (cols < N)[None, :]
-                ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-                tl.store(ptrs, acc.to(out_dtype), mask=mask)
+                stored = 1
+                if SPLIT:
+                    if slot >= 0:
+                        stored = _split_finish(acc, ws_ptr, counter_ptr + 1, slot, piece, split_parts, c_ptr,
+                                               c_row, c_rows, cols, N, stride_cm, stride_cn, rowstat_ptr,
+                                               colvec_ptr, BLOCK_M, BLOCK_N, NORM_EPI, ACTIVATION, 32)
+                    else:
+                        _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn,
+                                  rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
+                else:
+                    _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn,
+                              rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
                 if HAS_POST:
                     p_idx = tl.load(row + 7)
                     # every thread's C stores precede the barrier; the release
                     # add by one thread then publishes them (cumulativity)
                     tl.debug_barrier()
-                    if p_idx >= 0:
+                    if (p_idx >= 0) & (stored != 0):
                         tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
@@ -352,7 +416,7 @@ def launch_tile_gemm(
     grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
-    rowstat: Any = None, colvec: Any = None,
+    rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -370,6 +434,12 @@ def launch_tile_gemm(
     folded into B (``overlap.kernels.norm_fold``); each C element becomes
     ``acc * rowstat[i, 0] - rowstat[i, 1] * colvec[0, j] + colvec[1, j]`` before the
     activation. They are read after the tile's wait, like A.
+    ``split=(start, parts)``: table rows ``start`` on are split tiles, ``parts`` rows per
+    tile in a row (``overlap.policies.split_tail``), each running one ``parts``-th of the
+    K steps; the last piece of a tile to finish sums the pieces in order and stores the
+    tile. Needs ``counter`` with ``1 + (T - start) / parts`` zeroed words (one count per
+    split tile after the dispatch word) and ``workspace`` fp32 with ``(T - start) *
+    block_m * block_n`` elements (``split_workspace``).
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -381,6 +451,7 @@ def launch_tile_gemm(
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
+    sp = _check_split(split, workspace, counter, num_tiles, config, a.shape[1], k_wait)
     flags = flags if flags is not None else table  # never read: HAS_WAIT/HAS_POST are off
     err = err if err is not None else table
     cnt = counter if counter is not None else table
@@ -389,16 +460,55 @@ def launch_tile_gemm(
     a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
     b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
     interp = interpreting()
-    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat)
+    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split)
     key = _key(meta, a, a2, b_store, c, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
     colvec = colvec if colvec is not None else table
-    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt, rowstat, colvec,
+    ws = workspace if split is not None else table  # never read: SPLIT is off
+    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt, rowstat, colvec, ws,
             c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-            int(start_flag) if start_flag is not None else 0, c.stride(0), c.stride(1))
+            int(start_flag) if start_flag is not None else 0, *sp, c.stride(0), c.stride(1))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                     interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec))
+                     interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec, ws))
+
+
+def split_workspace(split: tuple[int, int] | None, num_tiles: int, config: GemmConfig, device: Any) -> Any:
+    """The fp32 workspace a split table needs (``launch_tile_gemm``), or None without one."""
+    import torch
+
+    if split is None:
+        return None
+    return torch.empty((num_tiles - split[0]) * config.block_m * config.block_n, dtype=torch.float32,
+                       device=device)
+
+
+def _check_split(split: Any, workspace: Any, counter: Any, num_tiles: int, cfg: GemmConfig, k: int,
+                 k_wait: int) -> tuple[int, int]:
+    """(split_start, split_parts) kernel arguments; (num_tiles, 1) without a split."""
+    if split is None:
+        return num_tiles, 1
+    start, parts = (int(v) for v in split)
+    pieces = num_tiles - start
+    k_tiles = -(-k // cfg.block_k)
+    if not (0 <= start < num_tiles) or parts < 2 or pieces % parts:
+        raise ValueError(f"split={split}: need 0 <= start < {num_tiles} table rows, parts >= 2, and the "
+                         f"rows from start a whole number of tiles of {parts} pieces")
+    if parts > k_tiles:
+        raise ValueError(f"split into {parts} K pieces, but K={k} has only {k_tiles} steps of {cfg.block_k}")
+    if k_wait:
+        raise ValueError("split tiles and k_wait (TileSync) do not combine")
+    if cfg.block_m < 32:
+        raise ValueError(f"split tiles need block_m >= 32, got {cfg.block_m}")
+    if counter is None or counter.numel() < 1 + pieces // parts or str(counter.dtype) != "torch.int32":
+        raise ValueError(f"split tiles need an int32 counter of >= {1 + pieces // parts} words "
+                         "(dispatch, then one count per split tile)")
+    need = pieces * cfg.block_m * cfg.block_n
+    if (workspace is None or str(workspace.dtype) != "torch.float32" or workspace.numel() < need
+            or not workspace.is_contiguous()):
+        raise ValueError(f"split tiles need a contiguous fp32 workspace of >= {need} elements "
+                         f"(split_workspace)")
+    return start, parts
 
 
 def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
@@ -431,13 +541,15 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
-          interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None) -> dict[str, Any]:
+          interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
+          split: Any = None) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
-                POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None)
+                POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
+                SPLIT=split is not None)
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
@@ -464,10 +576,14 @@ class TileGemmPlan:
                  rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
-                 k_wait: int = 0, norm_epi: bool = False) -> None:
+                 k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None) -> None:
         b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
         cfg = config
         self.num_tiles = table.shape[0]
+        # the plan owns its split workspace: launches of one plan are stream-ordered
+        self.workspace = split_workspace(split, self.num_tiles, cfg, c.device) if self.num_tiles else None
+        self.split = _check_split(split, self.workspace, counter, self.num_tiles, cfg, a.shape[1], k_wait)
+        self.ws = self.workspace if split is not None else table  # never read without a split
         self.cfg, self.b_kn, self.table = cfg, b_kn, table
         self.flags = flags if flags is not None else table
         self.err = err if err is not None else table
@@ -481,7 +597,7 @@ class TileGemmPlan:
         self.interp = interpreting()
         self.norm_epi = bool(norm_epi)
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
-                          rowstat=True if norm_epi else None)
+                          rowstat=True if norm_epi else None, split=split)
         self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
         self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -526,10 +642,10 @@ class TileGemmPlan:
         if rowstat is None:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
-        args = (*descs, c, self.table, self.flags, self.err, self.counter, rowstat, colvec,
-                *self.head, int(epoch), *self.tail, nprog, self.start, *self.c_layout[1])
+        args = (*descs, c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
+                *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, *self.c_layout[1])
         self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter, rowstat,
-                                                   colvec))
+                                                   colvec, self.ws))
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

@@ -26,7 +26,7 @@ import torch
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream", "time_candidates", "gemm_plan"]
+           "report_errors", "on_stream", "time_candidates", "split_variants", "gemm_plan"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -67,6 +67,13 @@ class OverlapConfig:
     reduce_ctas: int | None = None
     """p2p all-reduce: SMs left to the kernel that sums the pushed partials (and adds
     the residual and norms) chunk by chunk, one program each; ``None``: 16."""
+    split_tail: int = 0
+    """Split the GEMM's tail tiles along K into at most this many pieces (0 or 1: none):
+    on the all-reduce op the tiles of the last row chunk, which all become ready at once
+    at the end; on the all-gather op the tiles left over after the grid's last full wave.
+    Each tail tile is cut into enough pieces to spread the tail over the GEMM's SMs
+    (``overlap.policies.tail_parts``); the piece that finishes last sums the pieces'
+    fp32 partials and stores the tile (``overlap.policies.split_tail``)."""
     fold_norm: bool = False
     """p2p all-reduce with a norm: fold the norm into the GEMM instead of writing the
     normed rows. The reduce kernel writes each row's statistics, B is replaced by
@@ -87,6 +94,8 @@ class OverlapConfig:
             raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
         if self.transport not in (None, "nccl", "p2p"):
             raise ValueError(f"transport must be 'nccl', 'p2p' or None, got {self.transport!r}")
+        if not (0 <= self.split_tail <= 64):
+            raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
         if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 128):
             raise ValueError(f"reduce_ctas must be in [1, 128], got {self.reduce_ctas}")
         if self.check not in ("sync", "async", "none"):
@@ -242,10 +251,14 @@ class Runtime:
             self._errs[name] = _flags.ErrorWord(self.device, what=name)
         return self._errs[name]
 
-    def counter(self, name: str) -> torch.Tensor:
-        if name not in self._counters:
-            self._counters[name] = torch.zeros(1, dtype=torch.int32, device=self.device)
-        return self._counters[name]
+    def counter(self, name: str, n: int = 1) -> torch.Tensor:
+        """An op's int32 counter words: the GEMM's dispatch counter, then one count per
+        split tile (``OverlapConfig.split_tail``); at least ``n``, zeroed by the op per call."""
+        c = self._counters.get(name)
+        if c is None or c.numel() < n:
+            c = self._counters[name] = torch.zeros(max(n, 1 if c is None else 2 * c.numel()), dtype=torch.int32,
+                                                   device=self.device)
+        return c
 
 
 def _env_transport() -> str | None:
@@ -464,6 +477,16 @@ def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[Overlap
     return out
 
 
+def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[int, ...] = (2, 8)) -> list[Any]:
+    """The ``top`` fastest configs of a tuner's first pass (``(ms, choice)`` pairs; paths
+    named by strings are skipped) again with their GEMM's tail split into at most each
+    of ``parts`` K pieces (``OverlapConfig.split_tail``), for a second pass."""
+    from dataclasses import replace
+
+    ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
+    return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
+
+
 def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, Any]], fn_for: Any, iters: int,
                  group: Any, top: int = 3, rounds: int = 3, describe: Any = None,
                  timer: Any = None) -> tuple[float, Any]:
@@ -504,7 +527,7 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
     first use. The op plan fixes everything else (shapes, table, config, rank)."""
     key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
-           counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")))
+           counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"))
     gp = plans.get(key)
     if gp is None:
         from ..kernels.tile_gemm import TileGemmPlan

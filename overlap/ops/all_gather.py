@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table
+from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
+                        tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, time_candidates, time_ms, warn_once)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "all_gather_matmul",
@@ -164,6 +165,10 @@ class _Plan:
     nccl_ctas: int
     gemm: Any
     flag_count: int
+    split: tuple[int, int] | None = None
+    """The GEMM's split tail (first split table row, K pieces per tile), or None."""
+    counters: int = 1
+    """Counter words the GEMM uses: dispatch, then one per split tile."""
     launches: dict = field(default_factory=dict)
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -188,7 +193,8 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
     chunks = cfg.chunks or _default_chunks(ms)
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     margin = cfg.margin(transport)
-    key = (rt.ranks, rt.device.index, transport, ms, n, k, chunks, nccl_ctas, margin, cfg.give_back, gemm)
+    key = (rt.ranks, rt.device.index, transport, ms, n, k, chunks, nccl_ctas, margin, cfg.give_back, gemm,
+           cfg.split_tail)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs
@@ -204,13 +210,20 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
             layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
             flag_count = len(layout.chunk_rows)
         rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n)
-        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
         grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
         # the give-back grid takes every SM the main grid left: NCCL's and the margin
         give_back = rt.num_sms - grid if (cfg.give_back and transport == "nccl") else 0
-        p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count)
+        # the tiles left after the last full wave of the GEMM's SMs run on a part of the
+        # GPU while the rest idles: in K pieces they spread over more of it
+        sms = grid + give_back
+        tail = len(rows) % sms
+        parts = tail_parts(tail, sms, -(-k // gemm.block_k), cfg.split_tail)
+        rows, split_start = split_tail(rows, tail, parts)
+        split = (split_start, parts) if split_start is not None else None
+        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0))
         _plans[key] = p
     return p
 
@@ -277,7 +290,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     comm = rt.comm(p.nccl_ctas)
     fl = rt.flags("all_gather_matmul", p.flag_count)
     err = rt.err("all_gather_matmul")
-    counter = rt.counter("all_gather_matmul")
+    counter = rt.counter("all_gather_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     epoch = fl.next_epoch()
 
@@ -285,15 +298,15 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     c = a_shard.new_empty((world * ms, n))
     cur = torch.cuda.current_stream(a_shard.device)
     cs = rt.comm_stream
-    # reset the dispatch counter before the comm stream forks, so that both
-    # launches (main grid here, give-back grid on the comm stream) see it
-    _flags.stream_write_value(cur, counter, 0, 0)
+    # reset the dispatch counter (and split tiles' counts) before the comm stream forks,
+    # so that both launches (main grid here, give-back grid on the comm stream) see it
+    _flags.stream_zero(cur, counter, p.counters)
     rt.fork(cur, cs)
     for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
         comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
         _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=fl.flags, err=err.word,
-                   timeout_ns=timeout_ns, counter=counter, rank=rt.rank, config=p.gemm, wait=True)
+                   timeout_ns=timeout_ns, counter=counter, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
     descs = gp.operands(a_shard, b, gathered)
     gp.launch(descs, c, epoch=epoch, grid=p.grid)
     if p.give_back_grid:
@@ -347,8 +360,13 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     src = a_shard.data_ptr()
     for dst, src_off, nbytes, peer_flags, idx in st[2]:
         rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
+    counter = None
+    if p.split:
+        # split tiles count their pieces; their tiles are handed out by a dispatch counter
+        counter = rt.counter("all_gather_matmul", p.counters)
+        _flags.stream_zero(cur, counter, p.counters)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
-                   timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True)
+                   timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split)
     gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
@@ -378,6 +396,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
     n = b.shape[1]
+    default = candidates is None
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -395,10 +414,14 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
 
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune agmm {ms * rt.world}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, "
-                f"{cand.nccl_ctas} ctas, margin {cand.sm_margin}, give_back {cand.give_back}")
+                f"{cand.nccl_ctas} ctas, margin {cand.sm_margin}, give_back {cand.give_back}"
+                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
     results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
+    if default:  # the fastest configs again with their GEMM's tail split along K
+        results += time_candidates(rt, rt.err("all_gather_matmul"), split_variants(results), run, iters, group,
+                                   describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:
         if choice == "sequential":

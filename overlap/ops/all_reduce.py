@@ -49,9 +49,9 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows
+from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail, tail_parts
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, time_candidates, time_ms, warn_once)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -227,6 +227,10 @@ class _Plan:
     """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
     Counted flags need every flag posted on every call with the same count, so
     each plan (chunking, programs) owns its own."""
+    split: tuple[int, int] | None = None
+    """The GEMM's split tail (first split table row, K pieces per tile), or None."""
+    counters: int = 1
+    """Counter words the GEMM uses: dispatch, then one per split tile."""
     launches: dict = field(default_factory=dict)
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -259,7 +263,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
     margin = cfg.margin(transport)
     key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm)
+           gemm, cfg.split_tail)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
@@ -268,12 +272,18 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         programs = reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if reduce_ctas:  # a chunk is ready when every reduce program posted it
             segs = [replace(sg, wait_mult=programs) for sg in segs]
-        table = torch.tensor(build_tile_table(segs, n, gemm.block_m, gemm.block_n), dtype=torch.int32,
-                             device=rt.device)
+        rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n)
         grid = rt.num_sms - nccl_ctas - reduce_ctas - margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"reduce_ctas={reduce_ctas}, margin {margin}")
+        # the last chunk's tiles all become ready at the end, when the give-back grid
+        # (if any) holds the other SMs too: in K pieces they spread over them
+        tail = -(-sizes[-1] // gemm.block_m) * -(-n // gemm.block_n)
+        parts = tail_parts(tail, rt.num_sms if cfg.give_back else grid, -(-k // gemm.block_k), cfg.split_tail)
+        rows, split_start = split_tail(rows, tail, parts)
+        split = (split_start, parts) if split_start is not None else None
+        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
         starts = ready = None
         if reduce_ctas:
             acc = [0]
@@ -282,7 +292,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
-                  programs, starts, ready)
+                  programs, starts, ready, split, 1 + (tail if split else 0))
         _plans[key] = p
     return p
 
@@ -363,7 +373,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     comm = rt.comm(p.nccl_ctas)
     fl = rt.flags("all_reduce_matmul", len(p.chunk_rows))
     err = rt.err("all_reduce_matmul")
-    counter = rt.counter("all_reduce_matmul")
+    counter = rt.counter("all_reduce_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     epoch = fl.next_epoch()
 
@@ -378,8 +388,8 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     c = x.new_empty((m, n))
     cur = torch.cuda.current_stream(x.device)
     cs, ns = rt.comm_stream, rt.aux_stream
-    # reset the dispatch counter before the side streams fork from this one
-    _flags.stream_write_value(cur, counter, 0, 0)
+    # reset the dispatch counter (and split tiles' counts) before the side streams fork from this one
+    _flags.stream_zero(cur, counter, p.counters)
     if prologue:
         rt.fork(cur, cs, ns)
     else:
@@ -400,7 +410,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
             _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
         start += rows
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=fl.flags, err=err.word, timeout_ns=timeout_ns, counter=counter,
-                   rank=rt.rank, config=p.gemm, wait=True)
+                   rank=rt.rank, config=p.gemm, wait=True, split=p.split)
     descs = gp.operands(y, b)
     gp.launch(descs, c, epoch=epoch, grid=p.grid)
     last = ns if prologue else cs
@@ -439,7 +449,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     sf = heap.flags("all_reduce_matmul", (world - 1) * stride)
     ready = p.ready
     err = rt.err("all_reduce_matmul")
-    counter = rt.counter("all_reduce_matmul")
+    counter = rt.counter("all_reduce_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     if residual is not None:
         residual = residual.contiguous()
@@ -473,8 +483,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     recv = st[1]
     cur = torch.cuda.current_stream(x.device)
     ns = rt.aux_stream
-    # reset the dispatch counter before the side streams fork from this one
-    _flags.stream_write_value(cur, counter, 0, 0)
+    # reset the dispatch counter (and split tiles' counts) before the side streams fork from this one
+    _flags.stream_zero(cur, counter, p.counters)
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
     for dst, src_off, nbytes, peer_flags, idx in st[2]:
@@ -510,7 +520,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             # there behind the reduce kernel, so that one does not wait)
             rt.fork(cur, ns)
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
-                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold)
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
     descs = gp.operands(y, b)
     gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
     if p.give_back_grid:
@@ -560,6 +570,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     check_b(b)
     rt = get_runtime(group, x_partial.device)
     x = x_partial.contiguous()
+    default = candidates is None
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -597,10 +608,14 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
-                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}" + (", norm folded" if cand.fold_norm else ""))
+                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}" + (", norm folded" if cand.fold_norm else "")
+                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
+    if default:  # the fastest configs again with their GEMM's tail split along K
+        results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
+                                   describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:
         if isinstance(choice, str):

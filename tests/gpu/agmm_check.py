@@ -42,8 +42,11 @@ def main() -> None:
     ]
     calls = 0
     for (ms, n, k, dt, chunks, layout) in cases:
-        for transport, give_back in (("nccl", True), ("nccl", False), ("p2p", True)):
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport)
+        # (transport, give-back, split tail: the tiles after the last full wave in K pieces)
+        for transport, give_back, split in (("nccl", True, 0), ("nccl", False, 0), ("p2p", True, 0),
+                                            ("nccl", True, 8), ("p2p", True, 8)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport,
+                                split_tail=split)
             for it in range(6):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + ms + chunks)
                 a = torch.randn(ms, k, device=dev, dtype=dt, generator=g)
