@@ -382,7 +382,8 @@ def scenario_p2p_all_reduce_op() -> None:
     the receive slot, its flags at the call's epoch), streams and pushes recorded only.
     Calls with changing inputs over both call parities, with and without residual,
     LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off,
-    the last chunk's tiles split along K or not: c and h match torch, and each call
+    the reduce kernel beside the GEMM (its short column blocks), the last chunk's
+    tiles split along K or not: c and h match torch, and each call
     queues one push per chunk of the local partial."""
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_reduce as ar
@@ -396,9 +397,14 @@ def scenario_p2p_all_reduce_op() -> None:
                 (None, False, False, "wt", True, 0), ("layernorm", True, False, "wt", True, 0),
                 ("layernorm", True, True, "wt", True, 0), ("layernorm", True, True, "kn", False, 0),
                 ("rmsnorm", False, True, "wt", True, 0), (None, True, False, "kn", True, 4),
-                ("layernorm", True, True, "wt", True, 2)):
-            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=fold, give_back=give_back, check="sync",
-                                transport="p2p", gemm=CFG32 if split else CFG, split_tail=split)
+                ("layernorm", True, True, "wt", True, 2), ("layernorm", True, False, "wt", "shared", 0),
+                ("layernorm", True, True, "kn", "shared", 2)):
+            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=fold, give_back=give_back is True, check="sync",
+                                transport="p2p", gemm=CFG32 if split else CFG, split_tail=split,
+                                reduce_shared=give_back == "shared")
+            if give_back == "shared":  # the GEMM on every SM, the reduce kernel's 2 programs beside it
+                p = ar._plan(rt, m, n, k, cfg, "p2p")
+                assert (p.grid, p.give_back_grid, p.reduce_programs) == (12, 0, 2), p
             if split:  # the last chunk's 2 x 3 tiles, in 2 K pieces each on the 12 SMs
                 assert ar._plan(rt, m, n, k, cfg, "p2p").split == (ar._plan(rt, m, n, k, cfg, "p2p").table.shape[0]
                                                                    - 12, 2)

@@ -234,3 +234,13 @@ def test_split_tail_repeats_the_last_tiles_in_place():
 ])
 def test_tail_parts(tail, sms, k_steps, max_parts, want):
     assert tail_parts(tail, sms, k_steps, max_parts) == want
+
+
+@pytest.mark.parametrize("k,want", [(8192, (2048, 2)), (12288, (2048, 2)), (1024, (1024, 4)), (100, (128, 8))])
+def test_shared_reduce_shape(k, want):
+    # the reduce kernel beside the GEMM: 4 warps over at most 4096 elements (few registers)
+    pytest.importorskip("torch")
+    from overlap.ops.all_reduce import shared_reduce_shape
+
+    s = shared_reduce_shape(k)
+    assert (s["block_k"], s["rows"], s["num_warps"]) == (*want, 4)

@@ -55,7 +55,8 @@ def setup(shape: Shape, env: Env) -> Case:
         grid = TUNE_GRID + (TUNE_GRID_P2P if get_runtime(g, env.device).p2p() is not None else [])
         if env.tune:
             tile.prepare = lambda: describe_config(tune_all_gather_matmul(
-                a, b, group=g, candidates=[OverlapConfig(**c) for c in grid], verbose=env.verbose))
+                a, b, group=g, candidates=[OverlapConfig(**c) for c in grid], verbose=env.verbose,
+                split_pass=True))
         comm = library_comm(env)
         parts = {"comm": lambda: comm.all_gather(a, gathered), "gemm": lambda: full @ b}
     else:

@@ -67,6 +67,13 @@ class OverlapConfig:
     reduce_ctas: int | None = None
     """p2p all-reduce: SMs left to the kernel that sums the pushed partials (and adds
     the residual and norms) chunk by chunk, one program each; ``None``: 16."""
+    reduce_shared: bool = False
+    """p2p all-reduce: the reduce kernel runs in small programs (4 warps, short column
+    blocks, few registers) *beside* the GEMM's programs on the same SMs, instead of on
+    SMs of its own: the GEMM grid covers every SM and no give-back grid runs;
+    ``reduce_ctas`` then counts the reduce programs. A GEMM program leaves room on its
+    SM for one such program (registers and shared memory), so they are resident
+    whichever is dispatched first."""
     split_tail: int = 0
     """Split the GEMM's tail tiles along K into at most this many pieces (0 or 1: none):
     on the all-reduce op the tiles of the last row chunk, which all become ready at once

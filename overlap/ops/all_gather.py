@@ -387,16 +387,18 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
 
 def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                           verbose: bool = False) -> OverlapConfig | str:
+                           verbose: bool = False, split_pass: bool | None = None) -> OverlapConfig | str:
     """Time candidate configs (collectively: every rank must call) and the plain
     sequential path; cache the winner for this shape. Returns the winning
     ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs the
-    reference for this shape)."""
+    reference for this shape). ``split_pass`` (default: with the default candidates
+    only): time the two fastest configs again with the tiles after their GEMM's last
+    full wave split along K (``OverlapConfig.split_tail`` 2 and 8)."""
     group = _group(group)
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
     n = b.shape[1]
-    default = candidates is None
+    split_pass = candidates is None if split_pass is None else split_pass
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -419,7 +421,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
 
     results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
-    if default:  # the fastest configs again with their GEMM's tail split along K
+    if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_gather_matmul"), split_variants(results), run, iters, group,
                                    describe if verbose else None)
 

@@ -231,6 +231,8 @@ class _Plan:
     """The GEMM's split tail (first split table row, K pieces per tile), or None."""
     counters: int = 1
     """Counter words the GEMM uses: dispatch, then one per split tile."""
+    reduce_shared: bool = False
+    """p2p: the reduce kernel's small programs run beside the GEMM's (``OverlapConfig.reduce_shared``)."""
     launches: dict = field(default_factory=dict)
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -249,6 +251,16 @@ over half an SM's registers, so one per SM (more would wait for SMs that the GEM
 frees only at its end, and the GEMM's waits would time out)."""
 
 
+def shared_reduce_shape(k: int) -> dict[str, int]:
+    """The reduce kernel's block shape when its programs share SMs with the GEMM's
+    (``OverlapConfig.reduce_shared``): 4 warps over 4096 elements (2 rows of 2048
+    columns at K >= 2048). Its registers (48-110 per thread on triton 3.6, sm_90) fit
+    beside a GEMM program of 128 x 256 tiles (8 warps, up to 216 per thread) in the
+    SM's 64K, and it takes 1 KB of shared memory against the GEMM's 148 KB of 228."""
+    block_k = min(2048, 1 << max(0, (k - 1).bit_length()))
+    return dict(block_k=block_k, rows=max(1, min(8, 4096 // block_k)), num_warps=4)
+
+
 def _default_chunks(m: int) -> int:
     return max(1, min(4, m // 2048))
 
@@ -261,26 +273,29 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     # SMs the communication side holds: NCCL's CTAs, or the p2p reduce kernel's programs
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
+    shared = bool(reduce_ctas and cfg.reduce_shared)
     margin = cfg.margin(transport)
     key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm, cfg.split_tail)
+           gemm, cfg.split_tail, shared)
     p = _plans.get(key)
     if p is None:
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
         # align to a fixed 128 rows (a tile never straddles a chunk either way)
         sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
-        programs = reduce_ctas * REDUCE_PROGRAMS_PER_SM
+        programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if reduce_ctas:  # a chunk is ready when every reduce program posted it
             segs = [replace(sg, wait_mult=programs) for sg in segs]
         rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n)
-        grid = rt.num_sms - nccl_ctas - reduce_ctas - margin
+        # SMs of their own for the reduce programs, unless they run beside the GEMM's
+        grid = rt.num_sms - nccl_ctas - (0 if shared else reduce_ctas) - margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"reduce_ctas={reduce_ctas}, margin {margin}")
         # the last chunk's tiles all become ready at the end, when the give-back grid
         # (if any) holds the other SMs too: in K pieces they spread over them
         tail = -(-sizes[-1] // gemm.block_m) * -(-n // gemm.block_n)
-        parts = tail_parts(tail, rt.num_sms if cfg.give_back else grid, -(-k // gemm.block_k), cfg.split_tail)
+        give_back = rt.num_sms - grid if cfg.give_back and not shared else 0
+        parts = tail_parts(tail, grid + give_back, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
         split = (split_start, parts) if split_start is not None else None
         table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
@@ -291,8 +306,8 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
                 acc.append(acc[-1] + r)
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
-        p = _Plan(tuple(sizes), table, grid, rt.num_sms - grid if cfg.give_back else 0, nccl_ctas, gemm,
-                  programs, starts, ready, split, 1 + (tail if split else 0))
+        p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
+                  1 + (tail if split else 0), shared)
         _plans[key] = p
     return p
 
@@ -500,7 +515,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         rp = p.launches[rkey] = ReducePlan(
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
-            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat)
+            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
+            **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
@@ -542,7 +558,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
 def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            residual: torch.Tensor | None = None, norm: Norm | None = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                           verbose: bool = False) -> OverlapConfig | str:
+                           verbose: bool = False, split_pass: bool | None = None) -> OverlapConfig | str:
     """Time candidate configs (collectively: every rank must call), the plain
     sequential path and the chunked stream-overlap path (2 and 4 chunks); cache
     the winner for this shape, residual and norm kind. Returns the winning
@@ -555,7 +571,11 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
     for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid,
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
-    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 24, 32, 48 SMs. Inputs with no
+    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 24, 32, 48 SMs, and the reduce
+    kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
+    x 66 and 132 programs, folded or not. ``split_pass`` (default: with the default
+    candidates only): time the two fastest configs again with the last chunk's tiles split
+    along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -570,7 +590,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     check_b(b)
     rt = get_runtime(group, x_partial.device)
     x = x_partial.contiguous()
-    default = candidates is None
+    split_pass = candidates is None if split_pass is None else split_pass
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -589,6 +609,11 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                           # with a norm folded into the GEMM, the reduce kernel writes no normed rows
                           + ([OverlapConfig(chunks=ch, reduce_ctas=rc, fold_norm=True, transport="p2p")
                               for ch in (4, 8, 16) for rc in (24, 32, 48)] if norm is not None else [])
+                          # the reduce kernel's small programs beside the GEMM's, on every SM
+                          + [OverlapConfig(chunks=ch, reduce_ctas=rc, reduce_shared=True, fold_norm=fold,
+                                           transport="p2p")
+                             for fold in ((False, True) if norm is not None else (False,))
+                             for ch in (4, 8, 16) for rc in (66, 132)]
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
@@ -608,12 +633,13 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
-                f"reduce {cand.reduce_ctas}, margin {cand.sm_margin}" + (", norm folded" if cand.fold_norm else "")
+                f"reduce {cand.reduce_ctas}{' shared' if cand.reduce_shared else ''}, margin {cand.sm_margin}"
+                + (", norm folded" if cand.fold_norm else "")
                 + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
-    if default:  # the fastest configs again with their GEMM's tail split along K
+    if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
                                    describe if verbose else None)
 
