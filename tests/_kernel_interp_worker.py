@@ -405,6 +405,12 @@ def scenario_p2p_all_reduce_op() -> None:
             if give_back == "shared":  # the GEMM on every SM, the reduce kernel's 2 programs beside it
                 p = ar._plan(rt, m, n, k, cfg, "p2p")
                 assert (p.grid, p.give_back_grid, p.reduce_programs) == (12, 0, 2), p
+                try:  # one reduce program per SM at most
+                    ar._plan(rt, m, n, k, OverlapConfig(reduce_ctas=13, reduce_shared=True), "p2p")
+                except ValueError as e:
+                    assert "one reduce program per SM" in str(e), e
+                else:
+                    raise AssertionError("13 shared reduce programs on 12 SMs accepted")
             if split:  # the last chunk's 2 x 3 tiles, in 2 K pieces each on the 12 SMs
                 assert ar._plan(rt, m, n, k, cfg, "p2p").split == (ar._plan(rt, m, n, k, cfg, "p2p").table.shape[0]
                                                                    - 12, 2)

@@ -103,8 +103,8 @@ class OverlapConfig:
             raise ValueError(f"transport must be 'nccl', 'p2p' or None, got {self.transport!r}")
         if not (0 <= self.split_tail <= 64):
             raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
-        if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 128):
-            raise ValueError(f"reduce_ctas must be in [1, 128], got {self.reduce_ctas}")
+        if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 1024):
+            raise ValueError(f"reduce_ctas must be in [1, 1024], got {self.reduce_ctas}")
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:

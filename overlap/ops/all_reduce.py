@@ -282,6 +282,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         # chunk sizes must agree across ranks whatever GEMM config each rank runs:
         # align to a fixed 128 rows (a tile never straddles a chunk either way)
         sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
+        if shared and reduce_ctas > rt.num_sms:
+            raise ValueError(f"reduce_shared: at most one reduce program per SM ({rt.num_sms}), "
+                             f"got reduce_ctas={reduce_ctas}")
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if reduce_ctas:  # a chunk is ready when every reduce program posted it
             segs = [replace(sg, wait_mult=programs) for sg in segs]
