@@ -324,7 +324,8 @@ class _StandIn:
 
     def __init__(self):
         self.blocks, self.fl, self.errs, self.counters, self.pushes = {}, {}, {}, {}, []
-        self.comm_stream, self.aux_stream = self.Stream(), self.Stream()
+        self.comm_stream, self.aux_stream, self.copy_stream = self.Stream(), self.Stream(), self.Stream()
+        self.copies = []  # memcpy_async calls made outside push (dst, src, nbytes)
 
     def recv(self, name, shape, dtype):
         """The peer's landing buffer of op ``name`` (made on first use)."""
@@ -336,8 +337,9 @@ class _StandIn:
     def block(self, name, nbytes):
         return self.blocks.setdefault(name, self.Block(nbytes))
 
-    def flags(self, name, n):
-        return self.fl.setdefault(name, self.Flags(n))
+    def flags(self, name, n):  # a region of 1024 flags per name, as overlap._p2p.PeerHeap's
+        assert n <= 1024, n
+        return self.fl.setdefault(name, self.Flags(1024))
 
     def err(self, name):
         return self.errs.setdefault(name, ErrorWord("cpu", what=name))
@@ -373,6 +375,10 @@ class _StandIn:
         stack.enter_context(mock.patch.object(torch.cuda, "set_stream", lambda s: None))
         stack.enter_context(mock.patch.object(fl, "stream_write_value", write_value))
         stack.enter_context(mock.patch.object(fl, "stream_zero", zero))
+        stack.enter_context(mock.patch.object(fl, "stream_wait_value", lambda *a: None))
+        from overlap import _p2p
+        stack.enter_context(mock.patch.object(_p2p, "memcpy_async",
+                                              lambda dst, src, nbytes, stream: self.copies.append((dst, src, nbytes))))
         return stack
 
 
@@ -441,6 +447,57 @@ def scenario_p2p_all_reduce_op() -> None:
                 assert _rel(c, ref) < 1e-2, (kind, with_res, fold, layout, it, _rel(c, ref))
                 calls += 1
     assert ar.stats["p2p"] >= calls, ar.stats
+    with rt.patched():
+        # two-shot: rank 0 reduces rows 0..255 (2 chunks), rank 1 rows 256..299 (the peer's
+        # reduced rows, and their statistics, land in the gather buffer)
+        for kind, with_res, mode, split in ((None, False, True, 0), ("layernorm", True, True, 2),
+                                            ("rmsnorm", True, "shared", 0), (None, True, False, 4)):
+            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=kind is not None, give_back=mode is True,
+                                reduce_shared=mode == "shared", two_shot=True, check="sync", transport="p2p",
+                                gemm=CFG32 if split else CFG, split_tail=split)
+            p = ar._plan(rt, m, n, k, cfg, "p2p")
+            assert p.two_shot.rows == (256, 44) and p.chunk_rows == (128, 128), p
+            b = ((torch.randn(n, k, generator=g) / k ** 0.5).half()).t()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+            blk = rt.block("all_reduce_matmul.two_shot", 0)
+            for it in range(3):
+                x = torch.randn(m, k, generator=g).half()
+                peer = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                h_ref = (x.float() + peer.float()).half()
+                if res is not None:
+                    h_ref = (h_ref.float() + res.float()).half()
+                blk.tensor(0, 0, (1, 256, k), torch.float16)[0].copy_(peer[:256])  # peer's partial of my rows
+                blk.tensor(0, 0, (m, k), torch.float16)[256:].copy_(h_ref[256:])  # peer's reduced rows
+                if norm is not None:
+                    hf = h_ref[256:].float()
+                    mean = hf.mean(1) if kind == "layernorm" else torch.zeros(hf.shape[0])
+                    rstd = torch.rsqrt((hf - mean[:, None]).pow(2).mean(1) + norm.eps)
+                    blk.tensor(0, 0, (m, 2), torch.float32)[256:].copy_(torch.stack([rstd, mean * rstd], 1))
+                before, cbefore = len(rt.pushes), len(rt.copies)
+                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                assert torch.equal(h, h_ref), (kind, mode, it)
+                y = h_ref.float() if norm is None else _torch_norm(h_ref, kind, norm.weight, norm.bias,
+                                                                   norm.eps).half().float()
+                assert _rel(c, y.double() @ b.double()) < 1e-2, (kind, mode, it, _rel(c, y.double() @ b.double()))
+                # my partial of the peer's rows goes out (one chunk of 44 rows); my 2 reduced
+                # chunks (and their statistics with a norm) go back
+                assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in rt.pushes[before:]] == \
+                    [(256 * k * 2, 44 * k * 2)], rt.pushes[before:]
+                copies = rt.copies[cbefore:]
+                want = [(h.data_ptr() + r0 * k * 2, 128 * k * 2) for r0 in (0, 128)]
+                assert [(src, nb) for _, src, nb in copies if nb == 128 * k * 2] == want, copies
+                assert len(copies) == (4 if norm is not None else 2), copies
+        try:
+            ar._fused_p2p(rt, x, b, None, Norm("rmsnorm", torch.ones(k).half()),
+                          OverlapConfig(two_shot=True, transport="p2p", gemm=CFG))
+        except ValueError as e:
+            assert "fold_norm" in str(e), e
+        else:
+            raise AssertionError("two_shot with an unfolded norm accepted")
     print("PASS p2p_all_reduce_op")
 
 

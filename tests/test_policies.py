@@ -113,7 +113,8 @@ def test_overlap_config_transport_fields() -> None:
 
     assert OverlapConfig().margin("nccl") == 4 and OverlapConfig().margin("p2p") == 0
     assert OverlapConfig(sm_margin=7).margin("p2p") == 7
-    for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=500), dict(sm_margin=-1)):
+    for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=2000), dict(sm_margin=-1),
+                dict(split_tail=-1), dict(split_tail=65)):
         with pytest.raises(ValueError):
             OverlapConfig(**bad)
 

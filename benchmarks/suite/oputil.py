@@ -25,6 +25,8 @@ def describe_config(best: Any) -> Any:
     out = {f: getattr(best, f) for f in fields if hasattr(best, f)}
     if getattr(best, "fold_norm", False):
         out["fold_norm"] = True
+    if getattr(best, "two_shot", False):
+        out["two_shot"] = True
     if getattr(best, "reduce_shared", False):
         out["reduce_shared"] = True
     if getattr(best, "split_tail", 0) > 1:

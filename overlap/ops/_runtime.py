@@ -74,6 +74,16 @@ class OverlapConfig:
     ``reduce_ctas`` then counts the reduce programs. A GEMM program leaves room on its
     SM for one such program (registers and shared memory), so they are resident
     whichever is dispatched first."""
+    two_shot: bool = False
+    """p2p all-reduce: reduce-scatter, then all-gather (instead of every rank summing all
+    rows). Each rank's reduce kernel sums only the rows it owns (1/R of them, pushed to it
+    by every peer), and its copy stream pushes each reduced chunk (with the folded norm's
+    row statistics) back to every peer as soon as it is ready; the GEMM reads its own rows
+    from h and the peers' from the shared buffer. The same bytes cross the links as in the
+    one-shot push; the reduce kernel does 1/R of the work. With a norm it needs
+    ``fold_norm`` (the GEMM must read h, not normed rows). The residual is added by the
+    rank that reduces a row, so it must be the same on every rank (the replicated residual
+    stream of tensor parallelism is)."""
     split_tail: int = 0
     """Split the GEMM's tail tiles along K into at most this many pieces (0 or 1: none):
     on the all-reduce op the tiles of the last row chunk, which all become ready at once
@@ -128,6 +138,9 @@ class Runtime:
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         # prologue work between a chunk landing and its flag (e.g. residual add + norm)
         self.aux_stream = torch.cuda.Stream(device=device, priority=-1)
+        # a second copy stream: pushes that wait on this rank's own kernels (the two-shot
+        # all-reduce's gather) must not queue behind those that do not
+        self.copy_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comms: dict[int | None, Any] = {}
         self._flags: dict[str, _flags.FlagArray] = {}
         self._errs: dict[str, _flags.ErrorWord] = {}

@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail, tail_parts
+from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
+                        tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
                        report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
@@ -233,6 +234,8 @@ class _Plan:
     """Counter words the GEMM uses: dispatch, then one per split tile."""
     reduce_shared: bool = False
     """p2p: the reduce kernel's small programs run beside the GEMM's (``OverlapConfig.reduce_shared``)."""
+    two_shot: "_TwoShot | None" = None
+    """p2p two-shot: who reduces which rows (``OverlapConfig.two_shot``), or None."""
     launches: dict = field(default_factory=dict)
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -249,6 +252,73 @@ REDUCE_PROGRAMS_PER_SM = 1
 one must be resident while the GEMM holds the other SMs: at K = 8192 a program needs
 over half an SM's registers, so one per SM (more would wait for SMs that the GEMM
 frees only at its end, and the GEMM's waits would time out)."""
+
+
+@dataclass(frozen=True)
+class _TwoShot:
+    """Rows of the two-shot all-reduce: rank r reduces rows [offsets[r], offsets[r] +
+    rows[r]) in row chunks ``chunks[r]``. Shared flags (region of ``flag_stride`` per
+    sender slot s = ``push_slot``): s * stride + c, peer's partial of my chunk c landed
+    (reduce-scatter); s * stride + C + c, peer's reduced chunk c landed (all-gather; C =
+    the chunk count asked for); (R - 1) * stride + c, my own chunk c reduced (written by
+    my copy stream once the reduce kernel posted it)."""
+
+    world: int
+    rank: int
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    ask: int
+    stride: int
+
+    def starts(self, r: int) -> list[int]:
+        out, s = [], 0
+        for c in self.chunks[r]:
+            out.append(s)
+            s += c
+        return out
+
+    def rs_flag(self, sender: int, receiver: int, c: int) -> int:
+        return push_slot(sender, receiver, self.world) * self.stride + c
+
+    def ag_flag(self, sender: int, receiver: int, c: int) -> int:
+        return push_slot(sender, receiver, self.world) * self.stride + self.ask + c
+
+    def own_flag(self, c: int) -> int:
+        return (self.world - 1) * self.stride + c
+
+    def segments(self) -> list[Segment]:
+        """The GEMM's rows: own chunks (A = h, no peer involved), then chunk by chunk the
+        peers' (A2 = the gathered buffer, at the same rows)."""
+        me, segs = self.rank, []
+        for c, (s, rows) in enumerate(zip(self.starts(me), self.chunks[me])):
+            o = self.offsets[me] + s
+            segs.append(Segment(a_src=0, a_row=o, c_row=o, rows=rows, wait_idx=self.own_flag(c)))
+        for c in range(max(len(ch) for ch in self.chunks)):
+            for step in range(1, self.world):
+                r = (me - step) % self.world
+                if c < len(self.chunks[r]):
+                    o = self.offsets[r] + self.starts(r)[c]
+                    segs.append(Segment(a_src=1, a_row=o, c_row=o, rows=self.chunks[r][c],
+                                        wait_idx=self.ag_flag(r, me, c)))
+        return segs
+
+
+def _two_shot_layout(world: int, rank: int, m: int, chunks: int) -> _TwoShot:
+    from .._p2p import flag_stride
+
+    rows = split_rows(m, world, CHUNK_ALIGN)
+    if len(rows) < world:
+        raise ValueError(f"two_shot: M={m} has fewer than {world} blocks of {CHUNK_ALIGN} rows to share out")
+    offsets, acc = [], 0
+    for r in rows:
+        offsets.append(acc)
+        acc += r
+    stride = flag_stride(world)
+    if 2 * chunks > stride:
+        raise ValueError(f"two_shot: at most {stride // 2} chunks at {world} ranks")
+    return _TwoShot(world, rank, tuple(rows), tuple(offsets),
+                    tuple(tuple(split_rows(r, chunks, CHUNK_ALIGN)) for r in rows), chunks, stride)
 
 
 def shared_reduce_shape(k: int) -> dict[str, int]:
@@ -274,20 +344,26 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
     shared = bool(reduce_ctas and cfg.reduce_shared)
+    two = _two_shot_layout(rt.world, rt.rank, m, chunks) if reduce_ctas and cfg.two_shot else None
     margin = cfg.margin(transport)
     key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm, cfg.split_tail, shared)
+           gemm, cfg.split_tail, shared, two is not None)
     p = _plans.get(key)
     if p is None:
-        # chunk sizes must agree across ranks whatever GEMM config each rank runs:
-        # align to a fixed 128 rows (a tile never straddles a chunk either way)
-        sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
         if shared and reduce_ctas > rt.num_sms:
             raise ValueError(f"reduce_shared: at most one reduce program per SM ({rt.num_sms}), "
                              f"got reduce_ctas={reduce_ctas}")
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
-        if reduce_ctas:  # a chunk is ready when every reduce program posted it
-            segs = [replace(sg, wait_mult=programs) for sg in segs]
+        if two is not None:
+            # this rank's own row chunks (reduced here), then the peers' (gathered)
+            sizes, segs, last = list(two.chunks[rt.rank]), two.segments(), rt.world - 1
+        else:
+            # chunk sizes must agree across ranks whatever GEMM config each rank runs:
+            # align to a fixed 128 rows (a tile never straddles a chunk either way)
+            sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
+            last = 1
+            if reduce_ctas:  # a chunk is ready when every reduce program posted it
+                segs = [replace(sg, wait_mult=programs) for sg in segs]
         rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n)
         # SMs of their own for the reduce programs, unless they run beside the GEMM's
         grid = rt.num_sms - nccl_ctas - (0 if shared else reduce_ctas) - margin
@@ -296,7 +372,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
                              f"reduce_ctas={reduce_ctas}, margin {margin}")
         # the last chunk's tiles all become ready at the end, when the give-back grid
         # (if any) holds the other SMs too: in K pieces they spread over them
-        tail = -(-sizes[-1] // gemm.block_m) * -(-n // gemm.block_n)
+        tail = sum(-(-sg.rows // gemm.block_m) for sg in segs[-last:]) * -(-n // gemm.block_n)
         give_back = rt.num_sms - grid if cfg.give_back and not shared else 0
         parts = tail_parts(tail, grid + give_back, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
@@ -310,7 +386,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
-                  1 + (tail if split else 0), shared)
+                  1 + (tail if split else 0), shared, two)
         _plans[key] = p
     return p
 
@@ -446,16 +522,33 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     return c, h
 
 
+def _fold(p: _Plan, b: torch.Tensor, norm: Norm, num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """B' = diag(norm weight) B and its column vectors, through the op plan's ``FoldPlan``."""
+    from ..kernels.norm_fold import FoldPlan, foldable
+
+    if not foldable(b):
+        b = b.contiguous()
+    fkey = ("fold", b.dtype, b.stride(), norm.weight.dtype, None if norm.bias is None else norm.bias.dtype)
+    fp = p.launches.get(fkey)
+    if fp is None:
+        fp = p.launches[fkey] = FoldPlan(b, norm.weight, norm.bias, num_sms=num_sms)
+    return fp.launch(b, norm.weight, norm.bias)
+
+
 def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
                cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from .._p2p import flag_stride
     from ..kernels.add_norm import ReducePlan
 
+    if cfg.two_shot and norm is not None and not cfg.fold_norm:
+        raise ValueError("two_shot with a norm needs fold_norm=True (the GEMM reads h, not normed rows)")
     m, k = x.shape
     n = b.shape[1]
     world, rank = rt.world, rt.rank
     heap = rt.p2p()
     p = _plan(rt, m, n, k, cfg, "p2p")
+    if p.two_shot is not None:
+        return _fused_two_shot(rt, p, x, b, residual, norm, cfg)
     chunks = len(p.chunk_rows)
     row_bytes = k * x.element_size()
     half = -(-(world - 1) * m * row_bytes // 1024) * 1024
@@ -524,16 +617,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
     if fold:
-        from ..kernels.norm_fold import FoldPlan, foldable
-
         # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
-        if not foldable(b):
-            b = b.contiguous()
-        fkey = ("fold", b.dtype, b.stride(), norm.weight.dtype, None if norm.bias is None else norm.bias.dtype)
-        fp = p.launches.get(fkey)
-        if fp is None:
-            fp = p.launches[fkey] = FoldPlan(b, norm.weight, norm.bias, num_sms=rt.num_sms)
-        b, vec = fp.launch(b, norm.weight, norm.bias)
+        b, vec = _fold(p, b, norm, rt.num_sms)
         if p.give_back_grid:
             # the give-back grid on the reduce stream reads them too: after the fold (queued
             # there behind the reduce kernel, so that one does not wait)
@@ -547,6 +632,139 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         with on_stream(ns, cur):
             gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
     rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
+    rt.p2p_end("all_reduce_matmul", cur)
+    report_errors(err, cfg.check)
+    stats["fused"] += 1
+    stats["p2p"] += 1
+    return c, h
+
+
+def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
+                    norm: Norm | None, cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The p2p all-reduce as reduce-scatter then all-gather (``OverlapConfig.two_shot``):
+
+        copy stream    | push peers' rows of my partial -> their slots |W|        (copy engines)
+        reduce grid    | wait my rows' chunks; sum (+ residual, row stats); post |
+        copy stream 2  | wait chunk c reduced |W own| push h rows c (+ stats) -> peers |W| ... | copy peers' rows into h |
+        GEMM grid      | my rows' tiles (wait own flags) | peers' rows' tiles (wait their pushes), from the buffer |
+    """
+    from ..kernels.add_norm import ReducePlan
+
+    two = p.two_shot
+    m, k = x.shape
+    n = b.shape[1]
+    world, rank = rt.world, rt.rank
+    heap = rt.p2p()
+    esize = x.element_size()
+    row_bytes = k * esize
+    me_rows, me_off = two.rows[rank], two.offsets[rank]
+
+    def up(v: int) -> int:
+        return -(-v // 1024) * 1024
+
+    rs_part = up((world - 1) * max(two.rows) * row_bytes)
+    ag_part = up(m * row_bytes)
+    st_part = up(m * 8)
+    part = rs_part + ag_part + st_part
+    blk = heap.block("all_reduce_matmul.two_shot", 2 * part)
+    sf = heap.flags("all_reduce_matmul", two.own_flag(two.ask))
+    ready = p.ready
+    err = rt.err("all_reduce_matmul")
+    counter = rt.counter("all_reduce_matmul", p.counters)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    if residual is not None:
+        residual = residual.contiguous()
+    fold = norm is not None
+    if fold:
+        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
+                    norm.eps)
+    h = torch.empty_like(x)
+    c = x.new_empty((m, n))
+    epoch = sf.next_epoch()
+    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
+    # this parity's views and push lists, made once per plan, block and dtype
+    ck = ("two_shot", epoch % 2, x.dtype)
+    st = p.launches.get(ck)
+    if st is None or st[0] is not blk:
+        off = (epoch % 2) * (blk.nbytes // 2)
+        rs = blk.tensor(rank, off, (world - 1, me_rows, k), x.dtype)
+        ag = blk.tensor(rank, off + rs_part, (m, k), x.dtype)
+        stats_all = blk.tensor(rank, off + rs_part + ag_part, (m, 2), torch.float32)
+        scatter = []  # (dst, src offset in x, bytes, peer, flag): my partial of peer q's rows
+        for c_idx in range(max(len(ch) for ch in two.chunks)):
+            for step in range(1, world):
+                q = (rank + step) % world
+                if c_idx >= len(two.chunks[q]):
+                    continue
+                s0 = two.starts(q)[c_idx]
+                rows = two.chunks[q][c_idx]
+                slot = push_slot(rank, q, world)
+                scatter.append((blk.ptrs[q] + off + (slot * two.rows[q] + s0) * row_bytes,
+                                (two.offsets[q] + s0) * row_bytes, rows * row_bytes, q, two.rs_flag(rank, q, c_idx)))
+        gather = []  # per own chunk: (rows offset, bytes, [(peer, dst of rows, dst of stats, flag)])
+        for c_idx, (s0, rows) in enumerate(zip(two.starts(rank), two.chunks[rank])):
+            g0 = me_off + s0
+            gather.append((g0, rows, [(q, blk.ptrs[q] + off + rs_part + g0 * row_bytes,
+                                       blk.ptrs[q] + off + rs_part + ag_part + g0 * 8, two.ag_flag(rank, q, c_idx))
+                                      for q in range(world) if q != rank]))
+        st = p.launches[ck] = (blk, rs, ag, stats_all, scatter, gather)
+    _, rs, ag, stats_all, scatter, gather = st
+    cur = torch.cuda.current_stream(x.device)
+    ns, cs2 = rt.aux_stream, rt.copy_stream
+    _flags.stream_zero(cur, counter, p.counters)
+    rt.p2p_begin("all_reduce_matmul", cur, ns, cs2)
+    src = x.data_ptr()
+    for dst, src_off, nbytes, q, idx in scatter:
+        rt.push(dst, src + src_off, nbytes, sf.peer(q), idx, epoch)
+    # my rows: the peers' partials summed in rank order with mine (+ residual, row statistics)
+    x_me, h_me = x[me_off:me_off + me_rows], h[me_off:me_off + me_rows]
+    res_me = residual[me_off:me_off + me_rows] if residual is not None else None
+    st_me = stats_all[me_off:me_off + me_rows] if fold else None
+    rkey = ("reduce2", x.dtype, residual is not None, norm.kind if norm else None, norm.eps if norm else 0.0,
+            timeout_ns, sf.local.data_ptr(), err.word.data_ptr())
+    rp = p.launches.get(rkey)
+    if rp is None:
+        rp = p.launches[rkey] = ReducePlan(
+            x_me, rs, h_me, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank,
+            world=world, programs=p.reduce_programs, residual=res_me, norm=norm.kind if norm else None,
+            eps=norm.eps if norm else 1e-5, flag_stride=two.stride, timeout_ns=timeout_ns, stats=st_me,
+            **(shared_reduce_shape(k) if p.reduce_shared else {}))
+    with on_stream(ns, cur):
+        rp.launch(x_me, rs, h_me, epoch=epoch, residual=res_me, stats=st_me)
+    # each own chunk, once reduced: its flag for my GEMM, then its rows (and statistics) to every peer
+    from .. import _p2p
+
+    h_ptr, st_ptr = h.data_ptr(), stats_all.data_ptr()
+    for c_idx, (g0, rows, peers) in enumerate(gather):
+        _flags.stream_wait_value(cs2, ready.flags, c_idx, r_epoch * p.reduce_programs)
+        _flags.stream_write_value(cs2, sf.local, two.own_flag(c_idx), epoch)
+        for q, dst, dst_st, idx in peers:
+            _p2p.memcpy_async(dst, h_ptr + g0 * row_bytes, rows * row_bytes, cs2)
+            if fold:
+                _p2p.memcpy_async(dst_st, st_ptr + g0 * 8, rows * 8, cs2)
+            _flags.stream_write_value(cs2, sf.peer(q), idx, epoch)
+    vec = None
+    if fold:
+        b, vec = _fold(p, b, norm, rt.num_sms)
+        if p.give_back_grid:
+            rt.fork(cur, ns)  # the give-back grid reads B' too
+    gp = gemm_plan(p.launches, h, b, c, p.table, a2=ag, flags=sf.local, err=err.word, timeout_ns=timeout_ns,
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
+    descs = gp.operands(h, b, ag)
+    rowstat = stats_all if fold else None
+    gp.launch(descs, c, epoch=epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
+    if p.give_back_grid:
+        with on_stream(ns, cur):  # behind the reduce kernel: its SMs are free by then
+            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
+    # the peers' rows of h, from the buffer once they landed (off the GEMM's path)
+    for g in range(1, world):
+        q = (rank - g) % world
+        for c_idx, (s0, rows) in enumerate(zip(two.starts(q), two.chunks[q])):
+            _flags.stream_wait_value(cs2, sf.local, two.ag_flag(q, rank, c_idx), epoch)
+        o, r = two.offsets[q], two.rows[q]
+        with on_stream(cs2, cur):
+            h[o:o + r].copy_(ag[o:o + r])
+    rt.join(cur, rt.comm_stream, ns, cs2)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
@@ -576,7 +794,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
     GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 24, 32, 48 SMs, and the reduce
     kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
-    x 66 and 132 programs, folded or not. ``split_pass`` (default: with the default
+    x 66 and 132 programs, folded or not, and two-shot (``OverlapConfig.two_shot``; folded with
+    a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
     candidates only): time the two fastest configs again with the last chunk's tiles split
     along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
@@ -617,6 +836,10 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                                            transport="p2p")
                              for fold in ((False, True) if norm is not None else (False,))
                              for ch in (4, 8, 16) for rc in (66, 132)]
+                          # two-shot: each rank reduces 1/R of the rows (a norm folded)
+                          + [OverlapConfig(chunks=ch, reduce_ctas=rc, two_shot=True, fold_norm=norm is not None,
+                                           transport="p2p")
+                             for ch in (4, 8, 16) for rc in ((16, 24) if norm is not None else (8, 16))]
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
@@ -637,6 +860,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
                 f"reduce {cand.reduce_ctas}{' shared' if cand.reduce_shared else ''}, margin {cand.sm_margin}"
+                + (", two-shot" if cand.two_shot else "")
                 + (", norm folded" if cand.fold_norm else "")
                 + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
