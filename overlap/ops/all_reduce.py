@@ -794,8 +794,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
     GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 24, 32, 48 SMs, and the reduce
     kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
-    x 66 and 132 programs, folded or not, and two-shot (``OverlapConfig.two_shot``; folded with
-    a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
+    x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
+    folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
     candidates only): time the two fastest configs again with the last chunk's tiles split
     along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
@@ -836,10 +836,15 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                                            transport="p2p")
                              for fold in ((False, True) if norm is not None else (False,))
                              for ch in (4, 8, 16) for rc in (66, 132)]
-                          # two-shot: each rank reduces 1/R of the rows (a norm folded)
-                          + [OverlapConfig(chunks=ch, reduce_ctas=rc, two_shot=True, fold_norm=norm is not None,
-                                           transport="p2p")
-                             for ch in (4, 8, 16) for rc in ((16, 24) if norm is not None else (8, 16))]
+                          # two-shot: each rank reduces 1/R of the rows (a norm folded). At 2 ranks it
+                          # lost to the one-shot push on every comm-heavy case (b09b936: 16384x2048x8192
+                          # 1.245 ms at best against 1.06; the reduced chunk's push back adds a copy to
+                          # the last rows' path), so only past 2 ranks, where the one-shot push moves
+                          # R - 1 times a rank's rows
+                          + ([OverlapConfig(chunks=ch, reduce_ctas=rc, two_shot=True, fold_norm=norm is not None,
+                                            transport="p2p")
+                              for ch in (4, 8, 16) for rc in ((16, 24) if norm is not None else (8, 16))]
+                             if rt.world > 2 else [])
                           + candidates)
     results: list[tuple[float, Any]] = []
     paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
