@@ -457,6 +457,16 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
 
 
+def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor | None, Norm | None]:
+    """The residual and the norm's weight and bias as the kernels read them (contiguous)."""
+    if residual is not None:
+        residual = residual.contiguous()
+    if norm is not None:
+        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
+                    norm.eps)
+    return residual, norm
+
+
 def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
            cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.add_norm import launch_add_norm
@@ -471,11 +481,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
     epoch = fl.next_epoch()
 
-    if residual is not None:
-        residual = residual.contiguous()
-    if norm is not None:
-        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
-                    norm.eps)
+    residual, norm = _contiguous(residual, norm)
     prologue = residual is not None or norm is not None
     h = torch.empty_like(x)
     y = torch.empty_like(x) if norm is not None else h
@@ -562,11 +568,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    if residual is not None:
-        residual = residual.contiguous()
-    if norm is not None:
-        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
-                    norm.eps)
+    residual, norm = _contiguous(residual, norm)
     fold = cfg.fold_norm and norm is not None
     h = torch.empty_like(x)
     y = torch.empty_like(x) if norm is not None and not fold else h
@@ -672,12 +674,8 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    if residual is not None:
-        residual = residual.contiguous()
+    residual, norm = _contiguous(residual, norm)
     fold = norm is not None
-    if fold:
-        norm = Norm(norm.kind, norm.weight.contiguous(), None if norm.bias is None else norm.bias.contiguous(),
-                    norm.eps)
     h = torch.empty_like(x)
     c = x.new_empty((m, n))
     epoch = sf.next_epoch()
