@@ -39,6 +39,13 @@ weight) B, made by one pass over B per call (``overlap.kernels.norm_fold``), and
 its epilogue finishes the norm. The reduce kernel then writes 8 bytes per row
 instead of the normed row (and above 8192 columns skips its output pass); the
 tuner weighs that against the pass over B.
+
+Three more choices the tuner weighs (``OverlapConfig``): ``reduce_shared`` runs the
+reduce kernel in small programs beside the GEMM's on every SM instead of on SMs of
+its own; ``split_tail`` cuts the last chunk's GEMM tiles along K so that they
+spread over the GPU when they all become ready at the end; ``two_shot`` (above 2
+ranks) has each rank reduce only its share of the rows and push them back
+(``_fused_two_shot``).
 """
 
 from __future__ import annotations
