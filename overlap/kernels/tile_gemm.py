@@ -39,6 +39,12 @@ software-pipelined on its own.
 B is read through a TMA descriptor either as [K, N] row-major (``B_KN``) or as
 the [N, K] row-major storage of an ``nn.Linear`` weight (``b = w.t()``; no copy).
 
+With ``SPLIT`` the table's last rows are split tiles, ``split_parts`` rows in a row per
+tile (``overlap.policies.split_tail``): piece p runs K steps [p * k / parts, (p + 1) * k /
+parts), stores its fp32 partial in a workspace and counts itself in the counter word
+after the dispatch word; the piece that counts last sums the partials in piece order
+and stores (and posts) the tile. No piece waits, so a split tile cannot hang.
+
 With ``NORM_EPI`` the A rows are a residual stream h whose LayerNorm / RMSNorm the
 GEMM applies in its epilogue, B being diag(norm weight) B (``overlap.kernels.norm_fold``):
 ``C = rstd * (h @ B') - mean * rstd * colsum(B') + bias @ B`` per row and column.
