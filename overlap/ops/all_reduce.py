@@ -654,8 +654,9 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
 
         copy stream    | push peers' rows of my partial -> their slots |W|        (copy engines)
         reduce grid    | wait my rows' chunks; sum (+ residual, row stats); post |
-        copy stream 2  | wait chunk c reduced |W own| push h rows c (+ stats) -> peers |W| ... | copy peers' rows into h |
+        copy stream 2  | wait chunk c reduced |W own| push h rows c (+ stats) -> peers |W| ... |
         GEMM grid      | my rows' tiles (wait own flags) | peers' rows' tiles (wait their pushes), from the buffer |
+        current stream                                                             ... | copy peers' rows into h |
     """
     from ..kernels.add_norm import ReducePlan
 
@@ -761,15 +762,14 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     if p.give_back_grid:
         with on_stream(ns, cur):  # behind the reduce kernel: its SMs are free by then
             gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
-    # the peers' rows of h, from the buffer once they landed (off the GEMM's path)
-    for g in range(1, world):
-        q = (rank - g) % world
-        for c_idx, (s0, rows) in enumerate(zip(two.starts(q), two.chunks[q])):
-            _flags.stream_wait_value(cs2, sf.local, two.ag_flag(q, rank, c_idx), epoch)
-        o, r = two.offsets[q], two.rows[q]
-        with on_stream(cs2, cur):
-            h[o:o + r].copy_(ag[o:o + r])
     rt.join(cur, rt.comm_stream, ns, cs2)  # no record_stream needed (Runtime.join)
+    # the peers' rows of h, from the buffer, once every GEMM tile ran: each waited (bounded)
+    # for its rows to land. A stream wait on the peers' flags instead would never end if a
+    # peer stopped pushing; the ready flags the copy stream waits on above are always
+    # posted by the reduce kernel, which ends whatever its waits saw
+    for g in range(1, world):
+        o, r = two.offsets[(rank - g) % world], two.rows[(rank - g) % world]
+        h[o:o + r].copy_(ag[o:o + r])
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
