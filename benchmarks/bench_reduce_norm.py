@@ -5,8 +5,10 @@
 Every wait is already satisfied, so this is the kernel's own speed: ms and GB/s moved
 (partials and residual read, h and y written) per program count and block shape: the
 sum alone, with the residual, with residual and LayerNorm, and with the LayerNorm folded
-into the consumer GEMM (row statistics written instead of y); loads through L1 or
-streamed past it; and the residual placed off the other tensors' alignment. The op leaves the kernel a few SMs while the
+into the consumer GEMM (row statistics written instead of y: from whole rows, or
+summed over 256-column segments and merged, ``segment``); loads through L1 or
+streamed past it; and the residual placed off the other tensors' alignment.
+``--quick``: the default block shape and the shared reduce's small programs only. The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
 """
 
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8192)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--programs", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     m, k, world = args.m, args.k, args.world
@@ -46,20 +49,24 @@ def main() -> None:
     err = torch.zeros(8, dtype=torch.int32, device=dev)
     stats = torch.empty(m, 2, device=dev, dtype=torch.float32)
     print(f"reduce_norm alone: M={m} K={k} world={world} bf16, {chunks} chunks; ms, GB/s", flush=True)
-    # (name, residual, norm, folded): folded writes each row's statistics instead of y
-    modes = (("sum", False, False, False), ("add", True, False, False), ("add+ln", True, True, False),
-             ("add+ln folded", True, True, True))
+    # (name, residual, norm, folded, segment): folded writes each row's statistics instead
+    # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
+    modes = (("sum", False, False, False, None), ("add", True, False, False, None),
+             ("add+ln", True, True, False, None), ("add+ln fold rows", True, True, True, 0),
+             ("add+ln fold segs", True, True, True, None))
     # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
     variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
-                ((None, 1, 8), True), ((4096, 8, 16), True))
+                ((None, 1, 8), True), ((4096, 8, 16), True), ((2048, 2, 4), False))
+    if args.quick:  # the default shape, and the shared reduce's small programs (overlap.ops.all_reduce)
+        variants = ((None, False), ((2048, 2, 4), False))
     # the residual 1 MB + 4 KB away from the partials' and h's alignment (DRAM and L2 slice spread)
     res_off = torch.empty(m * k + (1 << 19) + 2048, device=dev, dtype=dt)[(1 << 19) + 2048:].view(m, k)
     res_off.copy_(res)
-    for name, with_res, ln, folded in modes:
+    for name, with_res, ln, folded, segment in modes:
         tensors = (world + (1 if with_res else 0)) * m * k * 2 + m * k * 2  # partials (+ residual) read, h written
         moved = tensors + (m * k * 2 if ln and not folded else 0)
         runs = [(shape, stream, res) for shape, stream in variants]
-        if with_res:
+        if with_res and not args.quick:
             runs.append((None, True, res_off))
         for shape, stream, r_t in runs:
             bk, rows, nw = shape if shape is not None else (None, None, None)
@@ -73,9 +80,10 @@ def main() -> None:
                                        weight=w if ln and not folded else None,
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
-                                       num_warps=nw, rows=rows, block_k=bk, stream_loads=stream)
+                                       num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
+                                       segment=segment if folded else None)
 
-                label = (f"{name:14s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
+                label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")
                 try:
                     for _ in range(3):
@@ -88,11 +96,30 @@ def main() -> None:
                     e.record()
                     torch.cuda.synchronize()
                     ms = s.elapsed_time(e) / 10
+                    bad = _check(x, recv, r_t if with_res else None, h, stats if folded else None)
                     print(f"  {label} programs {programs:3d}: {ms:.3f} ms {moved / ms / 1e6:7.0f} GB/s "
-                          f"({moved / ms / 1e6 / programs:5.1f} per program)", flush=True)
+                          f"({moved / ms / 1e6 / programs:5.1f} per program){bad}", flush=True)
                 except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a block shape
                     print(f"  {label} programs {programs}: failed ({type(ex).__name__}: {ex})"[:200], flush=True)
     assert err[0].item() == 0, err
+
+
+def _check(x: torch.Tensor, recv: torch.Tensor, res: torch.Tensor | None, h: torch.Tensor,
+           stats: torch.Tensor | None) -> str:
+    """'' if h (and the folded statistics) match torch's, else what is off."""
+    ref = (x.float() + recv.float().sum(0)).to(x.dtype)
+    if res is not None:
+        ref = (ref.float() + res.float()).to(x.dtype)
+    if not torch.equal(h, ref):
+        return "  WRONG h"
+    if stats is not None:
+        var, mean = torch.var_mean(ref.float(), dim=1, unbiased=False)
+        rstd = torch.rsqrt(var + 1e-5)
+        err = max((stats[:, 0] - rstd).abs().max().item() / rstd.abs().max().item(),
+                  (stats[:, 1] - mean * rstd).abs().max().item())
+        if err > 1e-4:
+            return f"  WRONG statistics ({err:.2e})"
+    return ""
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_workspace  # noqa: E402
-from overlap.kernels.add_norm import launch_add_norm, launch_reduce_norm  # noqa: E402
+from overlap.kernels.add_norm import ReducePlan, launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,
                               rowsync_chain_tables, split_tail, tilesync_chain_tables)
@@ -229,8 +229,12 @@ def scenario_norm_fold() -> None:
 
     g = torch.Generator().manual_seed(21)
     world, rank, chunks, progs, eps = 2, 1, 3, 2, 1e-5
-    # K = 40: a row block in registers, masked columns; K = 64 in 16-column blocks (merged statistics)
-    for (m, n, k, block_k) in ((21, 24, 40, None), (19, 40, 64, 16)):
+    # (m, n, k, block_k, segment, segment the plan takes). K = 40: whole-row statistics
+    # (no segment width divides it), a row block in registers with masked columns;
+    # K = 64 in 16-column segments, and in 16-column blocks with merged statistics
+    # (segment=0); K = 96 in 32-column segments, 3 to a row (a masked merge)
+    for (m, n, k, block_k, seg, seg_taken) in ((21, 24, 40, None, None, 0), (19, 40, 64, 16, None, 16),
+                                               (19, 40, 64, 16, 0, 0), (17, 24, 96, None, None, 32)):
         sizes, segs = row_chunk_segments(m, chunks, 8)
         starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
         table = _table([replace(sg, wait_mult=progs) for sg in segs], n)
@@ -248,9 +252,15 @@ def scenario_norm_fold() -> None:
                 stats = torch.full((m, 2), float("nan"))
                 ready = torch.zeros(chunks, dtype=torch.int32)
                 ew = ErrorWord("cpu", what="fold")
-                launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=torch.ones(chunks, dtype=torch.int32),
-                                   ready=ready, err=ew.word, epoch=1, rank=rank, world=world, programs=progs,
-                                   residual=res, norm=kind, stats=stats, block_k=block_k, rows=4, eps=eps)
+                plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=torch.ones(chunks, dtype=torch.int32),
+                                  ready=ready, err=ew.word, rank=rank, world=world, programs=progs,
+                                  residual=res, norm=kind, stats=stats, block_k=block_k, rows=4, eps=eps,
+                                  segment=seg)
+                assert (plan.seg is None) == (seg_taken == 0), (k, seg, plan.seg)
+                if seg_taken:
+                    assert plan.seg.numel() == 2 * m * (k // seg_taken)
+                plan.launch(parts[rank], recv, h, epoch=1, residual=res, stats=stats)
+                assert ready.tolist() == [progs] * chunks, ready
                 h_ref = ((parts[0].float() + parts[1].float()).to(dt).float() + res.float()).to(dt)
                 assert torch.equal(h, h_ref), (m, k, dt, kind)
                 hf = h_ref.double()
@@ -276,6 +286,44 @@ def scenario_norm_fold() -> None:
                 e_ref = _rel(y64.to(dt).double() @ b.double(), ref)
                 tol = TOL[dt] + 8 * 2.0 ** -24 * shift
                 assert _rel(c, ref) <= 2 * e_ref + tol, (m, k, dt, shift, kind, _rel(c, ref), e_ref)
+    # segments with the last chunk missing: its rows stay unwritten (h and statistics),
+    # every chunk is still posted, and the timeout names the flag; a bad width is refused
+    m, k = 19, 64
+    sizes, _ = row_chunk_segments(m, chunks, 8)
+    starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    parts = [torch.randn(m, k, generator=g) for _ in range(world)]
+    res = torch.randn(m, k, generator=g)
+    rflags = torch.ones(chunks, dtype=torch.int32)
+    rflags[chunks - 1] = 0
+    h, stats = torch.full((m, k), float("nan")), torch.full((m, 2), float("nan"))
+    ready = torch.zeros(chunks, dtype=torch.int32)
+    ew = ErrorWord("cpu", what="fold")
+    recv = parts[1 - rank].unsqueeze(0).clone()
+    plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,
+                      world=world, programs=1, residual=res, norm="layernorm", stats=stats, max_spins=50)
+    assert plan.seg is not None
+    plan.launch(parts[rank], recv, h, epoch=1, residual=res, stats=stats)
+    done = m - sizes[-1]
+    assert ready.tolist() == [1] * chunks, ready
+    h_ref = (parts[0] + parts[1]) + res
+    assert torch.equal(h[:done], h_ref[:done])
+    torch.testing.assert_close(stats[:done, 0].double(), 1.0 / (h_ref[:done].double().var(1, unbiased=False)
+                                                                + eps).sqrt(), rtol=1e-4, atol=0)
+    assert torch.isnan(h[done:]).all() and torch.isnan(stats[done:]).all(), "rows of a missing chunk were written"
+    try:
+        ew.check()
+    except FlagTimeoutError as e:
+        assert (e.flag_idx, e.expected, e.seen) == (chunks - 1, 1, 0), e
+    else:
+        raise AssertionError("timeout not reported")
+    for bad in (24, 128):
+        try:
+            ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,
+                       world=world, programs=1, residual=res, norm="layernorm", stats=stats, segment=bad)
+        except ValueError as e:
+            assert "segment" in str(e), e
+        else:
+            raise AssertionError(f"segment {bad} accepted")
     # the epilogue's vectors come together and in fp32
     a = torch.randn(16, 32, dtype=torch.float16)
     for rs, cv in ((torch.ones(16, 2), None), (torch.ones(16, 2, dtype=torch.float16), torch.ones(2, 16))):

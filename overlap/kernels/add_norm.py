@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
-           "NORM_KINDS"]
+           "NORM_KINDS", "stats_segment"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
 
@@ -164,14 +164,81 @@ def _store_stats(stats_ptr, rows, rmask, rstd, shift):
     tl.store(p + 1, shift, mask=rmask)
 
 
+@triton.jit
+def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
+              HAS_RES: tl.constexpr, WORLD: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+              SUB: tl.constexpr, SEG: tl.constexpr, dt: tl.constexpr, STREAM: tl.constexpr,
+              ASM_STORE: tl.constexpr):
+    """Rows [rb, min(rb + ROWS, r1)): h summed and stored, and each segment's mean and
+    sum of squared deviations (LayerNorm; RMSNorm: 0 and the sum of squares) stored
+    to seg [2, M, n_seg]. The rows are contiguous, so they are taken flat, SUB
+    segments of SEG columns at a time, one segment per tensor row: a segment lies in
+    one warp, its sums need no barrier, and the warps run on independently."""
+    g_end = tl.minimum(rb + ROWS, r1) * n_seg
+    j = tl.arange(0, SUB)
+    for s0 in range(rb * n_seg, g_end, SUB):
+        g = s0 + j
+        ok = g < g_end
+        m = ok[:, None]
+        off2 = tl.cast(s0, tl.int64) * SEG + ((j * SEG)[:, None] + tl.arange(0, SEG)[None, :])
+        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM)
+        tl.store(h_ptr + off2, hv, mask=m)
+        hf = hv.to(tl.float32)
+        if NORM == 1:
+            smean = tl.sum(hf, axis=1) / SEG
+            d = hf - smean[:, None]
+            sm2 = tl.sum(d * d, axis=1)
+        else:
+            smean = tl.zeros((SUB,), dtype=tl.float32)
+            sm2 = tl.sum(hf * hf, axis=1)
+        _store_in_place(seg_ptr + g, smean, ok, ASM_STORE)
+        _store_in_place(seg_ptr + seg_plane + g, sm2, ok, ASM_STORE)
+
+
+@triton.jit
+def _store_in_place(ptrs, vals, mask, ASM_STORE: tl.constexpr):
+    """Store fp32 ``vals`` from the layout they are in. A warp's sums sit in every lane
+    of the warp; tl.store would first move them to a layout of its own, through shared
+    memory and barriers that hold all warps in step. ASM_STORE (not under the
+    interpreter): one st.global per lane, the lanes of a warp writing the same word."""
+    if ASM_STORE:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,f,r", [ptrs.to(tl.uint64, bitcast=True), vals, mask.to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, vals, mask=mask)
+
+
+@triton.jit
+def _seg_merge(seg_ptr, stats_ptr, rows, rmask, K, n_seg, seg_plane, eps,
+               SEG: tl.constexpr, NSEG_P2: tl.constexpr, ASM_STORE: tl.constexpr):
+    """The folded norm's statistics of ``rows`` from their segments' (Chan et al.'s
+    pairwise merge for equal counts: the mean of the means, the squared deviations
+    plus SEG times the means' squared deviations from the mean)."""
+    s = tl.arange(0, NSEG_P2)
+    mm = rmask[:, None] & (s < n_seg)[None, :]
+    off = rows.to(tl.int64)[:, None] * n_seg + s[None, :]
+    means = tl.load(seg_ptr + off, mask=mm, other=0.0)
+    m2s = tl.load(seg_ptr + seg_plane + off, mask=mm, other=0.0)
+    mean = tl.sum(means, axis=1) / n_seg
+    dm = tl.where(mm, means - mean[:, None], 0.0)
+    m2 = tl.sum(m2s, axis=1) + SEG * tl.sum(dm * dm, axis=1)
+    rstd = 1.0 / tl.sqrt(m2 / K + eps)
+    p = stats_ptr + rows.to(tl.int64) * 2
+    _store_in_place(p, rstd, rmask, ASM_STORE)
+    _store_in_place(p + 1, mean * rstd, rmask, ASM_STORE)
+
+
 @triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
-                       rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr,
+                       rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr, seg_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
-                       STREAM: tl.constexpr = False):
+                       STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
+                       MERGE_ROWS: tl.constexpr = 1):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -188,7 +255,16 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     FOLD (with a norm): no y. Each row's rstd and mean * rstd (0 for RMSNorm) go to
     stats [M, 2] fp32 for a GEMM that applies the norm in its epilogue (its B holding
     the norm's weight, ``overlap.kernels.norm_fold``); the K-blocked path then skips
-    its output pass."""
+    its output pass.
+
+    SEG > 0 (FOLD only; SEG divides K and BLOCK_K): the statistics come in two steps
+    that take no barrier per row block. Each block is cut into segments of SEG
+    columns, one warp's worth; each segment's mean and squared deviations go to
+    seg [2, M, K / SEG] fp32. After its last block of a chunk the program merges
+    the segments of its own rows, MERGE_ROWS rows at a time (NSEG_P2: K / SEG to the
+    next power of two). The block-wide sums of the whole-row path hold every warp
+    at a barrier per block, which left the loads idle: at 16384 x 8192 with the
+    residual they nearly doubled the kernel's time."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -212,7 +288,21 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
             if ok != 0:
                 ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
                            max_spins, USE_TIMER, FENCE_ASYNC)
-        if ok != 0:
+        if SEG > 0:
+            if ok != 0:
+                n_seg = K // SEG
+                seg_plane = n_seg * (slot_stride // K)  # slot_stride is M * K
+                for rb in range(r0 + pid * ROWS, r1, G * ROWS):
+                    _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
+                              HAS_RES, WORLD, NORM, ROWS, ROWS * BLOCK_K // SEG, SEG, dt, STREAM, FENCE_ASYNC)
+                # this program's segment sums precede its reads of them
+                tl.debug_barrier()
+                q = tl.arange(0, MERGE_ROWS)
+                for rb in range(r0 + pid * ROWS, r1, G * MERGE_ROWS):
+                    rows = rb + (q // ROWS) * (G * ROWS) + q % ROWS
+                    _seg_merge(seg_ptr, stats_ptr, rows, rows < r1, K, n_seg, seg_plane, eps, SEG, NSEG_P2,
+                               FENCE_ASYNC)
+        elif ok != 0:
             for rb in range(r0 + pid * ROWS, r1, G * ROWS):
                 rows = rb + rofs
                 rmask = rows < r1
@@ -310,7 +400,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       stats: Any = None, stream_loads: bool = False) -> None:
+                       stats: Any = None, stream_loads: bool = False, segment: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -322,12 +412,15 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
     consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
     ``stream_loads``: the partials and the residual are loaded past L1 (read once).
+    ``segment``: with ``stats``, the width of the segments the statistics are summed
+    over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
+    block_k)``, 0 takes the whole-row statistics.
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads)
+                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -342,7 +435,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False) -> None:
+                 stream_loads: bool = False, segment: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -381,6 +474,16 @@ class ReducePlan:
         block_k = block_k or d_block
         rows = rows or d_rows
         num_warps = num_warps or d_warps
+        seg = 0
+        if stats is not None:
+            seg = stats_segment(K, block_k) if segment is None else int(segment)
+            if seg and (seg & (seg - 1) or K % seg or block_k % seg):
+                raise ValueError(f"segment {seg} must be a power of two dividing K={K} and block_k={block_k}")
+        n_seg_p2 = triton.next_power_of_2(K // seg) if seg else 1
+        # merge batches of about 8 values per thread per plane, whole row blocks each
+        merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
+        # the segments' sums: [2, M, K / seg] fp32, the plan's own scratch
+        self.seg = _alloc_like(x, 2 * m * (K // seg)) if seg else None
         interp = interpreting()
         self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats = (
             residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
@@ -390,11 +493,12 @@ class ReducePlan:
         self.programs = max(1, int(programs))
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                    EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp)
+                    EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
-                   stats if stats is not None else starts)
+                   stats if stats is not None else starts, self.seg if seg else starts)
         # what Triton specializes on: constexprs, dtypes, K and the slot stride
         key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
         self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
@@ -407,8 +511,29 @@ class ReducePlan:
         ops = (x, recv, residual if residual is not None else x, h, y if y is not None else h,
                weight if weight is not None else x, bias if bias is not None else x)
         st = stats if stats is not None else self.fixed[3]
-        self.prepared.launch(self.programs, (*ops, *self.fixed, st, *self.scalars, int(epoch), *self.tail),
-                             aligned=(*ops, st))
+        seg = self.seg if self.seg is not None else self.fixed[3]
+        self.prepared.launch(self.programs, (*ops, *self.fixed, st, seg, *self.scalars, int(epoch), *self.tail),
+                             aligned=(*ops, st, seg))
+
+
+def stats_segment(K: int, block_k: int) -> int:
+    """The segment width the reduce kernel sums a folded norm's statistics over: the
+    largest power of two up to 256 (a warp's 16-byte loads of bf16) that divides K
+    and ``block_k``; 0 (whole-row statistics) below 16."""
+    seg = 256
+    while seg >= 16 and (K % seg or block_k % seg):
+        seg //= 2
+    return seg if seg >= 16 else 0
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, int(n).bit_length() - 1)
+
+
+def _alloc_like(x: Any, n: int) -> Any:
+    import torch
+
+    return torch.empty(n, dtype=torch.float32, device=x.device)
 
 
 _reduce_launcher = CachedLauncher(reduce_norm_kernel)
