@@ -142,6 +142,22 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
             rv = tl.load(res_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
         else:
             rv = tl.load(res_ptr + off2, mask=m, other=0.0)
+    if WORLD == 2:
+        # two terms: an add in the tensors' own type rounds the exact sum once, as the
+        # fp32 sum rounded does (exact in fp32 unless one term is below half an ulp of
+        # the other), and the same either way round. On sm_90 that is one packed
+        # instruction per two elements (HADD2.BF16), where the fp32 path spent about
+        # five per element on unpacking, adding and rounding
+        if STREAM:
+            xv = tl.load(x_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+            pv = tl.load(recv_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            xv = tl.load(x_ptr + off2, mask=m, other=0.0)
+            pv = tl.load(recv_ptr + off2, mask=m, other=0.0)
+        hv = (xv + pv).to(dt)
+        if HAS_RES:
+            hv = (hv + rv.to(dt)).to(dt)
+        return hv
     tot = tl.zeros(off2.shape, dtype=tl.float32)
     for r in tl.static_range(WORLD):  # unrolled: the loads do not wait for the adds
         slot = (r - rank - 1 + WORLD) % WORLD
@@ -450,6 +466,9 @@ class ReducePlan:
                         ("weight", weight), ("bias", bias), ("stats", stats)):
             if t is not None and not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
+        for name, t in (("recv", recv), ("h", h), ("residual", residual), ("y", y)):
+            if t is not None and t.dtype != x.dtype:
+                raise ValueError(f"{name} is {t.dtype}, x is {x.dtype}: the kernel takes one dtype")
         if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
             raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
         n_chunks = starts.numel() - 1
