@@ -8,8 +8,7 @@ sum alone, with the residual, with residual and LayerNorm, and with the LayerNor
 into the consumer GEMM (row statistics written instead of y: from whole rows, or
 summed over 256-column segments and merged, ``segment``); loads through L1 or
 streamed past it; and the residual placed off the other tensors' alignment.
-``--quick``: the default block shape, the shared reduce's small programs and two
-shapes of the pipelined (TMA) kernel only. The op leaves the kernel a few SMs while the
+``--quick``: the default block shape and the shared reduce's small programs only. The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
 """
 
@@ -56,26 +55,20 @@ def main() -> None:
              ("add+ln", True, True, False, None), ("add+ln fold rows", True, True, True, 0),
              ("add+ln fold segs", True, True, True, None))
     # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
-    # and pipelined: the TMA kernel, (None, rows, warps) its boxes' rows and its warps
-    variants = ((None, False, False), (None, True, False), ((None, 2, 16), False, False),
-                ((None, 2, 16), True, False), ((None, 1, 16), True, False), ((None, 1, 8), True, False),
-                ((4096, 8, 16), True, False), ((2048, 2, 4), False, False), ((None, 32, 8), False, True),
-                ((None, 32, 4), False, True), ((None, 16, 8), False, True))
-    if args.quick:  # the default shape, the shared reduce's small programs (overlap.ops.all_reduce), TMA
-        variants = ((None, False, False), ((2048, 2, 4), False, False), ((None, 32, 8), False, True),
-                    ((None, 32, 4), False, True))
+    variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
+                ((None, 1, 8), True), ((4096, 8, 16), True), ((2048, 2, 4), False))
+    if args.quick:  # the default shape, and the shared reduce's small programs (overlap.ops.all_reduce)
+        variants = ((None, False), ((2048, 2, 4), False))
     # the residual 1 MB + 4 KB away from the partials' and h's alignment (DRAM and L2 slice spread)
     res_off = torch.empty(m * k + (1 << 19) + 2048, device=dev, dtype=dt)[(1 << 19) + 2048:].view(m, k)
     res_off.copy_(res)
     for name, with_res, ln, folded, segment in modes:
         tensors = (world + (1 if with_res else 0)) * m * k * 2 + m * k * 2  # partials (+ residual) read, h written
         moved = tensors + (m * k * 2 if ln and not folded else 0)
-        # the TMA kernel writes no normed rows, and its statistics are always from segments
-        runs = [(shape, stream, res, piped) for shape, stream, piped in variants
-                if not piped or not ln or (folded and segment is None)]
+        runs = [(shape, stream, res) for shape, stream in variants]
         if with_res and not args.quick:
-            runs.append((None, True, res_off, False))
-        for shape, stream, r_t, piped in runs:
+            runs.append((None, True, res_off))
+        for shape, stream, r_t in runs:
             bk, rows, nw = shape if shape is not None else (None, None, None)
             for programs in args.programs:
                 ready = torch.zeros(chunks, dtype=torch.int32, device=dev)
@@ -88,10 +81,9 @@ def main() -> None:
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
                                        num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
-                                       segment=segment if folded and not piped else None, pipelined=piped)
+                                       segment=segment if folded else None)
 
-                label = (f"{name:16s} {'tma  ' if piped else 'block'} {str(shape or 'default'):15s} "
-                         f"{'streamed' if stream else 'cached  '}"
+                label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")
                 try:
                     for _ in range(3):

@@ -147,8 +147,8 @@ def scenario_reduce_norm() -> None:
     m, chunks, programs = 23, 3, 4
     sizes, _ = row_chunk_segments(m, chunks, 8)
     starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    # K = 40: masked columns; K = 32, 48: the block is exactly K (and the pipelined kernel runs)
-    for world, rank, k in ((2, 0, 40), (3, 1, 48), (4, 3, 40), (2, 1, 32), (4, 2, 32)):
+    # K = 40: a row block in registers with masked columns; K = 32: the block is exactly K
+    for world, rank, k in ((2, 0, 40), (3, 1, 40), (4, 3, 40), (2, 1, 32)):
         for dt in (torch.float32, torch.float16):
             for kind, with_res in ((None, False), (None, True), ("layernorm", True), ("rmsnorm", False)):
                 parts = [(torch.randn(m, k, generator=g) * (r + 1)).to(dt) for r in range(world)]
@@ -162,12 +162,8 @@ def scenario_reduce_norm() -> None:
                 stride = chunks + 2  # each sender owns a fixed run of flags, longer than this call's chunking
                 rflags = torch.full(((world - 1) * stride,), 4, dtype=torch.int32)
                 # one program with 4-row blocks: several blocks per chunk, the last one ragged
-                # pipelined: the TMA kernel (no norm: the normed rows take the other kernel)
-                runs = [(False, 16, programs, False), (False, None, programs, False), (False, None, 1, False),
-                        (True, 16, 1, False), (True, None, 1, False)]
-                if kind is None and k % 16 == 0:
-                    runs += [(False, None, programs, True), (True, None, 1, True)]
-                for missing, block_k, progs, piped in runs:
+                for missing, block_k, progs in ((False, 16, programs), (False, None, programs), (False, None, 1),
+                                                (True, 16, 1), (True, None, 1)):
                     rflags.fill_(5)
                     late_slot = push_slot((rank + 1) % world, rank, world)
                     if missing:
@@ -181,8 +177,7 @@ def scenario_reduce_norm() -> None:
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
-                                       y=y, max_spins=50, block_k=None if piped else block_k, rows=4,
-                                       flag_stride=stride, pipelined=piped)
+                                       y=y, max_spins=50, block_k=block_k, rows=4, flag_stride=stride)
                     assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
                     tot = torch.zeros(m, k)
                     for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank
@@ -237,11 +232,9 @@ def scenario_norm_fold() -> None:
     # (m, n, k, block_k, segment, segment the plan takes). K = 40: whole-row statistics
     # (no segment width divides it), a row block in registers with masked columns;
     # K = 64 in 16-column segments, and in 16-column blocks with merged statistics
-    # (segment=0); K = 96 in 32-column segments, 3 to a row (a masked merge); the
-    # pipelined (TMA) kernel at K = 64 (one segment a row) and K = 96
-    for (m, n, k, block_k, seg, seg_taken, piped) in (
-            (21, 24, 40, None, None, 0, False), (19, 40, 64, 16, None, 16, False), (19, 40, 64, 16, 0, 0, False),
-            (17, 24, 96, None, None, 32, False), (19, 40, 64, None, None, 64, True), (17, 24, 96, None, None, 32, True)):
+    # (segment=0); K = 96 in 32-column segments, 3 to a row (a masked merge)
+    for (m, n, k, block_k, seg, seg_taken) in ((21, 24, 40, None, None, 0), (19, 40, 64, 16, None, 16),
+                                               (19, 40, 64, 16, 0, 0), (17, 24, 96, None, None, 32)):
         sizes, segs = row_chunk_segments(m, chunks, 8)
         starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
         table = _table([replace(sg, wait_mult=progs) for sg in segs], n)
@@ -262,8 +255,7 @@ def scenario_norm_fold() -> None:
                 plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=torch.ones(chunks, dtype=torch.int32),
                                   ready=ready, err=ew.word, rank=rank, world=world, programs=progs,
                                   residual=res, norm=kind, stats=stats, block_k=block_k, rows=4, eps=eps,
-                                  segment=seg, pipelined=piped)
-                assert plan.tma == piped
+                                  segment=seg)
                 assert (plan.seg is None) == (seg_taken == 0), (k, seg, plan.seg)
                 if seg_taken:
                     assert plan.seg.numel() == 2 * m * (k // seg_taken)
@@ -301,31 +293,29 @@ def scenario_norm_fold() -> None:
     starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
     parts = [torch.randn(m, k, generator=g) for _ in range(world)]
     res = torch.randn(m, k, generator=g)
-    for piped in (False, True):  # both kernels
-        rflags = torch.ones(chunks, dtype=torch.int32)
-        rflags[chunks - 1] = 0
-        h, stats = torch.full((m, k), float("nan")), torch.full((m, 2), float("nan"))
-        ready = torch.zeros(chunks, dtype=torch.int32)
-        ew = ErrorWord("cpu", what="fold")
-        recv = parts[1 - rank].unsqueeze(0).clone()
-        plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,
-                          world=world, programs=1, residual=res, norm="layernorm", stats=stats, max_spins=50,
-                          pipelined=piped)
-        assert plan.seg is not None
-        plan.launch(parts[rank], recv, h, epoch=1, residual=res, stats=stats)
-        done = m - sizes[-1]
-        assert ready.tolist() == [1] * chunks, ready
-        h_ref = (parts[0] + parts[1]) + res
-        assert torch.equal(h[:done], h_ref[:done])
-        torch.testing.assert_close(stats[:done, 0].double(), 1.0 / (h_ref[:done].double().var(1, unbiased=False)
-                                                                    + eps).sqrt(), rtol=1e-4, atol=0)
-        assert torch.isnan(h[done:]).all() and torch.isnan(stats[done:]).all(), "rows of a missing chunk were written"
-        try:
-            ew.check()
-        except FlagTimeoutError as e:
-            assert (e.flag_idx, e.expected, e.seen) == (chunks - 1, 1, 0), e
-        else:
-            raise AssertionError("timeout not reported")
+    rflags = torch.ones(chunks, dtype=torch.int32)
+    rflags[chunks - 1] = 0
+    h, stats = torch.full((m, k), float("nan")), torch.full((m, 2), float("nan"))
+    ready = torch.zeros(chunks, dtype=torch.int32)
+    ew = ErrorWord("cpu", what="fold")
+    recv = parts[1 - rank].unsqueeze(0).clone()
+    plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,
+                      world=world, programs=1, residual=res, norm="layernorm", stats=stats, max_spins=50)
+    assert plan.seg is not None
+    plan.launch(parts[rank], recv, h, epoch=1, residual=res, stats=stats)
+    done = m - sizes[-1]
+    assert ready.tolist() == [1] * chunks, ready
+    h_ref = (parts[0] + parts[1]) + res
+    assert torch.equal(h[:done], h_ref[:done])
+    torch.testing.assert_close(stats[:done, 0].double(), 1.0 / (h_ref[:done].double().var(1, unbiased=False)
+                                                                + eps).sqrt(), rtol=1e-4, atol=0)
+    assert torch.isnan(h[done:]).all() and torch.isnan(stats[done:]).all(), "rows of a missing chunk were written"
+    try:
+        ew.check()
+    except FlagTimeoutError as e:
+        assert (e.flag_idx, e.expected, e.seen) == (chunks - 1, 1, 0), e
+    else:
+        raise AssertionError("timeout not reported")
     for bad in (24, 128):
         try:
             ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,

@@ -25,8 +25,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
-__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "reduce_tma_kernel", "launch_reduce_norm",
-           "ReducePlan", "NORM_KINDS", "stats_segment"]
+__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
+           "NORM_KINDS", "stats_segment"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
 
@@ -398,83 +398,6 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
-def reduce_tma_kernel(x_desc, p_desc, r_desc, h_ptr, stats_ptr, seg_ptr, rflags_ptr, ready_ptr, err_ptr, starts_ptr,
-                      M, K, eps, n_chunks, flag_stride, epoch, rank, timeout_ns, max_spins,
-                      WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, R: tl.constexpr,
-                      SEG: tl.constexpr, STAGES: tl.constexpr, NSEG_P2: tl.constexpr, MERGE_ROWS: tl.constexpr,
-                      USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
-    """``reduce_norm_kernel`` without normed rows (none, or a folded norm's statistics),
-    its loads as TMA boxes of [R, SEG] that Triton's software pipeline keeps STAGES
-    deep in shared memory: the bytes in flight per SM no longer wait on registers
-    (one program of 16 warps held about 100 GB/s per SM). ``p_desc`` views the
-    peers' slots as [(WORLD - 1) * M, K]. Per chunk, after the peers' flags: the
-    program's row blocks (pid, pid + G, ...) x the K segments, h summed (in its own
-    type at two ranks, as ``_sum_parts``), the residual added, h stored, and with a
-    norm each segment's mean and squared deviations (``_seg_rows``), merged once the
-    chunk's blocks are done (``_seg_merge``); then the chunk's release add. A box
-    reaching past the chunk reads rows it does not store (past M, TMA reads zeros);
-    the loads of a chunk are issued after its waits, and the pipeline drains at the
-    chunk's end, so no load reads a chunk before its flag."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    dt = h_ptr.dtype.element_ty
-    n_seg = K // SEG
-    seg_plane = n_seg * M
-    cols = tl.arange(0, SEG)
-    for c in range(n_chunks):
-        r0 = tl.load(starts_ptr + c)
-        r1 = tl.load(starts_ptr + c + 1)
-        ok = 1
-        if tl.load(err_ptr, volatile=True) != 0:
-            ok = 0
-        for s in range(WORLD - 1):
-            if ok != 0:
-                ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
-                           max_spins, USE_TIMER, FENCE_ASYNC)
-        if ok != 0:
-            mine = tl.maximum((r1 - r0 + R - 1) // R - pid + G - 1, 0) // G  # this program's row blocks
-            for t in tl.range(0, mine * n_seg, num_stages=STAGES):
-                rb = r0 + (pid + (t // n_seg) * G) * R
-                k0 = (t % n_seg) * SEG
-                xv = x_desc.load([rb, k0])
-                if WORLD == 2:  # one rounding of the two terms' exact sum (see _sum_parts)
-                    hv = (xv + p_desc.load([rb, k0])).to(dt)
-                else:
-                    tot = tl.zeros((R, SEG), dtype=tl.float32)
-                    for r in tl.static_range(WORLD):  # rank order; this rank's slot index reads past the view: zeros
-                        slot = (r - rank - 1 + WORLD) % WORLD
-                        pv = p_desc.load([slot * M + rb, k0]).to(tl.float32)
-                        tot += tl.where(r == rank, xv.to(tl.float32), pv)
-                    hv = tot.to(dt)
-                if HAS_RES:
-                    hv = (hv + r_desc.load([rb, k0])).to(dt)
-                rows = rb + tl.arange(0, R)
-                rok = rows < r1
-                tl.store(h_ptr + rows.to(tl.int64)[:, None] * K + (k0 + cols)[None, :], hv, mask=rok[:, None])
-                if NORM != 0:
-                    hf = hv.to(tl.float32)
-                    if NORM == 1:
-                        smean = tl.sum(hf, axis=1) / SEG
-                        d = hf - smean[:, None]
-                        sm2 = tl.sum(d * d, axis=1)
-                    else:
-                        smean = tl.zeros((R,), dtype=tl.float32)
-                        sm2 = tl.sum(hf * hf, axis=1)
-                    sidx = rows.to(tl.int64) * n_seg + t % n_seg
-                    _store_in_place(seg_ptr + sidx, smean, rok, FENCE_ASYNC)
-                    _store_in_place(seg_ptr + seg_plane + sidx, sm2, rok, FENCE_ASYNC)
-            if NORM != 0:
-                tl.debug_barrier()  # this program's segment sums precede its reads of them
-                q = tl.arange(0, MERGE_ROWS)
-                for rb in range(r0 + pid * R, r1, G * MERGE_ROWS):
-                    rows = rb + (q // R) * (G * R) + q % R
-                    _seg_merge(seg_ptr, stats_ptr, rows, rows < r1, K, n_seg, seg_plane, eps, SEG, NSEG_P2,
-                               FENCE_ASYNC)
-        tl.debug_barrier()
-        tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
-
-
 def reduce_block_shape(K: int, block_k: int | None = None, split: bool = False) -> tuple[int, int, int]:
     """(BLOCK_K, ROWS, num_warps) the reduce kernel takes by default for rows of K columns
     (``block_k`` given: the rows and warps for it). Up to 8192 columns (4096 with
@@ -493,8 +416,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       stats: Any = None, stream_loads: bool = False, segment: int | None = None,
-                       pipelined: bool = False) -> None:
+                       stats: Any = None, stream_loads: bool = False, segment: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -509,16 +431,12 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     ``segment``: with ``stats``, the width of the segments the statistics are summed
     over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
     block_k)``, 0 takes the whole-row statistics.
-    ``pipelined``: ``reduce_tma_kernel`` instead (no norm, or a folded one; ``rows``
-    and ``num_warps`` then shape its boxes, ``block_k``, ``segment`` and
-    ``stream_loads`` do not apply).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
-                      pipelined=pipelined)
+                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -533,7 +451,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, pipelined: bool = False) -> None:
+                 stream_loads: bool = False, segment: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -570,13 +488,6 @@ class ReducePlan:
         # programs: 0.699 ms against 0.984 for 4 whole rows (bench_reduce_norm, 0a6c191 and
         # 94a86b9). With a norm the whole rows stay faster (y: 1.415 against 1.600; folded
         # statistics: 1.234 against 1.391, 0a6c191)
-        self.tma = bool(pipelined)
-        if self.tma:
-            self._init_tma(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
-                           programs=programs, residual=residual, norm=norm, y=y, eps=eps, n_chunks=n_chunks,
-                           flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins,
-                           num_warps=num_warps, rows=rows, stats=stats)
-            return
         split = residual is not None and norm is None
         d_block, d_rows, d_warps = reduce_block_shape(K, block_k, split)
         block_k = block_k or d_block
@@ -611,62 +522,11 @@ class ReducePlan:
         key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
         self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
 
-    def _init_tma(self, x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any, rank: int,
-                  world: int, programs: int, residual: Any, norm: str | None, y: Any, eps: float, n_chunks: int,
-                  flag_stride: int, timeout_ns: int, max_spins: int, num_warps: int | None, rows: int | None,
-                  stats: Any) -> None:
-        """``reduce_tma_kernel``: boxes of [rows, seg] (seg: ``stats_segment(K, 256)``),
-        4 stages; by default 32 rows at two ranks (3 boxes a stage: 144 KB of shared
-        memory in the 3 buffers), fewer above (a box per rank), and 8 warps."""
-        m, K = x.shape
-        if norm is not None and stats is None:
-            raise ValueError("pipelined takes no norm or a folded one (stats): the normed rows need whole-row "
-                             "statistics first")
-        seg = stats_segment(K, 256)
-        if not seg:
-            raise ValueError(f"pipelined needs K a multiple of 16, got {K}")
-        boxes = 1 + (1 if residual is not None else 0) + (1 if world == 2 else world)
-        if rows is None:
-            rows = 32
-            while rows > 8 and boxes * rows * seg * x.element_size() * 3 > 150 * 1024:
-                rows //= 2
-        num_warps = num_warps or 8
-        n_seg_p2 = triton.next_power_of_2(K // seg)
-        merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
-        self.seg = _alloc_like(x, 2 * m * (K // seg)) if norm is not None else None
-        self.box = [rows, seg]
-        self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats = (
-            residual is not None, False, False, False, stats is not None)
-        self.fixed = (rflags, ready, err, starts)
-        self.scalars = (m, K, float(eps), n_chunks, flag_stride)
-        self.tail = (int(rank), int(timeout_ns), int(max_spins))
-        self.programs = max(1, int(programs))
-        interp = interpreting()
-        meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], R=rows, SEG=seg,
-                    STAGES=4, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, USE_TIMER=not interp, FENCE_ASYNC=not interp)
-        key = (tuple(meta.values()), x.dtype, K, m)
-        self.prepared = _tma_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
-
-    def _launch_tma(self, x: Any, recv: Any, h: Any, epoch: int, residual: Any, stats: Any) -> None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        m, K = x.shape
-        peers = recv.reshape(-1, K)
-        res = residual if residual is not None else x
-        descs = tuple(TensorDescriptor(t, list(t.shape), [K, 1], self.box) for t in (x, peers, res))
-        st = stats if stats is not None else self.fixed[3]
-        seg = self.seg if self.seg is not None else self.fixed[3]
-        self.prepared.launch(self.programs, (*descs, h, st, seg, *self.fixed, *self.scalars, int(epoch), *self.tail),
-                             aligned=(x, recv, res, h, st, seg))
-
     def launch(self, x: Any, recv: Any, h: Any, *, epoch: int, residual: Any = None, weight: Any = None,
                bias: Any = None, y: Any = None, stats: Any = None) -> None:
         if ((residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
                 != (self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats)):
             raise ValueError("residual, y, weight, bias and stats must be given as when the plan was made")
-        if self.tma:
-            self._launch_tma(x, recv, h, epoch, residual, stats)
-            return
         ops = (x, recv, residual if residual is not None else x, h, y if y is not None else h,
                weight if weight is not None else x, bias if bias is not None else x)
         st = stats if stats is not None else self.fixed[3]
@@ -696,4 +556,3 @@ def _alloc_like(x: Any, n: int) -> Any:
 
 
 _reduce_launcher = CachedLauncher(reduce_norm_kernel)
-_tma_launcher = CachedLauncher(reduce_tma_kernel)

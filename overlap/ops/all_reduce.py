@@ -338,14 +338,6 @@ def shared_reduce_shape(k: int) -> dict[str, int]:
     return dict(block_k=block_k, rows=max(1, min(8, 4096 // block_k)), num_warps=4)
 
 
-def reduce_pipelined(k: int, shared: bool, normed_rows: bool) -> bool:
-    """Whether the p2p reduce kernel is the TMA-pipelined one (``reduce_tma_kernel``):
-    on SMs of its own, with no normed rows to write (none, or a folded norm), and K a
-    multiple of 16. Beside the GEMM (``reduce_shared``) the small register programs
-    stay: the pipeline's 147 KB of shared memory do not fit next to a GEMM program."""
-    return not shared and not normed_rows and k % 16 == 0
-
-
 def _default_chunks(m: int) -> int:
     return max(1, min(4, m // 2048))
 
@@ -629,7 +621,6 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-            pipelined=reduce_pipelined(k, p.reduce_shared, norm is not None and not fold),
             **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
