@@ -232,9 +232,12 @@ def scenario_norm_fold() -> None:
     # (m, n, k, block_k, segment, segment the plan takes). K = 40: whole-row statistics
     # (no segment width divides it), a row block in registers with masked columns;
     # K = 64 in 16-column segments, and in 16-column blocks with merged statistics
-    # (segment=0); K = 96 in 32-column segments, 3 to a row (a masked merge)
-    for (m, n, k, block_k, seg, seg_taken) in ((21, 24, 40, None, None, 0), (19, 40, 64, 16, None, 16),
-                                               (19, 40, 64, 16, 0, 0), (17, 24, 96, None, None, 32)):
+    # (segment=0); K = 96 in 32-column segments, 3 to a row (a masked merge); K = 512
+    # in the width the plan picks (8 warps, 4 x 512 blocks: 256), and in segments of
+    # two 256-column pieces
+    for (m, n, k, block_k, seg, seg_taken) in ((21, 24, 40, None, None, 0), (19, 40, 64, 16, 16, 16),
+                                               (19, 40, 64, 16, 0, 0), (17, 24, 96, None, 32, 32),
+                                               (19, 16, 512, None, None, 256), (19, 16, 512, None, 512, 512)):
         sizes, segs = row_chunk_segments(m, chunks, 8)
         starts = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
         table = _table([replace(sg, wait_mult=progs) for sg in segs], n)

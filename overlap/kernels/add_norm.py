@@ -188,25 +188,34 @@ def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane
     """Rows [rb, min(rb + ROWS, r1)): h summed and stored, and each segment's mean and
     sum of squared deviations (LayerNorm; RMSNorm: 0 and the sum of squares) stored
     to seg [2, M, n_seg]. The rows are contiguous, so they are taken flat, SUB
-    segments of SEG columns at a time, one segment per tensor row: a segment lies in
-    one warp, its sums need no barrier, and the warps run on independently."""
+    segments of SEG columns at a time. The block is [T * SUB, INNER] (SEG = T *
+    INNER, INNER up to 256: one warp's 16-byte loads), its tensor row q holding
+    piece q // SUB of segment q % SUB: Triton lays the SUB warps along the rows and
+    repeats them T times, so a segment's T pieces sit in one warp's registers. Its
+    sums are each thread's own adds and one 5-step shuffle tree (a tree per
+    256-column piece took 2.5 instructions per element), and need no barrier: the
+    warps run on independently."""
+    INNER: tl.constexpr = SEG if SEG < 256 else 256
+    T: tl.constexpr = SEG // INNER
     g_end = tl.minimum(rb + ROWS, r1) * n_seg
     j = tl.arange(0, SUB)
+    q = tl.arange(0, T * SUB)
+    within = ((q % SUB) * SEG + (q // SUB) * INNER)[:, None] + tl.arange(0, INNER)[None, :]
     for s0 in range(rb * n_seg, g_end, SUB):
         g = s0 + j
         ok = g < g_end
-        m = ok[:, None]
-        off2 = tl.cast(s0, tl.int64) * SEG + ((j * SEG)[:, None] + tl.arange(0, SEG)[None, :])
+        m = ((s0 + q % SUB) < g_end)[:, None]
+        off2 = tl.cast(s0, tl.int64) * SEG + within
         hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM)
         tl.store(h_ptr + off2, hv, mask=m)
-        hf = hv.to(tl.float32)
+        hf = tl.reshape(hv.to(tl.float32), (T, SUB, INNER))
         if NORM == 1:
-            smean = tl.sum(hf, axis=1) / SEG
-            d = hf - smean[:, None]
-            sm2 = tl.sum(d * d, axis=1)
+            smean = tl.sum(tl.sum(hf, axis=0), axis=1) / SEG
+            d = hf - smean[None, :, None]
+            sm2 = tl.sum(tl.sum(d * d, axis=0), axis=1)
         else:
             smean = tl.zeros((SUB,), dtype=tl.float32)
-            sm2 = tl.sum(hf * hf, axis=1)
+            sm2 = tl.sum(tl.sum(hf * hf, axis=0), axis=1)
         _store_in_place(seg_ptr + g, smean, ok, ASM_STORE)
         _store_in_place(seg_ptr + seg_plane + g, sm2, ok, ASM_STORE)
 
@@ -430,7 +439,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     ``stream_loads``: the partials and the residual are loaded past L1 (read once).
     ``segment``: with ``stats``, the width of the segments the statistics are summed
     over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
-    block_k)``, 0 takes the whole-row statistics.
+    rows * block_k, num_warps)``, 0 takes the whole-row statistics.
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
@@ -495,9 +504,10 @@ class ReducePlan:
         num_warps = num_warps or d_warps
         seg = 0
         if stats is not None:
-            seg = stats_segment(K, block_k) if segment is None else int(segment)
-            if seg and (seg & (seg - 1) or K % seg or block_k % seg):
-                raise ValueError(f"segment {seg} must be a power of two dividing K={K} and block_k={block_k}")
+            seg = stats_segment(K, rows * block_k, num_warps) if segment is None else int(segment)
+            if seg and (seg & (seg - 1) or K % seg or (rows * block_k) % seg):
+                raise ValueError(f"segment {seg} must be a power of two dividing K={K} and the block's "
+                                 f"{rows} x {block_k} elements")
         n_seg_p2 = triton.next_power_of_2(K // seg) if seg else 1
         # merge batches of about 8 values per thread per plane, whole row blocks each
         merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
@@ -535,12 +545,13 @@ class ReducePlan:
                              aligned=(*ops, st, seg))
 
 
-def stats_segment(K: int, block_k: int) -> int:
+def stats_segment(K: int, block: int, num_warps: int) -> int:
     """The segment width the reduce kernel sums a folded norm's statistics over: the
-    largest power of two up to 256 (a warp's 16-byte loads of bf16) that divides K
-    and ``block_k``; 0 (whole-row statistics) below 16."""
-    seg = 256
-    while seg >= 16 and (K % seg or block_k % seg):
+    largest power of two up to 2048 that divides K and leaves each of ``num_warps``
+    warps a segment of its own in a block of ``block`` elements (one warp per segment,
+    no barrier; longer segments, fewer shuffle trees); 0 (whole-row statistics) below 16."""
+    seg = 2048
+    while seg >= 16 and (K % seg or block % seg or block // seg < num_warps):
         seg //= 2
     return seg if seg >= 16 else 0
 
