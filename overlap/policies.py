@@ -33,8 +33,6 @@ __all__ = [
     "build_tile_table",
     "split_rows",
     "split_tail",
-    "split_head",
-    "ramp_rows",
     "tail_parts",
     "all_gather_layout",
     "AllGatherLayout",
@@ -113,31 +111,6 @@ def split_tail(table: list[list[int]], tiles: int, parts: int) -> tuple[list[lis
         return table, None
     head = table[:len(table) - tiles]
     return head + [list(r) for r in table[len(table) - tiles:] for _ in range(parts)], len(head)
-
-
-def split_head(table: list[list[int]], tiles: int, parts: int) -> tuple[list[list[int]], int]:
-    """Split the first ``tiles`` rows of ``table`` into ``parts`` K pieces each, as
-    ``split_tail`` does the last (``launch_tile_gemm(split=(start, parts, head_end,
-    head_parts))``). Returns (table, rows of the head: ``tiles * parts``, 0 with nothing
-    to split); rows after the head move down by ``tiles * (parts - 1)``.
-
-    Why: the first rows of an all-reduce land in a small chunk, whose few tiles would
-    leave most of the GPU idle until more rows land; in pieces they spread over it."""
-    tiles = min(max(int(tiles), 0), len(table))
-    if tiles == 0 or parts < 2:
-        return table, 0
-    return [list(r) for r in table[:tiles] for _ in range(parts)] + table[tiles:], tiles * parts
-
-
-def ramp_rows(sizes: list[int], align: int) -> tuple[list[int], int]:
-    """Chunk sizes whose first chunk of ``b`` rows is cut into b/4, b/4, b/2 (rounded to
-    ``align``), so that the first rows land sooner; returns (sizes, chunks of the ramp:
-    3, or 0 where the first chunk is under 4 * ``align`` rows, sizes unchanged)."""
-    if not sizes or sizes[0] < 4 * align:
-        return list(sizes), 0
-    b = sizes[0]
-    q = max(align, (b // 4) // align * align)
-    return [q, q, b - 2 * q] + list(sizes[1:]), 3
 
 
 def tail_parts(tail_tiles: int, sms: int, k_steps: int, max_parts: int) -> int:
@@ -294,16 +267,11 @@ def row_block_segments(m: int, block_m: int, *, wait: "RowSync | TileSync | None
     return segs
 
 
-def row_chunk_segments(m: int, chunks: int, block_m: int, sizes: list[int] | None = None
-                       ) -> tuple[list[int], list[Segment]]:
+def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], list[Segment]]:
     """ChunkSync over the rows of an [m, *] GEMM whose A rows arrive in ``chunks``
     row chunks in order (e.g. a chunked all-reduce): chunk sizes (multiples of
-    ``block_m`` except the last; or ``sizes`` as given) and one segment per chunk,
-    waiting on flags[c]."""
-    if sizes is None:
-        sizes = split_rows(m, chunks, block_m)
-    elif sum(sizes) != m or any(r <= 0 for r in sizes):
-        raise ValueError(f"chunk sizes {sizes} must be positive and sum to {m}")
+    ``block_m`` except the last) and one segment per chunk, waiting on flags[c]."""
+    sizes = split_rows(m, chunks, block_m)
     segs, start = [], 0
     for c, rows in enumerate(sizes):
         segs.append(Segment(a_src=0, a_row=start, c_row=start, rows=rows, wait_idx=c, wait_mult=1))

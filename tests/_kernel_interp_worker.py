@@ -18,7 +18,7 @@ from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_worksp
 from overlap.kernels.add_norm import ReducePlan, launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,
-                              rowsync_chain_tables, split_head, split_tail, tilesync_chain_tables)
+                              rowsync_chain_tables, split_tail, tilesync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 CFG32 = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)  # split tiles need 32 rows
@@ -499,38 +499,6 @@ def scenario_p2p_all_reduce_op() -> None:
                 calls += 1
     assert ar.stats["p2p"] >= calls, ar.stats
     with rt.patched():
-        # the chunks ramped up and the ramp's tiles split (split_head): 1200 rows in 2
-        # chunks of 640 and 560, the first cut into 128, 128 and 384; its 4 + 4 + 12 tiles
-        # (of 32 x 16) in 2 pieces each (the first chunk's 4 tiles on the GEMM's 10 SMs)
-        m2, n2 = 1200, 16
-        for kind, fold, tail in ((None, False, 0), ("layernorm", True, 2)):
-            cfg = OverlapConfig(chunks=2, reduce_ctas=2, fold_norm=fold, check="sync", transport="p2p", gemm=CFG32,
-                                split_tail=tail, split_head=8)
-            p = ar._plan(rt, m2, n2, k, cfg, "p2p")
-            assert p.chunk_rows == (128, 128, 384, 560), p.chunk_rows
-            rows = p.table.shape[0]
-            assert p.split[2:] == (40, 2), p.split
-            # no tail split: the last chunk's 18 tiles already fill more than half the 12 SMs
-            assert p.split[:2] == (rows, 1), p.split
-            assert p.counters == 1 + 20, p.counters
-            b = ((torch.randn(n2, k, generator=g) / k ** 0.5).half()).t()
-            norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(), torch.randn(k, generator=g).half()) \
-                if kind else None
-            for it in range(2):
-                x = torch.randn(m2, k, generator=g).half()
-                peer = torch.randn(m2, k, generator=g).half()
-                res = torch.randn(m2, k, generator=g).half() if kind else None
-                rt.recv("all_reduce_matmul", (1, m2, k), torch.float16)[0].copy_(peer)
-                before = len(rt.pushes)
-                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
-                assert [nb for _, _, nb, _, _ in rt.pushes[before:]] == [r * k * 2 for r in (128, 128, 384, 560)]
-                h_ref = (x.float() + peer.float()).half()
-                if res is not None:
-                    h_ref = (h_ref.float() + res.float()).half()
-                assert torch.equal(h, h_ref), (kind, it)
-                y = _torch_norm(h_ref, kind, norm.weight, norm.bias, norm.eps).half().float() if norm else h_ref.float()
-                assert _rel(c, y.double() @ b.double()) < 1e-2, (kind, it, _rel(c, y.double() @ b.double()))
-    with rt.patched():
         # two-shot: rank 0 reduces rows 0..255 (2 chunks), rank 1 rows 256..299 (the peer's
         # reduced rows, and their statistics, land in the gather buffer)
         for kind, with_res, mode, split in ((None, False, True, 0), ("layernorm", True, True, 2),
@@ -912,8 +880,7 @@ def scenario_split_tail() -> None:
     """Split tiles: the last tiles of a table in K pieces; the last piece of each sums the
     pieces and finishes the tile (epilogue, one post per tile, not per piece). Every
     piece count up to the K steps, partial tiles, both dtypes, the folded-norm epilogue,
-    two launches sharing the table; the first tiles split too (a head, with its own
-    piece count, with and without a tail); and what the launcher refuses."""
+    two launches sharing the table; and what the launcher refuses."""
     from overlap.kernels.norm_fold import fold_norm
 
     cfg = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)
@@ -941,29 +908,6 @@ def scenario_split_tail() -> None:
             assert _rel(c, ref) < TOL[dt], (dt, tiles, parts, _rel(c, ref))
             assert counter[1:].tolist() == [parts] * tiles, counter  # every piece counted once
             assert flags[:3].tolist() == [3, 3, 3], flags  # one post per tile of each row block
-        # a split head (the first tiles, in other piece counts), alone and with a split tail
-        for head, hparts, tail, tparts in ((2, 3, 0, 1), (3, 2, 4, 3), (1, 4, 2, 2)):
-            rows, start = split_tail(base, tail, tparts)
-            rows, head_end = split_head(rows, head, hparts)
-            assert head_end == head * hparts and len(rows) == len(base) + head * (hparts - 1) + tail * (tparts - 1)
-            sp = (start + head_end - head, tparts, head_end, hparts) if start is not None else \
-                (len(rows), 1, head_end, hparts)
-            tab = torch.tensor(rows, dtype=torch.int32)
-            ws = split_workspace(sp, len(rows), cfg, "cpu").fill_(float("nan"))
-            assert ws.numel() == (head * hparts + tail * tparts) * cfg.block_m * cfg.block_n
-            counter = torch.zeros(1 + head + tail, dtype=torch.int32)
-            flags = torch.zeros(8, dtype=torch.int32)
-            c = torch.full((m, n), float("nan"), dtype=dt)
-            for grid in (2, 3):
-                launch_tile_gemm(a, w.t(), c, tab, flags=flags, err=torch.zeros(8, dtype=torch.int32), grid=grid,
-                                 config=cfg, post=True, counter=counter, split=sp, workspace=ws)
-            assert not torch.isnan(c).any(), (dt, head, hparts, tail, "a split tile was not stored")
-            assert _rel(c, ref) < TOL[dt], (dt, head, hparts, tail, _rel(c, ref))
-            assert counter[1:].tolist() == [hparts] * head + [tparts] * tail, counter
-            # every piece had a workspace tile of its own (the programs here run one by
-            # one, so a shared tile would not show in C; on a GPU it would race)
-            assert not torch.isnan(ws).any(), "a workspace tile was never written: pieces shared one"
-            assert flags[:3].tolist() == [3, 3, 3], flags
     # the folded norm's epilogue on the summed pieces
     h = (torch.randn(m, k, generator=g) + 3.0).to(torch.float16)
     wn, bn = torch.randn(k, generator=g).to(torch.float16), torch.randn(k, generator=g).to(torch.float16)
@@ -991,9 +935,7 @@ def scenario_split_tail() -> None:
                      (dict(counter=cnt[:2], workspace=ws, split=(start, 2)), "counter"),
                      (dict(counter=cnt, workspace=ws[:10], split=(start, 2)), "workspace"),
                      (dict(counter=cnt, workspace=ws, split=(start + 1, 2)), "whole number"),
-                     (dict(counter=cnt, workspace=ws, split=(len(rows) - 4, 4), k=16), "steps"),
-                     (dict(counter=cnt, workspace=ws, split=(start, 2, 3, 2)), "head"),
-                     (dict(counter=cnt, workspace=ws, split=(len(rows), 1)), "nothing")):
+                     (dict(counter=cnt, workspace=ws, split=(len(rows) - 4, 4), k=16), "steps")):
         kk = kw.pop("k", k)
         try:
             launch_tile_gemm(a[:, :kk], w.t()[:kk], torch.empty(m, n), tab, grid=1, config=cfg, **kw)

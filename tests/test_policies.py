@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, all_gather_push_layout,
-                              build_tile_table, push_slot, ramp_rows, row_block_segments, row_chunk_segments,
-                              split_head, split_rows, split_tail, tail_parts)
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments, split_rows,
+                              split_tail, tail_parts)
 
 
 @pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
@@ -114,7 +114,7 @@ def test_overlap_config_transport_fields() -> None:
     assert OverlapConfig().margin("nccl") == 4 and OverlapConfig().margin("p2p") == 0
     assert OverlapConfig(sm_margin=7).margin("p2p") == 7
     for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=2000), dict(sm_margin=-1),
-                dict(split_tail=-1), dict(split_tail=65), dict(split_head=-1), dict(split_head=65)):
+                dict(split_tail=-1), dict(split_tail=65)):
         with pytest.raises(ValueError):
             OverlapConfig(**bad)
 
@@ -211,28 +211,6 @@ def test_runtime_transport_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rt.transport(OverlapConfig()) == "nccl"
     with pytest.raises(RuntimeError, match="ranks on 2 hosts"):
         rt.transport(OverlapConfig(transport="p2p"))
-
-
-def test_split_head_repeats_the_first_tiles():
-    table = [[i] * 8 for i in range(5)]
-    out, end = split_head(table, 2, 3)
-    assert end == 6
-    assert [r[0] for r in out] == [0, 0, 0, 1, 1, 1, 2, 3, 4]
-    assert out[0] is not out[1]
-    assert split_head(table, 0, 4) == (table, 0)
-    assert split_head(table, 2, 1) == (table, 0)
-    assert split_head(table, 9, 2)[1] == 10  # at most the whole table
-
-
-def test_ramp_rows_cuts_the_first_chunk():
-    assert ramp_rows([1024, 1024, 1000], 128) == ([256, 256, 512, 1024, 1000], 3)
-    assert ramp_rows([640, 560], 128) == ([128, 128, 384, 560], 3)  # quarters rounded down to the alignment
-    assert ramp_rows([384, 300], 128) == ([384, 300], 0)  # under 4 aligned blocks: unchanged
-    assert ramp_rows([], 128) == ([], 0)
-    sizes, _ = ramp_rows([2048] * 8, 128)
-    assert sum(sizes) == 2048 * 8 and all(r % 128 == 0 for r in sizes)
-    with pytest.raises(ValueError):
-        row_chunk_segments(1000, 2, 128, [500, 400])  # sizes must sum to m
 
 
 def test_split_tail_repeats_the_last_tiles_in_place():

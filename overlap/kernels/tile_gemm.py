@@ -39,13 +39,11 @@ software-pipelined on its own.
 B is read through a TMA descriptor either as [K, N] row-major (``B_KN``) or as
 the [N, K] row-major storage of an ``nn.Linear`` weight (``b = w.t()``; no copy).
 
-With ``SPLIT`` the table's last rows (from ``split_start``) are split tiles,
-``split_parts`` rows in a row per tile (``overlap.policies.split_tail``), and so are its
-first ``head_end`` rows, ``head_parts`` to a tile (``overlap.policies.split_head``):
-piece p runs K steps [p * k / parts, (p + 1) * k / parts), stores its fp32 partial in
-a workspace and counts itself in a counter word after the dispatch word (head tiles'
-words first); the piece that counts last sums the partials in piece order and stores
-(and posts) the tile. No piece waits, so a split tile cannot hang.
+With ``SPLIT`` the table's last rows are split tiles, ``split_parts`` rows in a row per
+tile (``overlap.policies.split_tail``): piece p runs K steps [p * k / parts, (p + 1) * k /
+parts), stores its fp32 partial in a workspace and counts itself in the counter word
+after the dispatch word; the piece that counts last sums the partials in piece order
+and stores (and posts) the tile. No piece waits, so a split tile cannot hang.
 
 With ``NORM_EPI`` the A rows are a residual stream h whose LayerNorm / RMSNorm the
 GEMM applies in its epilogue, B being diag(norm weight) B (``overlap.kernels.norm_fold``):
@@ -144,18 +142,17 @@ def _epilogue(acc, c_ptr, rows, rmask, cols, N, stride_cm, stride_cn, rowstat_pt
 
 
 @triton.jit
-def _split_finish(acc, ws_ptr, cnt_ptr, slot, wrow, piece, parts, c_ptr, c_row, c_rows, cols, N, stride_cm,
-                  stride_cn, rowstat_ptr, colvec_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _split_finish(acc, ws_ptr, cnt_ptr, slot, piece, parts, c_ptr, c_row, c_rows, cols, N, stride_cm, stride_cn,
+                  rowstat_ptr, colvec_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   NORM_EPI: tl.constexpr, ACTIVATION: tl.constexpr, FIX_M: tl.constexpr):
-    """One K piece of a split tile: store its fp32 partial in the workspace (rows wrow..
-    wrow + parts, one per piece) and count it in counter word ``slot``; the piece that
-    counts last sums all ``parts`` partials in piece order (the same bits whichever
-    piece is last) and finishes the tile. Nothing waits, so nothing can hang.
+    """One K piece of a split tile: store its fp32 partial in the workspace and count it;
+    the piece that counts last sums all ``parts`` partials in piece order (the same bits
+    whichever piece is last) and finishes the tile. Nothing waits, so nothing can hang.
     Returns 1 in the program that stored the C tile."""
     tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
     offs_i = tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
-    base = ws_ptr + wrow.to(tl.int64) * tile_elems
+    base = ws_ptr + (slot * parts).to(tl.int64) * tile_elems
     tl.store(base + piece * tile_elems + offs_i[:, None] * BLOCK_N + offs_j[None, :], acc)
     # every thread's partial precedes the barrier; the release by the one thread of the
     # scalar atomic publishes them, its acquire makes the others' visible here
@@ -239,7 +236,7 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
 
 
 @triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx",
-                               "split_start", "split_parts", "head_end", "head_parts"])
+                               "split_start", "split_parts"])
 def tile_gemm_kernel(
     # operands
     a_desc, a2_desc, b_desc, c_ptr,
@@ -251,7 +248,6 @@ def tile_gemm_kernel(
     ws_ptr,
     # sizes and scalars
     N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, split_start, split_parts,
-    head_end, head_parts,
     # strides
     stride_cm, stride_cn,
     # meta
@@ -298,30 +294,18 @@ def tile_gemm_kernel(
             if HAS_A2:
                 if a_src != 0:
                     a_use = a2_desc
-            # a split tile (table rows ..head_end, ``head_parts`` rows per tile, and
-            # split_start.., ``split_parts`` per tile; one row per K piece) runs K steps
-            # [k_lo, k_hi) and leaves a partial sum: its counter slot, and the workspace
-            # row of its piece 0 (head rows first, then the tail's)
+            # a split tile (rows split_start.. of the table, ``split_parts`` rows per tile,
+            # one per K piece) runs K steps [k_lo, k_hi) and leaves a partial sum
             k_lo = 0
             k_hi = k_tiles
             slot = -1
             piece = 0
-            parts = 1
-            wrow = 0
             if SPLIT:
                 if t >= split_start:
-                    parts = split_parts
                     slot = (t - split_start) // split_parts
                     piece = (t - split_start) - slot * split_parts
-                    wrow = head_end + slot * split_parts
-                    slot += head_end // head_parts
-                elif t < head_end:
-                    parts = head_parts
-                    slot = t // head_parts
-                    piece = t - slot * head_parts
-                    wrow = slot * head_parts
-                k_lo = piece * k_tiles // parts
-                k_hi = (piece + 1) * k_tiles // parts
+                    k_lo = piece * k_tiles // split_parts
+                    k_hi = (piece + 1) * k_tiles // split_parts
             done = 1
             if HAS_WAIT & (K_WAIT > 0):
                 if w_idx >= 0:
@@ -339,7 +323,7 @@ def tile_gemm_kernel(
                 stored = 1
                 if SPLIT:
                     if slot >= 0:
-                        stored = _split_finish(acc, ws_ptr, counter_ptr + 1, slot, wrow, piece, parts, c_ptr,
+                        stored = _split_finish(acc, ws_ptr, counter_ptr + 1, slot, piece, split_parts, c_ptr,
                                                c_row, c_rows, cols, N, stride_cm, stride_cn, rowstat_ptr,
                                                colvec_ptr, BLOCK_M, BLOCK_N, NORM_EPI, ACTIVATION, 32)
                     else:
@@ -438,7 +422,7 @@ def launch_tile_gemm(
     grid: int, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
-    rowstat: Any = None, colvec: Any = None, split: tuple[int, ...] | None = None, workspace: Any = None,
+    rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -459,11 +443,9 @@ def launch_tile_gemm(
     ``split=(start, parts)``: table rows ``start`` on are split tiles, ``parts`` rows per
     tile in a row (``overlap.policies.split_tail``), each running one ``parts``-th of the
     K steps; the last piece of a tile to finish sums the pieces in order and stores the
-    tile. ``split=(start, parts, head_end, head_parts)``: table rows before ``head_end``
-    are split tiles too, ``head_parts`` to a tile (``overlap.policies.split_head``;
-    ``start`` = T and ``parts`` = 1 for no tail). Needs ``counter`` with one zeroed word
-    per split tile after the dispatch word, and ``workspace`` fp32 with a
-    ``block_m * block_n`` tile per split table row (``split_workspace``).
+    tile. Needs ``counter`` with ``1 + (T - start) / parts`` zeroed words (one count per
+    split tile after the dispatch word) and ``workspace`` fp32 with ``(T - start) *
+    block_m * block_n`` elements (``split_workspace``).
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -497,54 +479,42 @@ def launch_tile_gemm(
                      interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec, ws))
 
 
-def split_workspace(split: tuple[int, ...] | None, num_tiles: int, config: GemmConfig, device: Any) -> Any:
+def split_workspace(split: tuple[int, int] | None, num_tiles: int, config: GemmConfig, device: Any) -> Any:
     """The fp32 workspace a split table needs (``launch_tile_gemm``), or None without one."""
     import torch
 
     if split is None:
         return None
-    rows = num_tiles - split[0] + (split[2] if len(split) > 2 else 0)
-    return torch.empty(rows * config.block_m * config.block_n, dtype=torch.float32,
+    return torch.empty((num_tiles - split[0]) * config.block_m * config.block_n, dtype=torch.float32,
                        device=device)
 
 
 def _check_split(split: Any, workspace: Any, counter: Any, num_tiles: int, cfg: GemmConfig, k: int,
                  k_wait: int) -> tuple[int, int]:
-    """(split_start, split_parts, head_end, head_parts) kernel arguments; (num_tiles, 1,
-    0, 1) without a split."""
+    """(split_start, split_parts) kernel arguments; (num_tiles, 1) without a split."""
     if split is None:
-        return num_tiles, 1, 0, 1
-    if len(split) not in (2, 4):
-        raise ValueError(f"split must be (start, parts) or (start, parts, head_end, head_parts), got {split}")
-    start, parts, head_end, head_parts = (*(int(v) for v in split), 0, 1)[:4]
+        return num_tiles, 1
+    start, parts = (int(v) for v in split)
     pieces = num_tiles - start
     k_tiles = -(-k // cfg.block_k)
-    no_tail = start == num_tiles and parts == 1
-    if not no_tail and (not (0 <= start < num_tiles) or parts < 2 or pieces % parts):
+    if not (0 <= start < num_tiles) or parts < 2 or pieces % parts:
         raise ValueError(f"split={split}: need 0 <= start < {num_tiles} table rows, parts >= 2, and the "
                          f"rows from start a whole number of tiles of {parts} pieces")
-    if head_end and (head_parts < 2 or head_end % head_parts or head_end > start):
-        raise ValueError(f"split={split}: the head (rows before {head_end}) must be whole tiles of "
-                         f"{head_parts} >= 2 pieces ahead of the tail")
-    if no_tail and not head_end:
-        raise ValueError(f"split={split} splits nothing")
-    if max(parts, head_parts) > k_tiles:
-        raise ValueError(f"split into {max(parts, head_parts)} K pieces, but K={k} has only {k_tiles} steps "
-                         f"of {cfg.block_k}")
+    if parts > k_tiles:
+        raise ValueError(f"split into {parts} K pieces, but K={k} has only {k_tiles} steps of {cfg.block_k}")
     if k_wait:
         raise ValueError("split tiles and k_wait (TileSync) do not combine")
     if cfg.block_m < 32:
         raise ValueError(f"split tiles need block_m >= 32, got {cfg.block_m}")
-    words = 1 + pieces // parts + head_end // head_parts if not no_tail else 1 + head_end // head_parts
-    if counter is None or counter.numel() < words or str(counter.dtype) != "torch.int32":
-        raise ValueError(f"split tiles need an int32 counter of >= {words} words "
+    if counter is None or counter.numel() < 1 + pieces // parts or str(counter.dtype) != "torch.int32":
+        raise ValueError(f"split tiles need an int32 counter of >= {1 + pieces // parts} words "
                          "(dispatch, then one count per split tile)")
-    need = (pieces + head_end) * cfg.block_m * cfg.block_n
+    need = pieces * cfg.block_m * cfg.block_n
     if (workspace is None or str(workspace.dtype) != "torch.float32" or workspace.numel() < need
             or not workspace.is_contiguous()):
         raise ValueError(f"split tiles need a contiguous fp32 workspace of >= {need} elements "
                          f"(split_workspace)")
-    return start, parts, head_end, head_parts
+    return start, parts
 
 
 def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
@@ -612,7 +582,7 @@ class TileGemmPlan:
                  rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
-                 k_wait: int = 0, norm_epi: bool = False, split: tuple[int, ...] | None = None) -> None:
+                 k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None) -> None:
         b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
         cfg = config
         self.num_tiles = table.shape[0]

@@ -91,14 +91,6 @@ class OverlapConfig:
     Each tail tile is cut into enough pieces to spread the tail over the GEMM's SMs
     (``overlap.policies.tail_parts``); the piece that finishes last sums the pieces'
     fp32 partials and stores the tile (``overlap.policies.split_tail``)."""
-    split_head: int = 0
-    """All-reduce op: ramp the row chunks up and split the ramp's tiles along K into at
-    most this many pieces (0 or 1: neither). The first chunk is cut into a quarter, a
-    quarter and a half (``overlap.policies.ramp_rows``), so that the first rows land
-    sooner, and the tiles of those three chunks are cut into as many pieces as spread
-    the first chunk's tiles over the GEMM's SMs (``overlap.policies.split_head``):
-    the GPU is busy from the first small chunk on instead of idling until a whole
-    chunk's tiles are ready. Not with ``two_shot``."""
     fold_norm: bool = False
     """p2p all-reduce with a norm: fold the norm into the GEMM instead of writing the
     normed rows. The reduce kernel writes each row's statistics, B is replaced by
@@ -121,8 +113,6 @@ class OverlapConfig:
             raise ValueError(f"transport must be 'nccl', 'p2p' or None, got {self.transport!r}")
         if not (0 <= self.split_tail <= 64):
             raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
-        if not (0 <= self.split_head <= 64):
-            raise ValueError(f"split_head must be in [0, 64], got {self.split_head}")
         if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 1024):
             raise ValueError(f"reduce_ctas must be in [1, 1024], got {self.reduce_ctas}")
         if self.check not in ("sync", "async", "none"):
@@ -515,17 +505,6 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
 
     ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
-
-
-def head_variants(results: list[tuple[float, Any]], top: int = 2, parts: int = 8) -> list[Any]:
-    """The ``top`` fastest configs of ``results`` (not two-shot, no head split yet) again
-    with their row chunks ramped up and the ramp's tiles split along K into at most
-    ``parts`` pieces (``OverlapConfig.split_head``), for a further pass."""
-    from dataclasses import replace
-
-    ranked = [c for _, c in sorted(results, key=lambda r: r[0])
-              if isinstance(c, OverlapConfig) and c.split_head < 2 and not c.two_shot]
-    return [replace(c, split_head=parts) for c in ranked[:top]]
 
 
 def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, Any]], fn_for: Any, iters: int,

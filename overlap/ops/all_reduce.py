@@ -56,11 +56,10 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import (Segment, build_tile_table, push_slot, ramp_rows, row_chunk_segments, split_head, split_rows,
-                        split_tail, tail_parts)
+from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
+                        tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       head_variants, report_errors, resolve_group, split_variants, time_candidates, time_ms,
-                       warn_once)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -236,9 +235,8 @@ class _Plan:
     """p2p: the chunks' ready flags, which the reduce kernel's programs count up.
     Counted flags need every flag posted on every call with the same count, so
     each plan (chunking, programs) owns its own."""
-    split: tuple[int, ...] | None = None
-    """The GEMM's split tiles: (first split tail row, K pieces per tail tile), with the
-    split head (head rows, K pieces per head tile) after them if any; or None."""
+    split: tuple[int, int] | None = None
+    """The GEMM's split tail (first split table row, K pieces per tile), or None."""
     counters: int = 1
     """Counter words the GEMM uses: dispatch, then one per split tile."""
     reduce_shared: bool = False
@@ -356,25 +354,20 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     two = _two_shot_layout(rt.world, rt.rank, m, chunks) if reduce_ctas and cfg.two_shot else None
     margin = cfg.margin(transport)
     key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm, cfg.split_tail, shared, two is not None, cfg.split_head if two is None else 0)
+           gemm, cfg.split_tail, shared, two is not None)
     p = _plans.get(key)
     if p is None:
         if shared and reduce_ctas > rt.num_sms:
             raise ValueError(f"reduce_shared: at most one reduce program per SM ({rt.num_sms}), "
                              f"got reduce_ctas={reduce_ctas}")
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
-        ramp = 0
         if two is not None:
             # this rank's own row chunks (reduced here), then the peers' (gathered)
             sizes, segs, last = list(two.chunks[rt.rank]), two.segments(), rt.world - 1
         else:
             # chunk sizes must agree across ranks whatever GEMM config each rank runs:
             # align to a fixed 128 rows (a tile never straddles a chunk either way)
-            sizes = split_rows(m, chunks, CHUNK_ALIGN)
-            ramp = 0
-            if cfg.split_head > 1:
-                sizes, ramp = ramp_rows(sizes, CHUNK_ALIGN)
-            sizes, segs = row_chunk_segments(m, len(sizes), CHUNK_ALIGN, sizes)
+            sizes, segs = row_chunk_segments(m, chunks, CHUNK_ALIGN)
             last = 1
             if reduce_ctas:  # a chunk is ready when every reduce program posted it
                 segs = [replace(sg, wait_mult=programs) for sg in segs]
@@ -388,24 +381,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         # (if any) holds the other SMs too: in K pieces they spread over them
         tail = sum(-(-sg.rows // gemm.block_m) for sg in segs[-last:]) * -(-n // gemm.block_n)
         give_back = rt.num_sms - grid if cfg.give_back and not shared else 0
-        k_steps = -(-k // gemm.block_k)
-        parts = tail_parts(tail, grid + give_back, k_steps, cfg.split_tail)
-        if ramp >= len(segs):
-            ramp = 0  # the ramp is the whole call: no head
+        parts = tail_parts(tail, grid + give_back, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
-        n_tiles = -(-n // gemm.block_n)
-        head_tiles = sum(-(-sg.rows // gemm.block_m) for sg in segs[:ramp]) * n_tiles
-        # as many pieces as spread the first (smallest) chunk's tiles over the GEMM's SMs
-        head_parts = tail_parts(-(-segs[0].rows // gemm.block_m) * n_tiles, grid, k_steps,
-                                cfg.split_head) if ramp else 1
-        rows, head_end = split_head(rows, head_tiles, head_parts)
-        split_slots = (tail if split_start is not None else 0) + (head_tiles if head_end else 0)
-        if split_start is not None:
-            split_start += head_end - head_tiles if head_end else 0
-        if head_end:
-            split = ((split_start, parts) if split_start is not None else (len(rows), 1)) + (head_end, head_parts)
-        else:
-            split = (split_start, parts) if split_start is not None else None
+        split = (split_start, parts) if split_start is not None else None
         table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
         starts = ready = None
         if reduce_ctas:
@@ -415,7 +393,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
-                  1 + split_slots, shared, two)
+                  1 + (tail if split else 0), shared, two)
         _plans[key] = p
     return p
 
@@ -822,11 +800,9 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 12, 16, 24, 32 SMs, and the reduce
     kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
     x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
-    folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm).
-    ``split_pass`` (default: with the default candidates only): time the two fastest
-    configs again with the last chunk's tiles split along K (``OverlapConfig.split_tail``
-    2 and 8), then the two fastest so far with the chunks ramped up and the ramp's tiles
-    split (``OverlapConfig.split_head`` 8). Inputs with no
+    folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
+    candidates only): time the two fastest configs again with the last chunk's tiles split
+    along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -897,16 +873,12 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                 f"reduce {cand.reduce_ctas}{' shared' if cand.reduce_shared else ''}, margin {cand.sm_margin}"
                 + (", two-shot" if cand.two_shot else "")
                 + (", norm folded" if cand.fold_norm else "")
-                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else "")
-                + (f", split head {cand.split_head}" if cand.split_head > 1 else ""))
+                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
-    if split_pass:  # the fastest configs again with their GEMM's tail split along K,
+    if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
-                                   describe if verbose else None)
-        # then the fastest two (split tail or not) with the chunks ramped up and the ramp split
-        results += time_candidates(rt, rt.err("all_reduce_matmul"), head_variants(results), run, iters, group,
                                    describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:
