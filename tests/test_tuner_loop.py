@@ -84,6 +84,26 @@ def test_confirm_best_retimes_finalists_interleaved(group: Any, capsys: pytest.C
     assert "cand b" in capsys.readouterr().out
 
 
+def test_confirm_best_times_the_kept_baseline_again(group: Any) -> None:
+    """The baseline ("sequential") ranked 5th in a drifting first pass; with keep it is
+    timed again beside the top 3, and wins; without keep it is not."""
+    rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
+    first = [(1.0, "a"), (1.1, "b"), (1.2, "c"), (1.3, "d"), (1.4, "sequential")]
+    true_ms = {"a": 2.0, "b": 1.9, "c": 1.8, "d": 1.7, "sequential": 1.6}
+    calls: list[str] = []
+
+    def timer(fn: Any, iters: int, grp: Any, batches: int = 3) -> float:
+        calls.append(fn())
+        return true_ms[calls[-1]]
+
+    t, best = confirm_best(rt, _Err(), first, lambda c: (lambda: c), 5, group, top=3, rounds=3, timer=timer,
+                           keep=("sequential",))
+    assert (best, t) == ("sequential", 1.6) and calls == ["a", "b", "c", "sequential"] * 3
+    calls.clear()
+    assert confirm_best(rt, _Err(), first, lambda c: (lambda: c), 5, group, top=3, rounds=3, timer=timer)[1] == "c"
+    assert "sequential" not in calls
+
+
 def test_confirm_best_keeps_first_pass_when_a_finalist_times_out(group: Any) -> None:
     rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
     err = _Err()

@@ -509,7 +509,7 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
 
 def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, Any]], fn_for: Any, iters: int,
                  group: Any, top: int = 3, rounds: int = 3, describe: Any = None,
-                 timer: Any = None) -> tuple[float, Any]:
+                 timer: Any = None, keep: tuple[Any, ...] = ()) -> tuple[float, Any]:
     """The tuners' last step (collective): the ``top`` fastest of ``results`` ((ms,
     choice) pairs, each timed once, one after another) timed again in ``rounds``
     rounds of one batch each, interleaved, so that a drift of the GPU's clocks during
@@ -517,11 +517,15 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     ``fn_for(choice)``: the callable to time, with error checks off. Times are the
     slowest rank's (``time_ms``), so every rank picks the same. If a tile-flag
     choice's waits time out here on any rank, the first pass's fastest is returned.
-    ``describe(choice)``: a label to print on rank 0 (None: quiet)."""
+    ``describe(choice)``: a label to print on rank 0 (None: quiet). ``keep``: choices
+    (e.g. the sequential baseline) timed again too wherever the first pass ranked them:
+    a drift during the first pass then cannot pick a config slower than them."""
     import statistics
 
     timer = timer or time_ms
-    ranked = sorted(results, key=lambda r: r[0])[:max(1, top)]
+    ordered = sorted(results, key=lambda r: r[0])
+    ranked = ordered[:max(1, top)]
+    ranked += [r for r in ordered[max(1, top):] if isinstance(r[1], str) and r[1] in keep]
     if len(ranked) < 2 or rounds < 1:
         return ranked[0]
     times: list[list[float]] = [[] for _ in ranked]

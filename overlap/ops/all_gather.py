@@ -435,7 +435,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
         return f"  tune agmm {ms * rt.world}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
 
     best_t, best = confirm_best(rt, rt.err("all_gather_matmul"), results, fn_for, iters, group,
-                                describe=label if verbose else None)
+                                describe=label if verbose else None, keep=("sequential",))
     _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
     if best == "sequential":
         warn_once(f"agmm-seq-{ms}-{n}-{k}", f"all_gather_matmul: overlap does not pay for M/R={ms}, N={n}, K={k} "

@@ -891,7 +891,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         return f"  tune armm {m}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
 
     best_t, best = confirm_best(rt, rt.err("all_reduce_matmul"), results, fn_for, iters, group,
-                                describe=label if verbose else None)
+                                describe=label if verbose else None, keep=("sequential",))
     _tuned[_tune_key(rt, x, n, residual, norm)] = best
     if isinstance(best, str):
         warn_once(f"armm-{best}-{m}-{n}-{k}-{residual is not None}-{norm.kind if norm else None}",
