@@ -282,14 +282,16 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     the norm's weight, ``overlap.kernels.norm_fold``); the K-blocked path then skips
     its output pass.
 
-    SEG > 0 (FOLD only; SEG divides K and BLOCK_K): the statistics come in two steps
-    that take no barrier per row block. Each block is cut into segments of SEG
-    columns, one warp's worth; each segment's mean and squared deviations go to
-    seg [2, M, K / SEG] fp32. After its last block of a chunk the program merges
-    the segments of its own rows, MERGE_ROWS rows at a time (NSEG_P2: K / SEG to the
-    next power of two). The block-wide sums of the whole-row path hold every warp
-    at a barrier per block, which left the loads idle: at 16384 x 8192 with the
-    residual they nearly doubled the kernel's time."""
+    SEG > 0 (FOLD only; SEG divides K and ROWS * BLOCK_K): the statistics come in two
+    steps that take no barrier per row block. The rows are taken flat, in segments of
+    SEG columns that each lie in one warp (``_seg_rows``); each segment's mean and
+    squared deviations go to seg [2, M, K / SEG] fp32. After its last block of a chunk
+    the program merges the segments of its own rows, MERGE_ROWS rows at a time
+    (``_seg_merge``; NSEG_P2: K / SEG to the next power of two). The block-wide sums
+    of the whole-row path hold every warp at a barrier per block, which left the
+    loads idle: at 16384 x 8192 with the residual they nearly doubled the kernel's
+    time; with the segments the kernel with statistics runs faster than the residual
+    add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs)."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
