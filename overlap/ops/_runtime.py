@@ -475,18 +475,32 @@ def _none_timed_out(rt: Runtime, err: _flags.ErrorWord, group: Any, key: str, me
     return failed.item() == 0
 
 
+WARM_TIMEOUT_MS = 60_000.0
+"""Wait bound of a tuner candidate's first (compiling) call: a bound, not a hang."""
+
+
 def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[OverlapConfig], run: Any, iters: int,
                     group: Any, describe: Any = None, timer: Any = None) -> list[tuple[float, OverlapConfig]]:
     """The tuners' common loop (collective): time ``run(cand)`` for each candidate with
     error checks off, then drop the candidate on every rank if its waits timed out on
     any rank. Returns ``[(ms, cand with check="async")]`` for the survivors.
-    ``describe(cand)``: a label to print on rank 0 (None: quiet); ``timer``: ``time_ms``."""
+    ``describe(cand)``: a label to print on rank 0 (None: quiet); ``timer``: ``time_ms``.
+
+    Each candidate is first called once with its waits bounded by ``WARM_TIMEOUT_MS``,
+    and no rank goes on before every rank is done: that call compiles the candidate's
+    kernels, and a rank still compiling queues its next call late, past the bound of
+    a peer that went on (a suite run at 9ad0b16 lost a candidate that way)."""
+    import torch.distributed as tdist
     from dataclasses import replace
 
     timer = timer or time_ms
     out: list[tuple[float, OverlapConfig]] = []
     for cand in candidates:
         cand = replace(cand, check="none")
+        run(replace(cand, timeout_ms=max(cand.timeout_ms or 0.0, WARM_TIMEOUT_MS)))
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        tdist.barrier(group=group)
         t = timer(lambda: run(cand), iters, group)
         ok = _none_timed_out(rt, err, group, f"tune-timeout-{err.what}-{cand}",
                              lambda e, cand=cand: f"tuner: {cand} timed out ({e}); skipped")
