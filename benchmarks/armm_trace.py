@@ -1,0 +1,202 @@
+"""Where the time of one p2p all-reduce -> GEMM call goes: a GPU timeline per config.
+
+    bash launch/torchrun.sh 2 benchmarks/armm_trace.py [--M 16384 --N 2048 --K 8192] \
+        [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
+
+A case is ``kind:chunks:reduce_sms:split_tail`` with kind ``nonorm`` (no residual, no
+norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the LayerNorm
+folded into the GEMM). Each case runs a few warm-up calls, then ``--calls`` calls back
+to back under torch.profiler (CUPTI). Every rank then splits its GPU activities into
+calls (a call's work all starts after the previous call's GEMM grids end, since its
+streams fork from the caller's stream behind them) and prints, per call relative to the
+start of its first push, medians over the calls after the first:
+
+    push       first copy's start .. first copy's end .. last copy's end
+    reduce     the reduce kernel's start .. end
+    fold       the fold pass over B (fold only)
+    gemm       the GEMM grid's start .. end; give-back grid's start .. end
+    gap        previous call's end .. this call's first push (stream fork, memsets)
+
+and the ends relative to the last push's end (what follows the communication). Also the
+tile GEMM alone on all SMs and on those the reduce kernel leaves, and torch.mm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def parse_case(s: str) -> tuple[str, int, int, int]:
+    kind, ch, rc, sp = s.split(":")
+    if kind not in ("nonorm", "ln", "fold"):
+        raise SystemExit(f"bad case kind {kind!r}")
+    return kind, int(ch), int(rc), int(sp)
+
+
+def gpu_events(path: str) -> list[dict]:
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    out = []
+    for e in ev:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        out.append({"cat": e["cat"], "name": e.get("name", ""), "ts": float(e["ts"]), "end": float(e["ts"]) + float(e["dur"]),
+                    "stream": (e.get("args") or {}).get("stream", e.get("tid"))})
+    out.sort(key=lambda e: e["ts"])
+    return out
+
+
+def split_calls(evs: list[dict]) -> list[list[dict]]:
+    """Calls by GEMM grids: a call ends with its tile_gemm launches (the main grid and,
+    overlapping it on another stream, the give-back grid); the next call's work all
+    starts after them."""
+    gemms = [e for e in evs if "tile_gemm" in e["name"]]
+    ends = []
+    i = 0
+    while i < len(gemms):
+        grp = [gemms[i]]
+        if i + 1 < len(gemms) and gemms[i + 1]["stream"] != gemms[i]["stream"] and gemms[i + 1]["ts"] < gemms[i]["end"]:
+            grp.append(gemms[i + 1])
+            i += 1
+        ends.append(max(e["end"] for e in grp))
+        i += 1
+    bounds = [-1e30] + ends
+    return [[e for e in evs if bounds[c] <= e["ts"] < bounds[c + 1]] for c in range(len(ends))]
+
+
+def summarize(call: list[dict], prev_end: float | None) -> dict[str, float]:
+    cps = [e for e in call if e["cat"] == "gpu_memcpy"]
+    if not cps:
+        return {}
+    t0 = cps[0]["ts"]
+    r: dict[str, float] = {"push first end": cps[0]["end"] - t0, "push last end": cps[-1]["end"] - t0,
+                           "copies": len(cps)}
+    red = [e for e in call if "reduce_norm" in e["name"]]
+    fold = [e for e in call if "fold_norm" in e["name"]]
+    gem = [e for e in call if "tile_gemm" in e["name"]]
+    if red:
+        r["reduce start"], r["reduce end"] = red[0]["ts"] - t0, red[0]["end"] - t0
+    if fold:
+        r["fold start"], r["fold end"] = fold[0]["ts"] - t0, fold[0]["end"] - t0
+    if gem:
+        r["gemm start"], r["gemm end"] = gem[0]["ts"] - t0, gem[0]["end"] - t0
+    if len(gem) > 1:
+        r["giveback start"], r["giveback end"] = gem[1]["ts"] - t0, gem[1]["end"] - t0
+    end = max(e["end"] for e in call)
+    r["call end"] = end - t0
+    r["after push: reduce end"] = r.get("reduce end", 0.0) - r["push last end"]
+    r["after push: call end"] = r["call end"] - r["push last end"]
+    if prev_end is not None:
+        r["gap before"] = t0 - prev_end
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--M", type=int, default=16384)
+    ap.add_argument("--N", type=int, default=2048)
+    ap.add_argument("--K", type=int, default=8192)
+    ap.add_argument("--cases", default="nonorm:16:16:8,fold:16:20:2,fold:16:20:0,fold:16:16:2,ln:16:32:2")
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.suite.timing import Timer
+    from overlap import dist
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, launch_tile_gemm
+    from overlap.ops import Norm, OverlapConfig, all_reduce_matmul
+    from overlap.policies import Segment, build_tile_table
+
+    dist.init()
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = tdist.group.WORLD
+    m, n, k = args.M, args.N, args.K
+    gen = torch.Generator(device=dev).manual_seed(rank)
+    x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    resid = torch.randn(m, k, device=dev, generator=torch.Generator(device=dev).manual_seed(99)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, device=dev, generator=gen)).to(torch.bfloat16)
+    bias = (0.1 * torch.randn(k, device=dev, generator=gen)).to(torch.bfloat16)
+    b = (torch.randn(n, k, device=dev, generator=gen) * k ** -0.5).to(torch.bfloat16).t()
+    nrm = Norm("layernorm", w, bias)
+    outdir = args.out or "."
+    os.makedirs(outdir, exist_ok=True)
+    report: dict[str, dict] = {}
+
+    def log(s: str) -> None:
+        if rank == 0:
+            print(s, flush=True)
+
+    log(f"armm trace {m}x{n}x{k} bf16 world {world}; times in us, medians over calls 2..{args.calls}")
+    for spec in args.cases.split(","):
+        kind, ch, rc, sp = parse_case(spec)
+        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold")
+        kw = {} if kind == "nonorm" else {"residual": resid, "norm": nrm}
+
+        def fn(cfg=cfg, kw=kw):
+            return all_reduce_matmul(x, b, group=g, config=cfg, **kw)
+
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        tdist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.calls):
+                fn()
+            torch.cuda.synchronize()
+        path = os.path.join(outdir, f"trace_{spec.replace(':', '_')}.rank{rank}.json")
+        prof.export_chrome_trace(path)
+        calls = split_calls(gpu_events(path))
+        rows = []
+        prev = None
+        for c in calls:
+            s = summarize(c, prev)
+            if s:
+                rows.append(s)
+            prev = max(e["end"] for e in c) if c else prev
+        rows = rows[1:] if len(rows) > 1 else rows
+        keys = [kk for kk in rows[0]] if rows else []
+        med = {kk: statistics.median(r[kk] for r in rows if kk in r) for kk in keys}
+        report[f"{spec} rank{rank}"] = med
+        allmed = [None] * world
+        tdist.all_gather_object(allmed, med)
+        if rank == 0:
+            print(f"case {spec} ({len(rows)} calls)", flush=True)
+            for kk in keys:
+                print(f"  {kk:24s} " + "  ".join(f"{(am or {}).get(kk, float('nan')):8.1f}" for am in allmed),
+                      flush=True)
+        if rank != 0:
+            os.remove(path)  # one rank's trace files are enough to keep
+        tdist.barrier()
+
+    # the tile GEMM alone, on all SMs and on fewer; torch.mm
+    timer = Timer(group=g, device=dev, iters=20, warmup=3, reps=5)
+    a = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+    c = a.new_empty(m, n)
+    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, DEFAULT_CONFIG.block_m,
+                                          DEFAULT_CONFIG.block_n), dtype=torch.int32, device=dev)
+    fns = {f"tile gemm on {s} SMs": (lambda s=s: launch_tile_gemm(a, b, c, table, grid=s)) for s in (132, 116, 112)}
+    fns["torch.mm"] = lambda: torch.mm(a, b, out=c)
+    got = timer.time_interleaved(fns, lambda name, e: log(f"  {name}: error {e!r}"))
+    for name, ms in got.items():
+        log(f"{name}: {ms * 1000:.1f} us")
+        report[name] = ms
+    if rank == 0 and args.out:
+        with open(os.path.join(outdir, "armm_trace.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    tdist.barrier()
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
