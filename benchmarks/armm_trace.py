@@ -99,6 +99,77 @@ def summarize(call: list[dict], prev_end: float | None) -> dict[str, float]:
     return r
 
 
+def push_variants(x: torch.Tensor, g, rank: int, world: int, dev, log) -> None:
+    """16 pushes of x's bytes into the peer's memory, a peer flag write after each, in
+    four stream orders (what a chunked push costs beyond one copy of the same bytes)."""
+    from benchmarks.suite.timing import Timer
+    from overlap import flags as _flags
+    from overlap._p2p import memcpy_async
+    from overlap.ops._runtime import get_runtime
+
+    rt = get_runtime(g, dev)
+    heap = rt.p2p()
+    if heap is None or world != 2:
+        log("push variants: need peer memory and 2 ranks")
+        return
+    drv = _flags._cuda_driver()
+    peer = 1 - rank
+    nbytes = x.numel() * x.element_size()
+    chunks = 16
+    piece = nbytes // chunks
+    blk = heap.block("trace_push", nbytes)
+    sf = heap.flags("trace_push_flags", 64)
+    cur = torch.cuda.current_stream(dev)
+    s1, s2, s3 = (torch.cuda.Stream(dev, priority=-1) for _ in range(3))
+    evs = [torch.cuda.Event() for _ in range(chunks)]
+    epoch = [0]
+    src = x.data_ptr()
+
+    def write(stream, idx, fence=True):
+        if fence:
+            _flags.stream_write_value(stream, sf.peer(peer), idx, epoch[0])
+        else:
+            ptr = sf.peer(peer).data_ptr() + idx * 4
+            drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), epoch[0],
+                                     drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER)
+
+    def run(kind):
+        epoch[0] += 1
+        for st in (s1, s2, s3):
+            st.wait_stream(cur)
+        for c in range(chunks):
+            dst, sp = blk.ptrs[peer] + c * piece, src + c * piece
+            if kind in ("one stream", "one stream, no fence"):
+                memcpy_async(dst, sp, piece, s1)
+                write(s1, c, kind == "one stream")
+            elif kind == "one copy":
+                if c == 0:
+                    memcpy_async(blk.ptrs[peer], src, nbytes, s1)
+                    write(s1, 0)
+            elif kind == "two chained streams":
+                st = (s1, s2)[c % 2]
+                if c:
+                    st.wait_event(evs[c - 1])
+                memcpy_async(dst, sp, piece, st)
+                evs[c].record(st)
+                write(st, c)
+            elif kind == "flags on own stream":
+                memcpy_async(dst, sp, piece, s1)
+                evs[c].record(s1)
+                s3.wait_event(evs[c])
+                write(s3, c)
+        for st in (s1, s2, s3):
+            cur.wait_stream(st)
+
+    timer = Timer(group=g, device=dev, iters=10, warmup=3, reps=5)
+    kinds = ["one copy", "one stream", "one stream, no fence", "two chained streams", "flags on own stream"]
+    got = timer.time_interleaved({kk: (lambda kk=kk: run(kk)) for kk in kinds},
+                                 lambda name, e: log(f"  {name}: error {e!r}"))
+    for name, ms in got.items():
+        log(f"push {nbytes >> 20} MB in {chunks if name != 'one copy' else 1}, {name}: {ms * 1000:.1f} us, "
+            f"{nbytes / ms / 1e6:.0f} GB/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--M", type=int, default=16384)
@@ -107,6 +178,9 @@ def main() -> None:
     ap.add_argument("--cases", default="nonorm:16:16:8,fold:16:20:2,fold:16:20:0,fold:16:16:2,ln:16:32:2")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--out", default="")
+    ap.add_argument("--push", action="store_true", help="also time push variants: 16 copies of M*K/16 rows' bytes "
+                    "with a peer flag write after each, on one stream, on two event-chained streams, "
+                    "with the flag writes on a stream of their own, and without the writes' memory fence")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
@@ -138,6 +212,8 @@ def main() -> None:
             print(s, flush=True)
 
     log(f"armm trace {m}x{n}x{k} bf16 world {world}; times in us, medians over calls 2..{args.calls}")
+    if args.push:
+        push_variants(x, g, rank, world, dev, log)
     for spec in args.cases.split(","):
         kind, ch, rc, sp = parse_case(spec)
         cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold")
@@ -164,6 +240,22 @@ def main() -> None:
             if s:
                 rows.append(s)
             prev = max(e["end"] for e in c) if c else prev
+        # absolute times of each call's first push, last push end, reduce end, GEMM end
+        absl = []
+        for cc in calls:
+            cps = [e for e in cc if e["cat"] == "gpu_memcpy"]
+            red = [e for e in cc if "reduce_norm" in e["name"]]
+            if cps and red:
+                absl.append((cps[0]["ts"], cps[-1]["end"], red[0]["end"], max(e["end"] for e in cc)))
+        peers = [None] * world
+        tdist.all_gather_object(peers, absl)
+        if rank == 0 and world == 2 and all(peers):
+            print("  per call, us from rank 0's first push (both GPUs on the host's clock): "
+                  "start r0 r1 | last push end r0 r1 | reduce end r0 r1 | end r0 r1", flush=True)
+            for i in range(min(len(peers[0]), len(peers[1]))):
+                z = peers[0][i][0]
+                v = [peers[r][i][j] - z for j in range(4) for r in range(2)]
+                print("   " + " | ".join(f"{v[2 * j]:7.1f} {v[2 * j + 1]:7.1f}" for j in range(4)), flush=True)
         rows = rows[1:] if len(rows) > 1 else rows
         keys = [kk for kk in rows[0]] if rows else []
         med = {kk: statistics.median(r[kk] for r in rows if kk in r) for kk in keys}

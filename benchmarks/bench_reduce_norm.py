@@ -4,9 +4,10 @@
 
 Every wait is already satisfied, so this is the kernel's own speed: ms and GB/s moved
 (partials and residual read, h and y written) per program count and block shape: the
-sum alone, with the residual, with residual and LayerNorm, and with the LayerNorm folded
-into the consumer GEMM (row statistics written instead of y: from whole rows, or
-summed over 256-column segments and merged, ``segment``); loads through L1 or
+sum alone, with the residual, with residual and LayerNorm (y written), and with the
+LayerNorm folded into the consumer GEMM (row statistics written instead of y); the
+statistics from whole rows ("rows") or summed over column segments and merged
+("segs", ``segment``); loads through L1 or
 streamed past it; and the residual placed off the other tensors' alignment.
 ``--quick``: the default block shape and the shared reduce's small programs only. The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
@@ -52,8 +53,8 @@ def main() -> None:
     # (name, residual, norm, folded, segment): folded writes each row's statistics instead
     # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
     modes = (("sum", False, False, False, None), ("add", True, False, False, None),
-             ("add+ln", True, True, False, None), ("add+ln fold rows", True, True, True, 0),
-             ("add+ln fold segs", True, True, True, None))
+             ("add+ln rows", True, True, False, 0), ("add+ln segs", True, True, False, None),
+             ("add+ln fold rows", True, True, True, 0), ("add+ln fold segs", True, True, True, None))
     # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
     variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
                 ((None, 1, 8), True), ((4096, 8, 16), True), ((2048, 2, 4), False))
@@ -81,7 +82,7 @@ def main() -> None:
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
                                        num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
-                                       segment=segment if folded else None)
+                                       segment=segment if ln else None)
 
                 label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")
@@ -96,7 +97,8 @@ def main() -> None:
                     e.record()
                     torch.cuda.synchronize()
                     ms = s.elapsed_time(e) / 10
-                    bad = _check(x, recv, r_t if with_res else None, h, stats if folded else None)
+                    bad = _check(x, recv, r_t if with_res else None, h, stats if folded else None,
+                                 y if ln and not folded else None)
                     print(f"  {label} programs {programs:3d}: {ms:.3f} ms {moved / ms / 1e6:7.0f} GB/s "
                           f"({moved / ms / 1e6 / programs:5.1f} per program){bad}", flush=True)
                 except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a block shape
@@ -105,8 +107,9 @@ def main() -> None:
 
 
 def _check(x: torch.Tensor, recv: torch.Tensor, res: torch.Tensor | None, h: torch.Tensor,
-           stats: torch.Tensor | None) -> str:
-    """'' if h (and the folded statistics) match torch's, else what is off."""
+           stats: torch.Tensor | None, y: torch.Tensor | None = None) -> str:
+    """'' if h (and the folded statistics, or y: LayerNorm with unit weight, no bias)
+    match torch's, else what is off."""
     ref = (x.float() + recv.float().sum(0)).to(x.dtype)
     if res is not None:
         ref = (ref.float() + res.float()).to(x.dtype)
@@ -119,6 +122,10 @@ def _check(x: torch.Tensor, recv: torch.Tensor, res: torch.Tensor | None, h: tor
                   (stats[:, 1] - mean * rstd).abs().max().item())
         if err > 1e-4:
             return f"  WRONG statistics ({err:.2e})"
+    if y is not None:
+        err = (y.float() - torch.nn.functional.layer_norm(ref.float(), (ref.shape[1],), eps=1e-5)).abs().max().item()
+        if err > 0.05:
+            return f"  WRONG y ({err:.2e})"
     return ""
 
 

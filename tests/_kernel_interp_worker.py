@@ -201,20 +201,34 @@ def scenario_reduce_norm() -> None:
                         assert (e.flag_idx, e.expected, e.seen) == (late_slot * stride + chunks - 1, 5, 4), e
                     else:
                         raise AssertionError("timeout not reported")
-    # rows whose mean is far above their spread, K in several blocks: the merged
-    # statistics must not cancel (E[x^2] - mean^2 would)
-    m2_, k2 = 4, 64
-    parts = [torch.randn(m2_, k2, generator=g) + 1500.0 for _ in range(2)]
-    st = torch.tensor([0, m2_], dtype=torch.int32)
-    for block_k in (16, None):
-        h = torch.empty(m2_, k2)
-        y = torch.empty(m2_, k2)
-        launch_reduce_norm(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st,
-                           rflags=torch.ones(1, dtype=torch.int32), ready=torch.zeros(1, dtype=torch.int32),
-                           err=torch.zeros(8, dtype=torch.int32), epoch=1, rank=0, world=2, programs=2,
-                           norm="layernorm", weight=torch.ones(k2), y=y, block_k=block_k, rows=2)
-        torch.testing.assert_close(y, _torch_norm(parts[0] + parts[1], "layernorm", torch.ones(k2), None, 1e-5),
-                                   atol=2e-3, rtol=2e-3)
+    # rows whose mean is far above their spread: the merged statistics must not cancel
+    # (E[x^2] - mean^2 would). K in several blocks, whole-row statistics (segment 0) and
+    # segments; K = 96 in 32-column segments is 3 to a row (a masked merge). With a
+    # segment width the rows' (rstd, mean) go to the plan's scratch and y is written
+    # from h read back; over 3 chunks and 2 programs a program's rows are not contiguous
+    st3 = torch.tensor([0, 3, 6, 7], dtype=torch.int32)
+    for k2, block_k, seg, seg_taken in ((64, 16, None, 0), (64, None, None, 16), (64, None, 0, 0),
+                                        (96, None, 32, 32), (96, 32, 16, 16)):
+        m2_ = 7
+        parts = [torch.randn(m2_, k2, generator=g) + 1500.0 for _ in range(2)]
+        res = torch.randn(m2_, k2, generator=g)
+        for kind in ("layernorm", "rmsnorm"):
+            w = torch.rand(k2, generator=g) + 0.5
+            bias = torch.randn(k2, generator=g) if kind == "layernorm" else None
+            h = torch.full((m2_, k2), float("nan"))
+            y = torch.full((m2_, k2), float("nan"))
+            ready = torch.zeros(3, dtype=torch.int32)
+            plan = ReducePlan(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st3,
+                              rflags=torch.ones(3, dtype=torch.int32), ready=ready,
+                              err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=2, residual=res,
+                              norm=kind, weight=w, bias=bias, y=y, block_k=block_k, rows=2, segment=seg)
+            assert (plan.seg is None) == (seg_taken == 0) and (plan.row_stats is None) == (seg_taken == 0), (k2, seg)
+            plan.launch(parts[0], parts[1].unsqueeze(0).clone(), h, epoch=1, residual=res, weight=w, bias=bias, y=y)
+            assert ready.tolist() == [2, 2, 2], ready
+            h_ref = (parts[0] + parts[1]) + res
+            assert torch.equal(h, h_ref), (k2, block_k, seg, kind)
+            torch.testing.assert_close(y, _torch_norm(h_ref.double(), kind, w.double(), None if bias is None
+                                                      else bias.double(), 1e-5).float(), atol=2e-3, rtol=2e-3)
     print("PASS reduce_norm")
 
 

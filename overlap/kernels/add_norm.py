@@ -237,10 +237,11 @@ def _store_in_place(ptrs, vals, mask, ASM_STORE: tl.constexpr):
 
 @triton.jit
 def _seg_merge(seg_ptr, stats_ptr, rows, rmask, K, n_seg, seg_plane, eps,
-               SEG: tl.constexpr, NSEG_P2: tl.constexpr, ASM_STORE: tl.constexpr):
-    """The folded norm's statistics of ``rows`` from their segments' (Chan et al.'s
-    pairwise merge for equal counts: the mean of the means, the squared deviations
-    plus SEG times the means' squared deviations from the mean)."""
+               SEG: tl.constexpr, NSEG_P2: tl.constexpr, ASM_STORE: tl.constexpr, SHIFT: tl.constexpr = True):
+    """The row statistics of ``rows`` from their segments' (Chan et al.'s pairwise merge
+    for equal counts: the mean of the means, the squared deviations plus SEG times the
+    means' squared deviations from the mean): stats[row] = (rstd, mean * rstd) for a
+    folded norm (SHIFT), (rstd, mean) for the kernel's own output pass."""
     s = tl.arange(0, NSEG_P2)
     mm = rmask[:, None] & (s < n_seg)[None, :]
     off = rows.to(tl.int64)[:, None] * n_seg + s[None, :]
@@ -252,7 +253,28 @@ def _seg_merge(seg_ptr, stats_ptr, rows, rmask, K, n_seg, seg_plane, eps,
     rstd = 1.0 / tl.sqrt(m2 / K + eps)
     p = stats_ptr + rows.to(tl.int64) * 2
     _store_in_place(p, rstd, rmask, ASM_STORE)
-    _store_in_place(p + 1, mean * rstd, rmask, ASM_STORE)
+    if SHIFT:
+        _store_in_place(p + 1, mean * rstd, rmask, ASM_STORE)
+    else:
+        _store_in_place(p + 1, mean, rmask, ASM_STORE)
+
+
+@triton.jit
+def _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOCK_K: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """y = (h - mean) * rstd * w (+ bias) for the rows at element offsets ``base``, h
+    read back in BLOCK_K-column blocks."""
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs
+        cm = cols < K
+        m = rmask[:, None] & cm[None, :]
+        off2 = base[:, None] + cols[None, :]
+        hf = tl.load(h_ptr + off2, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
@@ -282,7 +304,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     the norm's weight, ``overlap.kernels.norm_fold``); the K-blocked path then skips
     its output pass.
 
-    SEG > 0 (FOLD only; SEG divides K and ROWS * BLOCK_K): the statistics come in two
+    SEG > 0 (with a norm; SEG divides K and ROWS * BLOCK_K): the statistics come in two
     steps that take no barrier per row block. The rows are taken flat, in segments of
     SEG columns that each lie in one warp (``_seg_rows``); each segment's mean and
     squared deviations go to seg [2, M, K / SEG] fp32. After its last block of a chunk
@@ -291,7 +313,10 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     of the whole-row path hold every warp at a barrier per block, which left the
     loads idle: at 16384 x 8192 with the residual they nearly doubled the kernel's
     time; with the segments the kernel with statistics runs faster than the residual
-    add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs)."""
+    add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs).
+    Without FOLD the merge writes each row's (rstd, mean) to stats (then the plan's
+    scratch), and the program writes y for its rows of the chunk from h read back
+    (``_norm_out``), as the K-blocked path does."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -328,7 +353,18 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 for rb in range(r0 + pid * ROWS, r1, G * MERGE_ROWS):
                     rows = rb + (q // ROWS) * (G * ROWS) + q % ROWS
                     _seg_merge(seg_ptr, stats_ptr, rows, rows < r1, K, n_seg, seg_plane, eps, SEG, NSEG_P2,
-                               FENCE_ASYNC)
+                               FENCE_ASYNC, FOLD)
+                if not FOLD:
+                    # y from h read back, with the rows' (rstd, mean) just merged: the
+                    # merge's stores precede the barrier, the reads follow it
+                    tl.debug_barrier()
+                    for rb in range(r0 + pid * ROWS, r1, G * ROWS):
+                        rows = rb + rofs
+                        rmask = rows < r1
+                        rstd = tl.load(stats_ptr + rows.to(tl.int64) * 2, mask=rmask, other=0.0)
+                        mean = tl.load(stats_ptr + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0.0)
+                        _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, rows.to(tl.int64) * K, rmask, mean, rstd, K, offs,
+                                  BLOCK_K, HAS_BIAS)
         elif ok != 0:
             for rb in range(r0 + pid * ROWS, r1, G * ROWS):
                 rows = rb + rofs
@@ -393,17 +429,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                     if FOLD:
                         _store_stats(stats_ptr, rows, rmask, rstd, mean * rstd)
                     elif NORM != 0:
-                        for k0 in range(0, K, BLOCK_K):
-                            cols = k0 + offs
-                            cm = cols < K
-                            m = rmask[:, None] & cm[None, :]
-                            off2 = base[:, None] + cols[None, :]
-                            hf = tl.load(h_ptr + off2, mask=m, other=0.0).to(tl.float32)
-                            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                            yv = (hf - mean[:, None]) * rstd[:, None] * w[None, :]
-                            if HAS_BIAS:
-                                yv += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
-                            tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
+                        _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOCK_K, HAS_BIAS)
         # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
@@ -439,9 +465,10 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
     consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
     ``stream_loads``: the partials and the residual are loaded past L1 (read once).
-    ``segment``: with ``stats``, the width of the segments the statistics are summed
+    ``segment``: with a norm, the width of the segments the statistics are summed
     over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
-    rows * block_k, num_warps)``, 0 takes the whole-row statistics.
+    rows * block_k, num_warps)``, 0 takes the whole-row statistics (and, writing y,
+    normalizes a row block whole in registers where it fits).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
@@ -505,7 +532,7 @@ class ReducePlan:
         rows = rows or d_rows
         num_warps = num_warps or d_warps
         seg = 0
-        if stats is not None:
+        if norm is not None:
             seg = stats_segment(K, rows * block_k, num_warps) if segment is None else int(segment)
             if seg and (seg & (seg - 1) or K % seg or (rows * block_k) % seg):
                 raise ValueError(f"segment {seg} must be a power of two dividing K={K} and the block's "
@@ -513,8 +540,10 @@ class ReducePlan:
         n_seg_p2 = triton.next_power_of_2(K // seg) if seg else 1
         # merge batches of about 8 values per thread per plane, whole row blocks each
         merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
-        # the segments' sums: [2, M, K / seg] fp32, the plan's own scratch
+        # the segments' sums: [2, M, K / seg] fp32, the plan's own scratch; writing y, the
+        # rows' merged (rstd, mean) too: [M, 2] fp32
         self.seg = _alloc_like(x, 2 * m * (K // seg)) if seg else None
+        self.row_stats = _alloc_like(x, 2 * m) if seg and stats is None else None
         interp = interpreting()
         self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats = (
             residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
@@ -529,7 +558,7 @@ class ReducePlan:
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
-                   stats if stats is not None else starts, self.seg if seg else starts)
+                   stats if stats is not None else (self.row_stats if seg else starts), self.seg if seg else starts)
         # what Triton specializes on: constexprs, dtypes, K and the slot stride
         key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)
         self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
@@ -541,7 +570,7 @@ class ReducePlan:
             raise ValueError("residual, y, weight, bias and stats must be given as when the plan was made")
         ops = (x, recv, residual if residual is not None else x, h, y if y is not None else h,
                weight if weight is not None else x, bias if bias is not None else x)
-        st = stats if stats is not None else self.fixed[3]
+        st = stats if stats is not None else (self.row_stats if self.row_stats is not None else self.fixed[3])
         seg = self.seg if self.seg is not None else self.fixed[3]
         self.prepared.launch(self.programs, (*ops, *self.fixed, st, seg, *self.scalars, int(epoch), *self.tail),
                              aligned=(*ops, st, seg))
