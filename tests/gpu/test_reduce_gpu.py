@@ -72,3 +72,50 @@ def test_reduce_bits(dt_name: str, world: int) -> None:
             rstd = 1.0 / (var + 1e-5).sqrt()
             torch.testing.assert_close(stats[:, 0].double(), rstd, rtol=1e-4, atol=0)
             torch.testing.assert_close(stats[:, 1].double(), mean * rstd, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dt_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("k", [1024, 3072, 12288])
+def test_reduce_normed_rows(dt_name: str, k: int) -> None:
+    """y = norm(h) written by the kernel: from segment statistics (the default) and from
+    whole rows (segment 0), against torch's norm of the same h; h bit for bit."""
+    import torch
+
+    from overlap.kernels.add_norm import ReducePlan
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dev = torch.device("cuda", 0)
+    dt = getattr(torch, dt_name)
+    g = torch.Generator().manual_seed(11)
+    m, chunks, world, rank = 300, 3, 2, 0
+    parts = [(torch.randn(m, k, generator=g) + 3.0).to(dt).to(dev) for _ in range(world)]
+    res = torch.randn(m, k, generator=g).to(dt).to(dev)
+    w = (torch.rand(k, generator=g) + 0.5).to(dt).to(dev)
+    bias = torch.randn(k, generator=g).to(dt).to(dev)
+    recv = parts[1].unsqueeze(0).clone()
+    starts = torch.tensor([i * m // chunks for i in range(chunks + 1)], dtype=torch.int32, device=dev)
+    rflags = torch.ones(chunks, dtype=torch.int32, device=dev)
+    want = ((parts[0].float() + parts[1].float()).to(dt).float() + res.float()).to(dt)
+    tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dt]
+    for norm in ("layernorm", "rmsnorm"):
+        b = bias if norm == "layernorm" else None
+        hf = want.float()
+        if norm == "layernorm":
+            ref = torch.nn.functional.layer_norm(hf, (k,), w.float(), b.float(), eps=1e-5)
+        else:
+            ref = hf * torch.rsqrt((hf * hf).mean(1, keepdim=True) + 1e-5) * w.float()
+        for segment in (None, 0):
+            h = torch.full((m, k), float("nan"), dtype=dt, device=dev)
+            y = torch.full((m, k), float("nan"), dtype=dt, device=dev)
+            ready = torch.zeros(chunks, dtype=torch.int32, device=dev)
+            err = torch.zeros(8, dtype=torch.int32, device=dev)
+            plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank,
+                              world=world, programs=5, residual=res, norm=norm, weight=w, bias=b, y=y,
+                              segment=segment)
+            assert (plan.seg is not None) == (segment is None), (k, segment)
+            plan.launch(parts[rank], recv, h, epoch=1, residual=res, weight=w, bias=b, y=y)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0 and ready.tolist() == [5] * chunks
+            assert torch.equal(h, want), (norm, segment)
+            torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol, msg=lambda s: f"{norm} {segment}: {s}")
