@@ -52,8 +52,10 @@ def main() -> None:
     print(f"reduce_norm alone: M={m} K={k} world={world} bf16, {chunks} chunks; ms, GB/s", flush=True)
     # (name, residual, norm, folded, segment): folded writes each row's statistics instead
     # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
+    # "y2x": the output pass of "segs" in blocks of twice the rows (y_rows)
     modes = (("sum", False, False, False, None), ("add", True, False, False, None),
              ("add+ln rows", True, True, False, 0), ("add+ln segs", True, True, False, None),
+             ("add+ln segs y2x", True, True, False, None),
              ("add+ln fold rows", True, True, True, 0), ("add+ln fold segs", True, True, True, None))
     # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
     variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
@@ -82,7 +84,8 @@ def main() -> None:
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
                                        num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
-                                       segment=segment if ln else None)
+                                       segment=segment if ln else None,
+                                       y_rows=2 * (rows or _default_rows(k, bk)) if name.endswith("y2x") else None)
 
                 label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")
@@ -104,6 +107,12 @@ def main() -> None:
                 except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a block shape
                     print(f"  {label} programs {programs}: failed ({type(ex).__name__}: {ex})"[:200], flush=True)
     assert err[0].item() == 0, err
+
+
+def _default_rows(k: int, block_k: int | None) -> int:
+    from overlap.kernels.add_norm import reduce_block_shape
+
+    return reduce_block_shape(k, block_k)[1]
 
 
 def _check(x: torch.Tensor, recv: torch.Tensor, res: torch.Tensor | None, h: torch.Tensor,

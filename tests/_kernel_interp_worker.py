@@ -206,10 +206,13 @@ def scenario_reduce_norm() -> None:
     # segments; K = 96 in 32-column segments is 3 to a row (a masked merge). With a
     # segment width the rows' (rstd, mean) go to the plan's scratch and y is written
     # from h read back; over 3 chunks and 2 programs a program's rows are not contiguous
-    st3 = torch.tensor([0, 3, 6, 7], dtype=torch.int32)
-    for k2, block_k, seg, seg_taken in ((64, 16, None, 0), (64, None, None, 16), (64, None, 0, 0),
-                                        (96, None, 32, 32), (96, 32, 16, 16)):
-        m2_ = 7
+    # y_rows 4: the output pass takes two of a program's 2-row blocks at a time (3
+    # programs, so a program's blocks are 6 rows apart)
+    st3 = torch.tensor([0, 11, 13, 16], dtype=torch.int32)
+    for k2, block_k, seg, seg_taken, y_rows in ((64, 16, None, 0, None), (64, None, None, 16, None),
+                                                (64, None, 0, 0, None), (96, None, 32, 32, 4),
+                                                (96, 32, 16, 16, None), (64, None, None, 16, 4)):
+        m2_ = 16
         parts = [torch.randn(m2_, k2, generator=g) + 1500.0 for _ in range(2)]
         res = torch.randn(m2_, k2, generator=g)
         for kind in ("layernorm", "rmsnorm"):
@@ -220,15 +223,24 @@ def scenario_reduce_norm() -> None:
             ready = torch.zeros(3, dtype=torch.int32)
             plan = ReducePlan(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st3,
                               rflags=torch.ones(3, dtype=torch.int32), ready=ready,
-                              err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=2, residual=res,
-                              norm=kind, weight=w, bias=bias, y=y, block_k=block_k, rows=2, segment=seg)
+                              err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=3, residual=res,
+                              norm=kind, weight=w, bias=bias, y=y, block_k=block_k, rows=2, segment=seg,
+                              y_rows=y_rows)
             assert (plan.seg is None) == (seg_taken == 0) and (plan.row_stats is None) == (seg_taken == 0), (k2, seg)
             plan.launch(parts[0], parts[1].unsqueeze(0).clone(), h, epoch=1, residual=res, weight=w, bias=bias, y=y)
-            assert ready.tolist() == [2, 2, 2], ready
+            assert ready.tolist() == [3, 3, 3], ready
             h_ref = (parts[0] + parts[1]) + res
             assert torch.equal(h, h_ref), (k2, block_k, seg, kind)
             torch.testing.assert_close(y, _torch_norm(h_ref.double(), kind, w.double(), None if bias is None
                                                       else bias.double(), 1e-5).float(), atol=2e-3, rtol=2e-3)
+    try:
+        ReducePlan(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st3, rflags=torch.ones(3, dtype=torch.int32),
+                   ready=ready, err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=2, norm="rmsnorm",
+                   weight=w, y=y, rows=2, y_rows=6)
+    except ValueError as e:
+        assert "y_rows" in str(e), e
+    else:
+        raise AssertionError("y_rows 6 accepted")
     print("PASS reduce_norm")
 
 

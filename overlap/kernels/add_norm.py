@@ -285,7 +285,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
-                       MERGE_ROWS: tl.constexpr = 1):
+                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -316,7 +316,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs).
     Without FOLD the merge writes each row's (rstd, mean) to stats (then the plan's
     scratch), and the program writes y for its rows of the chunk from h read back
-    (``_norm_out``), as the K-blocked path does."""
+    (``_norm_out``), as the K-blocked path does, Y_ROWS rows (a multiple of ROWS) at a
+    time."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_K)
@@ -356,10 +357,12 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                                FENCE_ASYNC, FOLD)
                 if not FOLD:
                     # y from h read back, with the rows' (rstd, mean) just merged: the
-                    # merge's stores precede the barrier, the reads follow it
+                    # merge's stores precede the barrier, the reads follow it. Y_ROWS
+                    # rows at a time: Y_ROWS / ROWS of this program's row blocks
                     tl.debug_barrier()
-                    for rb in range(r0 + pid * ROWS, r1, G * ROWS):
-                        rows = rb + rofs
+                    yq = tl.arange(0, Y_ROWS)
+                    for rb in range(r0 + pid * ROWS, r1, G * Y_ROWS):
+                        rows = rb + (yq // ROWS) * (G * ROWS) + yq % ROWS
                         rmask = rows < r1
                         rstd = tl.load(stats_ptr + rows.to(tl.int64) * 2, mask=rmask, other=0.0)
                         mean = tl.load(stats_ptr + rows.to(tl.int64) * 2 + 1, mask=rmask, other=0.0)
@@ -453,7 +456,8 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       stats: Any = None, stream_loads: bool = False, segment: int | None = None) -> None:
+                       stats: Any = None, stream_loads: bool = False, segment: int | None = None,
+                       y_rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -468,13 +472,16 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     ``segment``: with a norm, the width of the segments the statistics are summed
     over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
     rows * block_k, num_warps)``, 0 takes the whole-row statistics (and, writing y,
-    normalizes a row block whole in registers where it fits).
+    normalizes a row block whole in registers where it fits). ``y_rows``: writing y from
+    segments, the rows of a block of the output pass (a power-of-two multiple of
+    ``rows``; None: ``rows``).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment)
+                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
+                      y_rows=y_rows)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -489,7 +496,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None) -> None:
+                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -540,6 +547,10 @@ class ReducePlan:
         n_seg_p2 = triton.next_power_of_2(K // seg) if seg else 1
         # merge batches of about 8 values per thread per plane, whole row blocks each
         merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
+        # writing y from segment statistics: rows per block of the output pass
+        y_rows = rows if y_rows is None else int(y_rows)
+        if y_rows < rows or y_rows % rows or y_rows & (y_rows - 1):
+            raise ValueError(f"y_rows {y_rows} must be a power-of-two multiple of the block's {rows} rows")
         # the segments' sums: [2, M, K / seg] fp32, the plan's own scratch; writing y, the
         # rows' merged (rstd, mean) too: [M, 2] fp32
         self.seg = _alloc_like(x, 2 * m * (K // seg)) if seg else None
@@ -554,7 +565,7 @@ class ReducePlan:
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
-                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows)
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
