@@ -3,9 +3,10 @@
     bash launch/torchrun.sh 2 benchmarks/armm_trace.py [--M 16384 --N 2048 --K 8192] \
         [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
 
-A case is ``kind:chunks:reduce_sms:split_tail`` with kind ``nonorm`` (no residual, no
-norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the LayerNorm
-folded into the GEMM). Each case runs a few warm-up calls, then ``--calls`` calls back
+A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` with kind ``nonorm`` (no
+residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
+LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps).
+``--time``: first time every case, interleaved, as the suite does (ms per call, slowest rank). Each case runs a few warm-up calls, then ``--calls`` calls back
 to back under torch.profiler (CUPTI). Every rank then splits its GPU activities into
 calls (a call's work all starts after the previous call's GEMM grids end, since its
 streams fork from the caller's stream behind them) and prints, per call relative to the
@@ -34,11 +35,12 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def parse_case(s: str) -> tuple[str, int, int, int]:
-    kind, ch, rc, sp = s.split(":")
+def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None]:
+    kind, ch, rc, sp, *tile = s.split(":")
     if kind not in ("nonorm", "ln", "fold"):
         raise SystemExit(f"bad case kind {kind!r}")
-    return kind, int(ch), int(rc), int(sp)
+    bm_bn = tuple(int(v) for v in tile[0].split("x")) if tile else None
+    return kind, int(ch), int(rc), int(sp), bm_bn
 
 
 def gpu_events(path: str) -> list[dict]:
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--cases", default="nonorm:16:16:8,fold:16:20:2,fold:16:20:0,fold:16:16:2,ln:16:32:2")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--out", default="")
+    ap.add_argument("--time", action="store_true", help="time the cases first, interleaved")
     ap.add_argument("--push", action="store_true", help="also time push variants: 16 copies of M*K/16 rows' bytes "
                     "with a peer flag write after each, on one stream, on two event-chained streams, "
                     "with the flag writes on a stream of their own, and without the writes' memory fence")
@@ -187,7 +190,7 @@ def main() -> None:
 
     from benchmarks.suite.timing import Timer
     from overlap import dist
-    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, launch_tile_gemm
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig, launch_tile_gemm
     from overlap.ops import Norm, OverlapConfig, all_reduce_matmul
     from overlap.policies import Segment, build_tile_table
 
@@ -214,15 +217,28 @@ def main() -> None:
     log(f"armm trace {m}x{n}x{k} bf16 world {world}; times in us, medians over calls 2..{args.calls}")
     if args.push:
         push_variants(x, g, rank, world, dev, log)
+    fns = {}
     for spec in args.cases.split(","):
-        kind, ch, rc, sp = parse_case(spec)
-        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold")
+        kind, ch, rc, sp, tile = parse_case(spec)
+        gemm = None
+        if tile is not None:
+            gemm = GemmConfig(block_m=tile[0], block_n=tile[1], num_stages=3 if tile[1] >= 256 else 4, num_warps=8)
+        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
+                            gemm=gemm)
         kw = {} if kind == "nonorm" else {"residual": resid, "norm": nrm}
-
-        def fn(cfg=cfg, kw=kw):
-            return all_reduce_matmul(x, b, group=g, config=cfg, **kw)
-
+        fns[spec] = lambda cfg=cfg, kw=kw: all_reduce_matmul(x, b, group=g, config=cfg, **kw)
         for _ in range(3):
+            fns[spec]()
+        torch.cuda.synchronize()
+        tdist.barrier()
+    if args.time:
+        timer = Timer(group=g, device=dev, iters=10, warmup=3, reps=5)
+        got = timer.time_interleaved(fns, lambda name, e: log(f"  {name}: error {e!r}"))
+        for name, ms in got.items():
+            log(f"time {name}: {ms:.3f} ms per call")
+            report[f"time {name}"] = ms
+    for spec, fn in (fns.items() if args.calls else ()):
+        for _ in range(2):
             fn()
         torch.cuda.synchronize()
         tdist.barrier()
