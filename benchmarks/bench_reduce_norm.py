@@ -52,7 +52,8 @@ def main() -> None:
     print(f"reduce_norm alone: M={m} K={k} world={world} bf16, {chunks} chunks; ms, GB/s", flush=True)
     # (name, residual, norm, folded, segment): folded writes each row's statistics instead
     # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
-    # "y2x": the output pass of "segs" in blocks of twice the rows (y_rows)
+    # "y2x": the output pass of "segs" in blocks of twice the rows (y_rows; the default
+    # where a block is whole rows)
     modes = (("sum", False, False, False, None), ("add", True, False, False, None),
              ("add+ln rows", True, True, False, 0), ("add+ln segs", True, True, False, None),
              ("add+ln segs y2x", True, True, False, None),
