@@ -532,7 +532,8 @@ class ReducePlan:
         # a residual without a norm: 4096-column blocks of 8 rows. At 16384 x 8192 on 16
         # programs: 0.699 ms against 0.984 for 4 whole rows (bench_reduce_norm, 0a6c191 and
         # 94a86b9). With a norm the whole rows stay faster (y: 1.415 against 1.600; folded
-        # statistics: 1.234 against 1.391, 0a6c191)
+        # statistics: 1.234 against 1.391, 0a6c191; both from whole-row statistics, before
+        # the segments)
         split = residual is not None and norm is None
         d_block, d_rows, d_warps = reduce_block_shape(K, block_k, split)
         block_k = block_k or d_block
