@@ -130,40 +130,30 @@ from .tile_gemm import _wait, interpreting  # noqa: E402
 
 
 @triton.jit
-def _ld(ptrs, m, STREAM: tl.constexpr, EVICT: tl.constexpr):
-    """A load of elements read once: past L1 (STREAM), first out of L2 (EVICT: they
-    leave the L2 lines of a GEMM running beside the kernel in place)."""
-    if STREAM:
-        if EVICT:
-            v = tl.load(ptrs, mask=m, other=0.0, cache_modifier=".cg", eviction_policy="evict_first")
-        else:
-            v = tl.load(ptrs, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        if EVICT:
-            v = tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
-        else:
-            v = tl.load(ptrs, mask=m, other=0.0)
-    return v
-
-
-@triton.jit
 def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl.constexpr, WORLD: tl.constexpr,
-               dt: tl.constexpr, STREAM: tl.constexpr = False, EVICT: tl.constexpr = False):
+               dt: tl.constexpr, STREAM: tl.constexpr = False):
     """h for a block at element offsets ``off2``: the WORLD partials (this rank's from
     x, peer r's from recv slot (r - rank - 1) mod WORLD) summed in rank order in fp32,
     rounded like an all-reduce's output, plus the residual (rounded again, as torch's
     add after an all-reduce). Every load is issued before the sum needs it. STREAM:
-    the loads bypass L1 (each element is read once); EVICT: they are first out of L2."""
+    the loads bypass L1 (each element is read once)."""
     if HAS_RES:
-        rv = _ld(res_ptr + off2, m, STREAM, EVICT)
+        if STREAM:
+            rv = tl.load(res_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            rv = tl.load(res_ptr + off2, mask=m, other=0.0)
     if WORLD == 2:
         # two terms: an add in the tensors' own type rounds the exact sum once, as the
         # fp32 sum rounded does (exact in fp32 unless one term is below half an ulp of
         # the other), and the same either way round. On sm_90 that is one packed
         # instruction per two elements (HADD2.BF16), where the fp32 path spent about
         # five per element on unpacking, adding and rounding
-        xv = _ld(x_ptr + off2, m, STREAM, EVICT)
-        pv = _ld(recv_ptr + off2, m, STREAM, EVICT)
+        if STREAM:
+            xv = tl.load(x_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+            pv = tl.load(recv_ptr + off2, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            xv = tl.load(x_ptr + off2, mask=m, other=0.0)
+            pv = tl.load(recv_ptr + off2, mask=m, other=0.0)
         hv = (xv + pv).to(dt)
         if HAS_RES:
             hv = (hv + rv.to(dt)).to(dt)
@@ -172,7 +162,10 @@ def _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES: tl
     for r in tl.static_range(WORLD):  # unrolled: the loads do not wait for the adds
         slot = (r - rank - 1 + WORLD) % WORLD
         src = tl.where(r == rank, x_ptr + off2, recv_ptr + slot.to(tl.int64) * slot_stride + off2)
-        tot += _ld(src, m, STREAM, EVICT).to(tl.float32)
+        if STREAM:
+            tot += tl.load(src, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            tot += tl.load(src, mask=m, other=0.0).to(tl.float32)
     hv = tot.to(dt)
     if HAS_RES:
         hv = (hv.to(tl.float32) + rv.to(tl.float32)).to(dt)
@@ -191,7 +184,7 @@ def _store_stats(stats_ptr, rows, rmask, rstd, shift):
 def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
               HAS_RES: tl.constexpr, WORLD: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
               SUB: tl.constexpr, SEG: tl.constexpr, dt: tl.constexpr, STREAM: tl.constexpr,
-              ASM_STORE: tl.constexpr, EVICT: tl.constexpr = False):
+              ASM_STORE: tl.constexpr):
     """Rows [rb, min(rb + ROWS, r1)): h summed and stored, and each segment's mean and
     sum of squared deviations (LayerNorm; RMSNorm: 0 and the sum of squares) stored
     to seg [2, M, n_seg]. The rows are contiguous, so they are taken flat, SUB
@@ -213,7 +206,7 @@ def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane
         ok = g < g_end
         m = ((s0 + q % SUB) < g_end)[:, None]
         off2 = tl.cast(s0, tl.int64) * SEG + within
-        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM, EVICT)
+        hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM)
         tl.store(h_ptr + off2, hv, mask=m)
         hf = tl.reshape(hv.to(tl.float32), (T, SUB, INNER))
         if NORM == 1:
@@ -292,7 +285,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
-                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1, EVICT: tl.constexpr = False):
+                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -354,8 +347,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                 seg_plane = n_seg * (slot_stride // K)  # slot_stride is M * K
                 for rb in range(r0 + pid * ROWS, r1, G * ROWS):
                     _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
-                              HAS_RES, WORLD, NORM, ROWS, ROWS * BLOCK_K // SEG, SEG, dt, STREAM, FENCE_ASYNC,
-                              EVICT)
+                              HAS_RES, WORLD, NORM, ROWS, ROWS * BLOCK_K // SEG, SEG, dt, STREAM, FENCE_ASYNC)
                 # this program's segment sums precede its reads of them
                 tl.debug_barrier()
                 q = tl.arange(0, MERGE_ROWS)
@@ -387,8 +379,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                     else:
                         m = rmask[:, None] & (offs < K)[None, :]
                     off2 = base[:, None] + offs[None, :]
-                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM,
-                                    EVICT)
+                    hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt, STREAM)
                     tl.store(h_ptr + off2, hv, mask=m)
                     if NORM != 0:
                         # masked-off rows loaded as 0: their statistics are finite and unused
@@ -421,7 +412,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         m = rmask[:, None] & (cols < K)[None, :]
                         off2 = base[:, None] + cols[None, :]
                         hv = _sum_parts(x_ptr, recv_ptr, res_ptr, off2, m, rank, slot_stride, HAS_RES, WORLD, dt,
-                                        STREAM, EVICT)
+                                        STREAM)
                         tl.store(h_ptr + off2, hv, mask=m)
                         if NORM == 1:
                             hf = tl.where(m, hv.to(tl.float32), 0.0)
@@ -466,7 +457,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
                        stats: Any = None, stream_loads: bool = False, segment: int | None = None,
-                       y_rows: int | None = None, evict_first: bool = False) -> None:
+                       y_rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -484,15 +475,13 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     normalizes a row block whole in registers where it fits). ``y_rows``: writing y from
     segments, the rows of a block of the output pass (a power-of-two multiple of
     ``rows``; None: twice ``rows`` where a block is whole rows, else ``rows``).
-    ``evict_first``: the partials and the residual (read once) are loaded with an L2
-    evict-first hint, so they do not push out the lines of a GEMM running beside it.
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
                       block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
-                      y_rows=y_rows, evict_first=evict_first)
+                      y_rows=y_rows)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -507,8 +496,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
-                 evict_first: bool = False) -> None:
+                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -584,8 +572,7 @@ class ReducePlan:
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
-                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1,
-                    EVICT=bool(evict_first))
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
