@@ -4,7 +4,7 @@
         [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
 
 A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` with kind ``nonorm`` (no
-residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
+residual, no norm), ``res`` (the residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
 LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps).
 ``--time``: first time every case, interleaved, as the suite does (ms per call, slowest rank). Each case runs a few warm-up calls, then ``--calls`` calls back
 to back under torch.profiler (CUPTI). Every rank then splits its GPU activities into
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None]:
     kind, ch, rc, sp, *tile = s.split(":")
-    if kind not in ("nonorm", "ln", "fold"):
+    if kind not in ("nonorm", "res", "ln", "fold"):
         raise SystemExit(f"bad case kind {kind!r}")
     bm_bn = tuple(int(v) for v in tile[0].split("x")) if tile else None
     return kind, int(ch), int(rc), int(sp), bm_bn
@@ -225,7 +225,7 @@ def main() -> None:
             gemm = GemmConfig(block_m=tile[0], block_n=tile[1], num_stages=3 if tile[1] >= 256 else 4, num_warps=8)
         cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
                             gemm=gemm)
-        kw = {} if kind == "nonorm" else {"residual": resid, "norm": nrm}
+        kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}
         fns[spec] = lambda cfg=cfg, kw=kw: all_reduce_matmul(x, b, group=g, config=cfg, **kw)
         for _ in range(3):
             fns[spec]()
