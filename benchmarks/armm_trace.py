@@ -24,7 +24,6 @@ tile GEMM alone on all SMs and on those the reduce kernel leaves, and torch.mm.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -182,8 +181,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--out", default="")
     ap.add_argument("--time", action="store_true", help="time the cases first, interleaved")
-    ap.add_argument("--pipe", type=int, default=0, help="time every case also with the reduce kernel's "
-                    "segment loop pipelined this deep (overlap.ops.all_reduce._REDUCE_PIPELINE)")
     ap.add_argument("--push", action="store_true", help="also time push variants: 16 copies of M*K/16 rows' bytes "
                     "with a peer flag write after each, on one stream, on two event-chained streams, "
                     "with the flag writes on a stream of their own, and without the writes' memory fence")
@@ -195,7 +192,6 @@ def main() -> None:
     from overlap import dist
     from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig, launch_tile_gemm
     from overlap.ops import Norm, OverlapConfig, all_reduce_matmul
-    armod = importlib.import_module("overlap.ops.all_reduce")
     from overlap.policies import Segment, build_tile_table
 
     dist.init()
@@ -230,19 +226,11 @@ def main() -> None:
         cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
                             gemm=gemm)
         kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}
-        for pipe in ((1, args.pipe) if args.pipe else (None,)):
-            name = spec if pipe is None else f"{spec} pipe {pipe}"
-
-            def fn(cfg=cfg, kw=kw, pipe=pipe):
-                if pipe is not None:
-                    armod._REDUCE_PIPELINE = pipe
-                return all_reduce_matmul(x, b, group=g, config=cfg, **kw)
-
-            fns[name] = fn
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            tdist.barrier()
+        fns[spec] = lambda cfg=cfg, kw=kw: all_reduce_matmul(x, b, group=g, config=cfg, **kw)
+        for _ in range(3):
+            fns[spec]()
+        torch.cuda.synchronize()
+        tdist.barrier()
     if args.time:
         timer = Timer(group=g, device=dev, iters=10, warmup=3, reps=5)
         got = timer.time_interleaved(fns, lambda name, e: log(f"  {name}: error {e!r}"))
@@ -258,7 +246,7 @@ def main() -> None:
             for _ in range(args.calls):
                 fn()
             torch.cuda.synchronize()
-        path = os.path.join(outdir, f"trace_{spec.replace(':', '_').replace(' ', '_')}.rank{rank}.json")
+        path = os.path.join(outdir, f"trace_{spec.replace(':', '_')}.rank{rank}.json")
         prof.export_chrome_trace(path)
         calls = split_calls(gpu_events(path))
         rows = []

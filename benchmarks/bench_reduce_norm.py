@@ -53,12 +53,11 @@ def main() -> None:
     # (name, residual, norm, folded, segment): folded writes each row's statistics instead
     # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
     # "y2x": the output pass of "segs" in blocks of twice the rows (y_rows; the default
-    # where a block is whole rows); "pipe2": the segment loop software-pipelined (pipeline=2)
+    # where a block is whole rows)
     modes = (("sum", False, False, False, None), ("add", True, False, False, None),
              ("add+ln rows", True, True, False, 0), ("add+ln segs", True, True, False, None),
-             ("add+ln segs y2x", True, True, False, None), ("add+ln segs pipe2", True, True, False, None),
-             ("add+ln fold rows", True, True, True, 0), ("add+ln fold segs", True, True, True, None),
-             ("add+ln fold segs pipe2", True, True, True, None))
+             ("add+ln segs y2x", True, True, False, None),
+             ("add+ln fold rows", True, True, True, 0), ("add+ln fold segs", True, True, True, None))
     # (block_k, rows, warps) or None (the kernel's default for this K), loads streamed past L1
     variants = ((None, False), (None, True), ((None, 2, 16), False), ((None, 2, 16), True), ((None, 1, 16), True),
                 ((None, 1, 8), True), ((4096, 8, 16), True), ((2048, 2, 4), False))
@@ -87,8 +86,7 @@ def main() -> None:
                                        y=y if ln and not folded else None, stats=stats if folded else None,
                                        num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
                                        segment=segment if ln else None,
-                                       y_rows=2 * (rows or _default_rows(k, bk)) if name.endswith("y2x") else None,
-                                       pipeline=2 if name.endswith("pipe2") else 1)
+                                       y_rows=2 * (rows or _default_rows(k, bk)) if name.endswith("y2x") else None)
 
                 label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")

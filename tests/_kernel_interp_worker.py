@@ -225,7 +225,7 @@ def scenario_reduce_norm() -> None:
                               rflags=torch.ones(3, dtype=torch.int32), ready=ready,
                               err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=3, residual=res,
                               norm=kind, weight=w, bias=bias, y=y, block_k=block_k, rows=2, segment=seg,
-                              y_rows=y_rows, pipeline=2 if k2 == 96 else 1)
+                              y_rows=y_rows)
             assert (plan.seg is None) == (seg_taken == 0) and (plan.row_stats is None) == (seg_taken == 0), (k2, seg)
             plan.launch(parts[0], parts[1].unsqueeze(0).clone(), h, epoch=1, residual=res, weight=w, bias=bias, y=y)
             assert ready.tolist() == [3, 3, 3], ready

@@ -181,37 +181,27 @@ def _store_stats(stats_ptr, rows, rmask, rstd, shift):
 
 
 @triton.jit
-def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, r0, r1, pid, G, n_seg, seg_plane, rank, slot_stride,
+def _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
               HAS_RES: tl.constexpr, WORLD: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
               SUB: tl.constexpr, SEG: tl.constexpr, dt: tl.constexpr, STREAM: tl.constexpr,
-              ASM_STORE: tl.constexpr, PIPE: tl.constexpr = 1):
-    """This program's rows of the chunk [r0, r1) (blocks of ROWS rows from r0 + pid *
-    ROWS, every G * ROWS): h summed and stored, and each segment's mean and sum of
-    squared deviations (LayerNorm; RMSNorm: 0 and the sum of squares) stored to seg
-    [2, M, n_seg]. A block's rows are contiguous, so they are taken flat, SUB segments
-    of SEG columns at a time, in one loop over all the program's blocks (a block's
-    last steps past its rows are masked off). The block is [T * SUB, INNER] (SEG = T *
+              ASM_STORE: tl.constexpr):
+    """Rows [rb, min(rb + ROWS, r1)): h summed and stored, and each segment's mean and
+    sum of squared deviations (LayerNorm; RMSNorm: 0 and the sum of squares) stored
+    to seg [2, M, n_seg]. The rows are contiguous, so they are taken flat, SUB
+    segments of SEG columns at a time. The block is [T * SUB, INNER] (SEG = T *
     INNER, INNER up to 256: one warp's 16-byte loads), its tensor row q holding
     piece q // SUB of segment q % SUB: Triton lays the SUB warps along the rows and
     repeats them T times, so a segment's T pieces sit in one warp's registers. Its
     sums are each thread's own adds and one 5-step shuffle tree (a tree per
     256-column piece took 2.5 instructions per element), and need no barrier: the
-    warps run on independently. PIPE > 1: the loop is software-pipelined that many
-    stages deep (Triton's pipeliner: the next steps' loads go to shared memory while
-    this one is summed, so more bytes are in flight per SM)."""
+    warps run on independently."""
     INNER: tl.constexpr = SEG if SEG < 256 else 256
     T: tl.constexpr = SEG // INNER
+    g_end = tl.minimum(rb + ROWS, r1) * n_seg
     j = tl.arange(0, SUB)
     q = tl.arange(0, T * SUB)
     within = ((q % SUB) * SEG + (q // SUB) * INNER)[:, None] + tl.arange(0, INNER)[None, :]
-    first = r0 + pid * ROWS
-    n_blocks = tl.maximum(tl.cdiv(r1 - first, G * ROWS), 0)
-    steps = tl.cdiv(ROWS * n_seg, SUB)  # per block
-    for i in tl.range(0, n_blocks * steps, num_stages=PIPE):
-        blk = i // steps
-        rb = first + blk * (G * ROWS)
-        s0 = rb * n_seg + (i - blk * steps) * SUB
-        g_end = tl.minimum(rb + ROWS, r1) * n_seg
+    for s0 in range(rb * n_seg, g_end, SUB):
         g = s0 + j
         ok = g < g_end
         m = ((s0 + q % SUB) < g_end)[:, None]
@@ -295,7 +285,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
-                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1, PIPE: tl.constexpr = 1):
+                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -355,9 +345,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
             if ok != 0:
                 n_seg = K // SEG
                 seg_plane = n_seg * (slot_stride // K)  # slot_stride is M * K
-                _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, r0, r1, pid, G, n_seg, seg_plane, rank,
-                          slot_stride, HAS_RES, WORLD, NORM, ROWS, ROWS * BLOCK_K // SEG, SEG, dt, STREAM,
-                          FENCE_ASYNC, PIPE)
+                for rb in range(r0 + pid * ROWS, r1, G * ROWS):
+                    _seg_rows(x_ptr, recv_ptr, res_ptr, h_ptr, seg_ptr, rb, r1, n_seg, seg_plane, rank, slot_stride,
+                              HAS_RES, WORLD, NORM, ROWS, ROWS * BLOCK_K // SEG, SEG, dt, STREAM, FENCE_ASYNC)
                 # this program's segment sums precede its reads of them
                 tl.debug_barrier()
                 q = tl.arange(0, MERGE_ROWS)
@@ -467,7 +457,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
                        stats: Any = None, stream_loads: bool = False, segment: int | None = None,
-                       y_rows: int | None = None, pipeline: int = 1) -> None:
+                       y_rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -485,16 +475,13 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     normalizes a row block whole in registers where it fits). ``y_rows``: writing y from
     segments, the rows of a block of the output pass (a power-of-two multiple of
     ``rows``; None: twice ``rows`` where a block is whole rows, else ``rows``).
-    ``pipeline``: with segments, the software-pipelining depth of the loop over the
-    segments (1: none; 2: the next step's partials and residual are loaded into shared
-    memory, up to 3 x 64 KB, while this one is summed).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
                       block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
-                      y_rows=y_rows, pipeline=pipeline)
+                      y_rows=y_rows)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -509,8 +496,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
-                 pipeline: int = 1) -> None:
+                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -586,8 +572,7 @@ class ReducePlan:
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
-                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1,
-                    PIPE=max(1, int(pipeline)) if seg else 1)
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,

@@ -255,10 +255,6 @@ CHUNK_ALIGN = 128
 
 
 REDUCE_PROGRAMS_PER_SM = 1
-# the reduce kernel's software-pipelining depth over its segments on SMs of its own
-# (``ReducePlan(pipeline=)``; 1: none). A module switch for A/B timing
-# (benchmarks/armm_trace.py --pipe)
-_REDUCE_PIPELINE = 1
 """p2p reduce kernel programs per SM left to it. Its programs spin on flags, so every
 one must be resident while the GEMM holds the other SMs: at K = 8192 a program needs
 over half an SM's registers, so one per SM (more would wait for SMs that the GEMM
@@ -618,15 +614,14 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     bias = norm.bias if norm and not fold else None
     y_out = y if norm is not None and not fold else None
     rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
-            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold,
-            _REDUCE_PIPELINE)
+            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold)
     rp = p.launches.get(rkey)
     if rp is None:
         rp = p.launches[rkey] = ReducePlan(
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-            pipeline=1 if p.reduce_shared else _REDUCE_PIPELINE, **(shared_reduce_shape(k) if p.reduce_shared else {}))
+            **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
