@@ -19,7 +19,7 @@ start of its first push, medians over the calls after the first:
     gap        previous call's end .. this call's first push (stream fork, memsets)
 
 and the ends relative to the last push's end (what follows the communication). Also the
-tile GEMM alone on all SMs and on those the reduce kernel leaves, and torch.mm.
+tile GEMM alone on all SMs and on those each case's reduce kernel leaves, and torch.mm.
 """
 from __future__ import annotations
 
@@ -293,7 +293,11 @@ def main() -> None:
     c = a.new_empty(m, n)
     table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, DEFAULT_CONFIG.block_m,
                                           DEFAULT_CONFIG.block_n), dtype=torch.int32, device=dev)
-    fns = {f"tile gemm on {s} SMs": (lambda s=s: launch_tile_gemm(a, b, c, table, grid=s)) for s in (132, 116, 112)}
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    # all SMs, and those each case's reduce kernel leaves the GEMM
+    counts = sorted({sms} | {sms - parse_case(sp)[2] for sp in args.cases.split(",") if 0 < parse_case(sp)[2] < sms},
+                    reverse=True)
+    fns = {f"tile gemm on {s} SMs": (lambda s=s: launch_tile_gemm(a, b, c, table, grid=s)) for s in counts}
     fns["torch.mm"] = lambda: torch.mm(a, b, out=c)
     got = timer.time_interleaved(fns, lambda name, e: log(f"  {name}: error {e!r}"))
     for name, ms in got.items():

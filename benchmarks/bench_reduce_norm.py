@@ -52,8 +52,8 @@ def main() -> None:
     print(f"reduce_norm alone: M={m} K={k} world={world} bf16, {chunks} chunks; ms, GB/s", flush=True)
     # (name, residual, norm, folded, segment): folded writes each row's statistics instead
     # of y, from whole rows (segment 0) or from segments (None: the kernel's width)
-    # "y2x": the output pass of "segs" in blocks of twice the rows (y_rows; the default
-    # where a block is whole rows)
+    # "segs": the output pass in blocks of the block's rows; "y2x": of twice them (y_rows;
+    # the op's default where the block is exactly K columns)
     modes = (("sum", False, False, False, None), ("add", True, False, False, None),
              ("add+ln rows", True, True, False, 0), ("add+ln segs", True, True, False, None),
              ("add+ln segs y2x", True, True, False, None),
@@ -86,7 +86,8 @@ def main() -> None:
                                        y=y if ln and not folded else None, stats=stats if folded else None,
                                        num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
                                        segment=segment if ln else None,
-                                       y_rows=2 * (rows or _default_rows(k, bk)) if name.endswith("y2x") else None)
+                                       y_rows=(2 if name.endswith("y2x") else 1) * (rows or _default_rows(k, bk))
+                                       if ln and not folded and segment is None else None)
 
                 label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")

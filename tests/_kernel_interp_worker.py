@@ -205,13 +205,13 @@ def scenario_reduce_norm() -> None:
     # (E[x^2] - mean^2 would). K in several blocks, whole-row statistics (segment 0) and
     # segments; K = 96 in 32-column segments is 3 to a row (a masked merge). With a
     # segment width the rows' (rstd, mean) go to the plan's scratch and y is written
-    # from h read back; over 3 chunks and 2 programs a program's rows are not contiguous
+    # from h read back; over 3 chunks and 3 programs a program's rows are not contiguous
     # y_rows 4: the output pass takes two of a program's 2-row blocks at a time (3
     # programs, so a program's blocks are 6 rows apart)
     st3 = torch.tensor([0, 11, 13, 16], dtype=torch.int32)
     for k2, block_k, seg, seg_taken, y_rows in ((64, 16, None, 0, None), (64, None, None, 16, None),
                                                 (64, None, 0, 0, None), (96, None, 32, 32, 4),
-                                                (96, 32, 16, 16, None), (64, None, None, 16, 4)):
+                                                (96, 32, 16, 16, None), (64, 16, 16, 16, 4)):
         m2_ = 16
         parts = [torch.randn(m2_, k2, generator=g) + 1500.0 for _ in range(2)]
         res = torch.randn(m2_, k2, generator=g)

@@ -294,10 +294,11 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     After a timeout (recorded in the error word) programs skip their rows but still
     post, so nothing waits in vain.
 
-    With BLOCK_K >= K a row block stays in registers: h is written once and the norm
-    comes from registers (two-pass statistics, exact). Otherwise the K blocks merge
-    their means and squared deviations (Chan et al.'s pairwise update: stable when
-    |mean| >> std) and the output pass reads h back.
+    With SEG = 0 (whole-row statistics): with BLOCK_K >= K a row block stays in
+    registers, h is written once and the norm comes from registers (two-pass
+    statistics, exact); otherwise the K blocks merge their means and squared deviations
+    (Chan et al.'s pairwise update: stable when |mean| >> std) and the output pass
+    reads h back. With a norm, ``ReducePlan`` takes segments (below) by default.
 
     FOLD (with a norm): no y. Each row's rstd and mean * rstd (0 for RMSNorm) go to
     stats [M, 2] fp32 for a GEMM that applies the norm in its epilogue (its B holding
@@ -314,7 +315,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     loads idle: at 16384 x 8192 with the residual they nearly doubled the kernel's
     time; with the segments the kernel with statistics runs faster than the residual
     add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs).
-    Without FOLD the merge writes each row's (rstd, mean) to stats (then the plan's
+    Without FOLD the merge writes each row's (rstd, mean) to stats (there the plan's
     scratch), and the program writes y for its rows of the chunk from h read back
     (``_norm_out``), as the K-blocked path does, Y_ROWS rows (a multiple of ROWS) at a
     time."""
@@ -360,6 +361,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                     # merge's stores precede the barrier, the reads follow it. Y_ROWS
                     # rows at a time: Y_ROWS / ROWS of this program's row blocks
                     tl.debug_barrier()
+                    tl.static_assert(Y_ROWS % ROWS == 0, "Y_ROWS must be a multiple of ROWS")
                     yq = tl.arange(0, Y_ROWS)
                     for rb in range(r0 + pid * ROWS, r1, G * Y_ROWS):
                         rows = rb + (yq // ROWS) * (G * ROWS) + yq % ROWS
@@ -474,7 +476,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     rows * block_k, num_warps)``, 0 takes the whole-row statistics (and, writing y,
     normalizes a row block whole in registers where it fits). ``y_rows``: writing y from
     segments, the rows of a block of the output pass (a power-of-two multiple of
-    ``rows``; None: twice ``rows`` where a block is whole rows, else ``rows``).
+    ``rows``; None: twice ``rows`` where the block is exactly K columns, else ``rows``).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
@@ -549,14 +551,16 @@ class ReducePlan:
         # merge batches of about 8 values per thread per plane, whole row blocks each
         merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
         # writing y from segment statistics: rows per block of the output pass. Twice the
-        # block's rows where a row block is whole rows (more loads in flight; on H200 at
-        # 16384 x 8192, residual + LayerNorm: 1.013 against 1.090 ms on 16 programs, 0.731
-        # against 0.787 on 24); not for K-blocked rows (8192 x 12288 in 4096-column blocks:
-        # 0.844 against 0.827, it spills; bench_reduce_norm, 9b56c53)
+        # block's rows where the block is exactly K columns (whole rows, no column mask:
+        # more loads in flight; on H200 at 16384 x 8192, residual + LayerNorm: 1.013
+        # against 1.090 ms on 16 programs, 0.731 against 0.787 on 24); not for K-blocked
+        # rows (8192 x 12288 in 4096-column blocks: 0.844 against 0.827, it spills;
+        # bench_reduce_norm, 9b56c53)
+        uses_y_rows = seg and stats is None
         if y_rows is None:
             y_rows = 2 * rows if block_k == K else rows
         y_rows = int(y_rows)
-        if y_rows < rows or y_rows % rows or y_rows & (y_rows - 1):
+        if uses_y_rows and (y_rows < rows or y_rows % rows or y_rows & (y_rows - 1)):
             raise ValueError(f"y_rows {y_rows} must be a power-of-two multiple of the block's {rows} rows")
         # the segments' sums: [2, M, K / seg] fp32, the plan's own scratch; writing y, the
         # rows' merged (rstd, mean) too: [M, 2] fp32
@@ -572,7 +576,7 @@ class ReducePlan:
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
-                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if seg and stats is None else 1)
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
@@ -595,7 +599,7 @@ class ReducePlan:
 
 
 def stats_segment(K: int, block: int, num_warps: int) -> int:
-    """The segment width the reduce kernel sums a folded norm's statistics over: the
+    """The segment width the reduce kernel sums a norm's row statistics over: the
     largest power of two up to 2048 that divides K and leaves each of ``num_warps``
     warps a segment of its own in a block of ``block`` elements (one warp per segment,
     no barrier; longer segments, fewer shuffle trees); 0 (whole-row statistics) below 16."""

@@ -335,7 +335,10 @@ def shared_reduce_shape(k: int) -> dict[str, int]:
     beside a GEMM program of 128 x 256 tiles (8 warps, up to 216 per thread) in the
     SM's 64K, and it takes 1 KB of shared memory against the GEMM's 148 KB of 228."""
     block_k = min(2048, 1 << max(0, (k - 1).bit_length()))
-    return dict(block_k=block_k, rows=max(1, min(8, 4096 // block_k)), num_warps=4)
+    rows = max(1, min(8, 4096 // block_k))
+    # the written norm's output pass in blocks of the same rows (twice would take more
+    # registers than fit beside the GEMM)
+    return dict(block_k=block_k, rows=rows, num_warps=4, y_rows=rows)
 
 
 def _default_chunks(m: int) -> int:
