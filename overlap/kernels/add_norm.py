@@ -126,7 +126,7 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
 # the p2p all-reduce's consumer: sum the pushed partials, add, norm, post
 # --------------------------------------------------------------------------
 from ._launch import CachedLauncher  # noqa: E402
-from .tile_gemm import _wait, interpreting  # noqa: E402
+from .tile_gemm import _cta_any, _wait, interpreting  # noqa: E402
 
 
 @triton.jit
@@ -336,7 +336,8 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         r0 = tl.load(starts_ptr + c)
         r1 = tl.load(starts_ptr + c + 1)
         ok = 1
-        if tl.load(err_ptr, volatile=True) != 0:
+        # the same in every warp: the row blocks' pass holds barriers
+        if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
             ok = 0
         for s in range(WORLD - 1):
             if ok != 0:

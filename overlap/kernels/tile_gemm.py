@@ -174,6 +174,24 @@ def _split_finish(acc, ws_ptr, cnt_ptr, slot, piece, parts, c_ptr, c_row, c_rows
 
 
 @triton.jit
+def _cta_any(x, ASM: tl.constexpr):
+    """1 in every thread of the program if ``x`` is nonzero in any, else 0 (a CTA
+    barrier with an OR: ``bar.red.or.pred``). Per-thread reads (the GPU timer, a
+    volatile load of the error word) can differ between warps; a decision taken on
+    them must be the same in all of them before a branch that holds barriers (a scalar
+    atomic's broadcast, the K loop's pipeline), or the warps that went the other way
+    would leave the rest waiting at a barrier for good. Every thread must reach it.
+    Without ASM (the interpreter: one thread) ``x`` as it is."""
+    if ASM:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [x.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        r = (x != 0).to(tl.int32)
+    return r
+
+
+@triton.jit
 def _poll(flags_ptr, idx):
     # system scope: a flag may be written by a peer GPU's copy stream (overlap._p2p)
     return tl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="sys")
@@ -203,10 +221,10 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
             late = (tl.extra.cuda.globaltimer() - t0) > timeout_ns
         else:
             late = spins > max_spins
-        # another tile timed out: stop waiting too, so the whole grid exits
+        # another tile timed out: stop waiting too, so the whole grid exits. The same
+        # decision in every warp: the next poll's broadcast holds a barrier
         other = tl.load(err_ptr, volatile=True)
-        if late | (other != 0):
-            aborted = 1
+        aborted = _cta_any((late | (other != 0)).to(tl.int32), FENCE_ASYNC)
     ok = (seen >= expected).to(tl.int32)
     code = 1
     if seen >= ahead:
@@ -282,7 +300,8 @@ def tile_gemm_kernel(
         if HAS_WAIT:
             w_idx = tl.load(row + 5)
             w_mult = tl.load(row + 6)
-            if tl.load(err_ptr, volatile=True) != 0:
+            # (the same in every warp: the K loop's pipeline holds barriers)
+            if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
                 ok = 0
             elif w_idx >= 0:
                 if K_WAIT == 0:  # else the K loop waits, group by group (TileSync)
