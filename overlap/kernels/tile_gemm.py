@@ -29,7 +29,10 @@ A wait is bounded: past ``timeout_ns`` (GPU global timer) or ``max_spins``
 polls (under the interpreter) the tile records [code, rank, flag index,
 expected, seen, table row] in the error word, does no work, and every other
 tile of every program then skips its work, so the kernel exits promptly and the
-host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do.
+host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do. The
+decision to stop is taken by all of a program's warps alike (``_cta_any``): their own
+reads of the timer or the error word can differ by a few nanoseconds, and warps that
+went different ways would leave each other waiting at a barrier.
 
 Two A operands exist so the all-gather op can read its local shard straight
 from the input (no copy into the gathered buffer) while remote rows come from
