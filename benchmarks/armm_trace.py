@@ -3,7 +3,8 @@
     bash launch/torchrun.sh 2 benchmarks/armm_trace.py [--M 16384 --N 2048 --K 8192] \
         [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
 
-A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` with kind ``nonorm`` (no
+A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` (split_tail ``<n>f``: exactly n
+K pieces per tile of the last chunk, not capped by the SMs) with kind ``nonorm`` (no
 residual, no norm), ``res`` (the residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
 LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps).
 ``--time``: first time every case, interleaved, as the suite does (ms per call, slowest rank). Each case runs a few warm-up calls, then ``--calls`` calls back
@@ -35,12 +36,41 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
+FORCED_PARTS: set[int] = set()
+"""split_tail values that cases give as ``<n>f``: the last chunk's tiles in exactly n K
+pieces, not capped at the pieces the GPU's SMs run at once (``policies.tail_parts``)."""
+
+
 def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None]:
     kind, ch, rc, sp, *tile = s.split(":")
     if kind not in ("nonorm", "res", "ln", "fold"):
         raise SystemExit(f"bad case kind {kind!r}")
     bm_bn = tuple(int(v) for v in tile[0].split("x")) if tile else None
+    if sp.endswith("f"):
+        sp = sp[:-1]
+        FORCED_PARTS.add(int(sp))
     return kind, int(ch), int(rc), int(sp), bm_bn
+
+
+def force_parts(cases: list[str]) -> None:
+    """Make the ``<n>f`` split values exact for every case of the run (so a case may not
+    also ask for the same n capped)."""
+    specs = [parse_case(c)[3] for c in cases]
+    if not FORCED_PARTS:
+        return
+    capped = [c for c, sp in zip(cases, specs) if sp in FORCED_PARTS and not c.split(":")[3].endswith("f")]
+    if capped:
+        raise SystemExit(f"cases {capped} ask for a forced split value capped")
+    import overlap.ops.all_reduce as ar
+
+    plain = ar.tail_parts
+
+    def tail_parts(tail_tiles: int, sms: int, k_steps: int, max_parts: int) -> int:
+        if max_parts in FORCED_PARTS and tail_tiles > 0:
+            return min(max_parts, k_steps)
+        return plain(tail_tiles, sms, k_steps, max_parts)
+
+    ar.tail_parts = tail_parts
 
 
 def gpu_events(path: str) -> list[dict]:
@@ -218,6 +248,7 @@ def main() -> None:
     if args.push:
         push_variants(x, g, rank, world, dev, log)
     fns = {}
+    force_parts(args.cases.split(","))
     for spec in args.cases.split(","):
         kind, ch, rc, sp, tile = parse_case(spec)
         gemm = None
