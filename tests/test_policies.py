@@ -114,31 +114,9 @@ def test_overlap_config_transport_fields() -> None:
     assert OverlapConfig().margin("nccl") == 4 and OverlapConfig().margin("p2p") == 0
     assert OverlapConfig(sm_margin=7).margin("p2p") == 7
     for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=2000), dict(sm_margin=-1),
-                dict(split_tail=-1), dict(split_tail=65), dict(stream_gemm=-1), dict(stream_gemm=65),
-                dict(stream_gemm=2, fold_norm=True), dict(stream_gemm=2, two_shot=True),
-                dict(stream_gemm=2, transport="nccl")):
+                dict(split_tail=-1), dict(split_tail=65)):
         with pytest.raises(ValueError):
             OverlapConfig(**bad)
-    assert OverlapConfig(stream_gemm=2, transport="p2p").stream_gemm == 2
-
-
-@pytest.mark.parametrize("rows,groups,want", [
-    ((4, 4, 4, 4), 1, [(0, 16, 3)]),
-    ((4, 4, 4, 4), 2, [(0, 4, 0), (4, 16, 3)]),
-    ((4, 4, 4, 3), 3, [(0, 4, 0), (4, 8, 1), (8, 15, 3)]),
-    ((4, 4, 4, 3), 4, [(0, 4, 0), (4, 8, 1), (8, 12, 2), (12, 15, 3)]),
-    ((4, 4), 9, [(0, 4, 0), (4, 8, 1)]),
-    ((5,), 2, [(0, 5, 0)]),
-])
-def test_stream_gemm_groups(rows, groups, want):
-    # cuBLAS calls behind stream waits: every row once, in order, each call waiting for
-    # the last chunk it reads
-    pytest.importorskip("torch")
-    from overlap.ops.all_reduce import stream_gemm_groups
-
-    assert stream_gemm_groups(rows, groups) == want
-    with pytest.raises(ValueError):
-        stream_gemm_groups(rows, 0)
 
 
 def test_rowsync_segments_wait_and_post() -> None:

@@ -98,16 +98,6 @@ class OverlapConfig:
     applies the rest in its epilogue. The reduce kernel then moves the bytes of the
     no-norm case plus the residual, at the cost of one pass over B per call.
     Ignored without a norm and on the NCCL transport."""
-    stream_gemm: int = 0
-    """p2p all-reduce: 0 runs the tile-flag GEMM. ``g`` >= 1 runs the consumer GEMM as
-    ``g`` cuBLAS calls (``torch.matmul``) on the caller's stream instead: the first
-    ``g - 1`` row chunks one call each, the remaining chunks in one call. Each call is
-    queued behind a stream wait (``cuStreamWaitValue32``, no SM) for the ready flag of the
-    last chunk it reads, which the reduce kernel posts on every call (after a timeout
-    too, so the wait is bounded by the kernel's). For GEMM-bound shapes: cuBLAS beats
-    the tile GEMM there, and the first chunk's GEMM outlasts the rest of the
-    communication, so waiting at chunk granularity costs only the first chunk. Not with
-    ``fold_norm`` (cuBLAS has no norm epilogue) or ``two_shot``; needs the p2p transport."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""
@@ -129,11 +119,6 @@ class OverlapConfig:
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
-        if not (0 <= self.stream_gemm <= 64):
-            raise ValueError(f"stream_gemm must be in [0, 64], got {self.stream_gemm}")
-        if self.stream_gemm and (self.fold_norm or self.two_shot or self.transport == "nccl"):
-            raise ValueError("stream_gemm runs cuBLAS behind the p2p reduce kernel: not with fold_norm, "
-                             "two_shot or the NCCL transport")
 
     def margin(self, transport: str) -> int:
         """``sm_margin`` resolved for ``transport``."""
@@ -532,8 +517,7 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
     of ``parts`` K pieces (``OverlapConfig.split_tail``), for a second pass."""
     from dataclasses import replace
 
-    ranked = [c for _, c in sorted(results, key=lambda r: r[0])
-              if isinstance(c, OverlapConfig) and c.split_tail < 2 and not c.stream_gemm]  # cuBLAS: no tiles to split
+    ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
 
 

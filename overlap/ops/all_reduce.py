@@ -70,8 +70,7 @@ __all__ = [
     "stats",
 ]
 
-stats: dict[str, int] = {"fused": 0, "p2p": 0, "stream_gemm": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0,
-                         "chunked_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -342,20 +341,6 @@ def shared_reduce_shape(k: int) -> dict[str, int]:
     return dict(block_k=block_k, rows=rows, num_warps=4, y_rows=rows)
 
 
-def stream_gemm_groups(chunk_rows: tuple[int, ...] | list[int], groups: int) -> list[tuple[int, int, int]]:
-    """Row ranges of the ``OverlapConfig.stream_gemm`` calls: ``(first row, end row, last
-    chunk read)``, the first ``groups - 1`` chunks one call each and the rest in one."""
-    if groups < 1 or not chunk_rows:
-        raise ValueError(f"need chunks and groups >= 1, got {list(chunk_rows)} and {groups}")
-    out, r0 = [], 0
-    for c, rows in enumerate(chunk_rows):
-        r1 = r0 + rows
-        if c < groups - 1 or c == len(chunk_rows) - 1:
-            out.append((out[-1][1] if out else 0, r1, c))
-        r0 = r1
-    return out
-
-
 def _default_chunks(m: int) -> int:
     return max(1, min(4, m // 2048))
 
@@ -496,9 +481,6 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
            cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     from ..kernels.add_norm import launch_add_norm
 
-    if cfg.stream_gemm:
-        raise ValueError("all_reduce_matmul: stream_gemm needs the p2p transport (peers that map each other's "
-                         "memory); this group runs on NCCL")
     m, k = x.shape
     n = b.shape[1]
     p = _plan(rt, m, n, k, cfg)
@@ -645,18 +627,6 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
-    if cfg.stream_gemm:
-        # cuBLAS on this stream, each call behind a wait for the last chunk it reads
-        for r0, r1, last in stream_gemm_groups(p.chunk_rows, cfg.stream_gemm):
-            _flags.stream_wait_value(cur, ready.flags, last, r_epoch * p.reduce_programs)
-            torch.matmul(y[r0:r1], b, out=c[r0:r1])
-        rt.join(cur, rt.comm_stream, ns)
-        rt.p2p_end("all_reduce_matmul", cur)
-        report_errors(err, cfg.check)
-        stats["fused"] += 1
-        stats["p2p"] += 1
-        stats["stream_gemm"] += 1
-        return c, h
     vec = None
     if fold:
         # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
@@ -832,8 +802,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
     GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 16, 18, 20, 24, 32 SMs, and the reduce
     kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
-    x 66 and 132 programs, folded or not, cuBLAS as the consumer (``OverlapConfig.stream_gemm``)
-    in 4 and 8 chunks x 2 calls or one per chunk x 16 and 32 SMs, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
+    x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
     folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
     candidates only): time the two fastest configs again with the last chunk's tiles split
     along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
@@ -879,10 +848,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                                            transport="p2p")
                              for fold in ((False, True) if norm is not None else (False,))
                              for ch in (4, 8, 16) for rc in (66, 132)]
-                          # cuBLAS behind stream waits on the chunks' ready flags (GEMM-bound shapes):
-                          # the first chunk alone, then the rest in one call, or a call per chunk
-                          + [OverlapConfig(chunks=ch, reduce_ctas=rc, stream_gemm=g, transport="p2p")
-                             for ch in (4, 8) for g in (2, ch) for rc in (16, 32)]
                           # two-shot: each rank reduces 1/R of the rows (a norm folded). At 2 ranks it
                           # lost to the one-shot push on every comm-heavy case (b09b936: 16384x2048x8192
                           # 1.245 ms at best against 1.052; the reduced chunk's push back adds a copy to
@@ -913,7 +878,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
         return (f"  tune armm {m}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, {cand.nccl_ctas} ctas, "
                 f"reduce {cand.reduce_ctas}{' shared' if cand.reduce_shared else ''}, margin {cand.sm_margin}"
                 + (", two-shot" if cand.two_shot else "")
-                + (f", cuBLAS in {cand.stream_gemm} calls" if cand.stream_gemm else "")
                 + (", norm folded" if cand.fold_norm else "")
                 + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
