@@ -800,7 +800,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     memory is available, the p2p transport in 4, 8 and 16 chunks x 16, 24, 32, 48 SMs
     for the reduce kernel, 2 chunks x 24, 32, two probes without the give-back grid,
     without a norm 8 and 16 chunks x 12 SMs, and with a norm the norm folded into the
-    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 16, 18, 20, 24, 32 SMs, and the reduce
+    GEMM (``OverlapConfig.fold_norm``) in 4, 8 and 16 chunks x 16, 20, 24, 32 SMs, and the reduce
     kernel beside the GEMM on every SM (``OverlapConfig.reduce_shared``) in 4, 8 and 16 chunks
     x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
     folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
@@ -837,12 +837,9 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                           + ([OverlapConfig(chunks=ch, reduce_ctas=12, transport="p2p") for ch in (8, 16)]
                              if norm is None else [])
                           # with a norm folded into the GEMM, the reduce kernel writes no normed rows,
-                          # only statistics, summed per segment in one warp (add_norm): 16-32 SMs keep up.
-                          # With the residual the reduce kernel is what holds 16384x2048x8192 back (14
-                          # SMs: 1.197 ms against 1.138 on 16); 18 leaves the GEMM 114 SMs, for its 1024
-                          # tiles 9 waves as 116 do (20 leave 112: 10 waves)
+                          # only statistics, summed per segment in one warp (add_norm): 16-32 SMs keep up
                           + ([OverlapConfig(chunks=ch, reduce_ctas=rc, fold_norm=True, transport="p2p")
-                              for ch in (4, 8, 16) for rc in (16, 18, 20, 24, 32)] if norm is not None else [])
+                              for ch in (4, 8, 16) for rc in (16, 20, 24, 32)] if norm is not None else [])
                           # the reduce kernel's small programs beside the GEMM's, on every SM
                           + [OverlapConfig(chunks=ch, reduce_ctas=rc, reduce_shared=True, fold_norm=fold,
                                            transport="p2p")
