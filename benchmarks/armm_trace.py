@@ -21,14 +21,19 @@ start of its first push, medians over the calls after the first:
 
 and the ends relative to the last push's end (what follows the communication). Also the
 tile GEMM alone on all SMs and on those each case's reduce kernel leaves, and torch.mm.
+``--soak S``: at the end, the first case back to back for S seconds, then the tile GEMM
+alone on the SMs it leaves, with UTC stamps to line up with a clock and power log
+(``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 20``).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as tdist
@@ -209,6 +214,9 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=8192)
     ap.add_argument("--cases", default="nonorm:16:16:8,fold:16:20:2,fold:16:20:0,fold:16:16:2,ln:16:32:2")
     ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--soak", type=float, default=0.0,
+                    help="at the end, run the first case back to back for this many seconds, then the tile "
+                         "GEMM alone on the SMs its reduce kernel leaves; prints wall-clock stamps")
     ap.add_argument("--out", default="")
     ap.add_argument("--time", action="store_true", help="time the cases first, interleaved")
     ap.add_argument("--push", action="store_true", help="also time push variants: 16 copies of M*K/16 rows' bytes "
@@ -248,6 +256,7 @@ def main() -> None:
     if args.push:
         push_variants(x, g, rank, world, dev, log)
     fns = {}
+    fns_cases = fns
     force_parts(args.cases.split(","))
     for spec in args.cases.split(","):
         kind, ch, rc, sp, tile = parse_case(spec)
@@ -334,6 +343,25 @@ def main() -> None:
     for name, ms in got.items():
         log(f"{name}: {ms * 1000:.1f} us")
         report[name] = ms
+    if args.soak:
+        # back to back for a while each: the first case, then the tile GEMM alone on the SMs
+        # it leaves, with wall-clock stamps to line up with a clock / power log sampled beside
+        first = args.cases.split(",")[0]
+        grid = sms - parse_case(first)[2]
+        for name, fn in ((first, fns_cases[first]),
+                         (f"tile gemm on {grid} SMs", lambda: launch_tile_gemm(a, b, c, table, grid=grid))):
+            torch.cuda.synchronize()
+            tdist.barrier()
+            t0, calls = time.time(), 0
+            while time.time() - t0 < args.soak:
+                for _ in range(50):
+                    fn()
+                calls += 50
+                torch.cuda.synchronize()
+            t1 = time.time()
+            utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3] for t in (t0, t1)]
+            log(f"soak {name}: {calls} calls from {utc[0]} to {utc[1]} UTC, {(t1 - t0) / calls * 1e3:.3f} ms per call")
+            report[f"soak {name}"] = [t0, t1, calls]
     if rank == 0 and args.out:
         with open(os.path.join(outdir, "armm_trace.json"), "w") as f:
             json.dump(report, f, indent=1)
