@@ -21,9 +21,10 @@ start of its first push, medians over the calls after the first:
 
 and the ends relative to the last push's end (what follows the communication). Also the
 tile GEMM alone on all SMs and on those each case's reduce kernel leaves, and torch.mm.
-``--soak S``: at the end, the first case back to back for S seconds, then the tile GEMM
-alone on the SMs it leaves, with UTC stamps to line up with a clock and power log
-(``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 20``).
+``--soak S``: at the end, each of these back to back for S seconds with UTC stamps, to line
+up with a clock and power log sampled beside (``benchmarks/power_table.py`` reads both):
+every case, the first case's communication with a thin GEMM, the tile GEMM alone on all
+SMs and on those the first case leaves, torch.mm, NCCL's all-reduce, and idle.
 """
 from __future__ import annotations
 
@@ -215,8 +216,8 @@ def main() -> None:
     ap.add_argument("--cases", default="nonorm:16:16:8,fold:16:20:2,fold:16:20:0,fold:16:16:2,ln:16:32:2")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--soak", type=float, default=0.0,
-                    help="at the end, run the first case back to back for this many seconds, then the tile "
-                         "GEMM alone on the SMs its reduce kernel leaves; prints wall-clock stamps")
+                    help="at the end, run each case, the first case's communication alone, the GEMMs alone, "
+                         "NCCL's all-reduce and idle back to back for this many seconds each; prints UTC stamps")
     ap.add_argument("--out", default="")
     ap.add_argument("--time", action="store_true", help="time the cases first, interleaved")
     ap.add_argument("--push", action="store_true", help="also time push variants: 16 copies of M*K/16 rows' bytes "
@@ -344,22 +345,43 @@ def main() -> None:
         log(f"{name}: {ms * 1000:.1f} us")
         report[name] = ms
     if args.soak:
-        # back to back for a while each: the first case, then the tile GEMM alone on the SMs
-        # it leaves, with wall-clock stamps to line up with a clock / power log sampled beside
+        # back to back for a while each, with UTC stamps to line up with a clock / power log
+        # sampled beside (benchmarks/power_table.py): every case; the first case's
+        # communication and reduce kernel with a GEMM of 256 columns (its own GEMM's work
+        # about 1/8); the tile GEMM alone on all SMs and on those the first case leaves;
+        # torch.mm; NCCL's all-reduce of x; idle
         first = args.cases.split(",")[0]
-        grid = sms - parse_case(first)[2]
-        for name, fn in ((first, fns_cases[first]),
-                         (f"tile gemm on {grid} SMs", lambda: launch_tile_gemm(a, b, c, table, grid=grid))):
+        kind, ch, rc, sp, tile = parse_case(first)
+        grid = sms - rc
+        b_thin = (torch.randn(256, k, device=dev, generator=gen) * k ** -0.5).to(torch.bfloat16).t()
+        kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}
+        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold")
+        xs = x.clone()
+        phases = [(f"op {spec}", fn) for spec, fn in fns_cases.items()]
+        phases += [(f"comm {first} N=256", lambda: all_reduce_matmul(x, b_thin, group=g, config=cfg, **kw)),
+                   (f"tile gemm on {sms} SMs", lambda: launch_tile_gemm(a, b, c, table, grid=sms)),
+                   (f"tile gemm on {grid} SMs", lambda: launch_tile_gemm(a, b, c, table, grid=grid)),
+                   ("torch.mm", lambda: torch.mm(a, b, out=c)),
+                   ("nccl all_reduce", lambda: tdist.all_reduce(xs, group=g)),
+                   ("idle", None)]
+        for name, fn in phases:
+            if fn is not None:
+                for _ in range(3):
+                    fn()
             torch.cuda.synchronize()
             tdist.barrier()
             t0, calls = time.time(), 0
-            while time.time() - t0 < args.soak:
+            if fn is None:
+                time.sleep(args.soak)
+                calls = 1
+            while fn is not None and time.time() - t0 < args.soak:
                 for _ in range(50):
                     fn()
                 calls += 50
                 torch.cuda.synchronize()
             t1 = time.time()
-            utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3] for t in (t0, t1)]
+            utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+                   for t in (t0, t1)]
             log(f"soak {name}: {calls} calls from {utc[0]} to {utc[1]} UTC, {(t1 - t0) / calls * 1e3:.3f} ms per call")
             report[f"soak {name}"] = [t0, t1, calls]
     if rank == 0 and args.out:
