@@ -44,17 +44,11 @@ def test_phase_medians_skip_the_lagging_start(tmp_path):
     assert by["tile gemm on 132 SMs"]["ms"] == pytest.approx(1.0)
 
 
-def test_estimate_line(tmp_path, capsys):
+def test_main_prints_a_row_per_phase(tmp_path, capsys, monkeypatch):
     log, smi = _write(tmp_path)
-    import sys
-
-    argv, sys.argv = sys.argv, ["power_table", log, smi, "--limit", "701"]
-    try:
-        pt.main()
-    finally:
-        sys.argv = argv
-    out = capsys.readouterr().out
-    # tile gemm on 132 SMs (the most SMs): (651 - 101) W x 1 ms = 0.550 J; comm: (301 - 101) x 1 ms
-    # = 0.200 J; (0.550 + 0.200 - 0.550 / 8) / (701 - 101) W = 1.135 ms
-    assert "tile gemm on 132 SMs 0.550 J" in out and "0.200 J" in out
-    assert "= 1.135 ms per call at the power limit" in out
+    monkeypatch.setattr("sys.argv", ["power_table", log, smi])
+    pt.main()
+    out = capsys.readouterr().out.splitlines()
+    # the op: 701 W mean over both GPUs, 2 ms per call -> 1.402 J; above idle (101 W) 1.200 J
+    assert "| op fold:16:16:8 | 2.000 | 700 | 702 | 1400 | 1400 | 1.402 | 1.200 |" in out
+    assert sum(line.startswith("| ") for line in out) == 6  # header and 5 phases
