@@ -365,19 +365,28 @@ def main() -> None:
                    ("nccl all_reduce", lambda: tdist.all_reduce(xs, group=g)),
                    ("idle", None)]
         for name, fn in phases:
+            calls = 1
             if fn is not None:
-                for _ in range(3):
+                # the same number of calls on every rank (a rank that made one call more than
+                # its peer would wait for the peer's pushes): from 20 timed calls, the least
+                # of the ranks' counts that fill the phase
+                torch.cuda.synchronize()
+                c0 = time.time()
+                for _ in range(20):
                     fn()
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
+                want = torch.tensor([max(1, int(args.soak * 20 / max(time.time() - c0, 1e-6)))], device=dev)
+                tdist.all_reduce(want, op=tdist.ReduceOp.MIN, group=g)
+                calls = int(want.item())
             tdist.barrier()
-            t0, calls = time.time(), 0
+            t0 = time.time()
             if fn is None:
                 time.sleep(args.soak)
-                calls = 1
-            while fn is not None and time.time() - t0 < args.soak:
-                for _ in range(50):
+            done = 0
+            while done < calls and fn is not None:
+                for _ in range(min(50, calls - done)):
                     fn()
-                calls += 50
+                done += min(50, calls - done)
                 torch.cuda.synchronize()
             t1 = time.time()
             utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]

@@ -3,7 +3,7 @@
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
         --format=csv -lms 20 > smi.csv &
     bash launch/torchrun.sh 2 benchmarks/armm_trace.py --soak 3 ... > soak.log
-    python3 benchmarks/power_table.py soak.log smi.csv [--limit 700]
+    python3 benchmarks/power_table.py soak.log smi.csv [--skip 1.0]
 
 For each ``soak NAME: CALLS calls from HH:MM:SS.mmm to HH:MM:SS.mmm UTC`` line of the log,
 the medians of the samples inside the phase (its first ``--skip`` seconds left out: the
@@ -88,7 +88,7 @@ def main() -> None:
         w = statistics.mean(r[f"W{gi}"] for gi in gpus)
         wi = statistics.mean(idle[gi] for gi in gpus)
         r["J"], r["Jdyn"] = w * r["ms"] / 1e3, (w - wi) * r["ms"] / 1e3
-        cells = [r["phase"], f"{r['ms']:.3f}"] + [f"{r[f'W{gi}']:.0f}" for gi in gpus] + \
+        cells = [r["phase"], "" if r["phase"] == "idle" else f"{r['ms']:.3f}"] + [f"{r[f'W{gi}']:.0f}" for gi in gpus] + \
             [f"{r[f'MHz{gi}']:.0f}" for gi in gpus] + \
             (["", ""] if r["phase"] == "idle" else [f"{r['J']:.3f}", f"{r['Jdyn']:.3f}"])
         print("| " + " | ".join(cells) + " |")
