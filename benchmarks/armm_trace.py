@@ -365,28 +365,25 @@ def main() -> None:
                    ("nccl all_reduce", lambda: tdist.all_reduce(xs, group=g)),
                    ("idle", None)]
         for name, fn in phases:
-            calls = 1
             if fn is not None:
-                # the same number of calls on every rank (a rank that made one call more than
-                # its peer would wait for the peer's pushes): from 20 timed calls, the least
-                # of the ranks' counts that fill the phase
-                torch.cuda.synchronize()
-                c0 = time.time()
-                for _ in range(20):
+                for _ in range(3):
                     fn()
-                torch.cuda.synchronize()
-                want = torch.tensor([max(1, int(args.soak * 20 / max(time.time() - c0, 1e-6)))], device=dev)
-                tdist.all_reduce(want, op=tdist.ReduceOp.MIN, group=g)
-                calls = int(want.item())
+            torch.cuda.synchronize()
             tdist.barrier()
-            t0 = time.time()
+            t0, calls = time.time(), 0
             if fn is None:
                 time.sleep(args.soak)
-            done = 0
-            while done < calls and fn is not None:
-                for _ in range(min(50, calls - done)):
+                calls = 1
+            while fn is not None:
+                # rank 0's clock decides for every rank whether another batch runs: a rank
+                # that made calls its peer did not would wait for the peer's pushes
+                go = torch.tensor([int(time.time() - t0 < args.soak)], device=dev)
+                tdist.broadcast(go, src=0, group=g)
+                if not go.item():
+                    break
+                for _ in range(50):
                     fn()
-                done += min(50, calls - done)
+                calls += 50
                 torch.cuda.synchronize()
             t1 = time.time()
             utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
