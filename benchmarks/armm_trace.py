@@ -388,7 +388,7 @@ def main() -> None:
             t1 = time.time()
             utc = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
                    for t in (t0, t1)]
-            log(f"soak {name}: {calls} calls from {utc[0]} to {utc[1]} UTC, {(t1 - t0) / calls * 1e3:.3f} ms per call")
+            log(f"soak {name}: {calls} calls from {utc[0]} to {utc[1]} UTC, {(t1 - t0) / max(calls, 1) * 1e3:.3f} ms per call")
             report[f"soak {name}"] = [t0, t1, calls]
     if rank == 0 and args.out:
         with open(os.path.join(outdir, "armm_trace.json"), "w") as f:
