@@ -3,8 +3,7 @@
     bash launch/torchrun.sh 2 benchmarks/armm_trace.py [--M 16384 --N 2048 --K 8192] \
         [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
 
-A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN][:r<rows>]`` (``r<rows>``: a ready
-flag per group of that many rows inside each chunk, ``OverlapConfig.ready_rows``; split_tail ``<n>f``: exactly n
+A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` (split_tail ``<n>f``: exactly n
 K pieces per tile of the last chunk, not capped by the SMs) with kind ``nonorm`` (no
 residual, no norm), ``res`` (the residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
 LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps).
@@ -48,20 +47,15 @@ FORCED_PARTS: set[int] = set()
 pieces, not capped at the pieces the GPU's SMs run at once (``policies.tail_parts``)."""
 
 
-def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None, int]:
-    kind, ch, rc, sp, *extra = s.split(":")
+def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None]:
+    kind, ch, rc, sp, *tile = s.split(":")
     if kind not in ("nonorm", "res", "ln", "fold"):
         raise SystemExit(f"bad case kind {kind!r}")
-    bm_bn, ready = None, 0
-    for e in extra:
-        if e.startswith("r"):
-            ready = int(e[1:])
-        else:
-            bm_bn = tuple(int(v) for v in e.split("x"))
+    bm_bn = tuple(int(v) for v in tile[0].split("x")) if tile else None
     if sp.endswith("f"):
         sp = sp[:-1]
         FORCED_PARTS.add(int(sp))
-    return kind, int(ch), int(rc), int(sp), bm_bn, ready
+    return kind, int(ch), int(rc), int(sp), bm_bn
 
 
 def force_parts(cases: list[str]) -> None:
@@ -266,12 +260,12 @@ def main() -> None:
     fns_cases = fns
     force_parts(args.cases.split(","))
     for spec in args.cases.split(","):
-        kind, ch, rc, sp, tile, ready = parse_case(spec)
+        kind, ch, rc, sp, tile = parse_case(spec)
         gemm = None
         if tile is not None:
             gemm = GemmConfig(block_m=tile[0], block_n=tile[1], num_stages=3 if tile[1] >= 256 else 4, num_warps=8)
         cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
-                            gemm=gemm, ready_rows=ready)
+                            gemm=gemm)
         kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}
         fns[spec] = lambda cfg=cfg, kw=kw: all_reduce_matmul(x, b, group=g, config=cfg, **kw)
         for _ in range(3):
@@ -357,12 +351,11 @@ def main() -> None:
         # about 1/8); the tile GEMM alone on all SMs and on those the first case leaves;
         # torch.mm; NCCL's all-reduce of x; idle
         first = args.cases.split(",")[0]
-        kind, ch, rc, sp, tile, ready = parse_case(first)
+        kind, ch, rc, sp, tile = parse_case(first)
         grid = sms - rc
         b_thin = (torch.randn(256, k, device=dev, generator=gen) * k ** -0.5).to(torch.bfloat16).t()
         kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}
-        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
-                            ready_rows=ready)
+        cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold")
         xs = x.clone()
         phases = [(f"op {spec}", fn) for spec, fn in fns_cases.items()]
         phases += [(f"comm {first} N=256", lambda: all_reduce_matmul(x, b_thin, group=g, config=cfg, **kw)),

@@ -41,8 +41,6 @@ __all__ = [
     "RowSync",
     "row_block_segments",
     "row_chunk_segments",
-    "ready_groups",
-    "wait_on_groups",
     "rowsync_chain_tables",
     "TileSync",
     "tilesync_chain_tables",
@@ -279,51 +277,6 @@ def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], li
         segs.append(Segment(a_src=0, a_row=start, c_row=start, rows=rows, wait_idx=c, wait_mult=1))
         start += rows
     return sizes, segs
-
-
-def ready_groups(chunk_rows: Sequence[int], group_rows: int | None) -> tuple[list[int], list[int]]:
-    """Row groups inside row chunks: each chunk cut into groups of ``group_rows`` rows
-    (its last group takes the rest); ``group_rows`` None or 0: one group per chunk.
-    Returns (starts, chunk_of): the groups' first rows plus the end row (len G + 1),
-    and the chunk of each group (non-decreasing).
-
-    A producer that finishes a chunk's rows group by group and posts a flag per group
-    (the p2p all-reduce's reduce kernel) lets a consumer tile start once its own rows
-    are done rather than the whole chunk: cuSync's finer-grained sync (RowSync over
-    ChunkSync) inside each chunk of the collective."""
-    if group_rows is not None and group_rows < 0:
-        raise ValueError(f"group_rows must be >= 0, got {group_rows}")
-    starts, chunk_of, r = [], [], 0
-    for c, rows in enumerate(chunk_rows):
-        if rows <= 0:
-            raise ValueError(f"chunk {c} has {rows} rows")
-        step = group_rows or rows
-        for g0 in range(0, rows, step):
-            starts.append(r + g0)
-            chunk_of.append(c)
-        r += rows
-    starts.append(r)
-    return starts, chunk_of
-
-
-def wait_on_groups(table: list[list[int]], starts: Sequence[int]) -> list[list[int]]:
-    """``table`` with every tile waiting on the flag of the group (``ready_groups``
-    starts) that holds its last A row. Groups are posted in order by each producer
-    program, so a counted flag that is complete for a later group implies that the
-    tile's earlier rows are done too (a tile straddling a group boundary waits on the
-    later group). The tiles' order, sources and wait counts are kept."""
-    import bisect
-
-    end = starts[-1]
-    out = []
-    for row in table:
-        last = row[0] + row[3] - 1
-        if not 0 <= row[0] <= last < end:
-            raise ValueError(f"tile rows [{row[0]}, {last}] outside the groups' rows [0, {end})")
-        r = list(row)
-        r[5] = bisect.bisect_right(starts, last) - 1
-        out.append(r)
-    return out
 
 
 def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int,

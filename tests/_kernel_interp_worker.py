@@ -17,8 +17,8 @@ from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_workspace  # noqa: E402
 from overlap.kernels.add_norm import ReducePlan, launch_add_norm, launch_reduce_norm  # noqa: E402
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: E402
-                              build_tile_table, push_slot, ready_groups, row_block_segments,
-                              row_chunk_segments, rowsync_chain_tables, split_tail, tilesync_chain_tables)
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments,
+                              rowsync_chain_tables, split_tail, tilesync_chain_tables)
 
 CFG = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
 CFG32 = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)  # split tiles need 32 rows
@@ -201,54 +201,6 @@ def scenario_reduce_norm() -> None:
                         assert (e.flag_idx, e.expected, e.seen) == (late_slot * stride + chunks - 1, 5, 4), e
                     else:
                         raise AssertionError("timeout not reported")
-    # the chunks cut into row groups of 4 (ready_groups): a flag per group, each posted by
-    # every program; a chunk's peer flag is waited on once, at its first group; with the
-    # last chunk missing its two groups are still posted and their rows stay unwritten
-    gstarts, gchunk = ready_groups(sizes, 4)  # chunks 8, 8, 7 -> groups 4 4 | 4 4 | 4 3
-    assert gchunk == [0, 0, 1, 1, 2, 2], gchunk
-    k = 32
-    parts = [torch.randn(m, k, generator=g) for _ in range(2)]
-    res = torch.randn(m, k, generator=g)
-    w = torch.rand(k, generator=g) + 0.5
-    for missing, progs in ((False, 3), (False, 1), (True, 1)):
-        rflags = torch.full((chunks,), 2, dtype=torch.int32)
-        if missing:
-            rflags[chunks - 1] = 1
-        ready = torch.zeros(len(gchunk), dtype=torch.int32)
-        ew = ErrorWord("cpu", what="reduce")
-        h = torch.full((m, k), float("nan"))
-        y = torch.full((m, k), float("nan"))
-        launch_reduce_norm(parts[0], parts[1].unsqueeze(0).clone(), h,
-                           starts=torch.tensor(gstarts, dtype=torch.int32), groups=gchunk, rflags=rflags,
-                           ready=ready, err=ew.word, epoch=2, rank=0, world=2, programs=progs, residual=res,
-                           norm="rmsnorm", weight=w, y=y, max_spins=50, rows=2)
-        assert ready.tolist() == [progs] * len(gchunk), ready
-        h_ref = (parts[0] + parts[1]) + res
-        done = m - sizes[-1] if missing else m
-        assert torch.equal(h[:done], h_ref[:done]), (missing, progs)
-        torch.testing.assert_close(y[:done], _torch_norm(h_ref[:done], "rmsnorm", w, None, 1e-5), atol=1e-4,
-                                   rtol=1e-4)
-        if missing:
-            assert torch.isnan(h[done:]).all(), "rows of a missing chunk were written"
-            try:
-                ew.check()
-            except FlagTimeoutError as e:
-                assert (e.flag_idx, e.expected, e.seen) == (chunks - 1, 2, 1), e
-            else:
-                raise AssertionError("timeout not reported")
-        else:
-            ew.check()
-    for bad in ([1, 1, 2, 2, 3, 3], [0, 0, 2, 2, 3, 3], [0, 0, 1]):
-        try:
-            launch_reduce_norm(parts[0], parts[1].unsqueeze(0).clone(), h,
-                               starts=torch.tensor(gstarts, dtype=torch.int32), groups=bad,
-                               rflags=torch.full((chunks,), 2, dtype=torch.int32),
-                               ready=torch.zeros(6, dtype=torch.int32), err=torch.zeros(8, dtype=torch.int32),
-                               epoch=2, rank=0, world=2, programs=1, rows=2)
-        except ValueError as e:
-            assert "groups" in str(e), e
-        else:
-            raise AssertionError(f"groups {bad} accepted")
     # rows whose mean is far above their spread: the merged statistics must not cancel
     # (E[x^2] - mean^2 would). K in several blocks, whole-row statistics (segment 0) and
     # segments; K = 96 in 32-column segments is 3 to a row (a masked merge). With a
@@ -573,48 +525,6 @@ def scenario_p2p_all_reduce_op() -> None:
                 calls += 1
     assert ar.stats["p2p"] >= calls, ar.stats
     with rt.patched():
-        # ready flags per 128-row group: chunks of 256 and 44 rows post 2 + 1 groups, and
-        # every GEMM tile waits on its own rows' group
-        for kind, with_res, fold, mode, split in ((None, False, False, True, 0), ("layernorm", True, True, True, 0),
-                                                  ("layernorm", True, False, "shared", 0),
-                                                  ("rmsnorm", True, True, False, 2)):
-            cfg = OverlapConfig(chunks=2, reduce_ctas=2, fold_norm=fold, give_back=mode is True, check="sync",
-                                transport="p2p", gemm=CFG32 if split else CFG, split_tail=split,
-                                reduce_shared=mode == "shared", ready_rows=128)
-            p = ar._plan(rt, m, n, k, cfg, "p2p")
-            assert p.chunk_rows == (256, 44) and p.groups == (0, 0, 1) and len(p.ready) == 3, p
-            assert p.starts.tolist() == [0, 128, 256, 300], p.starts
-            waits = {(r[0] // 128, r[5]) for r in p.table.tolist()}
-            assert waits == {(0, 0), (1, 1), (2, 2)}, waits
-            b = ((torch.randn(n, k, generator=g) / k ** 0.5).half()).t()
-            norm = None
-            if kind:
-                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
-                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
-            for it in range(2):
-                x = torch.randn(m, k, generator=g).half()
-                peer = torch.randn(m, k, generator=g).half()
-                res = torch.randn(m, k, generator=g).half() if with_res else None
-                rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
-                before = len(rt.pushes)
-                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
-                # the pushes stay per chunk; each group was posted by both reduce programs
-                assert [nb for _, _, nb, _, _ in rt.pushes[before:]] == [256 * k * 2, 44 * k * 2]
-                assert p.ready.flags.tolist() == [p.ready.epoch * 2] * 3, p.ready.flags
-                h_ref = (x.float() + peer.float()).half()
-                if res is not None:
-                    h_ref = (h_ref.float() + res.float()).half()
-                assert torch.equal(h, h_ref), (kind, fold, it)
-                y = h_ref.float() if norm is None else _torch_norm(h_ref, kind, norm.weight, norm.bias,
-                                                                   norm.eps).half().float()
-                assert _rel(c, y.double() @ b.double()) < 1e-2, (kind, fold, mode, it)
-        try:
-            ar._plan(rt, m, n, k, OverlapConfig(chunks=2, reduce_ctas=2, two_shot=True, ready_rows=128,
-                                                transport="p2p", gemm=CFG), "p2p")
-        except ValueError as e:
-            assert "ready_rows" in str(e), e
-        else:
-            raise AssertionError("two_shot with ready_rows accepted")
         # two-shot: rank 0 reduces rows 0..255 (2 chunks), rank 1 rows 256..299 (the peer's
         # reduced rows, and their statistics, land in the gather buffer)
         for kind, with_res, mode, split in ((None, False, True, 0), ("layernorm", True, True, 2),

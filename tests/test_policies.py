@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from overlap.policies import (NO_FLAG, RowSync, Segment, all_gather_layout, all_gather_push_layout,
-                              build_tile_table, push_slot, ready_groups, row_block_segments, row_chunk_segments,
-                              split_rows, split_tail, tail_parts, wait_on_groups)
+                              build_tile_table, push_slot, row_block_segments, row_chunk_segments, split_rows,
+                              split_tail, tail_parts)
 
 
 @pytest.mark.parametrize("rows,chunks,align", [(1000, 3, 128), (512, 4, 128), (777, 4, 1), (100, 8, 64), (5, 5, 1)])
@@ -114,7 +114,7 @@ def test_overlap_config_transport_fields() -> None:
     assert OverlapConfig().margin("nccl") == 4 and OverlapConfig().margin("p2p") == 0
     assert OverlapConfig(sm_margin=7).margin("p2p") == 7
     for bad in (dict(transport="ucx"), dict(reduce_ctas=0), dict(reduce_ctas=2000), dict(sm_margin=-1),
-                dict(split_tail=-1), dict(split_tail=65), dict(ready_rows=-128), dict(ready_rows=100)):
+                dict(split_tail=-1), dict(split_tail=65)):
         with pytest.raises(ValueError):
             OverlapConfig(**bad)
 
@@ -245,57 +245,3 @@ def test_shared_reduce_shape(k, want):
 
     s = shared_reduce_shape(k)
     assert (s["block_k"], s["rows"], s["num_warps"]) == (*want, 4)
-
-
-def test_ready_groups_cut_each_chunk() -> None:
-    # chunks of 1024, 1024 and 300 rows in groups of 256: the last group of a chunk takes the rest
-    starts, chunk_of = ready_groups([1024, 1024, 300], 256)
-    assert starts == [0, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2348]
-    assert chunk_of == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
-    # groups that do not divide a chunk: 384 = 256 + 128
-    assert ready_groups([384, 200], 256) == ([0, 256, 384, 584], [0, 0, 1])
-    # no group size: one group per chunk
-    assert ready_groups([128, 44], 0) == ([0, 128, 172], [0, 1])
-    assert ready_groups([128, 44], None) == ([0, 128, 172], [0, 1])
-    for bad in (([128, 0], 128), ([128], -128)):
-        with pytest.raises(ValueError):
-            ready_groups(*bad)
-
-
-def test_wait_on_groups_waits_on_the_tiles_last_row() -> None:
-    sizes, segs = row_chunk_segments(1000, 2, 128)  # 512 + 488
-    table = build_tile_table([Segment(s.a_src, s.a_row, s.c_row, s.rows, s.wait_idx, 4) for s in segs],
-                             n=96, block_m=64, block_n=32, group_m=8)
-    starts, _ = ready_groups(sizes, 256)  # 0 256 512 768 1000
-    out = wait_on_groups(table, starts)
-    assert len(out) == len(table)
-    for old, new in zip(table, out):
-        # order, rows, sources and counts kept; the wait is the group of the tile's rows
-        assert new[:5] == old[:5] and new[6:] == old[6:]
-        group = [g for g in range(len(starts) - 1) if starts[g] <= new[0] < starts[g + 1]]
-        assert group == [new[5]], (new, starts)
-        assert new[0] + new[3] <= starts[new[5] + 1]
-    assert sorted({r[5] for r in out}) == [0, 1, 2, 3]
-    # a tile that straddles a group boundary (192-row tiles over 256-row groups) waits
-    # on the later group: its rows [192, 384) are done once group 1 is
-    t2 = wait_on_groups(build_tile_table([Segment(0, 0, 0, 512)], 32, 192, 32), [0, 256, 512])
-    assert [(r[0], r[3], r[5]) for r in t2] == [(0, 192, 0), (192, 192, 1), (384, 128, 1)]
-    with pytest.raises(ValueError):
-        wait_on_groups([[0, 0, 0, 64, 0, 0, 1, NO_FLAG]], [0, 32])  # rows past the groups
-
-
-def test_ready_variants_take_the_fastest_one_shot_p2p_configs() -> None:
-    from overlap.ops import OverlapConfig
-    from overlap.ops._runtime import ready_variants
-
-    a = OverlapConfig(chunks=16, reduce_ctas=16, transport="p2p", split_tail=2)
-    b = OverlapConfig(chunks=8, reduce_ctas=16, transport="p2p")
-    two = OverlapConfig(chunks=8, reduce_ctas=16, transport="p2p", two_shot=True)
-    nccl = OverlapConfig(chunks=4, nccl_ctas=16, transport="nccl")
-    done = OverlapConfig(chunks=4, reduce_ctas=16, transport="p2p", ready_rows=256)
-    got = ready_variants([(1.0, "sequential"), (0.5, nccl), (0.6, two), (0.7, done), (0.9, b), (0.8, a)])
-    assert got == [OverlapConfig(chunks=16, reduce_ctas=16, transport="p2p", split_tail=2, ready_rows=128),
-                   OverlapConfig(chunks=16, reduce_ctas=16, transport="p2p", split_tail=2, ready_rows=512),
-                   OverlapConfig(chunks=8, reduce_ctas=16, transport="p2p", ready_rows=128),
-                   OverlapConfig(chunks=8, reduce_ctas=16, transport="p2p", ready_rows=512)]
-    assert ready_variants([(0.5, nccl)]) == []

@@ -277,24 +277,22 @@ def _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOC
         tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["n_groups", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
-                       rflags_ptr, ready_ptr, err_ptr, starts_ptr, chunk_ptr, stats_ptr, seg_ptr,
-                       K, eps, n_groups, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
+                       rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr, seg_ptr,
+                       K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
                        MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1):
-    """Persistent over row groups in order (rows [starts[g], starts[g + 1]) of chunk
-    chunk[g]; one group per chunk unless the chunks are cut finer, ``ready_groups``).
-    At the first group of chunk c every program waits until each peer's rows landed
-    (rflags[slot * flag_stride + c] >= epoch); for each group it takes blocks of ROWS
-    rows (start_g + pid * ROWS, + G * ROWS, ...): h = the partials summed in rank order
-    (the same bits on every rank) (+ residual), y = norm(h); then adds 1 to ready[g]
-    (release). A consumer of group g waits for ready[g] >= its epoch * G. After a
-    timeout (recorded in the error word) programs skip their rows but still post, so
-    nothing waits in vain.
+    """Persistent over row chunks in order. For chunk c every program waits until each
+    peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
+    ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
+    rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
+    to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
+    After a timeout (recorded in the error word) programs skip their rows but still
+    post, so nothing waits in vain.
 
     With SEG = 0 (whole-row statistics): with BLOCK_K >= K a row block stays in
     registers, h is written once and the norm comes from registers (two-pass
@@ -334,22 +332,17 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     else:
         w_all = tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
         b_all = tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    ok = 1
-    prev = -1
-    for g in range(n_groups):
-        r0 = tl.load(starts_ptr + g)
-        r1 = tl.load(starts_ptr + g + 1)
-        c = tl.load(chunk_ptr + g)
-        if c != prev:  # the chunk's first group: wait for its rows from every peer
-            ok = 1
-            # the same in every warp: the row blocks' pass holds barriers
-            if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
-                ok = 0
-            for s in range(WORLD - 1):
-                if ok != 0:
-                    ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
-                               max_spins, USE_TIMER, FENCE_ASYNC)
-            prev = c
+    for c in range(n_chunks):
+        r0 = tl.load(starts_ptr + c)
+        r1 = tl.load(starts_ptr + c + 1)
+        ok = 1
+        # the same in every warp: the row blocks' pass holds barriers
+        if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+            ok = 0
+        for s in range(WORLD - 1):
+            if ok != 0:
+                ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
+                           max_spins, USE_TIMER, FENCE_ASYNC)
         if SEG > 0:
             if ok != 0:
                 n_seg = K // SEG
@@ -443,9 +436,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         _store_stats(stats_ptr, rows, rmask, rstd, mean * rstd)
                     elif NORM != 0:
                         _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOCK_K, HAS_BIAS)
-        # every thread's stores of this group precede the barrier; one release add publishes them
+        # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
-        tl.atomic_add(ready_ptr + g, 1, sem="release", scope="gpu")
+        tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")
 
 
 def reduce_block_shape(K: int, block_k: int | None = None, split: bool = False) -> tuple[int, int, int]:
@@ -467,7 +460,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
                        num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
                        stats: Any = None, stream_loads: bool = False, segment: int | None = None,
-                       y_rows: int | None = None, groups: Any = None) -> None:
+                       y_rows: int | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -476,10 +469,6 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     flags the peers set (slot * flag_stride + c; default stride: the chunk count);
     ``ready``: int32 [chunks] this
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
-    ``groups``: the chunks cut finer (``overlap.policies.ready_groups``): the chunk of
-    each row group (a host sequence, non-decreasing from 0 by steps of 0 or 1);
-    ``starts`` then holds the groups' row starts (int32 [groups + 1]) and ``ready``
-    one flag per group, posted as each group is done.
     ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
     consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
     ``stream_loads``: the partials and the residual are loaded past L1 (read once).
@@ -495,7 +484,7 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
                       flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
                       block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
-                      y_rows=y_rows, groups=groups)
+                      y_rows=y_rows)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -510,8 +499,7 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
-                 groups: Any = None) -> None:
+                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -531,17 +519,7 @@ class ReducePlan:
                 raise ValueError(f"{name} is {t.dtype}, x is {x.dtype}: the kernel takes one dtype")
         if recv.shape[0] != world - 1 or tuple(recv.shape[1:]) != (m, K):
             raise ValueError(f"recv must be [{world - 1}, {m}, {K}], got {tuple(recv.shape)}")
-        n_groups = starts.numel() - 1
-        if groups is None:
-            groups = range(n_groups)
-        groups = [int(g) for g in groups]
-        if (len(groups) != n_groups or n_groups < 1 or groups[0] != 0
-                or any(b - a not in (0, 1) for a, b in zip(groups, groups[1:]))):
-            raise ValueError(f"groups must give the chunk of each of the {n_groups} row groups, from 0 "
-                             f"in steps of 0 or 1; got {groups}")
-        if ready.numel() < n_groups:
-            raise ValueError(f"ready has {ready.numel()} flags for {n_groups} row groups")
-        n_chunks = groups[-1] + 1
+        n_chunks = starts.numel() - 1
         flag_stride = n_chunks if flag_stride is None else int(flag_stride)
         if flag_stride < n_chunks:
             raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
@@ -592,11 +570,8 @@ class ReducePlan:
         interp = interpreting()
         self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats = (
             residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
-        import torch
-
-        self.chunk_of = torch.tensor(groups, dtype=torch.int32, device=starts.device)
-        self.fixed = (rflags, ready, err, starts, self.chunk_of)
-        self.scalars = (K, float(eps), n_groups, flag_stride)
+        self.fixed = (rflags, ready, err, starts)
+        self.scalars = (K, float(eps), n_chunks, flag_stride)
         self.tail = (int(rank), m * K, int(timeout_ns), int(max_spins))
         self.programs = max(1, int(programs))
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
@@ -605,7 +580,7 @@ class ReducePlan:
                     SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1)
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
-                   bias if bias is not None else x, rflags, ready, err, starts, self.chunk_of,
+                   bias if bias is not None else x, rflags, ready, err, starts,
                    stats if stats is not None else (self.row_stats if seg else starts), self.seg if seg else starts)
         # what Triton specializes on: constexprs, dtypes, K and the slot stride
         key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, m * K)

@@ -98,12 +98,6 @@ class OverlapConfig:
     applies the rest in its epilogue. The reduce kernel then moves the bytes of the
     no-norm case plus the residual, at the cost of one pass over B per call.
     Ignored without a norm and on the NCCL transport."""
-    ready_rows: int = 0
-    """p2p all-reduce (one-shot): the reduce kernel posts a ready flag per group of this
-    many rows inside each row chunk (a multiple of 128; 0: one flag per chunk), and each
-    GEMM tile waits on its own rows' group (``overlap.policies.ready_groups``), so the
-    first tiles of a chunk start before the chunk is all reduced. Ignored on the NCCL
-    transport."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""
@@ -121,8 +115,6 @@ class OverlapConfig:
             raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
         if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 1024):
             raise ValueError(f"reduce_ctas must be in [1, 1024], got {self.reduce_ctas}")
-        if self.ready_rows < 0 or self.ready_rows % 128:
-            raise ValueError(f"ready_rows must be 0 or a positive multiple of 128, got {self.ready_rows}")
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
@@ -527,17 +519,6 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
 
     ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
-
-
-def ready_variants(results: list[tuple[float, Any]], top: int = 2, rows: tuple[int, ...] = (128, 512)) -> list[Any]:
-    """The ``top`` fastest one-shot p2p configs of a tuner's passes so far again with a
-    ready flag per group of each of ``rows`` rows inside their chunks
-    (``OverlapConfig.ready_rows``), for another pass."""
-    from dataclasses import replace
-
-    ranked = [c for _, c in sorted(results, key=lambda r: r[0])
-              if isinstance(c, OverlapConfig) and c.transport == "p2p" and not c.two_shot and not c.ready_rows]
-    return [replace(c, ready_rows=r) for c in ranked[:top] for r in rows]
 
 
 def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, Any]], fn_for: Any, iters: int,

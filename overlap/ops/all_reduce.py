@@ -56,11 +56,10 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ..policies import (Segment, build_tile_table, push_slot, ready_groups, row_chunk_segments, split_rows,
-                        split_tail, tail_parts, wait_on_groups)
+from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
+                        tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       ready_variants, report_errors, resolve_group, split_variants, time_candidates, time_ms,
-                       warn_once)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -244,9 +243,6 @@ class _Plan:
     """p2p: the reduce kernel's small programs run beside the GEMM's (``OverlapConfig.reduce_shared``)."""
     two_shot: "_TwoShot | None" = None
     """p2p two-shot: who reduces which rows (``OverlapConfig.two_shot``), or None."""
-    groups: tuple[int, ...] | None = None
-    """p2p one-shot: the chunk of each row group the reduce kernel posts a ready flag
-    for (``OverlapConfig.ready_rows``; ``starts`` then holds the groups' rows)."""
     launches: dict = field(default_factory=dict)
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -359,12 +355,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     reduce_ctas = (cfg.reduce_ctas or 16) if transport == "p2p" else 0
     shared = bool(reduce_ctas and cfg.reduce_shared)
     two = _two_shot_layout(rt.world, rt.rank, m, chunks) if reduce_ctas and cfg.two_shot else None
-    if two is not None and cfg.ready_rows:
-        raise ValueError("ready_rows applies to the one-shot p2p all-reduce, not two_shot")
-    ready_rows = cfg.ready_rows if reduce_ctas else 0
     margin = cfg.margin(transport)
     key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm, cfg.split_tail, shared, two is not None, ready_rows)
+           gemm, cfg.split_tail, shared, two is not None)
     p = _plans.get(key)
     if p is None:
         if shared and reduce_ctas > rt.num_sms:
@@ -382,13 +375,6 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             if reduce_ctas:  # a chunk is ready when every reduce program posted it
                 segs = [replace(sg, wait_mult=programs) for sg in segs]
         rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n)
-        groups = None
-        if ready_rows:
-            # a ready flag per group of rows inside each chunk: every tile waits on its own
-            # rows' group (the tiles keep their order: a chunk's tiles sweep its row tiles
-            # in groups of 8 for B's reuse in L2)
-            gstarts, groups = ready_groups(sizes, ready_rows)
-            rows = wait_on_groups(rows, gstarts)
         # SMs of their own for the reduce programs, unless they run beside the GEMM's
         grid = rt.num_sms - nccl_ctas - (0 if shared else reduce_ctas) - margin
         if grid < 1:
@@ -407,12 +393,10 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             acc = [0]
             for r in sizes:
                 acc.append(acc[-1] + r)
-            if groups is not None:
-                acc = gstarts
             starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
-            ready = _flags.FlagArray(len(acc) - 1, rt.device)
+            ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
-                  1 + (tail if split else 0), shared, two, None if groups is None else tuple(groups))
+                  1 + (tail if split else 0), shared, two)
         _plans[key] = p
     return p
 
@@ -640,7 +624,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-            groups=p.groups, **(shared_reduce_shape(k) if p.reduce_shared else {}))
+            **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
@@ -821,8 +805,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
     folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
     candidates only): time the two fastest configs again with the last chunk's tiles split
-    along K (``OverlapConfig.split_tail`` 2 and 8), then the two fastest one-shot p2p configs
-    with a ready flag per 128 and per 512 rows (``OverlapConfig.ready_rows``). Inputs with no
+    along K (``OverlapConfig.split_tail`` 2 and 8). Inputs with no
     tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
@@ -893,16 +876,12 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                 f"reduce {cand.reduce_ctas}{' shared' if cand.reduce_shared else ''}, margin {cand.sm_margin}"
                 + (", two-shot" if cand.two_shot else "")
                 + (", norm folded" if cand.fold_norm else "")
-                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else "")
-                + (f", ready per {cand.ready_rows} rows" if cand.ready_rows else ""))
+                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
 
     results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
     if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
-                                   describe if verbose else None)
-        # and the fastest one-shot p2p configs with a ready flag per row group in each chunk
-        results += time_candidates(rt, rt.err("all_reduce_matmul"), ready_variants(results), run, iters, group,
                                    describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:

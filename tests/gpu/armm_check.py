@@ -46,24 +46,19 @@ def main() -> None:
     for (m, n, k, dt, chunks, layout, with_res, kind) in cases:
         # (transport, give-back, norm folded, split tail: the last chunk's tiles in K pieces);
         # give-back "shared": the reduce kernel's programs beside the GEMM's on every SM;
-        # "two": two-shot (each rank reduces half the rows, then pushes them), with give-back;
-        # "rows" / "rows shared": a ready flag per 128-row group inside each chunk
+        # "two": two-shot (each rank reduces half the rows, then pushes them), with give-back
         variants = [("nccl", True, False, 0), ("nccl", False, False, 0), ("p2p", True, False, 0),
                     ("p2p", False, False, 0), ("nccl", True, False, 4), ("p2p", True, False, 8),
-                    ("p2p", "shared", False, 0), ("p2p", "two", False, 0), ("p2p", "two", False, 4),
-                    ("p2p", "rows", False, 0), ("p2p", "rows", False, 8)]
+                    ("p2p", "shared", False, 0), ("p2p", "two", False, 0), ("p2p", "two", False, 4)]
         if kind:  # the norm folded into the GEMM (statistics from the reduce kernel, diag(w) B)
             variants += [("p2p", True, True, 0), ("p2p", False, True, 0), ("p2p", True, True, 4),
-                         ("p2p", "shared", True, 8), ("p2p", "two", True, 0), ("p2p", "two", True, 2),
-                         ("p2p", "rows", True, 4), ("p2p", "rows shared", True, 0)]
+                         ("p2p", "shared", True, 8), ("p2p", "two", True, 0), ("p2p", "two", True, 2)]
         for transport, give_back, fold, split in variants:
             if give_back == "two" and kind and not fold:
                 continue  # two-shot with a norm folds it
-            shared = give_back in ("shared", "rows shared")
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back in (True, "two", "rows"), check="sync",
-                                transport=transport, reduce_ctas=64 if shared else 8, fold_norm=fold,
-                                split_tail=split, reduce_shared=shared, two_shot=give_back == "two",
-                                ready_rows=128 if give_back in ("rows", "rows shared") else 0)
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back in (True, "two"), check="sync",
+                                transport=transport, reduce_ctas=64 if give_back == "shared" else 8, fold_norm=fold,
+                                split_tail=split, reduce_shared=give_back == "shared", two_shot=give_back == "two")
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + m + chunks)
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
