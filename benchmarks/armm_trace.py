@@ -6,7 +6,8 @@
 A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` (split_tail ``<n>f``: exactly n
 K pieces per tile of the last chunk, not capped by the SMs) with kind ``nonorm`` (no
 residual, no norm), ``res`` (the residual, no norm), ``ln`` (residual + LayerNorm, normed rows written) or ``fold`` (the
-LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps).
+LayerNorm folded into the GEMM); BMxBN: the GEMM's tile (128x128: 4 stages, 8 warps),
+with a suffix ``ws`` its K loop warp-specialized (``GemmConfig.warp_specialize``).
 ``--time``: first time every case, interleaved, as the suite does (ms per call, slowest rank). Each case runs a few warm-up calls, then ``--calls`` calls back
 to back under torch.profiler (CUPTI). Every rank then splits its GPU activities into
 calls (a call's work all starts after the previous call's GEMM grids end, since its
@@ -47,11 +48,15 @@ FORCED_PARTS: set[int] = set()
 pieces, not capped at the pieces the GPU's SMs run at once (``policies.tail_parts``)."""
 
 
-def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int] | None]:
+def parse_case(s: str) -> tuple[str, int, int, int, tuple[int, int, bool] | None]:
     kind, ch, rc, sp, *tile = s.split(":")
     if kind not in ("nonorm", "res", "ln", "fold"):
         raise SystemExit(f"bad case kind {kind!r}")
-    bm_bn = tuple(int(v) for v in tile[0].split("x")) if tile else None
+    bm_bn = None
+    if tile:
+        ws = tile[0].endswith("ws")
+        bm, bn = (int(v) for v in tile[0].removesuffix("ws").split("x"))
+        bm_bn = (bm, bn, ws)
     if sp.endswith("f"):
         sp = sp[:-1]
         FORCED_PARTS.add(int(sp))
@@ -263,7 +268,8 @@ def main() -> None:
         kind, ch, rc, sp, tile = parse_case(spec)
         gemm = None
         if tile is not None:
-            gemm = GemmConfig(block_m=tile[0], block_n=tile[1], num_stages=3 if tile[1] >= 256 else 4, num_warps=8)
+            gemm = GemmConfig(block_m=tile[0], block_n=tile[1], num_stages=3 if tile[1] >= 256 else 4, num_warps=8,
+                              warp_specialize=tile[2])
         cfg = OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p", split_tail=sp, fold_norm=kind == "fold",
                             gemm=gemm)
         kw = {} if kind == "nonorm" else {"residual": resid} if kind == "res" else {"residual": resid, "norm": nrm}

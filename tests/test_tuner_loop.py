@@ -5,6 +5,7 @@ out is dropped (and warned about); the others come back with async error checks.
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -127,3 +128,30 @@ def test_confirm_best_single_result_is_returned_untimed(group: Any) -> None:
         raise AssertionError("nothing to compare: no timing")
 
     assert confirm_best(rt, _Err(), [(2.0, "seq")], lambda c: (lambda: c), 5, group, timer=timer) == (2.0, "seq")
+
+
+def test_ws_variants_take_the_fastest_plain_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import overlap.kernels.tile_gemm as tg
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig
+    from overlap.ops._runtime import ws_variants
+
+    ws = GemmConfig(warp_specialize=True)
+    results = [(1.0, "sequential"),  # paths named by strings are not configs
+               (2.0, OverlapConfig(chunks=8, reduce_shared=True)),  # sized to fit beside the plain GEMM
+               (3.0, OverlapConfig(chunks=4, gemm=ws)),  # already warp-specialized
+               (5.0, OverlapConfig(chunks=16, split_tail=2)),
+               (4.0, OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4))),
+               (6.0, OverlapConfig(chunks=1))]
+    monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: True)
+    got = ws_variants(results)
+    # the two fastest eligible ones, fastest first, each with its own GEMM config warp-specialized
+    assert got == [OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, warp_specialize=True)),
+                   OverlapConfig(chunks=16, split_tail=2, gemm=replace(DEFAULT_CONFIG, warp_specialize=True))]
+    monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: False)
+    assert ws_variants(results) == []
+
+
+def test_warp_specialize_supported_is_false_without_a_gpu() -> None:
+    from overlap.kernels.tile_gemm import warp_specialize_supported
+
+    assert torch.cuda.is_available() or not warp_specialize_supported()

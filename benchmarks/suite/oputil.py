@@ -31,6 +31,8 @@ def describe_config(best: Any) -> Any:
         out["reduce_shared"] = True
     if getattr(best, "split_tail", 0) > 1:
         out["split_tail"] = best.split_tail
+    if getattr(getattr(best, "gemm", None), "warp_specialize", False):
+        out["gemm_warp_specialized"] = True
     if out.get("transport") == "p2p":  # NCCL's CTA cap means nothing to the peer-copy path
         out.pop("nccl_ctas", None)
     return {k: v for k, v in out.items() if v is not None}

@@ -75,21 +75,35 @@ def _gelu(x):
 @triton.jit
 def _mainloop(a_desc, b_desc, off_am, off_bn, k_lo, k_hi,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              B_KN: tl.constexpr, UPCAST: tl.constexpr):
-    """K steps [k_lo, k_hi) of one tile (all of them, or one split piece's)."""
+              B_KN: tl.constexpr, UPCAST: tl.constexpr, WARP_SPEC: tl.constexpr = False):
+    """K steps [k_lo, k_hi) of one tile (all of them, or one split piece's). With
+    ``WARP_SPEC`` the loop is warp-specialized by Triton (``tl.range(warp_specialize=True)``,
+    Triton 3.5 on): its partitions run the TMA loads and the MMAs on separate warps, so
+    the loads of later steps are issued while MMAs run."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_lo, k_hi):
-        off_k = ki * BLOCK_K
-        a = a_desc.load([off_am, off_k])
-        if B_KN:
-            b = b_desc.load([off_k, off_bn])
-        else:
-            b = b_desc.load([off_bn, off_k]).T
-        if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 is exact there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+    if WARP_SPEC:  # a constexpr branch: a Triton without the keyword never sees it
+        for ki in tl.range(k_lo, k_hi, warp_specialize=True):
+            acc = _kstep(a_desc, b_desc, off_am, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
+    else:
+        for ki in range(k_lo, k_hi):
+            acc = _kstep(a_desc, b_desc, off_am, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
     return acc
+
+
+@triton.jit
+def _kstep(a_desc, b_desc, off_am, off_bn, ki, acc, BLOCK_K: tl.constexpr, B_KN: tl.constexpr,
+           UPCAST: tl.constexpr):
+    """One K step of a tile: acc += A[rows, k step] @ B[k step, cols]."""
+    off_k = ki * BLOCK_K
+    a = a_desc.load([off_am, off_k])
+    if B_KN:
+        b = b_desc.load([off_k, off_bn])
+    else:
+        b = b_desc.load([off_bn, off_k]).T
+    if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 is exact there
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -111,16 +125,7 @@ def _mainloop_tilesync(a_desc, b_desc, off_am, off_bn, K, flags_ptr, err_ptr, w_
                        USE_TIMER, FENCE_ASYNC)
         if ok != 0:
             for ki in range(g * K_WAIT, tl.minimum((g + 1) * K_WAIT, k_tiles)):
-                off_k = ki * BLOCK_K
-                a = a_desc.load([off_am, off_k])
-                if B_KN:
-                    b = b_desc.load([off_k, off_bn])
-                else:
-                    b = b_desc.load([off_bn, off_k]).T
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc)
+                acc = _kstep(a_desc, b_desc, off_am, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
     return acc, ok
 
 
@@ -277,7 +282,7 @@ def tile_gemm_kernel(
     HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
-    NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False,
+    NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -337,9 +342,10 @@ def tile_gemm_kernel(
                                                    USE_TIMER, FENCE_ASYNC)
                 else:
                     acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN,
-                                    UPCAST)
+                                    UPCAST, WARP_SPEC)
             else:
-                acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+                acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST,
+                                WARP_SPEC)
             if done != 0:
                 cols = off_bn + offs_j
                 stored = 1
@@ -396,6 +402,11 @@ class GemmConfig:
     """Software-pipelining depth of the K loop (4 at 128x256x64 overflows smem)."""
     num_warps: int = 8
     """Warps per program."""
+    warp_specialize: bool = False
+    """Warp-specialize the K loop (Triton's ``tl.range(warp_specialize=True)``): the TMA
+    loads and the MMAs run on separate warps. Needs Triton 3.5 or later on Hopper
+    (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
+    waits (``k_wait``) keep their plain loop."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -407,6 +418,21 @@ class GemmConfig:
 
 
 DEFAULT_CONFIG = GemmConfig()
+
+
+def warp_specialize_supported(device: Any = None) -> bool:
+    """Whether ``GemmConfig.warp_specialize`` can be compiled here: Triton 3.5 or later
+    (its warp specialization of a K loop on Hopper) and a GPU of compute capability 9.0
+    or later; False under the interpreter."""
+    import torch
+
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    try:
+        major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 5) and torch.cuda.get_device_capability(device)[0] >= 9
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1}
 
 
@@ -577,7 +603,7 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
-                SPLIT=split is not None)
+                SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp)
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,

@@ -26,7 +26,7 @@ import torch
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream", "time_candidates", "split_variants", "gemm_plan"]
+           "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -519,6 +519,25 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
 
     ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
+
+
+def ws_variants(results: list[tuple[float, Any]], top: int = 2) -> list[Any]:
+    """The ``top`` fastest configs of a tuner's passes so far (``(ms, choice)`` pairs; paths
+    named by strings are skipped) again with their GEMM's K loop warp-specialized
+    (``GemmConfig.warp_specialize``), for another pass; none where this Triton and GPU
+    cannot build it (``warp_specialize_supported``). Configs with the reduce kernel beside
+    the GEMM (``reduce_shared``) are left out: its programs are sized to fit beside the
+    plain GEMM's."""
+    from dataclasses import replace
+
+    from ..kernels.tile_gemm import DEFAULT_CONFIG, warp_specialize_supported
+
+    if not warp_specialize_supported():
+        return []
+    ranked = [c for _, c in sorted(results, key=lambda r: r[0])
+              if isinstance(c, OverlapConfig) and not c.reduce_shared
+              and not getattr(c.gemm, "warp_specialize", False)]
+    return [replace(c, gemm=replace(c.gemm or DEFAULT_CONFIG, warp_specialize=True)) for c in ranked[:top]]
 
 
 def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, Any]], fn_for: Any, iters: int,

@@ -37,7 +37,8 @@ from .. import flags as _flags
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
                         tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once,
+                       ws_variants)
 
 __all__ = [
     "all_gather_matmul",
@@ -387,18 +388,22 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
 
 def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                           verbose: bool = False, split_pass: bool | None = None) -> OverlapConfig | str:
+                           verbose: bool = False, split_pass: bool | None = None,
+                           ws_pass: bool | None = None) -> OverlapConfig | str:
     """Time candidate configs (collectively: every rank must call) and the plain
     sequential path; cache the winner for this shape. Returns the winning
     ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs the
     reference for this shape). ``split_pass`` (default: with the default candidates
     only): time the two fastest configs again with the tiles after their GEMM's last
-    full wave split along K (``OverlapConfig.split_tail`` 2 and 8)."""
+    full wave split along K (``OverlapConfig.split_tail`` 2 and 8). ``ws_pass`` (the same
+    default): then the two fastest so far again with the GEMM's K loop warp-specialized
+    (``GemmConfig.warp_specialize``), where Triton and the GPU support it."""
     group = _group(group)
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
     n = b.shape[1]
     split_pass = candidates is None if split_pass is None else split_pass
+    ws_pass = candidates is None if ws_pass is None else ws_pass
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -417,12 +422,16 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     def describe(cand: OverlapConfig) -> str:
         return (f"  tune agmm {ms * rt.world}x{n}x{k}: {rt.transport(cand)}, {cand.chunks} chunks, "
                 f"{cand.nccl_ctas} ctas, margin {cand.sm_margin}, give_back {cand.give_back}"
-                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else ""))
+                + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else "")
+                + (", warp-specialized GEMM" if getattr(cand.gemm, "warp_specialize", False) else ""))
 
     results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
                                describe if verbose else None)
     if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_gather_matmul"), split_variants(results), run, iters, group,
+                                   describe if verbose else None)
+    if ws_pass:  # and the fastest again with a warp-specialized GEMM
+        results += time_candidates(rt, rt.err("all_gather_matmul"), ws_variants(results), run, iters, group,
                                    describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:

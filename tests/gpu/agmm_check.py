@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
+from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
 from overlap.ops._runtime import OverlapConfig  # noqa: E402
 
 
@@ -43,10 +44,13 @@ def main() -> None:
     calls = 0
     for (ms, n, k, dt, chunks, layout) in cases:
         # (transport, give-back, split tail: the tiles after the last full wave in K pieces)
-        for transport, give_back, split in (("nccl", True, 0), ("nccl", False, 0), ("p2p", True, 0),
-                                            ("nccl", True, 8), ("p2p", True, 8)):
+        variants = [("nccl", True, 0, False), ("nccl", False, 0, False), ("p2p", True, 0, False),
+                    ("nccl", True, 8, False), ("p2p", True, 8, False)]
+        if warp_specialize_supported():  # the GEMM's K loop warp-specialized
+            variants += [("nccl", True, 0, True), ("p2p", True, 8, True)]
+        for transport, give_back, split, ws in variants:
             cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport,
-                                split_tail=split)
+                                split_tail=split, gemm=GemmConfig(warp_specialize=True) if ws else None)
             for it in range(6):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + ms + chunks)
                 a = torch.randn(ms, k, device=dev, dtype=dt, generator=g)

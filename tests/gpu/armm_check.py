@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import dist  # noqa: E402
 from overlap.ops import Norm  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
+from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
 from overlap.ops._runtime import OverlapConfig  # noqa: E402
 
 
@@ -53,12 +54,18 @@ def main() -> None:
         if kind:  # the norm folded into the GEMM (statistics from the reduce kernel, diag(w) B)
             variants += [("p2p", True, True, 0), ("p2p", False, True, 0), ("p2p", True, True, 4),
                          ("p2p", "shared", True, 8), ("p2p", "two", True, 0), ("p2p", "two", True, 2)]
-        for transport, give_back, fold, split in variants:
+        variants = [v + (False,) for v in variants]
+        if warp_specialize_supported():  # the GEMM's K loop warp-specialized
+            variants += [("nccl", True, False, 0, True), ("p2p", True, False, 8, True)]
+            if kind:
+                variants += [("p2p", True, True, 4, True)]
+        for transport, give_back, fold, split, ws in variants:
             if give_back == "two" and kind and not fold:
                 continue  # two-shot with a norm folds it
             cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back in (True, "two"), check="sync",
                                 transport=transport, reduce_ctas=64 if give_back == "shared" else 8, fold_norm=fold,
-                                split_tail=split, reduce_shared=give_back == "shared", two_shot=give_back == "two")
+                                split_tail=split, reduce_shared=give_back == "shared", two_shot=give_back == "two",
+                                gemm=GemmConfig(warp_specialize=True) if ws else None)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + m + chunks)
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
