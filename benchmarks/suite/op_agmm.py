@@ -56,7 +56,7 @@ def setup(shape: Shape, env: Env) -> Case:
         if env.tune:
             tile.prepare = lambda: describe_config(tune_all_gather_matmul(
                 a, b, group=g, candidates=[OverlapConfig(**c) for c in grid], verbose=env.verbose,
-                split_pass=True))
+                split_pass=True, ws_pass=True))
         comm = library_comm(env)
         parts = {"comm": lambda: comm.all_gather(a, gathered), "gemm": lambda: full @ b}
     else:

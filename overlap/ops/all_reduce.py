@@ -59,8 +59,7 @@ from .. import flags as _flags
 from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
                         tail_parts)
 from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once,
-                       ws_variants)
+                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -793,8 +792,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
 def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            residual: torch.Tensor | None = None, norm: Norm | None = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                           verbose: bool = False, split_pass: bool | None = None,
-                           ws_pass: bool | None = None) -> OverlapConfig | str:
+                           verbose: bool = False, split_pass: bool | None = None) -> OverlapConfig | str:
     """Time candidate configs (collectively: every rank must call), the plain
     sequential path and the chunked stream-overlap path (2 and 4 chunks); cache
     the winner for this shape, residual and norm kind. Returns the winning
@@ -812,11 +810,10 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     x 66 and 132 programs, folded or not, and above 2 ranks two-shot (``OverlapConfig.two_shot``;
     folded with a norm) in 4, 8 and 16 chunks x 8 and 16 SMs (16 and 24 with a norm). ``split_pass`` (default: with the default
     candidates only): time the two fastest configs again with the last chunk's tiles split
-    along K (``OverlapConfig.split_tail`` 2 and 8). ``ws_pass`` (the same default): then
-    the two fastest so far (not ``reduce_shared``) again with the GEMM's K loop
-    warp-specialized (``GemmConfig.warp_specialize``), where Triton and the GPU support it.
-    Inputs with no tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"``
-    untimed."""
+    along K (``OverlapConfig.split_tail`` 2 and 8). A warp-specialized GEMM
+    (``GemmConfig.warp_specialize``) is not tried: on the SMs the reduce kernel leaves it
+    was no faster in any pair of configs timed with and without it (README). Inputs with no tile-flag path (CPU, fp32,
+    unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
     m, k = x_partial.shape
@@ -831,7 +828,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     rt = get_runtime(group, x_partial.device)
     x = x_partial.contiguous()
     split_pass = candidates is None if split_pass is None else split_pass
-    ws_pass = candidates is None if ws_pass is None else ws_pass
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (16, 24, 32)]
@@ -894,9 +890,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                                describe if verbose else None)
     if split_pass:  # the fastest configs again with their GEMM's tail split along K
         results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
-                                   describe if verbose else None)
-    if ws_pass:  # and the fastest again with a warp-specialized GEMM
-        results += time_candidates(rt, rt.err("all_reduce_matmul"), ws_variants(results), run, iters, group,
                                    describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:
