@@ -12,8 +12,6 @@ gpu             GPU time per call with the host far ahead: the calls queued behi
                 sleep, timed from the sleep's end
 
 When back-to-back is above gpu and close to host, the op is host-bound at that shape.
-The all-reduce cases run twice: with every push queued before the op's kernels
-(``PUSHES_AHEAD`` = 1) and with the library's ``overlap.ops.all_reduce.PUSHES_AHEAD``.
 ``--breakdown``: host time per call of the all-reduce op at a tiny shape with parts of it
 replaced by no-ops in turn (each line drops one more part), so the differences say what
 each part costs on the host.
@@ -106,48 +104,35 @@ def main() -> None:
                       lambda a=a, w=w, cfg=cfg, c=None: all_gather_matmul(a, w.t(), config=cfg if c is None else c),
                       lambda a=a, w=w, cfg=cfg: _ag._fused_p2p(rt, a, w.t(), False, replace(cfg, check="none")),
                       cfg))
-    p2p = dict(transport="p2p")
-    armm = [(8192, 1024, 8192, False, OverlapConfig(chunks=2, reduce_ctas=32, **p2p)),
-            (8192, 1024, 8192, True, OverlapConfig(chunks=2, reduce_ctas=32, **p2p)),
-            # the tuner's pick for this case at 48345d1 and cc75d86
-            (8192, 1024, 8192, True, OverlapConfig(chunks=8, reduce_ctas=48, fold_norm=True, **p2p)),
-            (16384, 2048, 8192, False, OverlapConfig(chunks=16, reduce_ctas=16, **p2p)),
-            # the tuner's picks for this case at 45a505d and 8e57727
-            (16384, 2048, 8192, True, OverlapConfig(chunks=8, reduce_ctas=16, fold_norm=True, split_tail=8, **p2p)),
-            (16384, 2048, 8192, True, OverlapConfig(chunks=16, reduce_ctas=16, fold_norm=True, split_tail=2, **p2p))]
-    for m, n, k, ln, cfg in armm:
-        fold = cfg.fold_norm
+    for m, n, k, ln, fold in ((8192, 1024, 8192, False, False), (8192, 1024, 8192, True, False),
+                              (8192, 1024, 8192, True, True), (16384, 2048, 8192, False, False)):
         x = torch.randn(m, k, device=dev, dtype=bf)
         w = torch.randn(n, k, device=dev, dtype=bf)
         res = torch.randn(m, k, device=dev, dtype=bf) if ln else None
         norm = Norm("layernorm", torch.ones(k, device=dev, dtype=bf), torch.zeros(k, device=dev, dtype=bf)) \
             if ln else None
+        cfg = OverlapConfig(chunks=2 if m == 8192 else 16, reduce_ctas=32 if m == 8192 else 16, transport="p2p")
+        if fold:  # the tuner's pick for this case at 48345d1 and cc75d86
+            cfg = OverlapConfig(chunks=8, reduce_ctas=48, fold_norm=True, transport="p2p")
         cases.append((f"armm {m}x{n}x{k}{'+ln' if ln else ''} {cfg.chunks} chunks {cfg.reduce_ctas} SMs"
-                      f"{' folded' if fold else ''}{f' split {cfg.split_tail}' if cfg.split_tail else ''}",
+                      f"{' folded' if fold else ''}",
                       lambda x=x, w=w, res=res, norm=norm, cfg=cfg, c=None: all_reduce_matmul(
                           x, w.t(), residual=res, norm=norm, config=cfg if c is None else c),
                       lambda x=x, w=w, res=res, norm=norm, cfg=cfg: _ar._fused_p2p(
                           rt, x, w.t(), res, norm, replace(cfg, check="none")),
                       cfg))
-    plain_ahead = _ar.PUSHES_AHEAD
     for name, fn, direct, cfg in cases:
-        # the all-reduce op with its pushes queued all before its kernels, and as the library does
-        for ahead in ((1.0, plain_ahead) if name.startswith("armm") else (None,)):
-            if ahead is not None:
-                _ar.PUSHES_AHEAD = ahead
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            none_cfg = replace(cfg, check="none")
-            b2b = back_to_back(fn, args.calls)
-            b2b_none = back_to_back(lambda: fn(c=none_cfg), args.calls)
-            b2b_direct = back_to_back(direct, args.calls)
-            host, gpu = queued_ahead(fn, args.calls)
-            label = name + ("" if ahead is None else f" pushes ahead {ahead:g}")
-            if rank == 0:
-                print(f"{label:74s} back-to-back {b2b:.3f}  check none {b2b_none:.3f}  direct {b2b_direct:.3f}  "
-                      f"host {host:.3f}  gpu {gpu:.3f}", flush=True)
-    _ar.PUSHES_AHEAD = plain_ahead
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        none_cfg = replace(cfg, check="none")
+        b2b = back_to_back(fn, args.calls)
+        b2b_none = back_to_back(lambda: fn(c=none_cfg), args.calls)
+        b2b_direct = back_to_back(direct, args.calls)
+        host, gpu = queued_ahead(fn, args.calls)
+        if rank == 0:
+            print(f"{name:44s} back-to-back {b2b:.3f}  check none {b2b_none:.3f}  direct {b2b_direct:.3f}  "
+                  f"host {host:.3f}  gpu {gpu:.3f}", flush=True)
 
     if args.breakdown:
         launch_costs(dev, rank)

@@ -525,34 +525,6 @@ def scenario_p2p_all_reduce_op() -> None:
                 calls += 1
     assert ar.stats["p2p"] >= calls, ar.stats
     with rt.patched():
-        from unittest import mock
-
-        # half the pushes (PUSHES_AHEAD) are queued before the kernels, the rest after them,
-        # even when a launch raises: the peer still gets every chunk
-        seen = []
-
-        def failing_plan(*a, **kw):
-            seen.append(len(rt.pushes) - before)
-            raise RuntimeError("launch failed")
-
-        cfg = OverlapConfig(chunks=3, reduce_ctas=2, check="sync", transport="p2p", gemm=CFG)
-        x = torch.randn(m, k, generator=g).half()
-        b = ((torch.randn(n, k, generator=g) / k ** 0.5).half()).t()
-        before = len(rt.pushes)
-        with mock.patch.object(ar, "gemm_plan", failing_plan):
-            try:
-                ar._fused_p2p(rt, x, b, None, None, cfg)
-            except RuntimeError as e:
-                assert "launch failed" in str(e), e
-            else:
-                raise AssertionError("the failing launch did not raise")
-        assert seen == [round(ar.PUSHES_AHEAD * 3)] == [2], seen
-        assert [idx for _, _, _, idx, _ in rt.pushes[before:]] == [0, 1, 2], rt.pushes[before:]
-        # the next call runs on: its peer's flags at the next epoch
-        rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(x)
-        c, h = ar._fused_p2p(rt, x, b, None, None, cfg)
-        assert torch.equal(h, (x.float() * 2).half()) and _rel(c, h.double() @ b.double()) < 1e-2
-    with rt.patched():
         # two-shot: rank 0 reduces rows 0..255 (2 chunks), rank 1 rows 256..299 (the peer's
         # reduced rows, and their statistics, land in the gather buffer)
         for kind, with_res, mode, split in ((None, False, True, 0), ("layernorm", True, True, 2),

@@ -254,15 +254,6 @@ CHUNK_ALIGN = 128
 """Row chunks are multiples of this (except the last), independent of the GEMM config."""
 
 
-PUSHES_AHEAD = 0.5
-"""p2p: the fraction of a call's pushes queued before its kernels (the reduce kernel, the
-fold, the GEMM grids), the rest after them. Queueing a push costs the host more than a
-kernel launch's share of the GPU's time for it, so with every push first (1.0) a call
-made while the GPU is idle (the first after a synchronize) ran its reduce kernel and its
-GEMM only once the host had queued all the pushes, hundreds of microseconds late; with
-none first (0.0) its copy engine would wait for the launches instead. Half the pushes
-keep the copy engine busy while the kernels are queued."""
-
 REDUCE_PROGRAMS_PER_SM = 1
 """p2p reduce kernel programs per SM left to it. Its programs spin on flags, so every
 one must be resident while the GEMM holds the other SMs: at K = 8192 a program needs
@@ -624,47 +615,39 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     _flags.stream_zero(cur, counter, p.counters)
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
-    pushes = st[2]
-    ahead = min(len(pushes), max(1, round(PUSHES_AHEAD * len(pushes))))
-    for dst, src_off, nbytes, peer_flags, idx in pushes[:ahead]:
+    for dst, src_off, nbytes, peer_flags, idx in st[2]:
         rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
-    try:
-        # folded: the reduce kernel takes no weight, bias or y, and writes the rows' statistics
-        w = norm.weight if norm and not fold else None
-        bias = norm.bias if norm and not fold else None
-        y_out = y if norm is not None and not fold else None
-        rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
-                norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold)
-        rp = p.launches.get(rkey)
-        if rp is None:
-            rp = p.launches[rkey] = ReducePlan(
-                x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
-                programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
-                eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-                **(shared_reduce_shape(k) if p.reduce_shared else {}))
-        with on_stream(ns, cur):
-            rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
-        vec = None
-        if fold:
-            # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
-            b, vec = _fold(p, b, norm, rt.num_sms)
-            if p.give_back_grid:
-                # the give-back grid on the reduce stream reads them too: after the fold (queued
-                # there behind the reduce kernel, so that one does not wait)
-                rt.fork(cur, ns)
-        gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
-                       counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
-        descs = gp.operands(y, b)
-        gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
+    # folded: the reduce kernel takes no weight, bias or y, and writes the rows' statistics
+    w = norm.weight if norm and not fold else None
+    bias = norm.bias if norm and not fold else None
+    y_out = y if norm is not None and not fold else None
+    rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
+            norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold)
+    rp = p.launches.get(rkey)
+    if rp is None:
+        rp = p.launches[rkey] = ReducePlan(
+            x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
+            programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
+            eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
+            **(shared_reduce_shape(k) if p.reduce_shared else {}))
+    with on_stream(ns, cur):
+        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
+    vec = None
+    if fold:
+        # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
+        b, vec = _fold(p, b, norm, rt.num_sms)
         if p.give_back_grid:
-            # queued behind the reduce kernel: its SMs are free by then
-            with on_stream(ns, cur):
-                gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
-    finally:
-        # the rest of the pushes (PUSHES_AHEAD), queued even if a launch above raised:
-        # the peers then get every chunk, and their waits hold
-        for dst, src_off, nbytes, peer_flags, idx in pushes[ahead:]:
-            rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
+            # the give-back grid on the reduce stream reads them too: after the fold (queued
+            # there behind the reduce kernel, so that one does not wait)
+            rt.fork(cur, ns)
+    gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
+    descs = gp.operands(y, b)
+    gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
+    if p.give_back_grid:
+        # queued behind the reduce kernel: its SMs are free by then
+        with on_stream(ns, cur):
+            gp.launch(descs, c, epoch=r_epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
     rt.join(cur, rt.comm_stream, ns)  # no record_stream needed (Runtime.join)
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
