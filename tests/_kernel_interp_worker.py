@@ -494,6 +494,13 @@ def scenario_p2p_all_reduce_op() -> None:
                     assert "one reduce program per SM" in str(e), e
                 else:
                     raise AssertionError("13 shared reduce programs on 12 SMs accepted")
+                try:  # the small reduce programs fit beside the plain GEMM's only
+                    ar._plan(rt, m, n, k, OverlapConfig(reduce_ctas=2, reduce_shared=True,
+                                                        gemm=GemmConfig(warp_specialize=True)), "p2p")
+                except ValueError as e:
+                    assert "warp-specialized" in str(e), e
+                else:
+                    raise AssertionError("reduce_shared with a warp-specialized GEMM accepted")
             if split:  # the last chunk's 2 x 3 tiles, in 2 K pieces each on the 12 SMs
                 assert ar._plan(rt, m, n, k, cfg, "p2p").split == (ar._plan(rt, m, n, k, cfg, "p2p").table.shape[0]
                                                                    - 12, 2)

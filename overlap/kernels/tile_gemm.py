@@ -433,6 +433,8 @@ def warp_specialize_supported(device: Any = None) -> bool:
     except ValueError:
         return False
     return (major, minor) >= (3, 5) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1}
 
 

@@ -73,7 +73,8 @@ class OverlapConfig:
     SMs of its own: the GEMM grid covers every SM and no give-back grid runs;
     ``reduce_ctas`` then counts the reduce programs. A GEMM program leaves room on its
     SM for one such program (registers and shared memory), so they are resident
-    whichever is dispatched first."""
+    whichever is dispatched first. Not with a warp-specialized GEMM
+    (``GemmConfig.warp_specialize``: ValueError)."""
     two_shot: bool = False
     """p2p all-reduce: reduce-scatter, then all-gather (instead of every rank summing all
     rows). Each rank's reduce kernel sums only the rows it owns (1/R of them, pushed to it

@@ -812,8 +812,8 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     candidates only): time the two fastest configs again with the last chunk's tiles split
     along K (``OverlapConfig.split_tail`` 2 and 8). A warp-specialized GEMM
     (``GemmConfig.warp_specialize``) is not tried: on the SMs the reduce kernel leaves it
-    was no faster in any pair of configs timed with and without it (README). Inputs with no tile-flag path (CPU, fp32,
-    unaligned K or N) return ``"sequential"`` untimed."""
+    was no faster in any pair of configs timed with and without it (README). Inputs with
+    no tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
     m, k = x_partial.shape
