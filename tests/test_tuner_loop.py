@@ -143,12 +143,12 @@ def test_ws_variants_take_the_fastest_plain_configs(monkeypatch: pytest.MonkeyPa
                (4.0, OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4))),
                (6.0, OverlapConfig(chunks=1))]
     monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: True)
-    got = ws_variants(results)
+    got = ws_variants(results, "cpu")
     # the two fastest eligible ones, fastest first, each with its own GEMM config warp-specialized
     assert got == [OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, warp_specialize=True)),
                    OverlapConfig(chunks=16, split_tail=2, gemm=replace(DEFAULT_CONFIG, warp_specialize=True))]
     monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: False)
-    assert ws_variants(results) == []
+    assert ws_variants(results, "cpu") == []
 
 
 def test_warp_specialize_supported_is_false_without_a_gpu() -> None:

@@ -77,9 +77,9 @@ def _mainloop(a_desc, b_desc, off_am, off_bn, k_lo, k_hi,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               B_KN: tl.constexpr, UPCAST: tl.constexpr, WARP_SPEC: tl.constexpr = False):
     """K steps [k_lo, k_hi) of one tile (all of them, or one split piece's). With
-    ``WARP_SPEC`` the loop is warp-specialized by Triton (``tl.range(warp_specialize=True)``,
-    Triton 3.5 on): its partitions run the TMA loads and the MMAs on separate warps, so
-    the loads of later steps are issued while MMAs run."""
+    ``WARP_SPEC`` the loop is warp-specialized by Triton (``tl.range(warp_specialize=True)``):
+    its partitions run the TMA loads and the MMAs on separate warps, so the loads of
+    later steps are issued while MMAs run."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if WARP_SPEC:  # a constexpr branch: a Triton without the keyword never sees it
         for ki in tl.range(k_lo, k_hi, warp_specialize=True):
@@ -404,8 +404,8 @@ class GemmConfig:
     """Warps per program."""
     warp_specialize: bool = False
     """Warp-specialize the K loop (Triton's ``tl.range(warp_specialize=True)``): the TMA
-    loads and the MMAs run on separate warps. Needs Triton 3.5 or later on Hopper
-    (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
+    loads and the MMAs run on separate warps. Needs Triton 3.6 (the version it was
+    measured with) or later and a Hopper or later GPU (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
     waits (``k_wait``) keep their plain loop."""
 
     def __post_init__(self) -> None:
@@ -421,9 +421,9 @@ DEFAULT_CONFIG = GemmConfig()
 
 
 def warp_specialize_supported(device: Any = None) -> bool:
-    """Whether ``GemmConfig.warp_specialize`` can be compiled here: Triton 3.5 or later
-    (its warp specialization of a K loop on Hopper) and a GPU of compute capability 9.0
-    or later; False under the interpreter."""
+    """Whether ``GemmConfig.warp_specialize`` is taken here: Triton 3.6 or later (the
+    version its Hopper build was measured with; earlier ones are not tried) and a GPU of
+    compute capability 9.0 or later; False under the interpreter."""
     import torch
 
     if interpreting() or not torch.cuda.is_available():
@@ -432,7 +432,7 @@ def warp_specialize_supported(device: Any = None) -> bool:
         major, minor = (int(v) for v in triton.__version__.split(".")[:2])
     except ValueError:
         return False
-    return (major, minor) >= (3, 5) and torch.cuda.get_device_capability(device)[0] >= 9
+    return (major, minor) >= (3, 6) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1}

@@ -522,18 +522,18 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
 
 
-def ws_variants(results: list[tuple[float, Any]], top: int = 2) -> list[Any]:
+def ws_variants(results: list[tuple[float, Any]], device: Any, top: int = 2) -> list[Any]:
     """The ``top`` fastest configs of a tuner's passes so far (``(ms, choice)`` pairs; paths
     named by strings are skipped) again with their GEMM's K loop warp-specialized
-    (``GemmConfig.warp_specialize``), for another pass; none where this Triton and GPU
-    cannot build it (``warp_specialize_supported``). Configs with the reduce kernel beside
+    (``GemmConfig.warp_specialize``), for another pass; none where this Triton and the
+    GPU ``device`` cannot build it (``warp_specialize_supported``). Configs with the reduce kernel beside
     the GEMM (``reduce_shared``) are left out: its programs are sized to fit beside the
     plain GEMM's."""
     from dataclasses import replace
 
     from ..kernels.tile_gemm import DEFAULT_CONFIG, warp_specialize_supported
 
-    if not warp_specialize_supported():
+    if not warp_specialize_supported(device):
         return []
     ranked = [c for _, c in sorted(results, key=lambda r: r[0])
               if isinstance(c, OverlapConfig) and not c.reduce_shared

@@ -431,7 +431,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
         results += time_candidates(rt, rt.err("all_gather_matmul"), split_variants(results), run, iters, group,
                                    describe if verbose else None)
     if ws_pass:  # and the fastest again with a warp-specialized GEMM
-        results += time_candidates(rt, rt.err("all_gather_matmul"), ws_variants(results), run, iters, group,
+        results += time_candidates(rt, rt.err("all_gather_matmul"), ws_variants(results, rt.device), run, iters, group,
                                    describe if verbose else None)
 
     def fn_for(choice: Any) -> Any:
