@@ -1,6 +1,6 @@
 """The p2p all-reduce's reduce (+ add + norm) kernel alone, on one GPU, flags pre-set.
 
-    python benchmarks/bench_reduce_norm.py [--m 16384] [--k 8192]
+    python benchmarks/bench_reduce_norm.py [--m 16384] [--k 8192] [--programs 16 32] [--quick] [--fold N ...]
 
 Every wait is already satisfied, so this is the kernel's own speed: ms and GB/s moved
 (partials and residual read, h and y written) per program count and block shape: the
@@ -11,6 +11,8 @@ statistics from whole rows ("rows") or summed over column segments and merged
 streamed past it; and the residual placed off the other tensors' alignment.
 ``--quick``: the default block shape and the shared reduce's small programs only. The op leaves the kernel a few SMs while the
 GEMM runs; how fast it is on them decides how much of the copy time it can hide behind.
+``--fold N``: also the folded norm's pass over B [K, N] (``overlap.kernels.norm_fold``) alone,
+B as an nn.Linear weight's ``w.t()`` and row-major.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--programs", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fold", type=int, nargs="*", default=[],
+                    help="also time fold_norm (the folded norm's pass over B [K, N]) for these N")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     m, k, world = args.m, args.k, args.world
@@ -109,6 +113,37 @@ def main() -> None:
                 except Exception as ex:  # noqa: BLE001 - e.g. too many registers for a block shape
                     print(f"  {label} programs {programs}: failed ({type(ex).__name__}: {ex})"[:200], flush=True)
     assert err[0].item() == 0, err
+    for n in args.fold:
+        _time_fold(k, n, dev, dt)
+
+
+def _time_fold(k: int, n: int, dev: torch.device, dt: torch.dtype) -> None:
+    """fold_norm alone on the whole GPU: B as an nn.Linear weight's w.t() and row-major,
+    LayerNorm weight and bias; ms and GB/s (B read, B' written)."""
+    from overlap.kernels.norm_fold import FoldPlan
+
+    w = torch.randn(k, device=dev, dtype=dt)
+    bias = torch.randn(k, device=dev, dtype=dt)
+    moved = 2 * k * n * 2
+    for layout, b in (("w.t()", torch.randn(n, k, device=dev, dtype=dt).t()),
+                      ("row-major", torch.randn(k, n, device=dev, dtype=dt))):
+        fp = FoldPlan(b, w, bias, num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+        out, vec = fp.launch(b, w, bias)
+        ref = b.float() * w.float()[:, None]
+        off = (out.float() - ref).abs().max().item()
+        bad = "" if off <= 1e-2 * ref.abs().max().item() else f"  WRONG B' ({off:.2e})"
+        for _ in range(3):
+            fp.launch(b, w, bias, out, vec)
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(20):
+            fp.launch(b, w, bias, out, vec)
+        e.record()
+        torch.cuda.synchronize()
+        ms = s.elapsed_time(e) / 20
+        print(f"fold_norm alone: K={k} N={n} B {layout:9s} {fp.grid} programs: {ms:.4f} ms "
+              f"{moved / ms / 1e6:7.0f} GB/s{bad}", flush=True)
 
 
 def _default_rows(k: int, block_k: int | None) -> int:
