@@ -1,10 +1,10 @@
-"""benchmarks/power_table.py: phases from a soak log lined up with an nvidia-smi log."""
+"""benchmarks/diag/power_table.py: phases from a soak log lined up with an nvidia-smi log."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import power_table as pt
+from benchmarks.diag import power_table as pt
 
 
 def _write(tmp_path):

@@ -1,6 +1,6 @@
 """Host time of each step of a tile-kernel launch and of the MLP chain (one GPU).
 
-    python benchmarks/host_overhead.py
+    python benchmarks/diag/host_overhead.py
 
 Microseconds of host (Python + driver) time per call, 2000 calls back to back on tiny
 shapes (the GPU is never the bottleneck), then a cProfile of 300 chain calls. Tells where
@@ -8,7 +8,7 @@ the per-call host cost of the ops goes: at small M it, not the GPU, sets their s
 """
 import os, sys, time
 import torch
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import flags as F
 from overlap.kernels import tile_gemm as tg
 from overlap.policies import Segment, build_tile_table

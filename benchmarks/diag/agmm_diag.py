@@ -1,6 +1,6 @@
 """All-gather -> GEMM diagnosis: where the fused p2p op loses time against its GEMM alone.
 
-    bash launch/torchrun.sh 2 benchmarks/agmm_diag.py [--shapes MxNxK,...] [--iters 10]
+    bash launch/torchrun.sh 2 benchmarks/diag/agmm_diag.py [--shapes MxNxK,...] [--iters 10]
 
 Per shape, side by side in rounds (``Timer.time_interleaved``), slowest rank, ms per call:
 
@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The tile GEMM with and without a warp-specialized K loop, against cuBLAS (one GPU).
 
-    python benchmarks/gemm_ws_diag.py [--out DIR] [--shapes M,N,K ...] [--rounds 7]
+    python benchmarks/diag/gemm_ws_diag.py [--out DIR] [--shapes M,N,K ...] [--rounds 7]
 
 Per shape (B as the ``w.t()`` of an nn.Linear weight, as the ops see it): cuBLAS and
 the tile GEMM in each config of ``VARIANTS`` on all SMs and on the SMs an overlapped op
@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.bench_gemm import _events_ms  # noqa: E402
 from benchmarks.context import run_context  # noqa: E402

@@ -1,6 +1,6 @@
 """p2p transport diagnosis: copy-engine push bandwidth and the reduce kernel's speed alone.
 
-    bash launch/torchrun.sh 2 benchmarks/p2p_diag.py [--mb 256] [--M 16384 --K 8192 --N 2048] [--sweep]
+    bash launch/torchrun.sh 2 benchmarks/diag/p2p_diag.py [--mb 256] [--M 16384 --K 8192 --N 2048] [--sweep]
 
 push S streams   every rank pushes ``--mb`` MB into its peers' memory at the same time,
                  split into S equal pieces on S streams (one copy engine each, or not);
@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Does the reduce kernel go faster with its loads through TMA into a software pipeline?
 
-    python benchmarks/bench_reduce_tma.py
+    python benchmarks/diag/bench_reduce_tma.py
 
 A probe on one GPU, flags left out: h = x + recv (+ residual) over [M, K] bf16 with
 each 256-column segment's mean and squared deviations, by row chunks, the loads
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap.kernels.add_norm import _store_in_place, launch_reduce_norm  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Host time against GPU time of the p2p ops at real shapes (2+ GPUs, torchrun or mpirun).
 
-    bash launch/torchrun.sh 2 benchmarks/host_gpu_diag.py [--calls 20] [--breakdown]
+    bash launch/torchrun.sh 2 benchmarks/diag/host_gpu_diag.py [--calls 20] [--breakdown]
 
 Per case (a fixed p2p config, no tuner), rank 0 prints, in ms per call:
 
@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402

@@ -1,6 +1,6 @@
 """Where the time of one p2p all-reduce -> GEMM call goes: a GPU timeline per config.
 
-    bash launch/torchrun.sh 2 benchmarks/armm_trace.py [--M 16384 --N 2048 --K 8192] \
+    bash launch/torchrun.sh 2 benchmarks/diag/armm_trace.py [--M 16384 --N 2048 --K 8192] \
         [--cases nonorm:16:16:8,fold:16:20:2] [--out DIR]
 
 A case is ``kind:chunks:reduce_sms:split_tail[:BMxBN]`` (split_tail ``<n>f``: exactly n
@@ -23,7 +23,7 @@ start of its first push, medians over the calls after the first:
 and the ends relative to the last push's end (what follows the communication). Also the
 tile GEMM alone on all SMs and on those each case's reduce kernel leaves, and torch.mm.
 ``--soak S``: at the end, each of these back to back for S seconds with UTC stamps, to line
-up with a clock and power log sampled beside (``benchmarks/power_table.py`` reads both):
+up with a clock and power log sampled beside (``benchmarks/diag/power_table.py`` reads both):
 every case, the first case's communication with a thin GEMM, the tile GEMM alone on all
 SMs and on those the first case leaves, torch.mm, NCCL's all-reduce, and idle.
 """
@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 FORCED_PARTS: set[int] = set()
@@ -352,7 +352,7 @@ def main() -> None:
         report[name] = ms
     if args.soak:
         # back to back for a while each, with UTC stamps to line up with a clock / power log
-        # sampled beside (benchmarks/power_table.py): every case; the first case's
+        # sampled beside (benchmarks/diag/power_table.py): every case; the first case's
         # communication and reduce kernel with a GEMM of 256 columns (its own GEMM's work
         # about 1/8); the tile GEMM alone on all SMs and on those the first case leaves;
         # torch.mm; NCCL's all-reduce of x; idle

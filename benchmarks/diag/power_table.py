@@ -2,8 +2,8 @@
 
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
         --format=csv -lms 20 > smi.csv &
-    bash launch/torchrun.sh 2 benchmarks/armm_trace.py --soak 3 ... > soak.log
-    python3 benchmarks/power_table.py soak.log smi.csv [--skip 1.0]
+    bash launch/torchrun.sh 2 benchmarks/diag/armm_trace.py --soak 3 ... > soak.log
+    python3 benchmarks/diag/power_table.py soak.log smi.csv [--skip 1.0]
 
 For each ``soak NAME: CALLS calls from HH:MM:SS.mmm to HH:MM:SS.mmm UTC`` line of the log,
 the medians of the samples inside the phase (its first ``--skip`` seconds left out: the

@@ -1,6 +1,6 @@
 """MLP chain diagnosis on one GPU: consumer-first calls, and host vs GPU time per call.
 
-    python benchmarks/chain_diag.py default|side|maxconn|host
+    python benchmarks/diag/chain_diag.py default|side|maxconn|host
 
 default / side / maxconn: four chain calls in the normal order, then four with the
 consumer enqueued first and the producer held back ~10 ms, on the default stream, on a
@@ -11,7 +11,7 @@ to back, their GPU time pipelined, and their GPU time with the 100 calls queued 
 """
 import os, sys, time
 import torch
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap.ops import chain as ch
 mode = sys.argv[1]
 dev = torch.device("cuda", 0)

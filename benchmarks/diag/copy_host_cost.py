@@ -1,6 +1,6 @@
 """Host time of one cudaMemcpyAsync to a peer GPU by size, the GPU held behind a sleep (2 GPUs, one process).
 
-    python benchmarks/copy_host_cost.py
+    python benchmarks/diag/copy_host_cost.py
 
 Tells whether the host cost of the p2p ops' pushes grows with the bytes pushed.
 """

@@ -1,6 +1,6 @@
 """Host time per call of the collective ops (run on 2+ GPUs under torchrun or mpirun).
 
-    bash launch/torchrun.sh 2 benchmarks/host_overhead_ops.py [--calls 300]
+    bash launch/torchrun.sh 2 benchmarks/diag/host_overhead_ops.py [--calls 300]
 
 Small shapes, calls back to back, so the GPU is never the bottleneck: the time per
 call is the host's (Python, Triton's launcher, the driver). Rank 0 prints the
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402
