@@ -25,13 +25,15 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from .. import observe as _observe
+
 __all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
            "NORM_KINDS", "stats_segment"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
 
 
-@triton.jit
+@triton.jit(launch_metadata=_observe.add_norm_metadata)
 def add_norm_kernel(h_ptr, res_ptr, y_ptr, w_ptr, b_ptr, row0, K, eps,
                     stride_h, stride_r, stride_y,
                     HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -277,7 +279,8 @@ def _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOC
         tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"])
+@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"],
+            launch_metadata=_observe.reduce_norm_metadata)
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr, seg_ptr,
                        K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,

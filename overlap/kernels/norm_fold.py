@@ -26,13 +26,15 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from .. import observe as _observe
+
 from ._launch import CachedLauncher
 from .tile_gemm import interpreting
 
 __all__ = ["fold_norm_kernel", "fold_norm", "fold_block_n", "foldable", "FoldPlan"]
 
 
-@triton.jit
+@triton.jit(launch_metadata=_observe.fold_norm_metadata)
 def fold_norm_kernel(b_ptr, w_ptr, bias_ptr, out_ptr, vec_ptr, K, N, stride_bk, stride_bn, stride_ok, stride_on,
                      HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)

@@ -1,0 +1,615 @@
+"""See what ran: named profiler ranges, a per-op report of paths taken, and hidden communication.
+
+    with op_range("all_gather_matmul", "p2p x4"):     # host side, one per call
+        record_call(op, shape, path, why)             # always on: a counter
+        tm = timer(op, shape, path)                   # CUDA events, only while profiling
+        ...
+    print(report())                                   # calls, paths, tuning, warnings, timing
+
+Three costs, three switches:
+
+* ``record_call`` / ``record_warning`` / ``record_timeout`` / ``record_tuning`` are always on:
+  a dictionary update each, no tensor, no synchronization.
+* ``op_range`` and ``gpu_range`` are ``torch.profiler.record_function`` ranges while a
+  torch profiler records (whatever the switch says: then the host time is being spent
+  on the profiler anyway), plus NVTX ranges while profiling is on. With neither, they
+  return one shared no-op object: no allocation, about 0.1 us per call.
+* ``timer`` records CUDA events on the op's streams only while profiling is on; they are
+  read when ``report()`` is called, and only once they have completed (``Event.query``):
+  nothing on the op's path ever waits on the GPU.
+
+Profiling is switched by ``OVERLAP_PROFILE=1`` (read once, at import) or ``profile(True)``.
+
+What the NVTX ranges show in Nsight Systems: ``range_push`` / ``range_pop`` are host
+markers, so each range is drawn on the CPU thread over the time the op spent *enqueuing*
+its work. Nsight Systems also projects a range onto the GPU ("CUDA HW" rows): there it
+covers the kernels, copies and memsets launched inside it, on the streams they ran on.
+So ``gpu_range("comm", "chunk", 3)`` around a chunk's copy and flag post labels that copy
+on the comm stream's row; a flag post made with ``cuStreamWriteValue32`` is no activity
+of its own and shows only as the gap it leaves. The torch profiler does the same with its
+``gpu_user_annotation`` events (one per stream), which ``benchmarks/timeline.py`` draws.
+
+Hidden communication (``report()``'s ``hidden``), per op, shape and overlapped path:
+
+    hidden = clip((comm_alone + gemm_alone - op) / comm_alone, 0, 1)
+
+* ``op``: median over timed calls of the span on the caller's stream from an event
+  recorded before the op forks its side streams to one recorded after it joins them
+  (``timer(...).start("op")`` / ``.stop("op")``): the op's GPU time, queueing gaps included.
+* ``comm_alone``, ``gemm_alone``: the spans of the comm-stream work (first chunk's transfer
+  to last flag post) and of the GEMM launch(es), from the same events recorded in calls
+  that ran them *one after the other* (a serial path: ``timer(..., serial=True)``, e.g.
+  the chunked stream baseline the tuners time), or given by a benchmark that timed them
+  apart (``record_alone``). Inside an overlapped call the GEMM grid's span includes its
+  tiles' flag waits and the comm span includes the slowdown of sharing the GPU, so those
+  in-call spans (``comm_ms``, ``gemm_ms`` in the report) are shown but never used as the
+  alone-times: with them the fraction would read 1 whatever happened.
+
+1 means the op took no longer than its GEMM alone would have plus nothing of the
+communication; 0 means it took as long as doing both in turn (or longer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import itertools
+import threading
+from collections import deque
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch.autograd import profiler as _autograd_profiler
+
+__all__ = ["profile", "op_range", "gpu_range", "record_call", "record_warning", "record_timeout", "record_tuning",
+           "record_alone", "record_phases", "timer", "EventTimer", "Why", "Report", "report", "reset_report",
+           "trace", "tile_gemm_metadata", "add_norm_metadata", "reduce_norm_metadata", "fold_norm_metadata"]
+
+_enabled: bool = os.environ.get("OVERLAP_PROFILE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def profile(enabled: bool | None = None) -> bool:
+    """Switch profiling on or off (``None``: leave it); returns whether it is on.
+
+    On: ``op_range`` / ``gpu_range`` add NVTX ranges (and record_function ranges even with
+    no torch profiler running), and ``timer`` records CUDA events per phase. Starts as
+    ``OVERLAP_PROFILE`` says."""
+    global _enabled
+    if enabled is not None:
+        _enabled = bool(enabled)
+    return _enabled
+
+
+class Why:
+    """Reasons for a path that ``record_call`` understands (any string is accepted)."""
+
+    TUNER = "tuner pick"
+    CONFIG = "config given"
+    DEFAULT = "default config"
+    NO_GPU = "no GPU"
+    DTYPE = "dtype"
+    WORLD_1 = "world size 1"
+    CAPTURE = "capture"
+    TRANSPORT = "transport unavailable"
+
+
+# ---- ranges ---------------------------------------------------------------------------
+
+class _Noop:
+    """The shared do-nothing range and timer: falsy, so ``if tm:`` skips a block."""
+
+    __slots__ = ()
+
+    # ``with`` calls these unbound, as builtins are no descriptors: ``"".format`` takes
+    # any arguments and returns "" (falsy: an exception propagates). A C call instead of a
+    # Python frame halves the cost of the no-op ``with`` (about 0.1 us).
+    __enter__ = "".format
+    __exit__ = "".format
+
+    def __bool__(self) -> bool:
+        return False
+
+    def start(self, phase: str, stream: Any = None) -> None:
+        return None
+
+    def stop(self, phase: str, stream: Any = None) -> None:
+        return None
+
+    def commit(self) -> None:
+        return None
+
+
+_NOOP = _Noop()
+_nvtx_mod: Any = None  # None: not looked up yet; False: unavailable
+
+
+def _nvtx() -> Any:
+    """``torch.cuda.nvtx`` where this torch has NVTX (a CUDA build), else False."""
+    global _nvtx_mod
+    if _nvtx_mod is None:
+        try:
+            from torch._C import _nvtx  # noqa: F401 - a CPU build has none
+
+            import torch.cuda.nvtx as nv
+
+            _nvtx_mod = nv
+        except ImportError:
+            _nvtx_mod = False
+    return _nvtx_mod
+
+
+class _Range:
+    """A record_function range plus an NVTX range of the same name."""
+
+    __slots__ = ("name", "_rf", "_nv")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._rf: Any = None
+        self._nv: Any = None
+
+    def __enter__(self) -> "_Range":
+        nv = _nvtx()
+        if nv:
+            nv.range_push(self.name)
+            self._nv = nv
+        self._rf = torch.profiler.record_function(self.name)
+        self._rf.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        self._rf.__exit__(*exc)
+        if self._nv:
+            self._nv.range_pop()
+        return False
+
+
+def _range(name: str) -> Any:
+    if _enabled:
+        return _Range(name)
+    return torch.profiler.record_function(name)
+
+
+def op_range(name: str, path: str) -> Any:
+    """Context manager around one call of op ``name`` on ``path``: the range
+    ``overlap.<name>[<path>]`` (e.g. ``overlap.all_gather_matmul[p2p x4]``) in a torch
+    profiler trace and, while profiling is on, in Nsight Systems (NVTX). With profiling
+    off and no torch profiler recording it is one shared no-op object."""
+    if not _enabled and not _autograd_profiler._is_profiler_enabled:
+        return _NOOP
+    return _range(f"overlap.{name}[{path}]")
+
+
+def gpu_range(stream: Any, label: str, index: int | None = None) -> Any:
+    """Context manager around work an op enqueues on one stream: the range
+    ``overlap:<stream>:<label>[ <index>]`` (e.g. ``overlap:comm:chunk 3``), which the torch
+    profiler also draws over the GPU work launched inside it, on its stream
+    (``gpu_user_annotation``), and Nsight Systems projects onto the GPU rows (NVTX).
+    ``stream``: the stream's role ("comm", "gemm", "giveback", "reduce", "aux", "copy")
+    or a stream (then its id). ``index`` is formatted only when the range is made, so
+    ``gpu_range("comm", "chunk", c)`` costs nothing when off. No-op as ``op_range``."""
+    if not _enabled and not _autograd_profiler._is_profiler_enabled:
+        return _NOOP
+    role = stream if isinstance(stream, str) else f"stream {getattr(stream, 'stream_id', stream)}"
+    return _range(f"overlap:{role}:{label}" if index is None else f"overlap:{role}:{label} {index}")
+
+
+# ---- the record -----------------------------------------------------------------------
+
+_lock = threading.Lock()
+_calls: dict[tuple, Any] = {}           # (op, shape, path, why) -> itertools.count
+_warnings: dict[tuple, int] = {}        # (op, shape, msg) -> times
+_timeouts: dict[tuple, list] = {}       # (op, shape) -> [count, last message]
+_tunings: dict[tuple, tuple] = {}       # (op, shape) -> (candidates, picked)
+_alone: dict[tuple, dict] = {}          # (op, shape) -> {"comm": ms, "gemm": ms}
+_samples: dict[tuple, deque] = {}       # (op, shape, path, serial, phase) -> ms
+_pending: deque = deque()               # (op, shape, path, serial, {phase: (start, end)})
+_dropped = [0]
+_MAX_PENDING = 4096
+_MAX_SAMPLES = 512
+
+
+def record_call(op: str, shape: Sequence[int], path: str, why: str) -> None:
+    """Count one call of ``op`` at ``shape`` (a tuple, e.g. (M, N, K)) that took ``path``
+    ("p2p x4", "nccl x2", "chunked", "reference", ...) because of ``why`` (``Why``).
+    O(1), no tensors, no synchronization; call it once per call, after the path is decided."""
+    key = (op, shape, path, why)
+    c = _calls.get(key)
+    if c is None:
+        c = _calls.setdefault(key, itertools.count())
+    next(c)  # one C call: atomic under the GIL, and no lock to take (a lock doubled the cost)
+
+
+def _count(c: Any) -> int:
+    """Calls counted by an ``itertools.count`` (its repr is ``count(n)``)."""
+    r = repr(c)
+    return int(r[r.index("(") + 1:-1])
+
+
+def record_warning(op: str, shape: Sequence[int], msg: str) -> None:
+    """Count a warning ``op`` raised (or would have: ``warn_once`` warns once, this counts all)."""
+    key = (op, tuple(shape), str(msg))
+    with _lock:
+        _warnings[key] = _warnings.get(key, 0) + 1
+
+
+def record_timeout(op: str, shape: Sequence[int], err: Any) -> None:
+    """Count a flag-wait timeout of ``op`` (``err``: the ``FlagTimeoutError`` or its text)."""
+    key = (op, tuple(shape))
+    with _lock:
+        t = _timeouts.setdefault(key, [0, ""])
+        t[0] += 1
+        t[1] = str(err)
+
+
+def record_tuning(op: str, shape: Sequence[int], candidates: Iterable[tuple[str, float]], picked: str) -> None:
+    """Keep the tuner's candidates ``[(label, ms), ...]`` and its pick for ``op`` at ``shape``
+    (the last tuning of a shape replaces the one before)."""
+    cands = [(str(label), float(ms)) for label, ms in candidates]
+    with _lock:
+        _tunings[(op, tuple(shape))] = (cands, str(picked))
+
+
+def record_alone(op: str, shape: Sequence[int], *, comm_ms: float | None = None,
+                 gemm_ms: float | None = None) -> None:
+    """Alone-times measured apart (a benchmark's collective alone, GEMM alone); they take
+    precedence over those of the op's serial calls in the hidden fraction."""
+    with _lock:
+        d = _alone.setdefault((op, tuple(shape)), {})
+        if comm_ms is not None:
+            d["comm"] = float(comm_ms)
+        if gemm_ms is not None:
+            d["gemm"] = float(gemm_ms)
+
+
+def record_phases(op: str, shape: Sequence[int], path: str, phases: Mapping[str, tuple[Any, Any]], *,
+                  serial: bool = False) -> None:
+    """Hand one call's CUDA events ``{phase: (start, end)}`` to the report, to be read later.
+
+    Events are read in ``report()``, once ``end.query()`` and ``start.query()`` say both
+    completed (never waiting); a call whose events have not completed stays pending. At
+    most 4096 calls stay pending: past that the oldest are read if complete, else
+    dropped (counted in the report). ``serial``: the call ran its phases one after the
+    other, so its "comm" and "gemm" spans are alone-times."""
+    entry = (op, tuple(shape), path, bool(serial), dict(phases))
+    with _lock:
+        _pending.append(entry)
+        if len(_pending) > _MAX_PENDING:
+            _resolve_locked(limit=len(_pending) // 2, drop=True)
+
+
+class EventTimer:
+    """CUDA events of one call's phases (``timer`` makes one only while profiling is on).
+
+    ``start(phase, stream)`` / ``stop(phase, stream)`` record an event on ``stream``
+    (None: the current stream): the phase's span runs from the first to the second on
+    the GPU. ``commit()`` hands the events to the report (``record_phases``). Events
+    come from a pool and go back to it once read."""
+
+    __slots__ = ("op", "shape", "path", "serial", "_ev")
+
+    def __init__(self, op: str, shape: Sequence[int], path: str, *, serial: bool = False) -> None:
+        self.op, self.shape, self.path, self.serial = op, tuple(shape), path, serial
+        self._ev: dict[str, list] = {}
+
+    def __bool__(self) -> bool:
+        return True
+
+    def start(self, phase: str, stream: Any = None) -> None:
+        ev = _event()
+        ev.record(stream)
+        self._ev[phase] = [ev, None]
+
+    def stop(self, phase: str, stream: Any = None) -> None:
+        pair = self._ev.get(phase)
+        if pair is None:
+            raise ValueError(f"EventTimer: stop({phase!r}) without start")
+        ev = _event()
+        ev.record(stream)
+        pair[1] = ev
+
+    def commit(self) -> None:
+        done = {p: (s, e) for p, (s, e) in self._ev.items() if e is not None}
+        for s, e in self._ev.values():
+            if e is None:
+                _pool.append(s)  # started, never stopped (an exception): unused
+        self._ev = {}
+        if done:
+            record_phases(self.op, self.shape, self.path, done, serial=self.serial)
+
+
+_pool: list = []
+
+
+def _event() -> Any:
+    return _pool.pop() if _pool else torch.cuda.Event(enable_timing=True)
+
+
+def timer(op: str, shape: Sequence[int], path: str, *, serial: bool = False) -> Any:
+    """An ``EventTimer`` for this call while profiling is on and the current stream is not
+    being captured into a CUDA graph; otherwise the shared no-op timer (falsy)."""
+    if not _enabled:
+        return _NOOP
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return _NOOP
+    return EventTimer(op, shape, path, serial=serial)
+
+
+def _resolve_locked(limit: int | None = None, drop: bool = False) -> None:
+    """Read the pending calls whose events completed (``query()``: no wait)."""
+    n = len(_pending) if limit is None else min(limit, len(_pending))
+    keep = []
+    for _ in range(n):
+        op, shape, path, serial, phases = entry = _pending.popleft()
+        if all(s.query() and e.query() for s, e in phases.values()):
+            for ph, (s, e) in phases.items():
+                key = (op, shape, path, serial, ph)
+                q = _samples.get(key)
+                if q is None:
+                    q = _samples[key] = deque(maxlen=_MAX_SAMPLES)
+                q.append(float(s.elapsed_time(e)))
+                if isinstance(s, torch.cuda.Event):
+                    _pool.extend((s, e))
+        elif drop:
+            _dropped[0] += 1
+        else:
+            keep.append(entry)
+    _pending.extendleft(reversed(keep))
+
+
+def reset_report() -> None:
+    """Forget everything recorded (events still pending are dropped)."""
+    with _lock:
+        for d in (_calls, _warnings, _timeouts, _tunings, _alone, _samples):
+            d.clear()
+        _pending.clear()
+        _dropped[0] = 0
+
+
+# ---- the report -----------------------------------------------------------------------
+
+def _med(q: Any) -> float | None:
+    return statistics.median(q) if q else None
+
+
+def _shape_str(shape: Any) -> str:
+    try:
+        return "x".join(str(int(v)) for v in shape)
+    except (TypeError, ValueError):
+        return str(shape)
+
+
+class Report:
+    """What ``report()`` returns: ``rows`` (one dict per op and shape), ``to_json()``, and
+    ``str()`` a table.
+
+    A row: ``op``, ``shape``, ``calls``; ``paths`` [{path, why, calls}]; ``tuning``
+    {candidates [[label, ms]], picked} or None; ``warnings`` [{msg, count}]; ``timeouts``
+    {count, last} or None; ``timing`` [{path, serial, calls, op_ms, comm_ms, gemm_ms,
+    other phases' medians, comm_alone_ms, gemm_alone_ms, hidden}] (ms are medians;
+    ``hidden`` None where an alone-time is missing)."""
+
+    def __init__(self, rows: list[dict], dropped: int = 0, pending: int = 0) -> None:
+        self.rows = rows
+        self.dropped = dropped
+        self.pending = pending
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps({"rows": self.rows, "dropped_timings": self.dropped, "pending_timings": self.pending},
+                          **kw)
+
+    def __repr__(self) -> str:
+        return f"Report({len(self.rows)} rows)"
+
+    def __str__(self) -> str:
+        if not self.rows:
+            return "overlap report: no calls recorded"
+        head = ("op", "shape", "calls", "path (why)", "calls", "op ms", "comm alone", "gemm alone", "hidden")
+        lines: list[tuple] = []
+        notes: list[str] = []
+        for r in self.rows:
+            timing = {t["path"]: t for t in r["timing"] if not t["serial"]}
+            first = True
+            for p in r["paths"] or [{"path": "-", "why": "", "calls": 0}]:
+                t = timing.get(p["path"], {})
+                lines.append((r["op"] if first else "", _shape_str(r["shape"]) if first else "",
+                              str(r["calls"]) if first else "", f"{p['path']} ({p['why']})", str(p["calls"]),
+                              _fmt(t.get("op_ms")), _fmt(t.get("comm_alone_ms")), _fmt(t.get("gemm_alone_ms")),
+                              "-" if t.get("hidden") is None else f"{100 * t['hidden']:.0f}%"))
+                first = False
+            tag = f"{r['op']} {_shape_str(r['shape'])}"
+            if r["tuning"]:
+                c = ", ".join(f"{lab} {ms:.3f}" + ("*" if lab == r["tuning"]["picked"] else "")
+                              for lab, ms in r["tuning"]["candidates"])
+                notes.append(f"{tag}: tuner picked {r['tuning']['picked']} from [{c}] ms")
+            for w in r["warnings"]:
+                notes.append(f"{tag}: warning x{w['count']}: {w['msg']}")
+            if r["timeouts"]:
+                notes.append(f"{tag}: {r['timeouts']['count']} timeout(s), last: {r['timeouts']['last']}")
+        widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+        out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+        out += ["  ".join(v.ljust(w) for v, w in zip(l, widths)).rstrip() for l in lines]
+        if self.pending or self.dropped:
+            notes.append(f"timings: {self.pending} call(s) not complete yet, {self.dropped} dropped")
+        return "\n".join(out + notes)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def report() -> Report:
+    """The record so far: calls per op, shape, path and reason, tuning, warnings, timeouts,
+    and (from calls timed while profiling was on, whose events have completed) phase
+    times and the hidden fraction. Reads only events that completed; never waits."""
+    with _lock:
+        _resolve_locked()
+        keys = {k[:2] for k in list(_calls)} | {k[:2] for k in _warnings} | set(_timeouts) | set(_tunings) \
+            | {k[:2] for k in _samples} | set(_alone)
+        rows = [_row(op, shape) for op, shape in sorted(keys, key=lambda k: (k[0], str(k[1])))]
+        return Report(rows, _dropped[0], len(_pending))
+
+
+def _row(op: str, shape: Any) -> dict:
+    paths = [{"path": p, "why": w, "calls": _count(c)} for (o, s, p, w), c in list(_calls.items())
+             if (o, s) == (op, shape)]
+    paths.sort(key=lambda d: -d["calls"])
+    tun = _tunings.get((op, shape))
+    to = _timeouts.get((op, shape))
+    return {
+        "op": op, "shape": list(shape) if isinstance(shape, tuple) else shape,
+        "calls": sum(d["calls"] for d in paths),
+        "paths": paths,
+        "tuning": {"candidates": [list(c) for c in tun[0]], "picked": tun[1]} if tun else None,
+        "warnings": [{"msg": m, "count": n} for (o, s, m), n in _warnings.items() if (o, s) == (op, shape)],
+        "timeouts": {"count": to[0], "last": to[1]} if to else None,
+        "timing": _timing(op, shape),
+    }
+
+
+def _timing(op: str, shape: Any) -> list[dict]:
+    by: dict[tuple, dict] = {}
+    for (o, s, path, serial, ph), q in _samples.items():
+        if (o, s) == (op, shape) and q:
+            by.setdefault((path, serial), {})[ph] = q
+    # alone-times: given apart, else the medians of the serial calls' spans
+    alone = dict(_alone.get((op, shape), {}))
+    for ph in ("comm", "gemm"):
+        if ph not in alone:
+            ser = [v for (path, serial), d in by.items() if serial for v in d.get(ph, ())]
+            if ser:
+                alone[ph] = statistics.median(ser)
+    out = []
+    for (path, serial), d in sorted(by.items()):
+        t: dict[str, Any] = {"path": path, "serial": serial, "calls": max(len(q) for q in d.values())}
+        for ph, q in sorted(d.items()):
+            t[f"{ph}_ms"] = _med(q)
+        t.setdefault("op_ms", None)
+        ca, ga = alone.get("comm"), alone.get("gemm")
+        t["comm_alone_ms"], t["gemm_alone_ms"] = ca, ga
+        t["hidden"] = hidden_fraction(ca, ga, t["op_ms"]) if not serial else None
+        out.append(t)
+    return out
+
+
+def hidden_fraction(comm_alone: float | None, gemm_alone: float | None, op: float | None) -> float | None:
+    """``clip((comm_alone + gemm_alone - op) / comm_alone, 0, 1)``; None where a time is missing."""
+    if comm_alone is None or gemm_alone is None or op is None or comm_alone <= 0:
+        return None
+    return min(1.0, max(0.0, (comm_alone + gemm_alone - op) / comm_alone))
+
+
+# ---- a trace in one line ----------------------------------------------------------------
+
+class trace:
+    """``with trace("run.json"): ...``: profiling on and a torch profiler (CPU, and CUDA
+    where there is a GPU) around the block; the chrome trace is written to ``path`` on
+    exit, ready for ``python benchmarks/timeline.py run.json``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._prof: Any = None
+        self._was = False
+
+    def __enter__(self) -> Any:
+        from torch.profiler import ProfilerActivity
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._was = profile()
+        profile(True)
+        self._prof = torch.profiler.profile(activities=acts)
+        self._prof.__enter__()
+        return self._prof
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._prof.__exit__(*exc)
+            self._prof.export_chrome_trace(self.path)
+        finally:
+            profile(self._was)
+        return False
+
+
+# ---- launch metadata of the Triton kernels ----------------------------------------------
+# Triton calls these (``@triton.jit(launch_metadata=...)``) only while a launch hook is set,
+# e.g. by proton; they return the kernel's name with its sizes, its flops (``flops<bits>``
+# by the operands' width) and the bytes it must move at least (each operand once).
+
+def _esize(t: Any) -> int:
+    base = getattr(t, "base", t)  # a TensorDescriptor or a tensor
+    return int(base.element_size())
+
+
+def tile_gemm_metadata(grid: Any, kernel: Any, args: Mapping[str, Any]) -> dict:
+    """``tile_gemm_kernel``: 2 * K * (C elements its table covers). Whole tiles count
+    BLOCK_M x BLOCK_N each, split tiles (``SPLIT``) their ``split_parts`` pieces once,
+    capped at C's size; bytes: those rows of A, all of B, those elements of C (plus a
+    folded norm's statistics). A table shared by two launches through a dispatch
+    counter (the give-back grid) is reported by each launch whole."""
+    bm, bn = int(args["BLOCK_M"]), int(args["BLOCK_N"])
+    n, k, tiles = int(args["N"]), int(args["K"]), int(args["num_tiles"])
+    if args.get("SPLIT", False):
+        start, parts = int(args["split_start"]), max(1, int(args["split_parts"]))
+        tiles = start + (tiles - start) // parts
+    c = args["c_ptr"]
+    elems = tiles * bm * bn
+    if hasattr(c, "shape"):
+        elems = min(elems, int(c.shape[0]) * n)
+    rows = elems // max(n, 1)
+    ea, eb, ec = _esize(args["a_desc"]), _esize(args["b_desc"]), _esize(c)
+    nbytes = rows * k * ea + n * k * eb + elems * ec
+    if args.get("NORM_EPI", False):
+        nbytes += rows * 8 + 2 * n * 4
+    tags = "".join(f" {t}" for t, on in (("wait", args.get("HAS_WAIT")), ("post", args.get("HAS_POST")),
+                                         ("split", args.get("SPLIT")), ("norm", args.get("NORM_EPI")),
+                                         ("ws", args.get("WARP_SPEC"))) if on)
+    return {"name": f"{kernel.name} [M={rows}, N={n}, K={k}]{tags}", f"flops{8 * ea}": 2.0 * k * elems,
+            "bytes": nbytes}
+
+
+def _norm_flops(norm: int, has_bias: bool) -> int:
+    # per element: LayerNorm sum 1, squared deviation 3, output 3 (+1 bias); RMSNorm 2 + 2 (+1)
+    return {0: 0, 1: 7, 2: 4}[int(norm)] + (1 if norm and has_bias else 0)
+
+
+def add_norm_metadata(grid: Any, kernel: Any, args: Mapping[str, Any]) -> dict:
+    """``add_norm_kernel``: one program per row (grid[0] rows of K); flops counted as 1 per
+    element for the residual add and ``_norm_flops`` for the norm (fp32)."""
+    rows, k = int(grid[0]), int(args["K"])
+    e, norm, res = _esize(args["h_ptr"]), int(args["NORM"]), bool(args["HAS_RES"])
+    elems = rows * k
+    nbytes = elems * e * (1 + (2 if res else 0)) + ((elems * _esize(args["y_ptr"]) + k * e * (
+        2 if args["HAS_BIAS"] else 1)) if norm else 0)
+    flops = elems * ((1 if res else 0) + _norm_flops(norm, bool(args["HAS_BIAS"])))
+    return {"name": f"{kernel.name} [M={rows}, K={k}]", "flops32": float(flops), "bytes": nbytes}
+
+
+def reduce_norm_metadata(grid: Any, kernel: Any, args: Mapping[str, Any]) -> dict:
+    """``reduce_norm_kernel``: all M = slot_stride / K rows (the two-shot path reduces
+    1/R of them: an upper bound there). Reads WORLD partials (and the residual), writes
+    h and, with a norm, y (or the folded norm's row statistics)."""
+    k = int(args["K"])
+    m = int(args["slot_stride"]) // max(k, 1)
+    world, e = int(args["WORLD"]), _esize(args["x_ptr"])
+    res, norm, fold, bias = bool(args["HAS_RES"]), int(args["NORM"]), bool(args.get("FOLD", False)), \
+        bool(args["HAS_BIAS"])
+    elems = m * k
+    nbytes = elems * e * (world + (1 if res else 0) + 1)
+    if norm:
+        nbytes += m * 8 if fold else elems * e + k * e * (2 if bias else 1)
+    flops = elems * ((world - 1) + (1 if res else 0) + (_norm_flops(norm, bias) if norm and not fold else
+                                                           (3 if norm else 0)))
+    return {"name": f"{kernel.name} [M={m}, K={k}, R={world}]", "flops32": float(flops), "bytes": nbytes}
+
+
+def fold_norm_metadata(grid: Any, kernel: Any, args: Mapping[str, Any]) -> dict:
+    """``fold_norm_kernel``: B' = diag(w) B and [u; v] in one pass over B [K, N]: per
+    element a multiply and a column-sum add (and 2 for bias @ B)."""
+    k, n = int(args["K"]), int(args["N"])
+    e, bias = _esize(args["b_ptr"]), bool(args["HAS_BIAS"])
+    nbytes = 2 * k * n * e + k * _esize(args["w_ptr"]) * (2 if bias else 1) + 2 * n * 4
+    return {"name": f"{kernel.name} [K={k}, N={n}]", "flops32": float(k * n * (4 if bias else 2)),
+            "bytes": nbytes}
