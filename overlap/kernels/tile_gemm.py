@@ -58,6 +58,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .. import observe as _observe
+
 __all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT", "ERR_AHEAD"]
 
 TABLE_COLS = 8
@@ -262,7 +264,7 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
 
 
 @triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx",
-                               "split_start", "split_parts"])
+                               "split_start", "split_parts"], launch_metadata=_observe.tile_gemm_metadata)
 def tile_gemm_kernel(
     # operands
     a_desc, a2_desc, b_desc, c_ptr,
