@@ -410,14 +410,16 @@ class Report:
         notes: list[str] = []
         for r in self.rows:
             timing = {t["path"]: t for t in r["timing"] if not t["serial"]}
-            first = True
-            for p in r["paths"] or [{"path": "-", "why": "", "calls": 0}]:
-                t = timing.get(p["path"], {})
-                lines.append((r["op"] if first else "", _shape_str(r["shape"]) if first else "",
-                              str(r["calls"]) if first else "", f"{p['path']} ({p['why']})", str(p["calls"]),
+            # each path once: counted calls first, then paths only timed (no record_call)
+            paths = [(f"{p['path']} ({p['why']})", str(p["calls"]), timing.pop(p["path"], {}))
+                     if p["path"] in timing else (f"{p['path']} ({p['why']})", str(p["calls"]), {})
+                     for p in r["paths"]]
+            paths += [(path, "-", t) for path, t in timing.items()]
+            for i, (label, calls, t) in enumerate(paths or [("-", "-", {})]):
+                lines.append((r["op"] if i == 0 else "", _shape_str(r["shape"]) if i == 0 else "",
+                              str(r["calls"]) if i == 0 else "", label, calls,
                               _fmt(t.get("op_ms")), _fmt(t.get("comm_alone_ms")), _fmt(t.get("gemm_alone_ms")),
                               "-" if t.get("hidden") is None else f"{100 * t['hidden']:.0f}%"))
-                first = False
             tag = f"{r['op']} {_shape_str(r['shape'])}"
             if r["tuning"]:
                 c = ", ".join(f"{lab} {ms:.3f}" + ("*" if lab == r["tuning"]["picked"] else "")

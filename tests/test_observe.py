@@ -1,0 +1,348 @@
+"""overlap.observe on the CPU: the report, the profile switch, ranges in a torch profiler
+trace, lazy event timing and the hidden fraction, the timeline tool, launch metadata."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import timeit
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from overlap import observe
+from tests._procs import REPO
+
+SHAPE = (4096, 2048, 8192)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    was = observe.profile()
+    observe.reset_report()
+    yield
+    observe.profile(was)
+    observe.reset_report()
+
+
+def _row(rep: observe.Report, op: str) -> dict:
+    rows = [r for r in rep.rows if r["op"] == op]
+    assert len(rows) == 1, rep.rows
+    return rows[0]
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+def test_report_counts_paths_warnings_timeouts_tuning() -> None:
+    for _ in range(3):
+        observe.record_call("all_gather_matmul", SHAPE, "p2p x4", observe.Why.TUNER)
+    observe.record_call("all_gather_matmul", SHAPE, "reference", observe.Why.DTYPE)
+    observe.record_call("mlp_chain", (128, 64, 256), "fused", observe.Why.DEFAULT)
+    observe.record_warning("all_gather_matmul", SHAPE, "no p2p: one host")
+    observe.record_warning("all_gather_matmul", SHAPE, "no p2p: one host")
+    observe.record_timeout("all_gather_matmul", SHAPE, "rank 1 chunk 2: flag 3 < 4")
+    observe.record_tuning("all_gather_matmul", SHAPE, [("p2p x4", 1.10), ("nccl x2", 1.31)], "p2p x4")
+
+    rep = observe.report()
+    r = _row(rep, "all_gather_matmul")
+    assert r["shape"] == list(SHAPE) and r["calls"] == 4
+    assert r["paths"] == [{"path": "p2p x4", "why": "tuner pick", "calls": 3},
+                          {"path": "reference", "why": "dtype", "calls": 1}]
+    assert r["warnings"] == [{"msg": "no p2p: one host", "count": 2}]
+    assert r["timeouts"] == {"count": 1, "last": "rank 1 chunk 2: flag 3 < 4"}
+    assert r["tuning"] == {"candidates": [["p2p x4", 1.10], ["nccl x2", 1.31]], "picked": "p2p x4"}
+    assert _row(rep, "mlp_chain")["calls"] == 1
+
+    assert json.loads(rep.to_json())["rows"] == rep.rows
+    table = str(rep)
+    for s in ("all_gather_matmul", "4096x2048x8192", "p2p x4 (tuner pick)", "reference (dtype)",
+              "tuner picked p2p x4", "warning x2", "1 timeout"):
+        assert s in table, table
+
+    observe.reset_report()
+    assert observe.report().rows == []
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: completes when the test says so; times in ms."""
+
+    def __init__(self, t: float, done: bool = True) -> None:
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        assert self.done and end.done, "elapsed_time on an event not complete (would wait or raise)"
+        return end.t - self.t
+
+
+def test_phases_resolve_lazily_and_hidden_fraction() -> None:
+    op = "all_gather_matmul"
+    # a serial call: comm 0.6 ms then GEMM 0.7 ms, one after the other (the alone-times)
+    observe.record_phases(op, SHAPE, "chunked", {"comm": (_FakeEvent(0.0), _FakeEvent(0.6)),
+                                                 "gemm": (_FakeEvent(0.6), _FakeEvent(1.3))}, serial=True)
+    # an overlapped call of 0.85 ms, and one whose end event has not completed yet
+    observe.record_phases(op, SHAPE, "p2p x4", {"op": (_FakeEvent(0.0), _FakeEvent(0.85)),
+                                                "comm": (_FakeEvent(0.0), _FakeEvent(0.7))})
+    late = _FakeEvent(9.0, done=False)
+    observe.record_phases(op, SHAPE, "p2p x4", {"op": (_FakeEvent(0.0), late)})
+
+    rep = observe.report()
+    assert rep.pending == 1
+    t = {x["path"]: x for x in _row(rep, op)["timing"]}
+    fused = t["p2p x4"]
+    assert fused["calls"] == 1 and fused["op_ms"] == pytest.approx(0.85)
+    assert fused["comm_ms"] == pytest.approx(0.7)  # in-call span: shown, not used as alone-time
+    assert fused["comm_alone_ms"] == pytest.approx(0.6) and fused["gemm_alone_ms"] == pytest.approx(0.7)
+    assert fused["hidden"] == pytest.approx((0.6 + 0.7 - 0.85) / 0.6)
+    assert t["chunked"]["hidden"] is None
+    assert "75%" in str(rep)
+
+    late.done = True
+    rep = observe.report()
+    assert rep.pending == 0
+    fused = {x["path"]: x for x in _row(rep, op)["timing"]}["p2p x4"]
+    assert fused["calls"] == 2 and fused["op_ms"] == pytest.approx((0.85 + 9.0) / 2)
+    assert fused["hidden"] == 0.0  # slower than both in turn: clipped
+
+    # alone-times given apart take precedence
+    observe.record_alone(op, SHAPE, comm_ms=1.0, gemm_ms=1.0)
+    fused = {x["path"]: x for x in _row(observe.report(), op)["timing"]}["p2p x4"]
+    assert fused["comm_alone_ms"] == 1.0 and fused["hidden"] == pytest.approx(0.0)
+
+
+def test_hidden_fraction() -> None:
+    assert observe.hidden_fraction(0.6, 0.7, 0.7) == pytest.approx(1.0)  # all of the comm hidden
+    assert observe.hidden_fraction(0.6, 0.7, 1.3) == 0.0      # none
+    assert observe.hidden_fraction(0.6, 0.7, 1.0) == pytest.approx(0.5)
+    assert observe.hidden_fraction(0.6, 0.7, 0.5) == 1.0      # faster than the GEMM alone: clipped
+    assert observe.hidden_fraction(None, 0.7, 1.0) is None
+
+
+# ---- the switch and the ranges -----------------------------------------------------------
+
+def test_switch_off_returns_one_shared_noop() -> None:
+    observe.profile(False)
+    a = observe.op_range("all_gather_matmul", "p2p x4")
+    b = observe.op_range("mlp_chain", "fused")
+    c = observe.gpu_range("comm", "chunk", 3)
+    assert a is b is c
+    assert not a and not observe.timer("mlp_chain", SHAPE, "fused")
+    with a:
+        pass
+    with pytest.raises(KeyError):  # the no-op range lets exceptions through
+        with a:
+            raise KeyError("x")
+    observe.profile(True)
+    r1, r2 = observe.op_range("mlp_chain", "fused"), observe.op_range("mlp_chain", "fused")
+    assert r1 is not a and r1 is not r2
+
+
+def test_env_switch_read_at_import() -> None:
+    code = "import overlap.observe as o; print(o.profile())"
+    for val, want in (("1", "True"), ("0", "False"), ("", "False")):
+        env = dict(os.environ, OVERLAP_PROFILE=val)
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+        assert out.stdout.strip() == want, (val, out.stdout, out.stderr)
+
+
+def _fake_op() -> None:
+    with observe.op_range("all_gather_matmul", "p2p x2"):
+        for c in range(2):
+            with observe.gpu_range("comm", "chunk", c):
+                torch.ones(8).sum()
+        with observe.gpu_range("gemm", "grid"):
+            torch.ones(4, 4) @ torch.ones(4, 4)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_ranges_in_torch_profiler_trace(switch: bool) -> None:
+    """Named ranges show in a torch profiler trace with the switch on, and also with it
+    off (a recording profiler turns them on: the host time is being spent anyway)."""
+    observe.profile(switch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _fake_op()
+    names = {e.name for e in prof.events()}
+    for n in ("overlap.all_gather_matmul[p2p x2]", "overlap:comm:chunk 0", "overlap:comm:chunk 1",
+              "overlap:gemm:grid"):
+        assert n in names, sorted(names)[:40]
+
+
+def test_noop_host_cost() -> None:
+    """op_range + record_call with profiling off stay well under a microsecond (CPU time
+    of this process, best of several runs; about 0.3-0.5 us measured on a slow runner)."""
+    observe.profile(False)
+    shape = SHAPE
+
+    def call() -> None:
+        with observe.op_range("all_gather_matmul", "p2p x4"):
+            observe.record_call("all_gather_matmul", shape, "p2p x4", "tuner pick")
+
+    n = 20000
+    best = min(timeit.repeat(call, number=n, repeat=7, timer=time.process_time)) / n
+    assert best < 1.5e-6, f"{best * 1e9:.0f} ns per call"
+
+
+# ---- the timeline tool --------------------------------------------------------------------
+
+def _gpu_like_trace(path: str, chunks: int = 4) -> None:
+    """A chrome trace as torch writes one with CUDA activities: host ranges and launches
+    on thread 1, a GEMM grid on stream 7, chunk copies and a give-back grid on stream 20,
+    GPU annotations naming their host ranges, and a kernel launched before the call."""
+    ev: list[dict] = []
+    ids = iter(range(100, 10_000))
+
+    def x(cat: str, name: str, ts: float, dur: float, pid: int, tid: int, **args: object) -> None:
+        ev.append(dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=pid, tid=tid, args=args))
+
+    def host(name: str, ts: float, dur: float) -> int:
+        i = next(ids)
+        x("user_annotation", name, ts, dur, 1, 1, **{"External id": i})
+        return i
+
+    def launch(ts: float, cat: str, name: str, stream: int, gts: float, gdur: float, label: str = "",
+               ext: int = 0) -> None:
+        c = next(ids)
+        x("cuda_runtime", "cudaLaunchKernel", ts, 2, 1, 1, correlation=c)
+        x(cat, name, gts, gdur, 0, stream, device=0, stream=stream, correlation=c)
+        if label:
+            x("gpu_user_annotation", label, gts, gdur, 0, stream, device=0, stream=stream, **{"External id": ext})
+
+    launch(0, "kernel", "before_the_call", 7, 5, 10)
+    host("overlap.all_gather_matmul[p2p x4]", 100, 80)
+    launch(103, "kernel", "tile_gemm_kernel", 7, 200, 400, "overlap:gemm:grid", host("overlap:gemm:grid", 102, 5))
+    for c in range(chunks):
+        e = host(f"overlap:comm:chunk {c}", 110 + 10 * c, 8)
+        launch(111 + 10 * c, "gpu_memcpy", "Memcpy PtoP", 20, 205 + 60 * c, 55, f"overlap:comm:chunk {c}", e)
+    launch(161, "kernel", "tile_gemm_kernel", 20, 450, 150, "overlap:giveback:grid",
+           host("overlap:giveback:grid", 160, 5))
+    with open(path, "w") as f:
+        json.dump({"traceEvents": ev}, f)
+
+
+def test_timeline_finds_the_call_and_its_streams(tmp_path) -> None:
+    from benchmarks import timeline
+
+    p = str(tmp_path / "g.json")
+    _gpu_like_trace(p)
+    events = timeline.load(p)
+    (call,) = timeline.find_calls(events, "all_gather_matmul")
+    assert (call.op, call.path) == ("all_gather_matmul", "p2p x4")
+    lanes = timeline.call_lanes(events, call)
+    assert set(lanes) == {"host", "stream 7 (gemm)", "stream 20 (comm, giveback)"}
+    names = [i["name"] for i in lanes["stream 7 (gemm)"]]
+    assert "before_the_call" not in names and "tile_gemm_kernel" in names
+    comm = lanes["stream 20 (comm, giveback)"]
+    assert [i["name"] for i in comm if i["kind"] == "label"] == [f"comm chunk {c}" for c in range(4)] + \
+        ["giveback grid"]
+    assert timeline.busy_us(comm) == pytest.approx(4 * 55 + 150)
+
+
+def test_timeline_png_from_cpu_trace(tmp_path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib missing (pip install 'overlap[bench]')")
+    from benchmarks import timeline
+
+    observe.profile(True)
+    trace = str(tmp_path / "cpu.json")
+    with observe.trace(trace):
+        for _ in range(2):
+            _fake_op()
+    outs = timeline.main([trace, "--out", str(tmp_path)])
+    assert outs == [str(tmp_path / "cpu.all_gather_matmul.png")]
+    with open(outs[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    gpu = str(tmp_path / "g.json")
+    _gpu_like_trace(gpu)
+    (out,) = timeline.main([gpu, "--op", "all_gather_matmul", "--out", str(tmp_path / "g.png")])
+    assert os.path.getsize(out) > 1000
+
+
+# ---- launch metadata ------------------------------------------------------------------------
+
+def _desc(rows: int, cols: int, dtype: torch.dtype = torch.float16) -> SimpleNamespace:
+    return SimpleNamespace(base=torch.empty(0, dtype=dtype), shape=[rows, cols])
+
+
+def _kernel(name: str) -> SimpleNamespace:
+    return SimpleNamespace(name=name)
+
+
+def _gemm_args(m: int, n: int, k: int, bm: int = 128, bn: int = 256, **kw: object) -> dict:
+    tiles = -(-m // bm) * -(-n // bn)
+    args = dict(a_desc=_desc(m, k), a2_desc=_desc(m, k), b_desc=_desc(n, k), c_ptr=torch.empty(m, n, dtype=torch.float16),
+                N=n, K=k, num_tiles=tiles, split_start=tiles, split_parts=1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
+                HAS_WAIT=True, HAS_POST=False, SPLIT=False, NORM_EPI=False, WARP_SPEC=False)
+    args.update(kw)
+    return args
+
+
+def test_tile_gemm_launch_metadata() -> None:
+    m, n, k = 1024, 512, 256
+    md = observe.tile_gemm_metadata((132, 1, 1), _kernel("tile_gemm_kernel"), _gemm_args(m, n, k))
+    assert md["flops16"] == 2.0 * m * n * k
+    assert md["bytes"] == 2 * (m * k + n * k + m * n)
+    assert md["name"] == "tile_gemm_kernel [M=1024, N=512, K=256] wait"
+    # a ragged M: tiles cover more than C; C's size caps the count
+    md = observe.tile_gemm_metadata((132, 1, 1), _kernel("k"), _gemm_args(1000, n, k))
+    assert md["flops16"] == 2.0 * 1000 * n * k
+    # split tail: the last 4 tiles in 2 pieces each = 8 table rows; flops unchanged
+    tiles = (m // 128) * (n // 256)
+    split = _gemm_args(m, n, k, num_tiles=tiles - 4 + 8, split_start=tiles - 4, split_parts=2, SPLIT=True)
+    assert observe.tile_gemm_metadata((132, 1, 1), _kernel("k"), split)["flops16"] == 2.0 * m * n * k
+    # fp32 operands (the interpreter's tests) report flops32
+    f32 = _gemm_args(m, n, k, a_desc=_desc(m, k, torch.float32), b_desc=_desc(n, k, torch.float32),
+                     c_ptr=torch.empty(m, n))
+    assert observe.tile_gemm_metadata((1,), _kernel("k"), f32)["flops32"] == 2.0 * m * n * k
+
+
+def test_norm_kernels_launch_metadata() -> None:
+    h = torch.empty(0, dtype=torch.bfloat16)
+    add = dict(h_ptr=h, res_ptr=h, y_ptr=h, w_ptr=h, b_ptr=h, K=1024, HAS_RES=True, NORM=1, HAS_BIAS=True)
+    md = observe.add_norm_metadata((64,), _kernel("add_norm_kernel"), add)
+    assert md["bytes"] == 64 * 1024 * 2 * 3 + 64 * 1024 * 2 + 1024 * 2 * 2
+    assert md["flops32"] == 64 * 1024 * (1 + 8)
+    red = dict(x_ptr=h, K=4096, slot_stride=2048 * 4096, WORLD=2, HAS_RES=True, NORM=0, HAS_BIAS=False, FOLD=False)
+    md = observe.reduce_norm_metadata((16,), _kernel("reduce_norm_kernel"), red)
+    assert md["name"] == "reduce_norm_kernel [M=2048, K=4096, R=2]"
+    assert md["bytes"] == 2048 * 4096 * 2 * (2 + 1 + 1) and md["flops32"] == 2048 * 4096 * 2
+    fold = dict(b_ptr=h, w_ptr=h, K=4096, N=2048, HAS_BIAS=False)
+    md = observe.fold_norm_metadata((64,), _kernel("fold_norm_kernel"), fold)
+    assert md["bytes"] == 2 * 4096 * 2048 * 2 + 4096 * 2 + 2 * 2048 * 4 and md["flops32"] == 4096 * 2048 * 2
+
+
+def test_kernels_carry_their_launch_metadata() -> None:
+    from overlap.kernels.add_norm import add_norm_kernel, reduce_norm_kernel
+    from overlap.kernels.norm_fold import fold_norm_kernel
+    from overlap.kernels.tile_gemm import tile_gemm_kernel
+
+    assert tile_gemm_kernel.launch_metadata is observe.tile_gemm_metadata
+    assert add_norm_kernel.launch_metadata is observe.add_norm_metadata
+    assert reduce_norm_kernel.launch_metadata is observe.reduce_norm_metadata
+    assert fold_norm_kernel.launch_metadata is observe.fold_norm_metadata
+    # every argument the functions read is a parameter of the kernel
+    for fn, kern in ((observe.tile_gemm_metadata, tile_gemm_kernel), (observe.add_norm_metadata, add_norm_kernel),
+                     (observe.reduce_norm_metadata, reduce_norm_kernel),
+                     (observe.fold_norm_metadata, fold_norm_kernel)):
+        names = set(kern.arg_names)
+
+        class Strict(dict):
+            def __getitem__(self, key: str) -> object:
+                assert key in names, f"{fn.__name__} reads {key!r}, not a parameter of {kern.fn.__name__}"
+                return super().__getitem__(key)
+
+            def get(self, key: str, default: object = None) -> object:
+                assert key in names, f"{fn.__name__} reads {key!r}, not a parameter of {kern.fn.__name__}"
+                return super().get(key, default)
+
+        base = {**_gemm_args(256, 256, 64), "h_ptr": torch.empty(0), "res_ptr": None, "y_ptr": torch.empty(0),
+                "x_ptr": torch.empty(0), "b_ptr": torch.empty(0), "w_ptr": torch.empty(0), "HAS_RES": True,
+                "NORM": 1, "HAS_BIAS": True, "FOLD": False, "WORLD": 2, "slot_stride": 64 * 64}
+        fn((4, 1, 1), _kernel("k"), Strict({k: v for k, v in base.items() if k in names}))
