@@ -1,0 +1,290 @@
+"""Regenerate benchmarks/RESULTS.md, and README.md's results block, from the committed runs.
+
+    python benchmarks/make_results.py            # rewrite RESULTS.md and the README block
+    python benchmarks/make_results.py --check    # exit 1 if either is out of date
+    python benchmarks/make_results.py --readme   # print the README block, write nothing
+
+Input: every ``results.json`` the suite wrote under ``benchmarks/results/`` (``<run>/results.json``,
+``<run>/suite/results.json``, ``<run>/suite_agmm/results.json``, ...). Runs without a GPU are
+skipped (their figures are not GPU figures). Per op and machine kind (ranks x GPU), the
+latest *full* run is shown (the most shapes; the latest date among those), then any later
+run of fewer shapes. Tables come from ``benchmarks.suite.report`` (the same code that
+writes each run's ``results.md``); the README block is a short table per op from the
+latest full runs of the machine kind with the most runs.
+
+The README block sits between ``<!-- results:start -->`` and ``<!-- results:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from benchmarks.suite import report  # noqa: E402
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+COMMAND = "python benchmarks/make_results.py"
+OP_ORDER = ("agmm", "armm", "chain")
+
+INTRO = """\
+Every op, side by side on 2 GPUs (the same with `launch/mpirun.sh`):
+
+```bash
+bash launch/torchrun.sh 2 benchmarks/run.py --ops agmm,armm,chain \\
+    --shapes gpt3-175b,llama-70b,comm-heavy --out benchmarks/results/<date>_<gpus>_<commit>
+```
+
+Then `{command}` rewrites this file and the README's table.
+
+Columns: communication alone and GEMM alone (the library's communicator, cuBLAS); the
+floor, their max (for the chain, producer + consumer alone); the sequential reference
+(`*_ref`); the chunked stream-overlap baseline (x2, x4); the library's op after its tuner
+ran ("library (tuned)", its pick in the "tuned" column); torch's symm_mem op where one
+exists; library / floor; the communication hidden, (sequential - library) / communication
+alone; NCCL-tests bus bandwidth; TFLOP/s. ms per call, the median over batches of calls
+back to back, of the slowest rank. `python benchmarks/run.py --help` lists the options;
+the measurement history and everything tried and reverted is in `docs/experiments.md`.
+"""
+
+
+@dataclass
+class Run:
+    """One ``results.json`` of the suite."""
+
+    doc: dict
+    rel: str  # path from benchmarks/, e.g. results/<folder>/suite/results.json
+
+    @property
+    def date(self) -> str:
+        return str(self.doc["context"].get("date") or "")
+
+    @property
+    def kind(self) -> str:
+        return f"{self.doc['world']}x {self.doc['context'].get('gpu')}"
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.rel)
+
+    def recs(self, op: str) -> list[dict]:
+        return [r for r in self.doc["results"] if r.get("op") == op]
+
+
+def load_runs(results_dir: str, base: str) -> list[Run]:
+    """Every suite ``results.json`` under ``results_dir`` with GPU figures; paths relative to ``base``."""
+    runs = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "**", "results.json"), recursive=True)):
+        with open(path) as f:
+            doc = json.load(f)
+        if not (isinstance(doc, dict) and {"ops", "results", "context", "world"} <= doc.keys()):
+            continue
+        if not doc.get("gpu"):
+            print(f"skipped (not GPU figures): {path}", file=sys.stderr)
+            continue
+        runs.append(Run(doc, os.path.relpath(path, base).replace(os.sep, "/")))
+    return runs
+
+
+def ops_in(runs: list[Run]) -> list[str]:
+    names = {r["op"] for run in runs for r in run.doc["results"] if "op" in r}
+    return sorted(names, key=lambda n: (OP_ORDER.index(n) if n in OP_ORDER else len(OP_ORDER), n))
+
+
+def select(runs: list[Run], op: str) -> dict[str, tuple[Run, list[Run]]]:
+    """Per machine kind: (the latest full run of ``op``, later runs of fewer shapes)."""
+    out = {}
+    kinds = sorted({r.kind for r in runs if r.recs(op)}, key=lambda k: (int(k.split("x")[0]), k))
+    for kind in kinds:
+        have = [r for r in runs if r.kind == kind and r.recs(op) and r.doc["ops"][op].get("status") == "ok"]
+        if not have:
+            continue
+        main = max(have, key=lambda r: (len(r.recs(op)), r.date))
+        later = sorted((r for r in have if r.date > main.date), key=lambda r: r.date)
+        out[kind] = (main, later)
+    return out
+
+
+def short_tuned(t: Any) -> str:
+    """The tuner's pick in words: ``{'transport': 'p2p', 'chunks': 4, ...}`` -> ``p2p, 4 chunks``."""
+    if not isinstance(t, dict):
+        return "" if t is None else str(t)
+    if "transport" not in t:  # the chain: a GEMM config per kernel
+        return ", ".join(f"{k} {v}" for k, v in t.items())
+    words = [str(t["transport"])]
+    if t.get("chunks") is not None:
+        words.append(f"{t['chunks']} chunk{'s' if t['chunks'] != 1 else ''}")
+    if t.get("nccl_ctas") is not None:
+        words.append(f"{t['nccl_ctas']} NCCL CTAs")
+    if t.get("reduce_ctas") is not None:
+        words.append(f"{t['reduce_ctas']} reduce programs beside the GEMM" if t.get("reduce_shared")
+                     else f"{t['reduce_ctas']} reduce SMs")
+    if t.get("sm_margin"):
+        words.append(f"SM margin {t['sm_margin']}")
+    if t.get("two_shot"):
+        words.append("two-shot")
+    if t.get("fold_norm"):
+        words.append("norm folded")
+    if t.get("split_tail"):
+        words.append(f"split tail {t['split_tail']}")
+    if t.get("gemm_warp_specialized"):
+        words.append("warp-specialized GEMM")
+    if t.get("give_back") is False:
+        words.append("no give-back")
+    return ", ".join(words)
+
+
+def _source(run: Run, prefix: str) -> str:
+    c = run.doc["context"]
+    return (f"{str(c.get('date'))[:10]}, {run.kind}, commit {c.get('commit')}, "
+            f"`{prefix}{run.folder}/`")
+
+
+def _table_section(run: Run, op: str, prefix: str) -> list[str]:
+    """One run's table of ``op``: context, how to read it, the table, notes, the plot."""
+    doc, meta, recs = run.doc, run.doc["ops"][op], run.recs(op)
+    parts = list(meta["part_titles"].values())
+    floor = (f"floor = max({', '.join(parts)})" if meta["floor"] == "max"
+             else f"sequential = {' + '.join(parts)}")
+    lines = [f"Run: {report.describe_run(doc)}.", "",
+             f"Source: `{prefix}{run.rel}`; command `{doc.get('command', '')}`.", "",
+             f"ms per call, median, slowest of {doc['world']} ranks ({doc['timing']}); {floor}."]
+    head, rows = report.table(meta, recs)
+    lines += ["", report.md_table(head, rows), ""]
+    notes = report._notes(meta, recs)
+    if notes:
+        lines += [f"- {n}" for n in notes] + [""]
+    plot = (doc.get("plots") or {}).get(op)
+    if plot:
+        lines += [f"![{op}]({prefix}{run.folder}/{plot})", ""]
+    return lines
+
+
+def results_md(runs: list[Run]) -> str:
+    out = ["# Benchmark results", "",
+           f"Generated by `{COMMAND}` from the committed runs' `results.json`; do not edit by hand.",
+           "", INTRO.format(command=COMMAND)]
+    for op in ops_in(runs):
+        picked = select(runs, op)
+        if not picked:
+            continue
+        main_any = next(iter(picked.values()))[0]
+        out += [f"## {main_any.doc['ops'][op]['title']} (`{op}`)", ""]
+        for kind, (main, later) in picked.items():
+            out += [f"### {kind}: latest full run ({len(main.recs(op))} shapes)", ""]
+            out += _table_section(main, op, "")
+            for run in later:
+                out += [f"### {kind}: a later run of {len(run.recs(op))} shape"
+                        f"{'s' if len(run.recs(op)) != 1 else ''}", ""]
+                out += _table_section(run, op, "")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def headline_kind(runs: list[Run]) -> str | None:
+    kinds = [r.kind for r in runs]
+    return max(set(kinds), key=lambda k: (kinds.count(k), k)) if kinds else None
+
+
+def _summary(meta: dict, recs: list[dict]) -> str:
+    """One line: on how many cases the library beat each baseline, and its range against the floor."""
+    lib = meta["library"]
+    words = []
+    for n, v in meta["variants"].items():
+        if v["role"] not in ("reference", "external"):
+            continue
+        both = [r for r in recs if r["ms"].get(n) is not None and r["ms"].get(lib) is not None]
+        if both:
+            wins = sum(r["ms"][lib] < r["ms"][n] for r in both)
+            words.append(f"than {v['title']} on {wins} of {len(both)}")
+    ratios = [r["vs_floor"][lib] for r in recs if r.get("vs_floor", {}).get(lib) is not None]
+    line = "The library is faster " + ", ".join(words) if words else "The library"
+    if ratios:
+        line += f"; {min(ratios):.2f}-{max(ratios):.2f}x of the floor"
+    return line + "."
+
+
+def readme_block(runs: list[Run], ops: tuple[str, ...] = ("agmm", "armm")) -> str:
+    """Short tables for the README: the latest full run of each op on the commonest kind."""
+    kind = headline_kind(runs)
+    out = [START, f"<!-- generated by `{COMMAND}`; do not edit by hand -->", ""]
+    for op in ops:
+        picked = select(runs, op).get(kind)
+        if picked is None:
+            continue
+        run = picked[0]
+        meta, recs = run.doc["ops"][op], run.recs(op)
+        lib = meta["library"]
+        ref = next(n for n, v in meta["variants"].items() if v["role"] == "reference")
+        ext = [n for n, v in meta["variants"].items()
+               if v["role"] == "external" and any(r["ms"].get(n) is not None for r in recs)]
+        parts = list(meta["part_titles"])
+        head = (["shape (M x N x K)"] + [meta["part_titles"][p] for p in parts] + ["floor", "sequential", "library"]
+                + [meta["variants"][n]["title"] for n in ext] + ["library / floor", "library's pick"])
+        rows = []
+        for r in recs:
+            ms = r["ms"]
+            rows.append([r["label"]] + [report.fmt(ms.get(p)) for p in parts]
+                        + [report.fmt(r.get("floor_ms")), report.fmt(ms.get(ref)), report.fmt(ms.get(lib))]
+                        + [report.fmt(ms.get(n)) for n in ext]
+                        + [report.fmt(r.get("vs_floor", {}).get(lib), 2), short_tuned(r.get("tuned"))])
+        out += [f"{meta['title']}, {run.doc['dtype']}, ms per call (median, slowest rank; "
+                f"{_source(run, 'benchmarks/')}):", "", report.md_table(head, rows), "", _summary(meta, recs), ""]
+    out.append(END)
+    return "\n".join(out)
+
+
+def replace_block(text: str, block: str) -> str:
+    i, j = text.find(START), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"README has no {START} ... {END} block")
+    return text[:i] + block + text[j + len(END):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    root = os.path.dirname(HERE)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=os.path.join(HERE, "results"), help="the runs' folder")
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="RESULTS.md to write")
+    ap.add_argument("--readme-file", default=os.path.join(root, "README.md"),
+                    help="README whose results block is rewritten")
+    ap.add_argument("--readme", action="store_true", help="print the README block only")
+    ap.add_argument("--check", action="store_true", help="exit 1 if an output is out of date")
+    args = ap.parse_args(argv)
+
+    runs = load_runs(args.results, os.path.dirname(os.path.abspath(args.out)))
+    if not runs:
+        print(f"no GPU results.json under {args.results}", file=sys.stderr)
+        return 1
+    # README links are from the repository root; RESULTS.md's from benchmarks/
+    block = readme_block(runs)
+    if args.readme:
+        print(block)
+        return 0
+    new = {args.out: results_md(runs)}
+    with open(args.readme_file) as f:
+        new[args.readme_file] = replace_block(f.read(), block)
+    stale = []
+    for path, text in new.items():
+        old = open(path).read() if os.path.exists(path) else None
+        if old != text:
+            stale.append(path)
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(text)
+    if args.check and stale:
+        print(f"out of date: {', '.join(stale)}; run {COMMAND}", file=sys.stderr)
+        return 1
+    for path in stale:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
