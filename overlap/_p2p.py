@@ -191,10 +191,17 @@ class SharedFlags:
         return self._peers[r]
 
     def next_epoch(self) -> int:
-        if self.epoch + 3 >= 2**31 - 1:  # waits compare with epoch + 2
-            raise RuntimeError("shared flag epoch overflow (2^31 calls of one op)")
-        self.epoch += 1
-        return self.epoch
+        """The next call's epoch as the kernels and flag writes take it: a signed int32
+        that wraps with the flags (``overlap.flags.wrap32``); its parity picks the
+        buffer half, and stays alternating across the wrap (2**32 is even)."""
+        from .flags import wrap32
+
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF
+        return wrap32(self.epoch)
+
+    def undo_epoch(self) -> None:
+        """Take back the last ``next_epoch``: a call that failed before it queued any push."""
+        self.epoch = (self.epoch - 1) & 0xFFFFFFFF
 
 
 class PeerHeap:

@@ -28,9 +28,19 @@ from typing import Any
 import torch
 
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "stream_write_value",
-           "stream_wait_value", "default_timeout_ms"]
+           "stream_wait_value", "default_timeout_ms", "wrap32"]
 
-_INT32_MAX = 2**31 - 1
+
+def wrap32(v: int) -> int:
+    """``v`` modulo 2**32 as a signed int32: how flags, epochs and counts are compared.
+
+    Every comparison of a flag with an epoch is ``(int32)(flag - expected) >= 0`` (the
+    kernels' waits, and ``cuStreamWaitValue32``'s GEQ, which CUDA defines that way), so
+    counts that wrap past 2**31 or 2**32 compare as they did before the wrap, as long as
+    a waiter and its writer are less than 2**31 apart. No flag is ever zeroed on a wrap:
+    a peer may already have written the next call's value."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def default_timeout_ms() -> float:
@@ -42,8 +52,8 @@ def default_timeout_ms() -> float:
         out = float(v)
     except ValueError:
         raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a number, got {v!r}") from None
-    if out <= 0:
-        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be > 0, got {v!r}")
+    if not (0 < out < float("inf")):  # nan and inf too: a wait must end
+        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a finite number > 0, got {v!r}")
     return out
 
 
@@ -112,12 +122,13 @@ def stream_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int,
     drv = _cuda_driver()
     if drv:
         ptr = flags.data_ptr() + idx * 4
-        _check(drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value, 0),
+        _check(drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr),
+                                        value & 0xFFFFFFFF, 0),
                "cuStreamWriteValue32")
         return
     _warn_fallback()
     with torch.cuda.stream(stream):
-        flags[idx : idx + 1].fill_(value)
+        flags[idx : idx + 1].fill_(wrap32(value))
 
 
 def stream_zero(stream: torch.cuda.Stream, t: torch.Tensor, n: int) -> None:
@@ -139,18 +150,20 @@ def stream_zero(stream: torch.cuda.Stream, t: torch.Tensor, n: int) -> None:
 
 
 def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
-    """Make ``stream`` wait until ``flags[idx] >= value`` (signed 32-bit compare; no SM)."""
+    """Make ``stream`` wait until ``flags[idx] >= value``, compared as
+    ``(int32)(flags[idx] - value) >= 0`` (``wrap32``; no SM)."""
     drv = _cuda_driver()
     if not drv:
         raise RuntimeError("stream_wait_value needs cuda-bindings: pip install 'overlap[cu13]' (or [cu12])")
     ptr = flags.data_ptr() + idx * 4
-    _check(drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value,
+    _check(drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value & 0xFFFFFFFF,
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
            "cuStreamWaitValue32")
 
 
 class FlagArray:
-    """``n`` int32 flags on ``device`` with a host-side epoch counter."""
+    """``n`` int32 flags on ``device`` with a host-side epoch counter (modulo 2**32,
+    see ``wrap32``)."""
 
     def __init__(self, n: int, device: torch.device | str) -> None:
         if n <= 0:
@@ -161,15 +174,15 @@ class FlagArray:
     def __len__(self) -> int:
         return self.flags.numel()
 
-    def next_epoch(self, max_mult: int = 1) -> int:
-        """Epoch for the next call. Before ``epoch * max_mult`` would overflow
-        int32 the flags are zeroed on the current stream (all earlier users of
-        the flags are ordered before it on that stream) and counting restarts."""
-        if (self.epoch + 3) * max(1, max_mult) > _INT32_MAX:  # waits compare with (epoch + 2) * mult
-            self.flags.zero_()
-            self.epoch = 0
-        self.epoch += 1
-        return self.epoch
+    def next_epoch(self) -> int:
+        """Epoch for the next call, as the kernels take it (a signed int32; it wraps
+        past 2**31 and 2**32 with the flags, see ``wrap32``)."""
+        self.epoch = (self.epoch + 1) & 0xFFFFFFFF
+        return wrap32(self.epoch)
+
+    def undo_epoch(self) -> None:
+        """Take back the last ``next_epoch`` (a call that failed before it queued work)."""
+        self.epoch = (self.epoch - 1) & 0xFFFFFFFF
 
 
 class ErrorWord:
@@ -230,15 +243,17 @@ class ErrorWord:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
 
         ``block=True`` synchronizes on the current stream's work. ``block=False``
-        reads the host mirror (synchronizing only once it shows a failure, to read
-        the whole record), or without one the latest landed snapshot.
+        reads the host mirror (the failing kernel stores the whole record there), or
+        without one the latest landed snapshot; it never waits on the GPU.
         """
         if block or not self.word.is_cuda:
             vals = self.word.tolist()
         elif self._mirror:
             if self._host_np[0] == 0:
                 return
-            vals = self.word.tolist()
+            # the kernel stored the whole record here before the code: no
+            # synchronization, so a stream that never finishes cannot hold the report
+            vals = self._host.tolist()
         else:
             if self._event is None or not self._event.query():
                 return

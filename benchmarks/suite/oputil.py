@@ -83,7 +83,9 @@ def symm_mem_variant(env: Env, title: str, make: Callable[[str], Callable[[], An
 
 
 def torch_all_gather(env: Env, out: torch.Tensor, shard: torch.Tensor) -> Callable[[], Any]:
-    return lambda: tdist.all_gather_into_tensor(out, shard, group=env.group)
+    from overlap.ops._runtime import all_gather_single
+
+    return lambda: all_gather_single(out, shard, group=env.group)
 
 
 def torch_all_reduce(env: Env, buf: torch.Tensor) -> Callable[[], Any]:

@@ -213,13 +213,17 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
     """Spin until flags[idx] >= expected; returns 1 when satisfied, 0 on timeout/abort.
     A value at or above ``ahead`` is an error too (code 2): every writer is at most
     one call ahead of its waiter while all ranks' waits hold, so such a value means
-    an earlier timeout left the ranks out of step (see overlap._p2p)."""
+    an earlier timeout left the ranks out of step (see overlap._p2p).
+
+    Compares are on the int32 difference, ``(seen - expected) >= 0``: flags, epochs and
+    counts wrap modulo 2**32 together (``overlap.flags.wrap32``), and a difference
+    compares the same across the wrap."""
     seen = _poll(flags_ptr, idx)
     spins = 0
     aborted = 0
     if USE_TIMER:
         t0 = tl.extra.cuda.globaltimer()
-    while (seen < expected) & (aborted == 0):
+    while ((seen - expected) < 0) & (aborted == 0):
         if FENCE_ASYNC:
             # back off between polls: 100+ CTAs polling one L2 line in a tight
             # loop slow down the NCCL kernel they are waiting for
@@ -235,9 +239,9 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
         # decision in every warp: the next poll's broadcast holds a barrier
         other = tl.load(err_ptr, volatile=True)
         aborted = _cta_any((late | (other != 0)).to(tl.int32), FENCE_ASYNC)
-    ok = (seen >= expected).to(tl.int32)
+    ok = ((seen - expected) >= 0).to(tl.int32)
     code = 1
-    if seen >= ahead:
+    if (seen - ahead) >= 0:
         ok = 0
         code = 2
     if ok == 0:
@@ -249,13 +253,22 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
             tl.store(err_ptr + 3, expected)
             tl.store(err_ptr + 4, seen)
             tl.store(err_ptr + 5, t)
-            # and the code into the host's pinned word whose address slots 6-7 hold
-            # (0: none), which the host reads on every call without a copy
+            # and the record into the host's pinned words whose address slots 6-7 hold
+            # (0: none), which the host reads on every call without a copy or a
+            # synchronization (a stuck peer cannot make the report wait): the fields
+            # first, then the code with release semantics, so a host that sees the
+            # code sees the fields
             lo = tl.load(err_ptr + 6)
             hi = tl.load(err_ptr + 7)
             host = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
             if host != 0:
-                tl.store(host.to(tl.pointer_type(tl.int32)), code)
+                hp = host.to(tl.pointer_type(tl.int32))
+                tl.store(hp + 1, rank)
+                tl.store(hp + 2, idx)
+                tl.store(hp + 3, expected)
+                tl.store(hp + 4, seen)
+                tl.store(hp + 5, t)
+                tl.atomic_xchg(hp, code, sem="release", scope="sys")
     if FENCE_ASYNC:
         # the A tiles are read by TMA (async proxy) after a generic-proxy acquire
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
@@ -409,6 +422,11 @@ class GemmConfig:
     loads and the MMAs run on separate warps. Needs Triton 3.6 (the version it was
     measured with) or later and a Hopper or later GPU (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
     waits (``k_wait``) keep their plain loop."""
+    group_m: int = 8
+    """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
+    ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
+    in L2. Read by whoever builds the table (the tuner, the benchmarks); the kernel never
+    sees it, and ops that order tiles by their schedule keep their own order."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -417,6 +435,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
         if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"bad num_stages/num_warps: {self.num_stages}/{self.num_warps}")
+        if self.group_m < 1:
+            raise ValueError(f"GemmConfig.group_m must be >= 1, got {self.group_m}")
 
 
 DEFAULT_CONFIG = GemmConfig()

@@ -19,18 +19,96 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan"]
+           "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
+           "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
 _warned: set[str] = set()
+
+
+class OverlapCaptureError(RuntimeError):
+    """An op was called inside a CUDA graph capture in a way that cannot be captured
+    (its kernels, plans or communicators are made by the first eager call of a shape)."""
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class DeviceOrder:
+    """The library's calls on one device, in one order across streams and threads.
+
+    Every op's GEMM is a persistent grid whose tiles spin on flags, and the work that
+    sets those flags (NCCL kernels, the chain's producer) needs SMs of its own. Two
+    such calls running at once on two streams can take each other's SMs and time out.
+    So each call holds ``lock`` on the host while it queues its work, and its first
+    work waits for the previous call's end (an event on that call's stream) when it is
+    queued on another stream. On one stream the order is the stream's own and nothing
+    is added. Inside a graph capture no event from outside the capture can be waited
+    on: a captured call is ordered by the graph, and a replay, like any kernel, by the
+    stream it is replayed on (the caller orders replays against other streams)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._ev: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def begin(self, cur: torch.cuda.Stream) -> None:
+        """Order ``cur``'s next work after the previous call (hold ``lock``)."""
+        if self._stream is not None and self._stream != cur and not capturing():
+            cur.wait_event(self._ev)
+
+    def end(self, cur: torch.cuda.Stream) -> None:
+        """Mark the end of a call whose work is all on ``cur`` by now (hold ``lock``)."""
+        if capturing():
+            return
+        if self._ev is None:
+            self._ev = torch.cuda.Event()
+        self._ev.record(cur)  # a wait queued earlier keeps the record it saw
+        self._stream = cur
+
+
+_orders: dict[int, DeviceOrder] = {}
+
+
+def device_order(device: torch.device) -> DeviceOrder:
+    """The ``DeviceOrder`` of ``device`` (one per device, shared by every op and group)."""
+    o = _orders.get(device.index)
+    if o is None:
+        with _lock:
+            o = _orders.setdefault(device.index, DeviceOrder())
+    return o
+
+
+_error_words: list[_flags.ErrorWord] = []
+"""Every error word an op made, for ``check_errors``."""
+
+
+def register_error_word(err: _flags.ErrorWord) -> _flags.ErrorWord:
+    with _lock:
+        _error_words.append(err)
+    return err
+
+
+def check_errors(*, block: bool = True) -> None:
+    """Raise ``overlap.flags.FlagTimeoutError`` for a timeout any op recorded and has not
+    reported yet: in an eager call with ``check='none'``, or in a CUDA graph replay
+    (a captured call does not check; its timeouts surface here or on the op's next
+    eager call). ``block=True`` first waits for the work queued so far on each word's
+    device; ``block=False`` reads only what has landed (never waits on the GPU)."""
+    with _lock:
+        words = list(_error_words)
+    for err in words:
+        err.check(block=block)
 
 
 def warn_once(key: str, msg: str) -> None:
@@ -118,14 +196,55 @@ class OverlapConfig:
             raise ValueError(f"reduce_ctas must be in [1, 1024], got {self.reduce_ctas}")
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
-        if self.timeout_ms is not None and self.timeout_ms <= 0:
-            raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
+        if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
+            raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
 
     def margin(self, transport: str) -> int:
         """``sm_margin`` resolved for ``transport``."""
         if self.sm_margin is not None:
             return self.sm_margin
         return 4 if transport == "nccl" else 0
+
+
+class Words(NamedTuple):
+    """One call's int32 words: ``counters`` (the GEMM's dispatch counter first) and
+    ``flags``, views of ``buf``, which the call zeroes whole before anything reads it."""
+
+    buf: torch.Tensor
+    counters: torch.Tensor
+    flags: torch.Tensor
+
+
+class LocalWords:
+    """Counters and flags that only this device writes: the NCCL transport's chunk
+    flags (posted by the comm stream), the chain's row-block flags (posted by the
+    producer), dispatch and split counters.
+
+    They need no epoch: a call zeroes its words on its own stream first
+    (``flags.stream_zero``, one memset), after the previous call ended
+    (``DeviceOrder``), so flags count from 0 in every call and a wait is for 1 (or
+    the call's count). Nothing on the host advances per call, so an exception at any
+    point leaves the next call correct, and a CUDA graph captures the zeroing with the
+    call. A captured call gets words of its own, kept for the life of the process: its
+    replays never share flags with eager calls or with other graphs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def get(self, name: str, n_counters: int, n_flags: int) -> Words:
+        # the flags start 16-byte aligned: Triton specializes pointers on it
+        nc = -(-max(1, n_counters) // 4) * 4
+        words = nc + max(1, n_flags)
+        if capturing():
+            buf = torch.empty(words, dtype=torch.int32, device=self.device)
+            _captured_words.append(buf)
+            return Words(buf, buf[:nc], buf[nc:])
+        got = self._by.get(name)
+        if got is None or got[0] != nc or got[1].numel() < words:
+            got = self._by[name] = (nc, torch.zeros(max(words, nc + 64), dtype=torch.int32, device=self.device))
+        buf = got[1]
+        return Words(buf[:words], buf[:nc], buf[nc:words])
 
 
 class Runtime:
@@ -146,6 +265,12 @@ class Runtime:
         self._flags: dict[str, _flags.FlagArray] = {}
         self._errs: dict[str, _flags.ErrorWord] = {}
         self._counters: dict[str, torch.Tensor] = {}
+        self._local = LocalWords(device)
+        self.pushes = 0
+        """Pushes queued so far (``run_p2p`` takes an epoch back when a call queued none)."""
+        self.order = device_order(device)
+        self.seen: set[tuple] = set()
+        """Call signatures an eager call has run: a capture needs one (``require_warm``)."""
         self._heap: Any = None
         self._p2p_why: str | None = None  # None: not decided yet
         self._p2p_done: dict[str, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}
@@ -203,6 +328,7 @@ class Runtime:
 
         _p2p.memcpy_async(dst, src, nbytes, self.comm_stream)
         _flags.stream_write_value(self.comm_stream, flags, idx, value)
+        self.pushes += 1
 
     def p2p_end(self, op: str, cur: torch.cuda.Stream) -> None:
         """Mark the end of a p2p call of ``op`` (all its streams joined into ``cur``)."""
@@ -260,6 +386,10 @@ class Runtime:
             self._comms[max_ctas] = comm
         return self._comms[max_ctas]
 
+    def local_words(self, name: str, n_counters: int, n_flags: int) -> "Words":
+        """The counters and local flags of one call of op ``name`` (``LocalWords``)."""
+        return self._local.get(name, n_counters, n_flags)
+
     def flags(self, name: str, n: int) -> _flags.FlagArray:
         f = self._flags.get(name)
         if f is None or len(f) < n:
@@ -269,8 +399,24 @@ class Runtime:
 
     def err(self, name: str) -> _flags.ErrorWord:
         if name not in self._errs:
-            self._errs[name] = _flags.ErrorWord(self.device, what=name)
+            if capturing():
+                raise OverlapCaptureError(f"{name}: call it once outside the CUDA graph capture first")
+            self._errs[name] = register_error_word(_flags.ErrorWord(self.device, what=f"{name} (rank {self.rank})"))
         return self._errs[name]
+
+    def require_warm(self, op: str, sig: tuple) -> None:
+        """Inside a capture: ``sig`` (the call's shapes, dtypes and config) must have run
+        eagerly before, which compiled its kernels, made its plan and communicators and
+        checked the ranks' agreement (none of which a capture may do); else a clear
+        ``OverlapCaptureError``. Outside: remember ``sig``."""
+        if capturing():
+            if (op, sig) not in self.seen:
+                raise OverlapCaptureError(
+                    f"{op}: this call ({sig}) has not run outside a CUDA graph capture yet; call the op once "
+                    "with the same shapes, dtypes and config before capturing it (that call compiles its "
+                    "kernels, builds its plan and checks that the ranks agree)")
+        elif len(self.seen) < 4096:
+            self.seen.add((op, sig))
 
     def counter(self, name: str, n: int = 1) -> torch.Tensor:
         """An op's int32 counter words: the GEMM's dispatch counter, then one count per
@@ -280,6 +426,48 @@ class Runtime:
             c = self._counters[name] = torch.zeros(max(n, 1 if c is None else 2 * c.numel()), dtype=torch.int32,
                                                    device=self.device)
         return c
+
+
+def run_p2p(rt: Runtime, op: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, a peer-copy call of ``op``, in the device's call order, and safe
+    against an exception at any point: the side streams are joined into the caller's
+    (so the next call is ordered after whatever was queued), the end of the call is
+    marked for the next call's comm stream, and the shared flags' epoch is taken back
+    if no push was queued (the peers never saw this call; after a push they did, and
+    the call counts as made: its pushes set the peers' flags for that epoch, and the
+    next call's pushes the next)."""
+    sf = rt.p2p().flags(op, 1)
+    e0, n0 = sf.epoch, rt.pushes
+    cur = torch.cuda.current_stream(rt.device)
+    with rt.order.lock:
+        rt.order.begin(cur)
+        try:
+            return fn(*args)
+        except BaseException:
+            if rt.pushes == n0:
+                sf.epoch = e0
+            rt.join(cur, rt.comm_stream, rt.aux_stream, rt.copy_stream)
+            rt.p2p_end(op, cur)
+            raise
+        finally:
+            rt.order.end(cur)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
+           torch.uint8)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A number for ``dtype`` that every rank computes alike (for ``check_agree``)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
+
+
+def every_call_checked() -> bool:
+    """``OVERLAP_CHECK_RANKS=every``: check the ranks' agreement on every call, not once
+    per signature (a blocking all-gather per call; for debugging)."""
+    import os
+
+    return os.environ.get("OVERLAP_CHECK_RANKS", "").strip().lower() == "every"
 
 
 def _env_transport() -> str | None:
@@ -341,6 +529,15 @@ def group_key(group: Any) -> tuple[tuple[int, ...], int]:
 
 
 _by_group: dict[tuple[int, int | None], tuple[Any, Runtime]] = {}
+_captured_words: list[torch.Tensor] = []
+"""Flag and counter words of captured calls: a graph holds their addresses for as long
+as it lives, which the library cannot see, so they are never freed."""
+
+
+def get_runtime_if_made(group: Any, device: torch.device) -> Runtime | None:
+    """The runtime ``get_runtime`` would return, or None where none was made yet."""
+    hit = _by_group.get((id(group), device.index))
+    return hit[1] if hit is not None and hit[0] is group else None
 
 
 def get_runtime(group: Any, device: torch.device) -> Runtime:
@@ -376,18 +573,56 @@ class on_stream:
         torch.cuda.set_stream(self.cur)
 
 
+def _drain(rt: Runtime, timeout_s: float) -> bool:
+    """True once the runtime's streams and the device's last op call have finished,
+    False if they have not within ``timeout_s`` (polled: never a blocking wait on a
+    stream that may not finish, such as an NCCL kernel whose peer died)."""
+    import time
+
+    evs = []
+    for s in (rt.comm_stream, rt.aux_stream, rt.copy_stream):
+        ev = torch.cuda.Event()
+        ev.record(s)
+        evs.append(ev)
+    if rt.order._ev is not None:
+        evs.append(rt.order._ev)
+    deadline = time.monotonic() + timeout_s
+    while not all(ev.query() for ev in evs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def shutdown_timeout_s() -> float:
+    """How long shutdown waits for the ops' work to end: the wait bound (every tile's
+    wait ends by then) plus 5 s, at most 60 s."""
+    return min(60.0, _flags.default_timeout_ms() / 1000.0 + 5.0)
+
+
 def reset_runtimes() -> None:
-    """Forget every runtime; ``dist.shutdown`` calls this before it destroys the
-    communicators the runtimes hold, so ops after a new ``init`` build fresh ones."""
+    """Forget every runtime and the ranks' agreements; ``dist.shutdown`` calls this before
+    it destroys the communicators the runtimes hold, so ops after a new ``init`` build
+    fresh ones and check the ranks again. Bounded: where the ops' work has not ended
+    within ``shutdown_timeout_s`` (a peer died mid-call), the runtime's NCCL
+    communicators are aborted (which ends their kernels) and its peer memory is left
+    mapped rather than freed under a running kernel."""
     with _lock:
         for rt in _runtimes.values():
             try:
-                torch.cuda.synchronize(rt.device)
-                rt.close()
+                if rt.device.type != "cuda" or _drain(rt, shutdown_timeout_s()):
+                    rt.close()
+                    continue
+                warnings.warn(f"overlap: rank {rt.rank} of group {rt.ranks}: the ops' work did not end within "
+                              f"{shutdown_timeout_s():.0f} s; aborting the library's NCCL communicators",
+                              stacklevel=3)
+                for comm in rt._comms.values():
+                    comm.abort()
             except Exception:  # noqa: BLE001 - teardown is best effort
                 pass
         _runtimes.clear()
         _by_group.clear()
+        _agreed.clear()
 
 
 def _register() -> None:
@@ -421,18 +656,71 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
     and peers hang). Checked once per (op, values) with a tiny all-gather on
     torch's group; a rank that disagrees makes every rank raise."""
     key = (rt.ranks, op, names, values)
-    if key in _agreed:
+    if key in _agreed and (not every_call_checked() or capturing()):
         return
+    if capturing():
+        raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
+                                  "capture yet; call it once with the same shapes before capturing it")
+    vals = gather_ints(rt.group, rt.world, list(values), rt.device)
+    if any(v != vals[0] for v in vals):
+        bad = [i for i, v in enumerate(vals) if v != vals[0]]
+        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
+                         f"group ranks {bad} differ from group rank 0)")
+    _agreed.add(key)
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+    """torch's all-gather into one tensor: ``all_gather_single`` where torch has it,
+    else ``all_gather_into_tensor`` (deprecated from torch 2.13 on, warning on every call)."""
+    import torch.distributed as tdist
+
+    fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+    return fn(out, inp, group=group)
+
+
+def gather_ints(group: Any, world: int, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (same length everywhere), in group rank order; collective,
+    synchronizes. Uses ``all_gather_single`` where torch has it (``all_gather_into_tensor``
+    is deprecated from torch 2.13 on and warns on every call)."""
     import torch.distributed as tdist
 
     n = len(values)
-    mine = torch.tensor(values, dtype=torch.int64, device=rt.device)
-    alls = torch.empty(rt.world * n, dtype=torch.int64, device=rt.device)
-    tdist.all_gather_into_tensor(alls, mine, group=rt.group)
-    vals = alls.view(rt.world, n).tolist()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    alls = torch.empty(world * n, dtype=torch.int64, device=device)
+    all_gather_single(alls, mine, group=group)
+    return alls.view(world, n).tolist()
+
+
+def refuse_grad(op: str, *tensors: Any) -> None:
+    """Raise if autograd would track a result of ``op``, which has no backward yet: a
+    result silently detached from the graph would train wrong."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"{op}: an input requires grad, and this op has no backward yet; call it under "
+                           "torch.no_grad() or on detached inputs (the overlap.nn layers carry the backward)")
+
+
+def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tuple[int, ...],
+                       device: torch.device) -> None:
+    """The ranks' agreement on a call the op sends to its reference path (a plain
+    collective, where sizes that differ make gloo abort a rank and NCCL hang or
+    corrupt): checked on every such call (a small all-gather; the reference path is
+    not the fast path), every rank raising the same error. Not inside a capture."""
+    import torch.distributed as tdist
+
+    if capturing():
+        return
+    if tdist.get_rank(group) < 0:
+        raise ValueError(f"{op}: this process (global rank {tdist.get_rank()}) is not in the group "
+                         f"{tdist.get_process_group_ranks(group)}")
+    world = tdist.get_world_size(group)
+    if world == 1:
+        return
+    dev = device if tdist.get_backend(group) == "nccl" else torch.device("cpu")
+    vals = gather_ints(group, world, list(values), dev)
     if any(v != vals[0] for v in vals):
-        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group)")
-    _agreed.add(key)
+        bad = [i for i, v in enumerate(vals) if v != vals[0]]
+        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
+                         f"group ranks {bad} differ from group rank 0)")
 
 
 def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:
@@ -596,7 +884,11 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
 
 
 def report_errors(err: _flags.ErrorWord, check: str) -> None:
-    """Turn a recorded flag timeout into ``FlagTimeoutError`` as ``check`` says."""
+    """Turn a recorded flag timeout into ``FlagTimeoutError`` as ``check`` says. Inside a
+    graph capture nothing (a capture may not synchronize or read the host mirror on
+    every replay): replays' timeouts surface on the next eager call or ``check_errors``."""
+    if capturing():
+        return
     if check == "sync":
         err.check(block=True)
     elif check == "async":

@@ -36,8 +36,10 @@ import torch
 from .. import flags as _flags
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
                         tail_parts)
-from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once,
+from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
+                       capturing, check_agree,
+                       confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once,
                        ws_variants)
 
 __all__ = [
@@ -48,7 +50,8 @@ __all__ = [
     "tune_all_gather_matmul",
 ]
 
-stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0,
+                         "reference_in_capture": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -78,14 +81,13 @@ def _check_inputs(a_shard: torch.Tensor, b: torch.Tensor) -> None:
 def all_gather_matmul_ref(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                           return_gathered: bool = False) -> Any:
     """Plain reference: one NCCL (or gloo) all-gather, then ``torch.matmul``."""
-    import torch.distributed as tdist
 
     _check_inputs(a_shard, b)
     group = _group(group)
     world, _ = _world(group)
     a_shard = a_shard.contiguous()
     gathered = a_shard.new_empty((world * a_shard.shape[0], a_shard.shape[1]))
-    tdist.all_gather_into_tensor(gathered, a_shard, group=group)
+    all_gather_single(gathered, a_shard, group=group)
     c = gathered @ b
     stats["reference"] += 1
     return (c, gathered) if return_gathered else c
@@ -248,14 +250,17 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     or "nccl"), chunking, NCCL CTA cap and GEMM config.
     """
     _check_inputs(a_shard, b)
+    refuse_grad("all_gather_matmul", a_shard, b)
     group = _group(group)
+    ms, k = a_shard.shape
+    n = b.shape[1]
     if not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16):
         warn_once(f"agmm-ref-{a_shard.device.type}-{a_shard.dtype}",
                   f"all_gather_matmul: no tile-flag path for {a_shard.dtype} on {a_shard.device.type}; "
                   "running the reference (all-gather, then matmul)")
+        agree_on_reference(group, "all_gather_matmul", ("M/R", "K", "N", "dtype"),
+                           (ms, k, n, dtype_code(a_shard.dtype)), a_shard.device)
         return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
-    ms, k = a_shard.shape
-    n = b.shape[1]
     esize = a_shard.element_size()
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
@@ -264,6 +269,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
 
     check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
     check_tma("a_shard", a_shard.contiguous())  # the GEMM reads the local shard in place
+    if capturing() and get_runtime_if_made(group, a_shard.device) is None:
+        raise OverlapCaptureError("all_gather_matmul: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a_shard.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
@@ -272,13 +279,24 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M/R, K) and the chunks (0: the
     # sequential path): ranks must agree or peers hang
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "chunks", "p2p"),
-                (ms, k, n, 0 if config is None else (config.chunks or _default_chunks(ms)), int(transport == "p2p")))
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p"),
+                (ms, k, n, dtype_code(a_shard.dtype), 0 if config is None else (config.chunks or _default_chunks(ms)),
+                 int(transport == "p2p")))
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
         return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    if transport == "p2p" and capturing():
+        # the peer-copy transport's flags are written by the peers' copy engines with
+        # epochs the host counts per call: a replay would repeat the captured epoch
+        warn_once("agmm-p2p-capture", "all_gather_matmul: the peer-copy transport cannot be captured in a CUDA "
+                  "graph; the captured call runs the reference (all-gather, then matmul); "
+                  "OverlapConfig(transport='nccl') captures the tile-flag path")
+        stats["reference_in_capture"] += 1
+        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+    sig = (ms, k, n, a_shard.dtype, b.stride(), return_gathered, config, transport)
+    rt.require_warm("all_gather_matmul", sig)
     if transport == "p2p":
-        return _fused_p2p(rt, a_shard.contiguous(), b, return_gathered, config)
+        return run_p2p(rt, "all_gather_matmul", _fused_p2p, rt, a_shard.contiguous(), b, return_gathered, config)
     return _fused(rt, a_shard.contiguous(), b, return_gathered, config)
 
 
@@ -289,31 +307,39 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     world = rt.world
     p = _plan(rt, ms, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
-    fl = rt.flags("all_gather_matmul", p.flag_count)
     err = rt.err("all_gather_matmul")
-    counter = rt.counter("all_gather_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    epoch = fl.next_epoch()
-
-    gathered = a_shard.new_empty((world * ms, k))
-    c = a_shard.new_empty((world * ms, n))
-    cur = torch.cuda.current_stream(a_shard.device)
-    cs = rt.comm_stream
-    # reset the dispatch counter (and split tiles' counts) before the comm stream forks,
-    # so that both launches (main grid here, give-back grid on the comm stream) see it
-    _flags.stream_zero(cur, counter, p.counters)
-    rt.fork(cur, cs)
-    for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-        comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)], stream=cs)
-        _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
-    gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=fl.flags, err=err.word,
-                   timeout_ns=timeout_ns, counter=counter, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
-    descs = gp.operands(a_shard, b, gathered)
-    gp.launch(descs, c, epoch=epoch, grid=p.grid)
-    if p.give_back_grid:
-        with on_stream(cs, cur):
-            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid)
-    rt.join(cur, cs)  # no record_stream needed (Runtime.join)
+    with rt.order.lock:
+        # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed
+        # below on the caller's stream: no epoch (``_runtime.LocalWords``)
+        w = rt.local_words("all_gather_matmul", p.counters, p.flag_count)
+        gathered = a_shard.new_empty((world * ms, k))
+        c = a_shard.new_empty((world * ms, n))
+        cur = torch.cuda.current_stream(a_shard.device)
+        cs = rt.comm_stream
+        rt.order.begin(cur)
+        # zeroed before the comm stream forks, so both launches (main grid here,
+        # give-back grid on the comm stream) and the flag posts come after it
+        _flags.stream_zero(cur, w.buf, w.buf.numel())
+        rt.fork(cur, cs)
+        try:
+            for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+                comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
+                                stream=cs)
+                _flags.stream_write_value(cs, w.flags, c_idx, 1)
+            gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
+                           timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
+                           split=p.split)
+            descs = gp.operands(a_shard, b, gathered)
+            gp.launch(descs, c, epoch=1, grid=p.grid)
+            if p.give_back_grid:
+                with on_stream(cs, cur):
+                    gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
+        finally:
+            # also after an exception: the comm stream's work is ordered before the
+            # next call's zeroing (and no record_stream is needed: Runtime.join)
+            rt.join(cur, cs)
+            rt.order.end(cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     if return_gathered:

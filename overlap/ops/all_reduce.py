@@ -58,8 +58,9 @@ import torch
 from .. import flags as _flags
 from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
                         tail_parts)
-from ._runtime import (OverlapConfig, Runtime, check_agree, confirm_best, gemm_plan, get_runtime, on_stream,
-                       report_errors, resolve_group, split_variants, time_candidates, time_ms, warn_once)
+from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
+                       confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
     "Norm",
@@ -70,7 +71,8 @@ __all__ = [
     "stats",
 ]
 
-stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0,
+                         "reference_in_capture": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 
@@ -433,14 +435,18 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     ``reduce_ctas`` SMs, or "nccl"), chunking, NCCL CTA cap and GEMM config.
     """
     _check_inputs(x_partial, b, residual, norm)
+    refuse_grad("all_reduce_matmul", x_partial, b, residual, *((norm.weight, norm.bias) if norm else ()))
     group = resolve_group(group)
+    m, k = x_partial.shape
+    n = b.shape[1]
     if not x_partial.is_cuda or x_partial.dtype not in (torch.float16, torch.bfloat16):
         warn_once(f"armm-ref-{x_partial.device.type}-{x_partial.dtype}",
                   f"all_reduce_matmul: no tile-flag path for {x_partial.dtype} on {x_partial.device.type}; "
                   "running the reference (all-reduce, add, norm, then matmul)")
+        agree_on_reference(group, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm"),
+                           (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm)),
+                           x_partial.device)
         return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
-    m, k = x_partial.shape
-    n = b.shape[1]
     esize = x_partial.element_size()
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_reduce_matmul: K={k} and N={n} must be multiples of {16 // esize} "
@@ -448,6 +454,8 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     from ..kernels.tile_gemm import check_b
 
     check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
+    if capturing() and get_runtime_if_made(group, x_partial.device) is None:
+        raise OverlapCaptureError("all_reduce_matmul: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, x_partial.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm)) if config is None else None
@@ -459,17 +467,38 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         chunks = int(tuned.removeprefix("chunked x")) if tuned.startswith("chunked x") else 1
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "chunks", "p2p"),
-                (m, k, n, chunks, int(transport == "p2p")))
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
+                (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
+                 int(transport == "p2p")))
     if tuned == "sequential":
         stats["sequential_by_tuner"] += 1
+        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+    if capturing() and (config is None or transport == "p2p"):
+        # the peer-copy transport's flags are written by the peers' copy engines with
+        # epochs the host counts per call (a replay would repeat the captured epoch);
+        # the chunked baseline records streams for the allocator
+        warn_once("armm-capture", "all_reduce_matmul: the peer-copy transport and the chunked path cannot be "
+                  "captured in a CUDA graph; the captured call runs the reference (all-reduce, add, norm, then "
+                  "matmul); OverlapConfig(transport='nccl') captures the tile-flag path")
+        stats["reference_in_capture"] += 1
         return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
     if config is None:
         stats["chunked_by_tuner"] += 1
         return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm, chunks=chunks)
+    sig = (m, k, n, x_partial.dtype, b.stride(), residual is not None,
+           None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), config, transport)
+    rt.require_warm("all_reduce_matmul", sig)
     if transport == "p2p":
-        return _fused_p2p(rt, x_partial.contiguous(), b, residual, norm, config)
+        return run_p2p(rt, "all_reduce_matmul", _fused_p2p, rt, x_partial.contiguous(), b, residual, norm, config)
     return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
+
+
+def _norm_code(norm: Norm | None) -> int:
+    """The norm as one int for the ranks' agreement: 0 none, then kind, weight dtype and bias."""
+    if norm is None:
+        return 0
+    kind = ("layernorm", "rmsnorm").index(norm.kind)
+    return 1 + kind + 2 * dtype_code(norm.weight.dtype) + 10_000 * int(norm.bias is not None)
 
 
 def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor | None, Norm | None]:
@@ -490,54 +519,59 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     n = b.shape[1]
     p = _plan(rt, m, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
-    fl = rt.flags("all_reduce_matmul", len(p.chunk_rows))
     err = rt.err("all_reduce_matmul")
-    counter = rt.counter("all_reduce_matmul", p.counters)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    epoch = fl.next_epoch()
-
     residual, norm = _contiguous(residual, norm)
     prologue = residual is not None or norm is not None
-    h = torch.empty_like(x)
-    y = torch.empty_like(x) if norm is not None else h
-    c = x.new_empty((m, n))
-    cur = torch.cuda.current_stream(x.device)
-    cs, ns = rt.comm_stream, rt.aux_stream
-    # reset the dispatch counter (and split tiles' counts) before the side streams fork from this one
-    _flags.stream_zero(cur, counter, p.counters)
-    if prologue:
-        rt.fork(cur, cs, ns)
-    else:
-        rt.fork(cur, cs)
-    start = 0
-    for c_idx, rows in enumerate(p.chunk_rows):
-        comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
+    with rt.order.lock:
+        # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed
+        # below on the caller's stream: no epoch (``_runtime.LocalWords``)
+        w = rt.local_words("all_reduce_matmul", p.counters, len(p.chunk_rows))
+        h = torch.empty_like(x)
+        y = torch.empty_like(x) if norm is not None else h
+        c = x.new_empty((m, n))
+        cur = torch.cuda.current_stream(x.device)
+        cs, ns = rt.comm_stream, rt.aux_stream
+        rt.order.begin(cur)
+        # zeroed before the side streams fork from this one
+        _flags.stream_zero(cur, w.buf, w.buf.numel())
         if prologue:
-            ev = torch.cuda.Event()
-            ev.record(cs)
-            ns.wait_event(ev)
-            with on_stream(ns, cur):
-                launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
-                                weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                eps=norm.eps if norm else 1e-5, y=y)
-            _flags.stream_write_value(ns, fl.flags, c_idx, epoch)
+            rt.fork(cur, cs, ns)
         else:
-            _flags.stream_write_value(cs, fl.flags, c_idx, epoch)
-        start += rows
-    gp = gemm_plan(p.launches, y, b, c, p.table, flags=fl.flags, err=err.word, timeout_ns=timeout_ns, counter=counter,
-                   rank=rt.rank, config=p.gemm, wait=True, split=p.split)
-    descs = gp.operands(y, b)
-    gp.launch(descs, c, epoch=epoch, grid=p.grid)
-    last = ns if prologue else cs
-    if p.give_back_grid:
-        # queued behind the last chunk: NCCL's SMs are free by then
-        with on_stream(last, cur):
-            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid)
-    # joined: no record_stream needed (Runtime.join)
-    if prologue:
-        rt.join(cur, cs, ns)
-    else:
-        rt.join(cur, cs)
+            rt.fork(cur, cs)
+        try:
+            start = 0
+            for c_idx, rows in enumerate(p.chunk_rows):
+                comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
+                if prologue:
+                    ev = torch.cuda.Event()
+                    ev.record(cs)
+                    ns.wait_event(ev)
+                    with on_stream(ns, cur):
+                        launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                        eps=norm.eps if norm else 1e-5, y=y)
+                    _flags.stream_write_value(ns, w.flags, c_idx, 1)
+                else:
+                    _flags.stream_write_value(cs, w.flags, c_idx, 1)
+                start += rows
+            gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
+                           counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
+            descs = gp.operands(y, b)
+            gp.launch(descs, c, epoch=1, grid=p.grid)
+            last = ns if prologue else cs
+            if p.give_back_grid:
+                # queued behind the last chunk: NCCL's SMs are free by then
+                with on_stream(last, cur):
+                    gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
+        finally:
+            # also after an exception: the side streams' work is ordered before the next
+            # call's zeroing (joined: no record_stream needed, Runtime.join)
+            if prologue:
+                rt.join(cur, cs, ns)
+            else:
+                rt.join(cur, cs)
+            rt.order.end(cur)
     report_errors(err, cfg.check)
     stats["fused"] += 1
     return c, h
@@ -589,11 +623,12 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     y = torch.empty_like(x) if norm is not None and not fold else h
     rowstat = torch.empty((m, 2), dtype=torch.float32, device=x.device) if fold else None
     c = x.new_empty((m, n))
-    # epochs last, just before the first work is queued: a call that fails before
-    # them must not leave this rank's counts ahead of its peers' (or of the plan's
-    # counted flags)
+    # the epoch last, just before the first work is queued: a call that fails before
+    # its first push takes it back (``_run_p2p``)
     epoch = sf.next_epoch()
-    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
+    # the ready flags are counted on this device only: zeroed per call (LocalWords'
+    # argument), so a GEMM tile waits for the reduce programs' count of one call
+    r_epoch = 1
     # this parity's receive view and push list, made once per plan, block and dtype
     ck = ("p2p", epoch % 2, x.dtype)
     st = p.launches.get(ck)
@@ -611,8 +646,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     recv = st[1]
     cur = torch.cuda.current_stream(x.device)
     ns = rt.aux_stream
-    # reset the dispatch counter (and split tiles' counts) before the side streams fork from this one
+    # reset the dispatch counter (and split tiles' counts) and the ready flags before the
+    # side streams fork from this one
     _flags.stream_zero(cur, counter, p.counters)
+    _flags.stream_zero(cur, ready.flags, len(ready))
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
     for dst, src_off, nbytes, peer_flags, idx in st[2]:
@@ -621,7 +658,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     w = norm.weight if norm and not fold else None
     bias = norm.bias if norm and not fold else None
     y_out = y if norm is not None and not fold else None
-    rkey = ("reduce", x.dtype, residual is not None, norm.kind if norm else None, bias is not None,
+    rkey = ("reduce", x.dtype, None if residual is None else residual.dtype, norm.kind if norm else None,
+            None if w is None else w.dtype, None if bias is None else bias.dtype,
             norm.eps if norm else 0.0, timeout_ns, sf.local.data_ptr(), err.word.data_ptr(), fold)
     rp = p.launches.get(rkey)
     if rp is None:
@@ -695,7 +733,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     h = torch.empty_like(x)
     c = x.new_empty((m, n))
     epoch = sf.next_epoch()
-    r_epoch = ready.next_epoch(max_mult=p.reduce_programs)
+    r_epoch = 1  # the ready flags are zeroed per call, as in _fused_p2p
     # this parity's views and push lists, made once per plan, block and dtype
     ck = ("two_shot", epoch % 2, x.dtype)
     st = p.launches.get(ck)
@@ -726,6 +764,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     cur = torch.cuda.current_stream(x.device)
     ns, cs2 = rt.aux_stream, rt.copy_stream
     _flags.stream_zero(cur, counter, p.counters)
+    _flags.stream_zero(cur, ready.flags, len(ready))
     rt.p2p_begin("all_reduce_matmul", cur, ns, cs2)
     src = x.data_ptr()
     for dst, src_off, nbytes, q, idx in scatter:
@@ -734,7 +773,8 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     x_me, h_me = x[me_off:me_off + me_rows], h[me_off:me_off + me_rows]
     res_me = residual[me_off:me_off + me_rows] if residual is not None else None
     st_me = stats_all[me_off:me_off + me_rows] if fold else None
-    rkey = ("reduce2", x.dtype, residual is not None, norm.kind if norm else None, norm.eps if norm else 0.0,
+    rkey = ("reduce2", x.dtype, None if residual is None else residual.dtype, norm.kind if norm else None,
+            norm.eps if norm else 0.0,
             timeout_ns, sf.local.data_ptr(), err.word.data_ptr())
     rp = p.launches.get(rkey)
     if rp is None:

@@ -64,7 +64,8 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ._runtime import on_stream, report_errors, warn_once
+from ._runtime import (LocalWords, OverlapCaptureError, capturing, device_order, on_stream, refuse_grad,
+                       register_error_word, report_errors, warn_once)
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
@@ -104,6 +105,8 @@ class ChainConfig:
             raise ValueError(f"reserve_sms must be >= 1 (the producer needs an SM), got {self.reserve_sms}")
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
+        if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
+            raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
         p = self.producer or _default_gemm()
         c = self.consumer or p
         if p.block_m != c.block_m:
@@ -119,8 +122,10 @@ class _State:
     num_sms: int
     prod_stream: torch.cuda.Stream
     err: _flags.ErrorWord
-    counters: torch.Tensor
+    words: LocalWords
     tables: dict = field(default_factory=dict)
+    seen: set = field(default_factory=set)
+    """Call signatures run eagerly (compiled, tables built): what a capture may run."""
 
 
 _lock = threading.Lock()
@@ -139,13 +144,11 @@ def _state(device: torch.device) -> _State:
     with _lock:
         st = _states.get(device.index)
         if st is None:
+            if capturing():
+                raise OverlapCaptureError("mlp_chain: call it once outside the CUDA graph capture first")
             props = torch.cuda.get_device_properties(device)
             st = _State(device, int(props.multi_processor_count), torch.cuda.Stream(device=device, priority=-1),
-                        _flags.ErrorWord(device, what="mlp_chain"),
-                        # the two dispatch counters 16 bytes apart: kernels are
-                        # compiled for 16-byte aligned pointers (Triton specializes
-                        # on it); an unaligned one would take a slower launch path
-                        torch.zeros(8, dtype=torch.int32, device=device))
+                        register_error_word(_flags.ErrorWord(device, what="mlp_chain")), LocalWords(device))
             _states[device.index] = st
         return st
 
@@ -179,13 +182,11 @@ def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
     return mid @ w2
 
 
-def _tables(st: _State, m: int, f: int, n: int,
-            cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, _flags.FlagArray, int, int]:
-    """Producer and consumer tables, the flags they share, the epoch multiplier of a
-    wait and the consumer's ``k_wait``. Flags belong to one pair of tables: a call
-    adds exactly (producer N tiles) to each row block's flag (RowSync) or 1 to each
-    producer tile's (TileSync), so ``epoch * mult`` stays the count to wait for only
-    while every call on these flags has the same tables."""
+def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """Producer and consumer tables, the number of flags they share, the count a
+    wait needs (``mult``: producer tiles per row block under RowSync, 1 under TileSync)
+    and the consumer's ``k_wait``. A call zeroes the flags first, so a flag holds that
+    count exactly once its row block (or tile) is stored."""
     from ..policies import rowsync_chain_tables, tilesync_chain_tables
 
     pc = cfg.producer or _default_gemm()
@@ -193,6 +194,9 @@ def _tables(st: _State, m: int, f: int, n: int,
     key = (m, f, n, pc, cc, cfg.sync)
     t = st.tables.get(key)
     if t is None:
+        if capturing():
+            raise OverlapCaptureError(f"mlp_chain: M={m}, F={f}, N={n} with this config has not run outside a CUDA "
+                                      "graph capture yet; call it once before capturing it")
         if cfg.sync == "tile":
             prod, cons, pol = tilesync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, cc.block_k)
             n_flags, mult, k_wait = -(-m // pc.block_m) * pol.producer_n_tiles, 1, pol.k_wait
@@ -201,7 +205,7 @@ def _tables(st: _State, m: int, f: int, n: int,
             n_flags, mult, k_wait = -(-m // pc.block_m), -(-f // pc.block_n), 0
         t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
              torch.tensor(cons, dtype=torch.int32, device=st.device),
-             _flags.FlagArray(n_flags + 1, st.device), mult, k_wait)  # + the producer's start flag
+             n_flags + 1, mult, k_wait)  # + the producer's start flag
         st.tables[key] = t
     return t
 
@@ -273,6 +277,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     from ..kernels.tile_gemm import launch_tile_gemm
 
     _check_inputs(x, w1, w2, activation)
+    refuse_grad("mlp_chain", x, w1, w2)
     if sync not in (None, "row", "tile"):
         raise ValueError(f"sync must be 'row' or 'tile', got {sync!r}")
     if not _takes_fast_path(x):
@@ -293,47 +298,61 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    prod, cons, fl, mult, k_wait = _tables(st, m, f, n, cfg)
+    sig = (m, x.shape[1], f, n, x.dtype, w1.stride(), w2.stride(), activation, cfg, consumer_first)
+    if capturing() and sig not in st.seen:
+        raise OverlapCaptureError(f"mlp_chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
+                                  f"({x.dtype}) with this config has not run outside a CUDA graph capture yet; call "
+                                  "it once with the same shapes, layouts and config before capturing it (that call "
+                                  "compiles its kernels and builds its tables)")
+    prod, cons, n_flags, mult, k_wait = _tables(st, m, f, n, cfg)
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
-    epoch = fl.next_epoch(max_mult=mult)
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    mid = x.new_empty((m, f))
-    y = x.new_empty((m, n))
-    cur = torch.cuda.current_stream(x.device)
-    ps = st.prod_stream
-    # both dispatch counters to 0, then fork: the producer must not wait on the consumer
-    _flags.stream_write_value(cur, st.counters, 0, 0)
-    _flags.stream_write_value(cur, st.counters, 4, 0)
-    ps.wait_stream(cur)
-    common = dict(flags=fl.flags, err=st.err.word, epoch=epoch, timeout_ns=timeout_ns)
+    order = device_order(x.device)
+    with order.lock:
+        # counters at words 0 and 4 (16 bytes apart: Triton specializes pointers on
+        # 16-byte alignment), then the flags; all zeroed by this call first
+        w = st.words.get("mlp_chain", 8, n_flags)
+        mid = x.new_empty((m, f))
+        y = x.new_empty((m, n))
+        cur = torch.cuda.current_stream(x.device)
+        ps = st.prod_stream
+        order.begin(cur)
+        _flags.stream_zero(cur, w.buf, w.buf.numel())
+        ps.wait_stream(cur)  # the producer must not wait on the consumer
+        common = dict(flags=w.flags, err=st.err.word, epoch=1, timeout_ns=timeout_ns)
+        start_idx = n_flags - 1
 
-    start_idx = len(fl) - 1
+        def producer() -> None:
+            with on_stream(ps, cur):
+                if _producer_delay_cycles:
+                    torch.cuda._sleep(int(_producer_delay_cycles))
+                launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
+                                 counter=w.counters[0:1], start_flag=start_idx, **common)
 
-    def producer() -> None:
-        with on_stream(ps, cur):
-            if _producer_delay_cycles:
-                torch.cuda._sleep(int(_producer_delay_cycles))
-            launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
-                             counter=st.counters[0:1], start_flag=start_idx, **common)
+        def consumer() -> None:
+            launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
+                             counter=w.counters[4:5], k_wait=k_wait, **common)
 
-    def consumer() -> None:
-        launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
-                         counter=st.counters[4:5], k_wait=k_wait, **common)
-
-    if consumer_first:
-        consumer()
-        producer()
-    else:
-        producer()
-        # the consumer's grid is dispatched only once the producer's runs (no SM
-        # spent spinning while producer programs queue); the stream wait takes no SM
-        if _flags._cuda_driver():
-            _flags.stream_wait_value(cur, fl.flags, start_idx, epoch)
-        consumer()
-    cur.wait_stream(ps)
-    for t in (x, w1, mid):
-        t.record_stream(ps)
+        try:
+            if consumer_first:
+                consumer()
+                producer()
+            else:
+                producer()
+                # the consumer's grid is dispatched only once the producer's runs (no SM
+                # spent spinning while producer programs queue); the stream wait takes no SM
+                if _flags._cuda_driver():
+                    _flags.stream_wait_value(cur, w.flags, start_idx, 1)
+                consumer()
+        finally:
+            # also after an exception: whatever was queued on the producer's stream is
+            # ordered before the next call's zeroing, and no record_stream is needed
+            # (the caching allocator reuses x, w1 and mid only after this wait on cur)
+            cur.wait_stream(ps)
+            order.end(cur)
+        if len(st.seen) < 4096:
+            st.seen.add(sig)
     report_errors(st.err, cfg.check)
     stats["fused"] += 1
     return y

@@ -1,0 +1,104 @@
+"""The ops' guarantees that need no GPU: ranks that disagree (gloo, 2 and 4 ranks),
+a call outside the group, inputs that require grad, bounded waits that must end, the
+peer-copy call's failure handling (``run_p2p``) and quiet calls."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+from overlap import flags as fl
+from overlap.ops import ChainConfig, OverlapConfig
+from overlap.ops import _runtime as rtmod
+from tests._procs import REPO, run_ranks
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_that_disagree_gloo(world_size: int) -> None:
+    procs = run_ranks(REPO / "tests" / "_safety_worker.py", world_size, timeout_s=150)
+    for p in procs:
+        assert p.returncode == 0 and f"PASS safety rank={p.rank}" in p.out, p
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "0", "-5", "soon"])
+def test_wait_bound_must_end(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OVERLAP_WAIT_TIMEOUT_MS", bad)
+    with pytest.raises(ValueError, match="OVERLAP_WAIT_TIMEOUT_MS"):
+        fl.default_timeout_ms()
+    with pytest.raises(ValueError, match="timeout_ms"):
+        OverlapConfig(timeout_ms=float("inf"))
+    with pytest.raises(ValueError, match="timeout_ms"):
+        ChainConfig(timeout_ms=float("inf"))
+
+
+def test_wrap32() -> None:
+    assert [fl.wrap32(v) for v in (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, -1)] == \
+        [0, 1, 2**31 - 1, -(2**31), -1, 0, 5, -1]
+    f = fl.FlagArray.__new__(fl.FlagArray)
+    f.epoch = 2**32 - 2
+    assert [f.next_epoch() for _ in range(3)] == [-1, 0, 1]
+    f.undo_epoch()
+    assert f.next_epoch() == 1
+
+
+def test_refuse_grad() -> None:
+    a = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward yet"):
+        rtmod.refuse_grad("op", a, None)
+    with torch.no_grad():
+        rtmod.refuse_grad("op", a, None)
+    rtmod.refuse_grad("op", a.detach(), None)
+
+
+class _FakeOrder:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.events: list[str] = []
+
+    def begin(self, cur: Any) -> None:
+        self.events.append("begin")
+
+    def end(self, cur: Any) -> None:
+        self.events.append("end")
+
+
+def _fake_rt() -> Any:
+    sf = SimpleNamespace(epoch=41)
+    rt = SimpleNamespace(device=torch.device("cpu"), pushes=0, order=_FakeOrder(), comm_stream="cs",
+                         aux_stream="ns", copy_stream="cs2", joined=[], ended=[])
+    rt.p2p = lambda: SimpleNamespace(flags=lambda name, n: sf)
+    rt.join = lambda cur, *s: rt.joined.append(s)
+    rt.p2p_end = lambda op, cur: rt.ended.append(op)
+    return rt, sf
+
+
+@pytest.mark.parametrize("pushed", [0, 3])
+def test_run_p2p_failure(pushed: int) -> None:
+    """An exception in a peer-copy call: the side streams are joined into the caller's,
+    the call's end is marked, and the epoch is taken back only if no push was queued."""
+    rt, sf = _fake_rt()
+
+    def call() -> None:
+        sf.epoch += 1
+        rt.pushes += pushed
+        raise KeyboardInterrupt("injected")
+
+    with mock.patch.object(torch.cuda, "current_stream", lambda *a: "cur"):
+        with pytest.raises(KeyboardInterrupt):
+            rtmod.run_p2p(rt, "op", call)
+        assert sf.epoch == (42 if pushed else 41)
+        assert rt.joined == [("cs", "ns", "cs2")] and rt.ended == ["op"]
+        assert rt.order.events == ["begin", "end"]
+        # a call that succeeds keeps its epoch and joins nothing extra
+        assert rtmod.run_p2p(rt, "op", lambda: sf.__setattr__("epoch", sf.epoch + 1) or "ok") == "ok"
+        assert sf.epoch == (43 if pushed else 42) and len(rt.joined) == 1
+
+
+def test_check_errors_without_words() -> None:
+    with mock.patch.object(rtmod, "_error_words", []):
+        rtmod.check_errors()
