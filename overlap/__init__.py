@@ -38,7 +38,30 @@ __all__ = [
 ]
 
 # ---- operations -----------------------------------------------------------------------
-# Fused ops are re-exported here as they land, e.g.
-#   from .ops import all_gather_matmul, all_gather_matmul_ref
-#   __all__ += ["all_gather_matmul", "all_gather_matmul_ref"]
-# ---------------------------------------------------------------------------------------
+# The fused ops are torch.library custom ops at this level (eager calls go straight to the
+# Python op; torch.compile traces the custom op), same signatures as in overlap.ops.
+from . import ops
+from ._library import all_gather_matmul, all_reduce_matmul, mlp_chain
+from .ops import ChainConfig, Norm, OverlapConfig, tune_all_gather_matmul, tune_all_reduce_matmul, tune_mlp_chain
+
+check_errors = getattr(ops, "check_errors", None) or getattr(ops._runtime, "check_errors", None)
+if check_errors is None:  # an older overlap.ops: looked up when called
+
+    def check_errors(*, block: bool = True) -> None:
+        """Raise the first flag-wait timeout an op recorded: ``overlap.ops.check_errors(block=block)``."""
+        return ops.check_errors(block=block)
+
+
+__all__ += [
+    "ops",
+    "all_gather_matmul",
+    "all_reduce_matmul",
+    "mlp_chain",
+    "tune_all_gather_matmul",
+    "tune_all_reduce_matmul",
+    "tune_mlp_chain",
+    "OverlapConfig",
+    "ChainConfig",
+    "Norm",
+    "check_errors",
+]

@@ -1,0 +1,235 @@
+"""The public ops as ``torch.library`` custom ops, so ``torch.compile`` traces them whole.
+
+    overlap.all_gather_matmul(...)   eager: overlap.ops.all_gather_matmul(...)
+                                     compiling: torch.ops.overlap.all_gather_matmul(...)
+    (the same for all_reduce_matmul and mlp_chain)
+
+Eager calls go straight to the Python op: these ops are host-bound at small shapes,
+and the dispatcher's round trip through a custom op would add to every call. Under
+``torch.compile`` the wrapper calls the custom op instead, whose fake implementation
+gives Dynamo and AOTAutograd the output shapes without running anything.
+
+A schema holds only tensors and scalars, so the wrapper flattens what the op takes:
+
+    group      -> its name (``group.group_name``; "" for None: the op's default group)
+    config     -> an int id into a table of interned configs (0 for None)
+    Norm       -> kind, weight, bias, eps as separate optional arguments
+
+None of the ops has a backward yet: with grad mode on, a tensor input that requires
+grad raises at forward time (the wrapper in eager; the custom op while compiling).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+from .ops import all_gather as _ag
+from .ops import all_reduce as _ar
+from .ops import chain as _chain
+from .ops._runtime import resolve_group as _resolve_default
+from .ops import ChainConfig, Norm, OverlapConfig
+
+__all__ = ["all_gather_matmul", "all_reduce_matmul", "mlp_chain", "config_id", "config_for"]
+
+# bound once: the eager wrappers' whole cost is a few attribute reads and this call
+_ag_impl = _ag.all_gather_matmul
+_ar_impl = _ar.all_reduce_matmul
+_chain_impl = _chain.mlp_chain
+
+
+def _no_backward(op: str) -> RuntimeError:
+    return RuntimeError(
+        f"overlap.{op}: an input requires grad, but {op} has no backward yet; call it under "
+        "torch.no_grad() (or with inputs that do not require grad). The overlap.nn layers "
+        "will carry the backward.")
+
+
+# ---- configs as ints ------------------------------------------------------------------
+
+_configs: list[Any] = [None]
+_config_ids: dict[Any, int] = {}
+_config_lock = threading.Lock()
+
+
+def config_id(config: Any) -> int:
+    """``_configs.index(config)``, appending it first if new (0 for None)."""
+    if config is None:
+        return 0
+    with _config_lock:
+        try:
+            i = _config_ids.get(config)
+        except TypeError:  # an unhashable config (a field holding a list): by identity
+            i = next((j for j, c in enumerate(_configs) if c is config), None)
+            if i is None:
+                _configs.append(config)
+                i = len(_configs) - 1
+            return i
+        if i is None:
+            _configs.append(config)
+            i = _config_ids[config] = len(_configs) - 1
+        return i
+
+
+# Dynamo runs config_id while tracing and puts its result in the graph as a constant
+# (what torch.compiler.assume_constant_result sets, without importing torch._dynamo and
+# with it triton at ``import overlap``). Traced instead, the table's append would be
+# replayed only after the graph ran, and the op would look up an id not there yet.
+config_id._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def config_for(i: int) -> Any:
+    """``_configs[i]``: the config that ``config_id`` gave id ``i``."""
+    return _configs[i]
+
+
+# ---- groups as names ------------------------------------------------------------------
+
+def _group_name(group: Any) -> str:
+    return "" if group is None else group.group_name
+
+
+def _group(name: str) -> Any:
+    """The group named ``name``; None ("": the op's default, ``resolve_group(None)``)."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _world_size(name: str) -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_world_size(_resolve_default(_group(name)))
+
+
+def _forward_only(op: Any, name: str) -> None:
+    """Raise at forward time (setup_context runs as the op's forward returns, before any
+    graph is built on it) when autograd would have to record the op."""
+
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        raise _no_backward(name)
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise _no_backward(name)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
+# ---- all_gather_matmul ----------------------------------------------------------------
+
+@torch.library.custom_op("overlap::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, return_gathered: bool,
+                          config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(all_gather(a_shard) @ b, all_gather(a_shard) or an empty tensor)``."""
+    out = _ag_impl(a_shard, b, group=_group(group_name), return_gathered=return_gathered, config=_configs[config])
+    return out if return_gathered else (out, a_shard.new_empty(0))
+
+
+@_all_gather_matmul_op.register_fake
+def _(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, return_gathered: bool,
+      config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(a_shard.dim() == 2 and b.dim() == 2, lambda: "all_gather_matmul: a_shard and b must be 2-D")
+    torch._check(a_shard.shape[1] == b.shape[0],
+                 lambda: f"all_gather_matmul: K mismatch, a_shard {a_shard.shape}, b {b.shape}")
+    m = _world_size(group_name) * a_shard.shape[0]
+    c = a_shard.new_empty((m, b.shape[1]))
+    return c, a_shard.new_empty((m, a_shard.shape[1]) if return_gathered else (0,))
+
+
+_forward_only(_all_gather_matmul_op, "all_gather_matmul")
+
+
+def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
+                      config: OverlapConfig | None = None) -> Any:
+    """``all_gather(a_shard, dim=0) @ b``: ``overlap.ops.all_gather_matmul``, traceable by torch.compile."""
+    if torch.compiler.is_compiling():
+        c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
+        return (c, gathered) if return_gathered else c
+    if torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad):
+        raise _no_backward("all_gather_matmul")
+    return _ag_impl(a_shard, b, group=group, return_gathered=return_gathered, config=config)
+
+
+# ---- all_reduce_matmul ----------------------------------------------------------------
+
+@torch.library.custom_op("overlap::all_reduce_matmul", mutates_args=())
+def _all_reduce_matmul_op(x_partial: torch.Tensor, b: torch.Tensor, group_name: str,
+                          residual: Optional[torch.Tensor], norm_kind: Optional[str],
+                          norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor], norm_eps: float,
+                          config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(all_reduce(x_partial) + residual) @ b, all_reduce(x_partial) + residual)``."""
+    norm = None if norm_kind is None else Norm(norm_kind, norm_weight, norm_bias, norm_eps)
+    return _ar_impl(x_partial, b, group=_group(group_name), residual=residual, norm=norm, config=_configs[config])
+
+
+@_all_reduce_matmul_op.register_fake
+def _(x_partial: torch.Tensor, b: torch.Tensor, group_name: str, residual: Optional[torch.Tensor],
+      norm_kind: Optional[str], norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+      norm_eps: float, config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(x_partial.dim() == 2 and b.dim() == 2, lambda: "all_reduce_matmul: x_partial and b must be 2-D")
+    torch._check(x_partial.shape[1] == b.shape[0],
+                 lambda: f"all_reduce_matmul: K mismatch, x_partial {x_partial.shape}, b {b.shape}")
+    m, k = x_partial.shape
+    return x_partial.new_empty((m, b.shape[1])), x_partial.new_empty((m, k))
+
+
+_forward_only(_all_reduce_matmul_op, "all_reduce_matmul")
+
+
+def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                      residual: torch.Tensor | None = None, norm: Norm | None = None,
+                      config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = all_reduce(x_partial) (+ residual); return norm(h) @ b, h``: ``overlap.ops.all_reduce_matmul``,
+    traceable by torch.compile."""
+    if torch.compiler.is_compiling():
+        if norm is None:
+            return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,
+                                         config_id(config))
+        return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, norm.kind, norm.weight, norm.bias,
+                                     float(norm.eps), config_id(config))
+    if torch.is_grad_enabled() and (x_partial.requires_grad or b.requires_grad
+                                    or (residual is not None and residual.requires_grad)
+                                    or (norm is not None and (norm.weight.requires_grad or (
+                                        norm.bias is not None and norm.bias.requires_grad)))):
+        raise _no_backward("all_reduce_matmul")
+    return _ar_impl(x_partial, b, group=group, residual=residual, norm=norm, config=config)
+
+
+# ---- mlp_chain ------------------------------------------------------------------------
+
+@torch.library.custom_op("overlap::mlp_chain", mutates_args=())
+def _mlp_chain_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Optional[str], config: int,
+                  sync: Optional[str], consumer_first: bool, producer_delay_cycles: int) -> torch.Tensor:
+    """``act(x @ w1) @ w2``."""
+    return _chain_impl(x, w1, w2, activation=activation, config=_configs[config], sync=sync,
+                       consumer_first=consumer_first, _producer_delay_cycles=producer_delay_cycles)
+
+
+@_mlp_chain_op.register_fake
+def _(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Optional[str], config: int,
+      sync: Optional[str], consumer_first: bool, producer_delay_cycles: int) -> torch.Tensor:
+    torch._check(x.dim() == 2 and w1.dim() == 2 and w2.dim() == 2, lambda: "mlp_chain: x, w1, w2 must be 2-D")
+    torch._check(x.shape[1] == w1.shape[0], lambda: f"mlp_chain: K mismatch, x {x.shape}, w1 {w1.shape}")
+    torch._check(w1.shape[1] == w2.shape[0], lambda: f"mlp_chain: F mismatch, w1 {w1.shape}, w2 {w2.shape}")
+    return x.new_empty((x.shape[0], w2.shape[1]))
+
+
+_forward_only(_mlp_chain_op, "mlp_chain")
+
+
+def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
+              config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
+              _producer_delay_cycles: int = 0) -> torch.Tensor:
+    """``act(x @ w1) @ w2``: ``overlap.ops.mlp_chain``, traceable by torch.compile."""
+    if torch.compiler.is_compiling():
+        return _mlp_chain_op(x, w1, w2, activation, config_id(config), sync, consumer_first,
+                             _producer_delay_cycles)
+    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
+        raise _no_backward("mlp_chain")
+    return _chain_impl(x, w1, w2, activation=activation, config=config, sync=sync, consumer_first=consumer_first,
+                       _producer_delay_cycles=_producer_delay_cycles)
+
