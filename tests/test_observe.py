@@ -277,7 +277,8 @@ def _kernel(name: str) -> SimpleNamespace:
 
 def _gemm_args(m: int, n: int, k: int, bm: int = 128, bn: int = 256, **kw: object) -> dict:
     tiles = -(-m // bm) * -(-n // bn)
-    args = dict(a_desc=_desc(m, k), a2_desc=_desc(m, k), b_desc=_desc(n, k), c_ptr=torch.empty(m, n, dtype=torch.float16),
+    args = dict(a_desc=_desc(m, k), a2_desc=_desc(m, k), b_desc=_desc(n, k),
+                c_ptr=torch.empty(m, n, dtype=torch.float16),
                 N=n, K=k, num_tiles=tiles, split_start=tiles, split_parts=1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
                 HAS_WAIT=True, HAS_POST=False, SPLIT=False, NORM_EPI=False, WARP_SPEC=False)
     args.update(kw)
