@@ -649,6 +649,40 @@ def scenario_posts_and_gelu() -> None:
     print("PASS posts_and_gelu")
 
 
+def scenario_wrap() -> None:
+    """Waits across the int32 wrap: epochs and counted flags wrap modulo 2**32 and
+    compare by difference (``overlap.flags.wrap32``), so a flag one call behind still
+    waits, the call's own value passes and two calls ahead is still a protocol error,
+    at 2**31 and at 2**32 alike, for counts (``wait_mult`` 3) too."""
+    from overlap.flags import wrap32
+
+    g = torch.Generator().manual_seed(5)
+    m, n, k = 16, 16, 16
+    a = torch.randn(m, k, generator=g, dtype=torch.float32)
+    w = torch.randn(n, k, generator=g, dtype=torch.float32)
+    for mult in (1, 3):
+        segs = [Segment(a_src=0, a_row=0, c_row=0, rows=16, wait_idx=0, wait_mult=mult)]
+        for calls in (2**31 // mult, 2**32 // mult, 2**32 // mult + 1):
+            epoch = wrap32(calls)
+            for seen_calls, outcome in ((calls - 1, "timeout"), (calls, "ok"), (calls + 1, "ok"),
+                                        (calls + 2, "ahead")):
+                flags = torch.tensor([wrap32(seen_calls * mult)], dtype=torch.int32)
+                ew = ErrorWord("cpu", what="wrap")
+                c = torch.full((m, n), float("nan"))
+                launch_tile_gemm(a, w.t(), c, _table(segs, n), flags=flags, err=ew.word, epoch=epoch, grid=1,
+                                 config=CFG, wait=True, max_spins=50)
+                try:
+                    ew.check()
+                    got = "ok"
+                except FlagProtocolError:
+                    got = "ahead"
+                except FlagTimeoutError:
+                    got = "timeout"
+                assert got == outcome, (mult, calls, seen_calls, got, outcome)
+                assert torch.isnan(c).all() == (outcome != "ok"), (mult, calls, seen_calls)
+    print("PASS wrap")
+
+
 def scenario_timeout() -> None:
     """A flag never posted (and one left from the previous epoch) ends in a clear error, not a hang."""
     g = torch.Generator().manual_seed(3)

@@ -208,7 +208,9 @@ def replay_timeout() -> str:
     delay = 200_000_000  # ~100 ms of GPU cycles before the producer starts
 
     def late() -> torch.Tensor:
-        return chmod.mlp_chain(*ops, config=cfg, _producer_delay_cycles=delay)
+        # the consumer first (no start gate: with it the consumer would only start
+        # once the late producer runs), the producer held back past the bound
+        return chmod.mlp_chain(*ops, config=cfg, consumer_first=True, _producer_delay_cycles=delay)
 
     late()
     torch.cuda.synchronize()
