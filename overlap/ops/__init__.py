@@ -1,6 +1,6 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
-from ._runtime import OverlapConfig
+from ._runtime import OverlapCaptureError, OverlapConfig, check_errors, reset
 from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
@@ -18,6 +18,9 @@ from .all_reduce import (
 
 __all__ = [
     "ChainConfig",
+    "OverlapCaptureError",
+    "check_errors",
+    "reset",
     "Norm",
     "OverlapConfig",
     "all_gather_matmul",

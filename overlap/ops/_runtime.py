@@ -27,7 +27,7 @@ from .. import flags as _flags
 
 __all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
-           "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word"]
+           "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -598,6 +598,45 @@ def shutdown_timeout_s() -> float:
     """How long shutdown waits for the ops' work to end: the wait bound (every tile's
     wait ends by then) plus 5 s, at most 60 s."""
     return min(60.0, _flags.default_timeout_ms() / 1000.0 + 5.0)
+
+
+def reset(group: Any = None) -> None:
+    """Bring the ops of ``group`` back in step on every rank after a timeout (collective:
+    every rank of the group calls it, at the same point).
+
+    After a ``FlagTimeoutError`` on the peer-copy transport the ranks may be out of
+    step (a rank whose wait timed out went on; its peers' later flags then look two
+    calls ahead: ``FlagProtocolError``). Every output of the group's peer-copy ops on
+    every rank from the call that timed out until this reset is invalid. The reset
+    waits (bounded by ``shutdown_timeout_s``) until this rank's work of the ops has
+    ended, meets the other ranks, zeroes this rank's shared flags and epochs and the
+    error words, and meets them again; the next call of every op is then epoch 1 on
+    every rank. The NCCL transport and the chain keep no state across calls and need no
+    reset. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
+    whose peer is gone): then ``overlap.dist.shutdown`` is the way out."""
+    import torch.distributed as tdist
+
+    group = resolve_group(group)
+    rt = None
+    if torch.cuda.is_available():
+        ranks, _ = group_key(group)
+        with _lock:
+            rt = next((r for (rk, _), r in _runtimes.items() if rk == ranks), None)
+    if rt is not None and not _drain(rt, shutdown_timeout_s()):
+        raise RuntimeError(f"overlap.reset: rank {rt.rank}: the ops' work did not end within "
+                           f"{shutdown_timeout_s():.0f} s; shut down instead (overlap.dist.shutdown)")
+    tdist.barrier(group=group)  # every rank's pushes have ended: nothing lands after this
+    if rt is not None:
+        with rt.order.lock:
+            if rt._heap is not None:
+                for f in rt._heap._flags.values():
+                    f.local.zero_()
+                    f.epoch = 0
+            for err in rt._errs.values():
+                err.clear()
+            rt._p2p_done.clear()
+            torch.cuda.synchronize(rt.device)
+    tdist.barrier(group=group)  # every rank zeroed its flags before any rank pushes again
 
 
 def reset_runtimes() -> None:
