@@ -61,9 +61,11 @@ def main() -> None:
         for bname, b, b_kn in (("w.t()", w.t(), False), ("row-major b", w.t().contiguous(), True)):
             cfg = tune_gemm(m, n, k, dtype=torch.bfloat16, device=dev, b_kn=b_kn)
             seg = [Segment(a_src=0, a_row=0, c_row=0, rows=m)]
-            table = torch.tensor(build_tile_table(seg, n, cfg.block_m, cfg.block_n), dtype=torch.int32, device=dev)
+            table = torch.tensor(build_tile_table(seg, n, cfg.block_m, cfg.block_n, group_m=cfg.group_m),
+                                 dtype=torch.int32, device=dev)
             segw = [Segment(a_src=0, a_row=0, c_row=0, rows=m, wait_idx=0, wait_mult=1)]
-            tablew = torch.tensor(build_tile_table(segw, n, cfg.block_m, cfg.block_n), dtype=torch.int32, device=dev)
+            tablew = torch.tensor(build_tile_table(segw, n, cfg.block_m, cfg.block_n, group_m=cfg.group_m),
+                                  dtype=torch.int32, device=dev)
             flags = torch.full((4,), 7, dtype=torch.int32, device=dev)
             err = torch.zeros(8, dtype=torch.int32, device=dev)
             c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)

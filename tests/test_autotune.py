@@ -1,47 +1,292 @@
-"""The GEMM config cache of overlap.kernels.autotune, without a GPU."""
+"""overlap.kernels.autotune without a GPU: the space's rules, the shortlist, the JSON cache;
+and benchmarks/gemm_sweep.py's shapes and result files."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import subprocess
+import sys
+import textwrap
 from dataclasses import asdict
 
 import pytest
 import torch
 
+from tests._procs import REPO
+
 pytest.importorskip("triton")
+
+ENV = {"gpu": "Fake GPU", "sms": 132, "smem": 232448, "torch": "2.0", "triton": "3.6.0", "overlap": "0.1.0", "space": 2}
 
 
 @pytest.fixture
 def autotune(monkeypatch: pytest.MonkeyPatch, tmp_path):
     monkeypatch.setenv("OVERLAP_GEMM_CACHE", str(tmp_path / "gemm.json"))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     import overlap.kernels.autotune as mod
 
-    return importlib.reload(mod)  # fresh in-process cache
+    mod = importlib.reload(mod)  # a fresh in-process cache
+    env = dict(ENV, space=mod.SPACE_VERSION)
+    monkeypatch.setattr(mod, "device_env", lambda device: dict(env))
+    return mod
 
 
-def test_cached_config_is_used_without_timing(autotune, tmp_path) -> None:
+def _problem(mod, m=256, n=512, k=1024, b_kn=False, block_m=None, dtype=torch.bfloat16):
+    return mod._problem(m, n, k, dtype, b_kn, block_m, None, None)
+
+
+def _fake_measure(mod, monkeypatch, pick):
+    calls = []
+
+    def measure(m, n, k, dtype, device, b_kn, cands, sms, **kw):
+        calls.append((m, n, k, len(cands)))
+        return pick, {mod._cfg_str(pick): 1.0}
+
+    monkeypatch.setattr(mod, "_measure", measure)
+    monkeypatch.setattr("overlap.kernels.tile_gemm.warp_specialize_supported", lambda device=None: False)
+    return calls
+
+
+# -- the space -----------------------------------------------------------------------------
+def test_space_keeps_only_what_fits_by_rule(autotune) -> None:
     from overlap.kernels.tile_gemm import GemmConfig
 
-    want = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
-    key = autotune._key("Fake GPU", 256, 512, 1024, torch.bfloat16, False, None)
-    (tmp_path / "gemm.json").write_text(json.dumps({key: {"config": asdict(want), "ms": {}}}))
-    # a hit returns before any tensor is made: no GPU needed
+    sp = autotune.space()
+    assert sp and len(set(sp)) == len(sp)
+    for c in sp:
+        assert c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * 2 <= autotune.SMEM_LIMIT
+        assert c.block_m * c.block_n // (32 * c.num_warps) <= autotune.MAX_ACC_REGS
+        assert not c.warp_specialize or c.num_warps == 8
+        assert (c.block_m, c.block_n) in autotune.TILES and c.group_m in (8, 16)
+    tiles = {(c.block_m, c.block_n, c.block_k, c.num_stages) for c in sp}
+    assert (128, 256, 64, 4) in tiles and (128, 256, 64, 5) not in tiles  # 240 KB > 227 KB
+    assert {t for t in tiles if t[2] == 128} == {(128, 128, 128, 3)}  # the only BLOCK_K 128 that fits
+    assert (64, 256, 64, 5) in tiles and (256, 128, 64, 5) not in tiles
+    big = GemmConfig(block_m=128, block_n=256, num_warps=4)
+    assert "registers" in autotune.rejects(big)
+    assert "shared memory" in autotune.rejects(GemmConfig(block_k=128))
+    # a smaller limit (another GPU) or 4-byte elements shrink the space by the same rule
+    assert len(autotune.space(smem_limit=101376)) < len(sp)
+    assert all(autotune.smem_bytes(c, 4) <= autotune.SMEM_LIMIT for c in autotune.space(elem_bytes=4))
+    assert not any(c.warp_specialize for c in autotune.space(ws=False))
+    assert set(autotune.CANDIDATES) == set(sp)
+
+
+def test_shortlist_prunes_by_tile_height_and_waves(autotune) -> None:
+    small = autotune.shortlist(512, 4096, 4096, sms=132)
+    big = autotune.shortlist(16384, 6144, 4096, sms=132)
+    for sl in (small, big):
+        assert 1 <= len(sl) <= 12 and len(set(sl)) == len(sl)
+        assert all(autotune.rejects(c) is None and c.group_m == 8 for c in sl)
+    # small M: 128x256 tiles fill 64 of 132 SMs; 128x128 and 64x256 tiles fill a wave
+    assert {(c.block_m, c.block_n) for c in small} == {(128, 128), (64, 256)}
+    # large M: 64-row tiles never; the 128x256 and 256x128 ones model fastest
+    assert {(c.block_m, c.block_n) for c in big} == {(128, 256), (256, 128)}
+    assert any(c.warp_specialize for c in big)
+    assert not any(c.warp_specialize for c in autotune.shortlist(16384, 6144, 4096, sms=132, ws=False))
+    # a BLOCK_M asked for overrides the tile-vs-M rule
+    assert {c.block_m for c in autotune.shortlist(16384, 6144, 4096, sms=132, block_m=64)} == {64}
+    assert autotune.shortlist(16384, 6144, 4096, sms=132, block_m=32) == []
+    # wave quantization: 2 full waves of 128x256 tiles against 2 waves plus a tile of 128x128
+    assert autotune.wave_model(2048, 2048 * 132 // 16 // 16 * 16, 128, 256, 132) <= \
+        autotune.wave_model(2048, 2048 * 132 // 16 // 16 * 16, 128, 128, 132)
+
+
+# -- the cache -----------------------------------------------------------------------------
+def test_cached_config_is_used_without_timing(autotune, tmp_path, monkeypatch) -> None:
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    want = GemmConfig(block_m=64, block_n=256, block_k=64, num_stages=4, num_warps=4, group_m=16)
+    env = autotune.device_env(None)
+    key = autotune.cache_key(env, _problem(autotune))
+    (tmp_path / "gemm.json").write_text(json.dumps({"format": 1, "entries": {key: {"config": asdict(want)}}}))
+    calls = _fake_measure(autotune, monkeypatch, GemmConfig())
     assert autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu", b_kn=False) == want
-    # a different layout or block_m is a different entry: a miss needs a GPU
-    assert autotune._key("Fake GPU", 256, 512, 1024, torch.bfloat16, True, None) != key
-    assert key in autotune.cached_configs()
+    assert calls == [] and key in autotune.cached_configs()
 
 
-def test_block_m_filter(autotune) -> None:
+def test_key_holds_everything_the_pick_depends_on(autotune) -> None:
+    env = autotune.device_env(None)
+    base = autotune.cache_key(env, _problem(autotune))
+    for field, value in (("gpu", "Other GPU"), ("sms", 114), ("smem", 101376), ("torch", "2.1"), ("triton", "3.7.0"),
+                         ("overlap", "0.2.0"), ("space", -1)):
+        assert autotune.cache_key(dict(env, **{field: value}), _problem(autotune)) != base, field
+    for kw in ({"m": 512}, {"n": 1024}, {"k": 2048}, {"b_kn": True}, {"block_m": 64}, {"dtype": torch.float16}):
+        assert autotune.cache_key(env, _problem(autotune, **kw)) != base, kw
+    assert autotune.cache_key(env, autotune._problem(256, 512, 1024, torch.bfloat16, False, None, 100, None)) != base
+    assert json.loads(base)["env"]["gpu"] == "Fake GPU"
+
+
+def test_stale_entry_is_ignored_and_replaced(autotune, tmp_path, monkeypatch) -> None:
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    env = autotune.device_env(None)
+    problem = _problem(autotune)
+    stale = autotune.cache_key(dict(env, triton="3.5.0"), problem)
+    other_gpu = autotune.cache_key(dict(env, gpu="Other GPU"), problem)
+    old = {"config": asdict(GemmConfig(block_m=64, block_n=256, num_warps=4))}
+    (tmp_path / "gemm.json").write_text(json.dumps({"format": 1, "entries": {stale: old, other_gpu: old}}))
+    pick = GemmConfig(block_m=128, block_n=128, num_stages=4)
+    calls = _fake_measure(autotune, monkeypatch, pick)
+    assert autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu") == pick
+    assert len(calls) == 1
+    entries = json.loads((tmp_path / "gemm.json").read_text())["entries"]
+    fresh = autotune.cache_key(env, problem)
+    # the stale entry of this GPU is gone, another GPU's stays, the new one is there
+    assert set(entries) == {fresh, other_gpu}
+    assert GemmConfig(**entries[fresh]["config"]) == pick and "tune_s" in entries[fresh]
+    # and a second call is a hit
+    assert autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu") == pick and len(calls) == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"config": {"block_m": 128, "tile_shape": [1, 2]}},  # an unknown field (another version's config)
+    {"config": {"block_m": 128, "block_n": 256, "block_k": 128, "num_stages": 5}},  # the rules reject it
+    {"config": {"block_m": 100}},  # not a valid GemmConfig
+    {"ms": {}},  # no config at all
+])
+def test_unknown_entry_is_ignored_and_rewritten(autotune, tmp_path, monkeypatch, bad) -> None:
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    key = autotune.cache_key(autotune.device_env(None), _problem(autotune))
+    (tmp_path / "gemm.json").write_text(json.dumps({"format": 1, "entries": {key: bad}}))
+    pick = GemmConfig(block_m=128, block_n=128, num_stages=4)
+    calls = _fake_measure(autotune, monkeypatch, pick)
+    assert autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu") == pick and len(calls) == 1
+    assert json.loads((tmp_path / "gemm.json").read_text())["entries"][key]["config"] == asdict(pick)
+
+
+@pytest.mark.parametrize("content", ['{"entries": {', "[1, 2]", '{"k": {"config": {}}}', '{"format": 99}'])
+def test_torn_or_foreign_file_is_ignored_and_rewritten(autotune, tmp_path, monkeypatch, content) -> None:
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    (tmp_path / "gemm.json").write_text(content)
+    pick = GemmConfig(block_m=128, block_n=128, num_stages=4)
+    _fake_measure(autotune, monkeypatch, pick)
+    assert autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu") == pick
+    data = json.loads((tmp_path / "gemm.json").read_text())
+    assert data["format"] == 1 and len(data["entries"]) == 1
+
+
+def test_block_m_without_candidates_raises(autotune, monkeypatch) -> None:
+    _fake_measure(autotune, monkeypatch, None)
     with pytest.raises(ValueError, match="block_m=32"):
         autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu", block_m=32)
-    assert {c.block_m for c in autotune.CANDIDATES} >= {64, 128}
 
 
-def test_save_is_atomic_and_round_trips(autotune, tmp_path) -> None:
-    autotune._cache["k"] = {"config": {"block_m": 128}, "ms": {"x": 1.0}}
-    autotune._save()
-    assert json.loads((tmp_path / "gemm.json").read_text())["k"]["ms"] == {"x": 1.0}
+def test_save_goes_through_a_temporary_file(autotune, tmp_path, monkeypatch) -> None:
+    autotune._write_atomic(str(tmp_path / "gemm.json"), {"format": 1, "entries": {"a": {"x": 1}}})
     assert [p.name for p in tmp_path.iterdir()] == ["gemm.json"]
+    seen = []
+    real_replace = autotune.os.replace
+
+    def failing_replace(src, dst):
+        seen.append((src, dst))
+        assert json.loads(open(src).read())["entries"] == {"b": {}}  # complete before the move
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(autotune.os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        autotune._write_atomic(str(tmp_path / "gemm.json"), {"format": 1, "entries": {"b": {}}})
+    src, dst = seen[0]
+    assert dst == str(tmp_path / "gemm.json") and str(tmp_path) == str(__import__("pathlib").Path(src).parent)
+    # the old file is whole, the temporary one is gone
+    assert json.loads((tmp_path / "gemm.json").read_text())["entries"] == {"a": {"x": 1}}
+    assert [p.name for p in tmp_path.iterdir()] == ["gemm.json"]
+    monkeypatch.setattr(autotune.os, "replace", real_replace)
+
+
+def test_two_processes_saving_never_leave_a_torn_file(tmp_path) -> None:
+    path = tmp_path / "gemm.json"
+    code = textwrap.dedent(f"""
+        import sys
+        from overlap.kernels import autotune as at
+        for i in range(150):
+            entries = {{f"{{sys.argv[1]}}{{i}}": {{"pad": "x" * 20000}}}}
+            at._write_atomic({str(path)!r}, {{"format": 1, "entries": entries}})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, tag], cwd=REPO) for tag in ("a", "b")]
+    reads = 0
+    while any(p.poll() is None for p in procs):
+        if path.exists():
+            data = json.loads(path.read_text())  # never a partial file
+            assert len(data["entries"]) == 1
+            reads += 1
+    assert all(p.returncode == 0 for p in procs)
+    assert [p.name for p in tmp_path.iterdir()] == ["gemm.json"]
+
+
+def test_measure_runs_candidates_under_the_interpreter(tmp_path) -> None:
+    """``_measure`` builds each candidate's table and launches it (interpreted, fp16);
+    a config that fails is skipped and remembered, GROUP_M 16 is tried on the winner."""
+    code = textwrap.dedent("""
+        import torch
+        import overlap.kernels.autotune as at
+        from overlap.kernels.tile_gemm import GemmConfig
+
+        class Timer:  # one interpreted call; a config's "time" from its shape
+            def __init__(self, fn):
+                fn()
+                self.iters, self.graph = 1, None
+            def ms(self):
+                return 1.0
+        at.GraphTimer = Timer
+        good = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_warps=4)
+        bad = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=3, num_warps=4)
+        import overlap.kernels.tile_gemm as tg
+        real = tg.launch_tile_gemm
+        def launch(a, b, c, table, *, config, **kw):
+            if config == bad:
+                raise RuntimeError("out of resources")
+            assert table.shape[0] == 9 * 2
+            real(a, b, c, table, config=config, **kw)
+            ref = (a.float() @ b.float())
+            assert ((c.float() - ref).norm() / ref.norm()).item() < 1e-2
+        tg.launch_tile_gemm = launch
+        best, ms = at._measure(9 * 64, 128, 64, torch.float16, torch.device("cpu"), False, [bad, good], 4)
+        assert best.block_k == 32 and best.num_stages == 2, best
+        assert any(v != v for v in ms.values()) and len(ms) == 3, ms
+        assert (bad, "torch.float16", False, 4) in at._failed
+        print("PASS measure")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and "PASS measure" in r.stdout, r.stdout + r.stderr
+
+
+# -- the sweep's shapes and files ------------------------------------------------------------
+def test_sweep_shapes_cover_the_spread() -> None:
+    from benchmarks.gemm_sweep import M_VALUES, MODELS, quick_shapes, sweep_shapes
+
+    rows = sweep_shapes()
+    assert len(rows) >= 40 and sweep_shapes() == rows  # deterministic
+    assert len({(r["m"], r["n"], r["k"]) for r in rows}) == len(rows)
+    assert {r["m"] for r in rows} == set(M_VALUES)
+    assert {r["model"] for r in rows} == set(MODELS)
+    assert {(r["b_layout"], r["dtype"]) for r in rows} == {(b, d) for b in ("nk", "kn")
+                                                          for d in ("bfloat16", "float16")}
+    assert {r["tp"] for r in rows} == {1, 2, 4, 8}
+    assert all(r["n"] % 16 == 0 and r["k"] % 16 == 0 for r in rows)
+    assert all(2.0 * r["m"] * r["n"] * r["k"] <= 16e12 for r in rows)
+    assert 1 <= len(quick_shapes()) <= 8
+
+
+def test_sweep_writes_json_and_table(tmp_path) -> None:
+    from benchmarks.gemm_sweep import write_results
+
+    rows = [{"m": 512, "n": 4096, "k": 4096, "b_layout": "nk", "dtype": "bfloat16", "cublas_ms": 0.1,
+             "tile_ms": 0.1, "config": "128x128x64 s5 w8 g8", "tune_s": 1.0, "model": "x", "layer": "fc1", "tp": 1},
+            {"m": 1024, "n": 4096, "k": 4096, "b_layout": "kn", "dtype": "float16", "cublas_ms": 0.09,
+             "tile_ms": 0.1, "config": "64x256x64 s4 w4 g8", "tune_s": 2.0, "model": "x", "layer": "fc2", "tp": 2},
+            {"m": 2048, "n": 4096, "k": 4096, "b_layout": "kn", "dtype": "float16", "error": "boom"}]
+    summary = write_results(str(tmp_path), {"gpu": "Fake", "commit": "abc"}, rows, {"not_run": []})
+    doc = json.loads((tmp_path / "gemm_sweep.json").read_text())
+    assert set(doc) >= {"context", "summary", "rows"} and doc["rows"][2]["error"] == "boom"
+    for r in doc["rows"][:2]:
+        assert set(r) >= {"m", "n", "k", "b_layout", "dtype", "cublas_ms", "tile_ms", "config"}
+    assert summary["shapes"] == 2 and summary["min"] == 0.9
+    assert summary["geomean"] == pytest.approx((1.0 * 0.9) ** 0.5, abs=1e-4)
+    assert summary["worst"][0][0].startswith("1024x4096x4096") and not summary["met"]
+    assert summary["under_min_target"] == ["1024x4096x4096 kn float16"]
+    md = (tmp_path / "gemm_sweep.md").read_text()
+    assert "| 512 | 4096 | 4096 | nk | bfloat16 |" in md and "geo-mean 0.949x" in md

@@ -1,0 +1,350 @@
+"""The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
+
+    python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
+
+Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
+hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
+column-parallel (qkv, fc1: N = out / TP, K = hidden) and row-parallel (proj, fc2:
+N = hidden, K = in / TP) layers see them; both B layouts (``nk``: the ``w.t()`` of an
+nn.Linear weight, ``kn``: row-major [K, N]), bf16 and fp16.
+
+First every config the tuner will try (``overlap.kernels.autotune.shortlist``) is
+compiled once in a pool of processes (Triton's on-disk cache then serves the tuner);
+then per shape: ``tune_gemm`` (its wall time is the tuner's cost for a new shape), and
+interleaved rounds of cuBLAS (``torch.mm``) and the tuned tile GEMM over every SM, each
+timed as CUDA-graph replays (host launch cost left out), medians kept. With
+``--max-seconds`` no new shape is started once that much time has passed; the JSON says
+which shapes were left out.
+
+Writes ``gemm_sweep.json`` ({"context", "summary", "rows"}), ``gemm_sweep.md`` (the
+table) and the tuner's cache ``gemm_cache.json`` (``OVERLAP_GEMM_CACHE``, unless set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any, Iterable
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+M_VALUES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+TPS = (1, 2, 4, 8)
+MODELS = {  # hidden, FFN (per expert for the MoE models)
+    "gpt3-175b": (12288, 49152),
+    "llama2-7b": (4096, 11008),
+    "llama3-8b": (4096, 14336),
+    "llama2-70b": (8192, 28672),
+    "llama3-405b": (16384, 53248),
+    "qwen2-7b": (3584, 18944),
+    "qwen2.5-72b": (8192, 29568),
+    "mixtral-8x7b": (4096, 14336),
+    "mixtral-8x22b": (6144, 16384),
+}
+MAX_TFLOP = 16.0
+"""Shapes over this many TFLOP (2 M N K) are left out: about 20 ms each on an H200,
+so the sweep's tuning and timing stay within one short run."""
+
+
+def layer_shapes(hidden: int, ffn: int, tp: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear of a transformer block on one of ``tp`` ranks."""
+    return {"qkv": (3 * hidden // tp, hidden), "proj": (hidden, hidden // tp),
+            "fc1": (ffn // tp, hidden), "fc2": (hidden, ffn // tp)}
+
+
+def sweep_shapes(count: int = 48, seed: int = 0, max_tflop: float = MAX_TFLOP) -> list[dict[str, Any]]:
+    """``count`` distinct (M, N, K, B layout, dtype) rows, a deterministic spread: every M
+    value and every model appears, both B layouts in both dtypes (every third row ``kn``,
+    every fourth fp16); N and K multiples of 16 (TMA rows of 16 bytes, and one Triton
+    specialization for all of them)."""
+    pool = []
+    for model, (hidden, ffn) in MODELS.items():
+        for tp in TPS:
+            for layer, (n, k) in layer_shapes(hidden, ffn, tp).items():
+                for m in M_VALUES:
+                    if n % 16 or k % 16 or 2.0 * m * n * k / 1e12 > max_tflop:
+                        continue
+                    pool.append({"model": model, "tp": tp, "layer": layer, "m": m, "n": n, "k": k})
+    random.Random(seed).shuffle(pool)
+    picked: list[dict[str, Any]] = []
+    seen: set[tuple[int, int, int]] = set()
+
+    def take(row: dict[str, Any]) -> None:
+        key = (row["m"], row["n"], row["k"])
+        if key not in seen and len(picked) < count:
+            seen.add(key)
+            picked.append(row)
+
+    # coverage first: each M with each TP degree once, each model once, then the rest
+    for m in M_VALUES:
+        for tp in TPS:
+            row = next((r for r in pool if r["m"] == m and r["tp"] == tp and (m, r["n"], r["k"]) not in seen), None)
+            if row is not None:
+                take(row)
+    for model in MODELS:
+        if not any(r["model"] == model for r in picked):
+            row = next((r for r in pool if r["model"] == model and (r["m"], r["n"], r["k"]) not in seen), None)
+            if row is not None:
+                take(row)
+    for row in pool:
+        take(row)
+    out = []
+    for i, row in enumerate(picked):
+        out.append({**row, "b_layout": "kn" if i % 3 == 2 else "nk", "dtype": "float16" if i % 4 == 3 else "bfloat16"})
+    return out
+
+
+def quick_shapes() -> list[dict[str, Any]]:
+    rows = [(512, 4096, 4096, "nk", "bfloat16"), (2048, 8192, 8192, "nk", "bfloat16"),
+            (4096, 4096, 8192, "kn", "bfloat16"), (16384, 6144, 4096, "nk", "bfloat16"),
+            (12288, 3584, 5120, "kn", "float16"), (8192, 1792, 4096, "nk", "float16")]
+    return [{"model": "-", "tp": 0, "layer": "-", "m": m, "n": n, "k": k, "b_layout": b, "dtype": d}
+            for m, n, k, b, d in rows]
+
+
+def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: float = 0.93) -> dict[str, Any]:
+    """Geo-mean and minimum of the tile GEMM's speed relative to cuBLAS (cublas_ms / tile_ms)
+    over the rows that ran, the five slowest shapes, and the rows under ``target_min``."""
+    ok = [r for r in rows if r.get("tile_ms") and r.get("cublas_ms")]
+    if not ok:
+        return {"shapes": 0}
+    sp = [r["cublas_ms"] / r["tile_ms"] for r in ok]
+    geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
+    worst = sorted(ok, key=lambda r: r["cublas_ms"] / r["tile_ms"])
+    label = lambda r: f"{r['m']}x{r['n']}x{r['k']} {r['b_layout']} {r['dtype']}"  # noqa: E731
+    tune = [r["tune_s"] for r in ok if r.get("tune_s") is not None]
+    return {"shapes": len(ok), "geomean": round(geo, 4), "min": round(min(sp), 4), "max": round(max(sp), 4),
+            "worst": [[label(r), round(r["cublas_ms"] / r["tile_ms"], 4)] for r in worst[:5]],
+            "under_min_target": [label(r) for r in worst if r["cublas_ms"] / r["tile_ms"] < target_min],
+            "targets": {"geomean": target_geo, "min": target_min},
+            "met": geo >= target_geo and min(sp) >= target_min,
+            "tune_s_median": round(statistics.median(tune), 3) if tune else None,
+            "tune_s_max": round(max(tune), 3) if tune else None}
+
+
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[str, Any]) -> str:
+    lines = [f"# Tile GEMM vs cuBLAS ({context.get('gpu')}, commit {context.get('commit')})", "",
+             "| M | N | K | B | dtype | model / layer / TP | cuBLAS ms | tile ms | tile / cuBLAS speed | config "
+             "| tune s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("tile_ms"):
+            continue
+        lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['b_layout']} | {r['dtype']} | "
+                     f"{r.get('model')} {r.get('layer')} {r.get('tp')} | {r['cublas_ms']:.4f} | {r['tile_ms']:.4f} | "
+                     f"{r['cublas_ms'] / r['tile_ms']:.3f} | {r['config']} | {r.get('tune_s', float('nan')):.2f} |")
+    if summary.get("shapes"):
+        lines += ["", f"{summary['shapes']} shapes: geo-mean {summary['geomean']:.3f}x cuBLAS, "
+                      f"min {summary['min']:.3f}x, max {summary['max']:.3f}x; targets geo-mean >= "
+                      f"{summary['targets']['geomean']}, min >= {summary['targets']['min']}: "
+                      f"{'met' if summary['met'] else 'missed'}.",
+                  f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
+                  f"Tuning a new shape: median {summary['tune_s_median']} s, max {summary['tune_s_max']} s "
+                  "(kernels already compiled)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: str, context: dict[str, Any], rows: list[dict[str, Any]],
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``gemm_sweep.json`` and ``gemm_sweep.md`` under ``out``; returns the summary."""
+    summary = summarize(rows)
+    os.makedirs(out, exist_ok=True)
+    doc = {"context": context, "summary": summary, **(extra or {}), "rows": rows}
+    with open(os.path.join(out, "gemm_sweep.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(out, "gemm_sweep.md"), "w") as f:
+        f.write(markdown(rows, summary, context))
+    return summary
+
+
+# ------------------------------------------------------------------------------------
+# GPU part
+# ------------------------------------------------------------------------------------
+def _compile_one(job: tuple[dict[str, Any], str, bool]) -> tuple[dict[str, Any], str, bool, float, str | None]:
+    """Build and run one config on a small problem of the same Triton specialization
+    (sizes multiples of 16), filling Triton's on-disk cache for the tuner."""
+    import torch
+
+    from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
+    from overlap.policies import Segment, build_tile_table
+
+    cfg_d, dtype_s, b_kn = job
+    cfg = GemmConfig(**cfg_d)
+    dtype = getattr(torch, dtype_s)
+    m, n, k = 512, 512, 1024
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    b = w.t().contiguous() if b_kn else w.t()
+    c = torch.empty(m, n, device="cuda", dtype=dtype)
+    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m, cfg.block_n),
+                         dtype=torch.int32, device="cuda")
+    t0 = time.perf_counter()
+    try:
+        launch_tile_gemm(a, b, c, table, grid=8, config=cfg)
+        torch.cuda.synchronize()
+        err = None
+        rel = ((c.float() - (a @ b).float()).norm() / (a @ b).float().norm()).item()
+        if not rel < 2e-2:
+            err = f"wrong result: rel err {rel:.2e}"
+    except Exception as e:  # noqa: BLE001 - a config that does not build here: reported
+        err = f"{type(e).__name__}: {str(e)[:200]}"
+    return cfg_d, dtype_s, b_kn, time.perf_counter() - t0, err
+
+
+def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> list[tuple[Any, ...]]:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    if workers <= 1:
+        return [_compile_one(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        return list(ex.map(_compile_one, jobs))
+
+
+def run_shape(row: dict[str, Any], rounds: int, sms: int) -> dict[str, Any]:
+    import torch
+
+    from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
+    from overlap.kernels.tile_gemm import launch_tile_gemm
+    from overlap.policies import Segment, build_tile_table
+
+    m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
+    dtype = getattr(torch, row["dtype"])
+    dev = torch.device("cuda")
+    before = set(cached_configs())
+    t0 = time.perf_counter()
+    cfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn)
+    tune_s = time.perf_counter() - t0
+    entry = next((v for kk, v in cached_configs().items() if kk not in before), None)
+    g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
+    a = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+    w = torch.randn(n, k, device=dev, dtype=dtype, generator=g) / k ** 0.5
+    b = w.t().contiguous() if b_kn else w.t()
+    c_ref = torch.empty(m, n, device=dev, dtype=dtype)
+    c = torch.empty(m, n, device=dev, dtype=dtype)
+    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m, cfg.block_n,
+                                          group_m=cfg.group_m), dtype=torch.int32, device=dev)
+    timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)),
+              "tile": GraphTimer(lambda: launch_tile_gemm(a, b, c, table, grid=sms, config=cfg))}
+    times: dict[str, list[float]] = {kk: [] for kk in timers}
+    for _ in range(rounds):  # interleaved: drifts of clock and temperature hit both alike
+        for kk, t in timers.items():
+            times[kk].append(t.ms())
+    c.fill_(float("nan"))
+    launch_tile_gemm(a, b, c, table, grid=sms, config=cfg)
+    torch.mm(a, b, out=c_ref)
+    ref = c_ref.float()
+    rel = ((c.float() - ref).norm() / ref.norm()).item()
+    cb, tl_ = statistics.median(times["cublas"]), statistics.median(times["tile"])
+    flops = 2.0 * m * n * k
+    ratios = sorted(x / y for x, y in zip(times["cublas"], times["tile"]))
+    return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
+            "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
+            "cublas_tflops": round(flops / cb / 1e9, 1), "tile_tflops": round(flops / tl_ / 1e9, 1),
+            "config": _cfg_str(cfg), "config_fields": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
+            "tune_s": round(tune_s, 3), "candidates_ms": entry["ms"] if entry else None,
+            "rel_err_vs_cublas": rel, "iters_per_replay": {kk: t.iters for kk, t in timers.items()},
+            "graphs": all(t.graph is not None for t in timers.values()), "times": times}
+
+
+def compile_jobs(shapes: Iterable[dict[str, Any]], sms: int, ws: bool) -> list[tuple[dict[str, Any], str, bool]]:
+    """Every (config, dtype, B layout) the tuner's shortlists hold for ``shapes``."""
+    from dataclasses import asdict
+
+    from overlap.kernels.autotune import shortlist
+
+    jobs, seen = [], set()
+    for r in shapes:
+        for cfg in shortlist(r["m"], r["n"], r["k"], sms=sms, ws=ws):
+            key = (cfg, r["dtype"], r["b_layout"] == "kn")
+            if key not in seen:
+                seen.add(key)
+                jobs.append((asdict(cfg), r["dtype"], r["b_layout"] == "kn"))
+    return jobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="six shapes")
+    ap.add_argument("--count", type=int, default=48, help="shapes of the full sweep")
+    ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("OVERLAP_GEMM_CACHE", os.path.join(os.path.abspath(args.out), "gemm_cache.json"))
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gemm_sweep.py times on a CUDA GPU; none is visible here")
+    from benchmarks.context import run_context
+    from overlap.kernels.autotune import note_failed
+    from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported
+
+    shapes = quick_shapes() if args.quick else sweep_shapes(args.count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = warp_specialize_supported(0)
+    jobs = compile_jobs(shapes, sms, ws)
+    print(f"{len(shapes)} shapes; compiling {len(jobs)} (config, dtype, layout) kernels on {args.workers} processes",
+          flush=True)
+    t0 = time.perf_counter()
+    built = precompile(jobs, args.workers)
+    compile_wall = time.perf_counter() - t0
+    failed = []
+    for cfg_d, dtype_s, b_kn, secs, err in built:
+        if err is not None:
+            failed.append({"config": cfg_d, "dtype": dtype_s, "b_kn": b_kn, "error": err})
+            note_failed(GemmConfig(**cfg_d), getattr(torch, dtype_s), b_kn, sms)
+            print(f"  does not build: {cfg_d} {dtype_s} {'kn' if b_kn else 'nk'}: {err}", flush=True)
+    per = sorted(s for *_, s, e in built if e is None)
+    print(f"compiled in {compile_wall:.1f} s wall; one kernel's build and first run: median "
+          f"{statistics.median(per) if per else float('nan'):.2f} s, max {max(per) if per else float('nan'):.2f} s; "
+          f"{len(failed)} failed", flush=True)
+    context = run_context()
+    context.update({"sms": sms, "warp_specialize": ws, "rounds": args.rounds, "timing": "CUDA-graph replays",
+                    "cmdline": " ".join(sys.argv[1:])})
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    for i, row in enumerate(shapes):
+        if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
+            skipped = shapes[i:]
+            print(f"--max-seconds {args.max_seconds:.0f} spent: {len(skipped)} of {len(shapes)} shapes not run",
+                  flush=True)
+            break
+        try:
+            r = run_shape(row, args.rounds, sms)
+        except Exception as e:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
+            r = {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            torch.cuda.synchronize()
+        rows.append(r)
+        if "error" in r:
+            print(f"[{i + 1}/{len(shapes)}] {row['m']}x{row['n']}x{row['k']} {row['b_layout']} {row['dtype']}: "
+                  f"ERROR {r['error']}", flush=True)
+        else:
+            print(f"[{i + 1}/{len(shapes)}] {r['m']:>5}x{r['n']:>5}x{r['k']:>5} {r['b_layout']} {r['dtype']:>8}: "
+                  f"cuBLAS {r['cublas_ms']:.4f} ms, tile {r['tile_ms']:.4f} ms = {r['speed_vs_cublas']:.3f}x "
+                  f"({r['config']}; tuned in {r['tune_s']:.2f} s; err {r['rel_err_vs_cublas']:.1e}) "
+                  f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+        write_results(args.out, context, rows, {"compile": {"jobs": len(jobs), "wall_s": round(compile_wall, 2),
+                                                            "per_kernel_s": [round(s, 2) for s in per],
+                                                            "failed": failed},
+                                                "not_run": skipped})
+    summary = write_results(args.out, context, rows, {
+        "compile": {"jobs": len(jobs), "wall_s": round(compile_wall, 2), "per_kernel_s": [round(s, 2) for s in per],
+                    "failed": failed},
+        "not_run": [{k: r[k] for k in ("m", "n", "k", "b_layout", "dtype")} for r in skipped]})
+    print(markdown(rows, summary, context), flush=True)
+    if skipped:
+        print(f"NOTE: budget spent, {len(skipped)} shapes not run", flush=True)
+
+
+if __name__ == "__main__":
+    main()
