@@ -87,6 +87,14 @@ def main() -> None:
             torch.testing.assert_close(all_gather_matmul(full[rank * 4:(rank + 1) * 4], w.t(), group=sub),
                                        full @ w.t())
     good_calls("the end")
+    # what ran is in the report: the reference path, and why (no GPU), per op and shape
+    from overlap import observe
+
+    rows = {(r["op"], tuple(r["shape"])): r for r in observe.report().rows}
+    row = rows[("all_gather_matmul", (ws * 4, n, k))]
+    assert row["paths"][0]["path"] == "reference" and row["paths"][0]["why"] == "no GPU", row
+    assert row["calls"] >= 8, row
+    assert rows[("all_reduce_matmul", (6, n, k))]["calls"] >= 8, rows.keys()
     dist.shutdown()
     print(f"PASS safety rank={rank}", flush=True)
 

@@ -115,6 +115,9 @@ def warn_once(key: str, msg: str) -> None:
     """Warn once per process and key (fallbacks are never silent, never noisy)."""
     if key not in _warned:
         _warned.add(key)
+        from .. import observe
+
+        observe.record_warning(msg.split(":", 1)[0], (), msg)
         warnings.warn(msg, stacklevel=3)
 
 
@@ -730,6 +733,37 @@ def gather_ints(group: Any, world: int, values: list[int], device: torch.device)
     return alls.view(world, n).tolist()
 
 
+def observed(op: str, shape: tuple, path: str, why: str, device: torch.device, fn: Any, *args: Any,
+             serial: bool = False) -> Any:
+    """``fn(*args)``, one call of ``op`` on ``path`` (``overlap.observe``): a profiler range
+    named ``overlap.<op>[<path>]``, the call counted in ``overlap.report()`` with ``why``,
+    and, while profiling is on, the call's span on the caller's stream timed by CUDA
+    events (read when the report is made, never waited on). Off: a counter and a shared
+    no-op range, well under a microsecond."""
+    from .. import observe
+
+    with observe.op_range(op, path):
+        observe.record_call(op, shape, path, why)
+        tm = observe.timer(op, shape, path, serial=serial) if device.type == "cuda" else None
+        if not tm:
+            return fn(*args)
+        cur = torch.cuda.current_stream(device)
+        tm.start("op", cur)
+        out = fn(*args)
+        tm.stop("op", cur)
+        tm.commit()
+        return out
+
+
+def serial_phases(op: str, shape: tuple, path: str, device: torch.device) -> Any:
+    """A timer for a call that runs its communication and GEMM one after the other (the
+    references): their spans are the alone-times of the report's hidden fraction. Falsy
+    (a no-op) unless profiling is on and the call is on CUDA."""
+    from .. import observe
+
+    return observe.timer(op, shape, path, serial=True) if device.type == "cuda" else None
+
+
 def refuse_grad(op: str, *tensors: Any) -> None:
     """Raise if autograd would track a result of ``op``, which has no backward yet: a
     result silently detached from the graph would train wrong."""
@@ -928,8 +962,14 @@ def report_errors(err: _flags.ErrorWord, check: str) -> None:
     every replay): replays' timeouts surface on the next eager call or ``check_errors``."""
     if capturing():
         return
-    if check == "sync":
-        err.check(block=True)
-    elif check == "async":
-        err.check(block=False)
-        err.snapshot()
+    try:
+        if check == "sync":
+            err.check(block=True)
+        elif check == "async":
+            err.check(block=False)
+            err.snapshot()
+    except _flags.FlagTimeoutError as e:
+        from .. import observe
+
+        observe.record_timeout(err.what.split(" ", 1)[0], (), e)
+        raise

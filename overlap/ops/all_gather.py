@@ -37,7 +37,7 @@ from .. import flags as _flags
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
-                       capturing, check_agree,
+                       capturing, check_agree, observed, serial_phases,
                        confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once,
                        ws_variants)
@@ -87,8 +87,17 @@ def all_gather_matmul_ref(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any 
     world, _ = _world(group)
     a_shard = a_shard.contiguous()
     gathered = a_shard.new_empty((world * a_shard.shape[0], a_shard.shape[1]))
+    tm = serial_phases("all_gather_matmul", (gathered.shape[0], b.shape[1], b.shape[0]), "reference", a_shard.device)
+    if tm:
+        tm.start("comm")
     all_gather_single(gathered, a_shard, group=group)
+    if tm:
+        tm.stop("comm")
+        tm.start("gemm")
     c = gathered @ b
+    if tm:
+        tm.stop("gemm")
+        tm.commit()
     stats["reference"] += 1
     return (c, gathered) if return_gathered else c
 
@@ -260,7 +269,9 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
                   "running the reference (all-gather, then matmul)")
         agree_on_reference(group, "all_gather_matmul", ("M/R", "K", "N", "dtype"),
                            (ms, k, n, dtype_code(a_shard.dtype)), a_shard.device)
-        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+        why = "no GPU" if not a_shard.is_cuda else f"dtype {a_shard.dtype}"
+        return observed("all_gather_matmul", (ms * _world(group)[0], n, k), "reference", why, a_shard.device,
+                        lambda: all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered))
     esize = a_shard.element_size()
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
@@ -273,6 +284,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
         raise OverlapCaptureError("all_gather_matmul: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a_shard.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
+    given = config is not None
     tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
@@ -282,9 +294,11 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p"),
                 (ms, k, n, dtype_code(a_shard.dtype), 0 if config is None else (config.chunks or _default_chunks(ms)),
                  int(transport == "p2p")))
+    shape = (ms * rt.world, n, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
-        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+        return observed("all_gather_matmul", shape, "sequential", "tuner pick", a_shard.device,
+                        lambda: all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered))
     if transport == "p2p" and capturing():
         # the peer-copy transport's flags are written by the peers' copy engines with
         # epochs the host counts per call: a replay would repeat the captured epoch
@@ -292,12 +306,17 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
                   "graph; the captured call runs the reference (all-gather, then matmul); "
                   "OverlapConfig(transport='nccl') captures the tile-flag path")
         stats["reference_in_capture"] += 1
-        return all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered)
+        return observed("all_gather_matmul", shape, "reference", "capture (p2p)", a_shard.device,
+                        lambda: all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered))
     sig = (ms, k, n, a_shard.dtype, b.stride(), return_gathered, config, transport)
     rt.require_warm("all_gather_matmul", sig)
+    path = f"{transport} x{config.chunks or _default_chunks(ms)}"
+    why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return run_p2p(rt, "all_gather_matmul", _fused_p2p, rt, a_shard.contiguous(), b, return_gathered, config)
-    return _fused(rt, a_shard.contiguous(), b, return_gathered, config)
+        return observed("all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul",
+                        _fused_p2p, rt, a_shard.contiguous(), b, return_gathered, config)
+    return observed("all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b,
+                    return_gathered, config)
 
 
 def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
@@ -472,6 +491,10 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     best_t, best = confirm_best(rt, rt.err("all_gather_matmul"), results, fn_for, iters, group,
                                 describe=label if verbose else None, keep=("sequential",))
     _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
+    from .. import observe
+
+    observe.record_tuning("all_gather_matmul", (ms * rt.world, n, k),
+                          [(label(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])], label(best).strip())
     if best == "sequential":
         warn_once(f"agmm-seq-{ms}-{n}-{k}", f"all_gather_matmul: overlap does not pay for M/R={ms}, N={n}, K={k} "
                   f"(sequential {t_seq:.3f} ms was fastest); running all-gather then matmul for this shape")

@@ -59,7 +59,7 @@ from .. import flags as _flags
 from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+                       confirm_best, observed, serial_phases, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
@@ -169,10 +169,20 @@ def all_reduce_matmul_ref(x_partial: torch.Tensor, b: torch.Tensor, *, group: An
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
     s = x_partial.clone(memory_format=torch.contiguous_format)
+    tm = serial_phases("all_reduce_matmul", (s.shape[0], b.shape[1], b.shape[0]), "reference", s.device)
+    if tm:
+        tm.start("comm")
     tdist.all_reduce(s, group=group)
+    if tm:
+        tm.stop("comm")
+        tm.start("gemm")
     h, y = _finish(s, residual, norm)
+    c = y @ b
+    if tm:
+        tm.stop("gemm")
+        tm.commit()
     stats["reference"] += 1
-    return y @ b, h
+    return c, h
 
 
 def all_reduce_matmul_chunked(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
@@ -446,7 +456,9 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         agree_on_reference(group, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm"),
                            (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm)),
                            x_partial.device)
-        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+        why = "no GPU" if not x_partial.is_cuda else f"dtype {x_partial.dtype}"
+        return observed("all_reduce_matmul", (m, n, k), "reference", why, x_partial.device,
+                        lambda: all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm))
     esize = x_partial.element_size()
     if (k * esize) % 16 or (n * esize) % 16:
         raise ValueError(f"all_reduce_matmul: K={k} and N={n} must be multiples of {16 // esize} "
@@ -458,6 +470,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         raise OverlapCaptureError("all_reduce_matmul: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, x_partial.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
+    given = config is not None
     tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
@@ -470,9 +483,14 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
                 (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
                  int(transport == "p2p")))
+    shape = (m, n, k)
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+
     if tuned == "sequential":
         stats["sequential_by_tuner"] += 1
-        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+        return observed("all_reduce_matmul", shape, "sequential", "tuner pick", x_partial.device, ref)
     if capturing() and (config is None or transport == "p2p"):
         # the peer-copy transport's flags are written by the peers' copy engines with
         # epochs the host counts per call (a replay would repeat the captured epoch);
@@ -481,16 +499,22 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
                   "captured in a CUDA graph; the captured call runs the reference (all-reduce, add, norm, then "
                   "matmul); OverlapConfig(transport='nccl') captures the tile-flag path")
         stats["reference_in_capture"] += 1
-        return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
+        return observed("all_reduce_matmul", shape, "reference", "capture (p2p or chunked)", x_partial.device, ref)
     if config is None:
         stats["chunked_by_tuner"] += 1
-        return all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm, chunks=chunks)
+        return observed("all_reduce_matmul", shape, f"chunked x{chunks}", "tuner pick", x_partial.device,
+                        lambda: all_reduce_matmul_chunked(x_partial, b, group=group, residual=residual, norm=norm,
+                                                          chunks=chunks))
     sig = (m, k, n, x_partial.dtype, b.stride(), residual is not None,
            None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), config, transport)
     rt.require_warm("all_reduce_matmul", sig)
+    path = f"{transport}{' two-shot' if config.two_shot and transport == 'p2p' else ''} x{chunks}"
+    why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return run_p2p(rt, "all_reduce_matmul", _fused_p2p, rt, x_partial.contiguous(), b, residual, norm, config)
-    return _fused(rt, x_partial.contiguous(), b, residual, norm, config)
+        return observed("all_reduce_matmul", shape, path, why, x_partial.device, run_p2p, rt, "all_reduce_matmul",
+                        _fused_p2p, rt, x_partial.contiguous(), b, residual, norm, config)
+    return observed("all_reduce_matmul", shape, path, why, x_partial.device, _fused, rt, x_partial.contiguous(), b,
+                    residual, norm, config)
 
 
 def _norm_code(norm: Norm | None) -> int:
@@ -944,6 +968,10 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     best_t, best = confirm_best(rt, rt.err("all_reduce_matmul"), results, fn_for, iters, group,
                                 describe=label if verbose else None, keep=("sequential",))
     _tuned[_tune_key(rt, x, n, residual, norm)] = best
+    from .. import observe
+
+    observe.record_tuning("all_reduce_matmul", (m, n, k),
+                          [(label(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])], label(best).strip())
     if isinstance(best, str):
         warn_once(f"armm-{best}-{m}-{n}-{k}-{residual is not None}-{norm.kind if norm else None}",
                   f"all_reduce_matmul: tile-flag overlap does not pay for M={m}, N={n}, K={k} "

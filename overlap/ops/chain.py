@@ -64,8 +64,8 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from ._runtime import (LocalWords, OverlapCaptureError, capturing, device_order, on_stream, refuse_grad,
-                       register_error_word, report_errors, warn_once)
+from ._runtime import (LocalWords, OverlapCaptureError, capturing, device_order, observed, on_stream, refuse_grad,
+                       register_error_word, report_errors, serial_phases, warn_once)
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
@@ -247,8 +247,19 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     pc = cfg.producer or _default_gemm()
     mid = x.new_empty((m, f))
     y = x.new_empty((m, n))
+    # as serial phases the two GEMMs' alone-times, for the report's hidden fraction of the
+    # fused chain (the producer in the communication's part)
+    tm = serial_phases("mlp_chain", (m, x.shape[1], f, n), "stream-sync", x.device)
+    if tm:
+        tm.start("comm")
     launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation)
+    if tm:
+        tm.stop("comm")
+        tm.start("gemm")
     launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms, config=cfg.consumer or pc)
+    if tm:
+        tm.stop("gemm")
+        tm.commit()
     stats["stream_sync"] += 1
     return y
 
@@ -283,9 +294,12 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     if not _takes_fast_path(x):
         warn_once(f"chain-ref-{x.device.type}-{x.dtype}",
                   f"mlp_chain: no tile-flag path for {x.dtype} on {x.device.type}; running torch")
-        return mlp_chain_ref(x, w1, w2, activation=activation)
+        why = "no GPU" if not x.is_cuda else f"dtype {x.dtype}"
+        return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), "reference", why, x.device,
+                        lambda: mlp_chain_ref(x, w1, w2, activation=activation))
     _validate_cuda(x, w1, w2)
-    cfg = config or _tuned.get(_tune_key(x, w1, w2, activation)) or ChainConfig()
+    tuned = None if config is not None else _tuned.get(_tune_key(x, w1, w2, activation))
+    cfg = config or tuned or ChainConfig()
     if sync is not None and sync != cfg.sync:
         cfg = dataclasses.replace(cfg, sync=sync)
     if not consumer_first and not _flags._cuda_driver():
@@ -293,6 +307,15 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         # anything is queued. Without it the kernels still chain correctly, only slower
         warn_once("chain-no-gate", "mlp_chain: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12]); "
                   "running the chain without its start gate")
+    why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
+    return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), f"tile-flag {cfg.sync}", why,
+                    x.device, _fused, x, w1, w2, activation, cfg, consumer_first, _producer_delay_cycles)
+
+
+def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None, cfg: ChainConfig,
+           consumer_first: bool, _producer_delay_cycles: int) -> torch.Tensor:
+    from ..kernels.tile_gemm import launch_tile_gemm
+
     st = _state(x.device)
     if cfg.reserve_sms >= st.num_sms:
         raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
