@@ -34,10 +34,13 @@ from .ops import ChainConfig, Norm, OverlapConfig
 
 __all__ = ["all_gather_matmul", "all_reduce_matmul", "mlp_chain", "config_id", "config_for"]
 
-# bound once: the eager wrappers' whole cost is a few attribute reads and this call
+# bound once: the eager wrappers' whole cost is these calls and a few attribute reads
+# (Dynamo knows is_compiling by the function, not by the name it is called through)
 _ag_impl = _ag.all_gather_matmul
 _ar_impl = _ar.all_reduce_matmul
 _chain_impl = _chain.mlp_chain
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 
 
 def _no_backward(op: str) -> RuntimeError:
@@ -146,10 +149,10 @@ _forward_only(_all_gather_matmul_op, "all_gather_matmul")
 def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
                       config: OverlapConfig | None = None) -> Any:
     """``all_gather(a_shard, dim=0) @ b``: ``overlap.ops.all_gather_matmul``, traceable by torch.compile."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
         return (c, gathered) if return_gathered else c
-    if torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad):
+    if (a_shard.requires_grad or b.requires_grad) and _grad_enabled():
         raise _no_backward("all_gather_matmul")
     return _ag_impl(a_shard, b, group=group, return_gathered=return_gathered, config=config)
 
@@ -185,16 +188,15 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
                       config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = all_reduce(x_partial) (+ residual); return norm(h) @ b, h``: ``overlap.ops.all_reduce_matmul``,
     traceable by torch.compile."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         if norm is None:
             return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,
                                          config_id(config))
         return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, norm.kind, norm.weight, norm.bias,
                                      float(norm.eps), config_id(config))
-    if torch.is_grad_enabled() and (x_partial.requires_grad or b.requires_grad
-                                    or (residual is not None and residual.requires_grad)
-                                    or (norm is not None and (norm.weight.requires_grad or (
-                                        norm.bias is not None and norm.bias.requires_grad)))):
+    if (x_partial.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)
+            or (norm is not None and (norm.weight.requires_grad
+                                      or (norm.bias is not None and norm.bias.requires_grad)))) and _grad_enabled():
         raise _no_backward("all_reduce_matmul")
     return _ar_impl(x_partial, b, group=group, residual=residual, norm=norm, config=config)
 
@@ -225,10 +227,10 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
               config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
               _producer_delay_cycles: int = 0) -> torch.Tensor:
     """``act(x @ w1) @ w2``: ``overlap.ops.mlp_chain``, traceable by torch.compile."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         return _mlp_chain_op(x, w1, w2, activation, config_id(config), sync, consumer_first,
                              _producer_delay_cycles)
-    if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
+    if (x.requires_grad or w1.requires_grad or w2.requires_grad) and _grad_enabled():
         raise _no_backward("mlp_chain")
     return _chain_impl(x, w1, w2, activation=activation, config=config, sync=sync, consumer_first=consumer_first,
                        _producer_delay_cycles=_producer_delay_cycles)
