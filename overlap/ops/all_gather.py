@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
+from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
@@ -343,16 +344,18 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
         rt.fork(cur, cs)
         try:
             for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-                comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
-                                stream=cs)
-                _flags.stream_write_value(cs, w.flags, c_idx, 1)
+                with gpu_range("comm", "chunk", c_idx):
+                    comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
+                                    stream=cs)
+                    _flags.stream_write_value(cs, w.flags, c_idx, 1)
             gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
                            timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
                            split=p.split)
             descs = gp.operands(a_shard, b, gathered)
-            gp.launch(descs, c, epoch=1, grid=p.grid)
+            with gpu_range("gemm", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.grid)
             if p.give_back_grid:
-                with on_stream(cs, cur):
+                with on_stream(cs, cur), gpu_range("giveback", "grid"):
                     gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
         finally:
             # also after an exception: the comm stream's work is ordered before the
@@ -404,8 +407,9 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     cur = torch.cuda.current_stream(a_shard.device)
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
-    for dst, src_off, nbytes, peer_flags, idx in st[2]:
-        rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
+    with gpu_range("comm", "pushes"):
+        for dst, src_off, nbytes, peer_flags, idx in st[2]:
+            rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
     counter = None
     if p.split:
         # split tiles count their pieces; their tiles are handed out by a dispatch counter
@@ -413,7 +417,8 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         _flags.stream_zero(cur, counter, p.counters)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
                    timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split)
-    gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
+    with gpu_range("gemm", "grid"):
+        gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
+from ..observe import gpu_range
 from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
@@ -566,7 +567,8 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         try:
             start = 0
             for c_idx, rows in enumerate(p.chunk_rows):
-                comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
+                with gpu_range("comm", "chunk", c_idx):
+                    comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
                 if prologue:
                     ev = torch.cuda.Event()
                     ev.record(cs)
@@ -582,11 +584,12 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
             gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
                            counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
             descs = gp.operands(y, b)
-            gp.launch(descs, c, epoch=1, grid=p.grid)
+            with gpu_range("gemm", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.grid)
             last = ns if prologue else cs
             if p.give_back_grid:
                 # queued behind the last chunk: NCCL's SMs are free by then
-                with on_stream(last, cur):
+                with on_stream(last, cur), gpu_range("giveback", "grid"):
                     gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
         finally:
             # also after an exception: the side streams' work is ordered before the next
@@ -676,8 +679,9 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     _flags.stream_zero(cur, ready.flags, len(ready))
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
-    for dst, src_off, nbytes, peer_flags, idx in st[2]:
-        rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
+    with gpu_range("comm", "pushes"):
+        for dst, src_off, nbytes, peer_flags, idx in st[2]:
+            rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
     # folded: the reduce kernel takes no weight, bias or y, and writes the rows' statistics
     w = norm.weight if norm and not fold else None
     bias = norm.bias if norm and not fold else None
@@ -692,7 +696,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
             **(shared_reduce_shape(k) if p.reduce_shared else {}))
-    with on_stream(ns, cur):
+    with on_stream(ns, cur), gpu_range("reduce", "kernel"):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
     vec = None
     if fold:
@@ -705,7 +709,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
     descs = gp.operands(y, b)
-    gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
+    with gpu_range("gemm", "grid"):
+        gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
     if p.give_back_grid:
         # queued behind the reduce kernel: its SMs are free by then
         with on_stream(ns, cur):

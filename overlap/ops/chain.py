@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
+from ..observe import gpu_range
 from ._runtime import (LocalWords, OverlapCaptureError, capturing, device_order, observed, on_stream, refuse_grad,
                        register_error_word, report_errors, serial_phases, warn_once)
 
@@ -359,15 +360,19 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
 
         try:
             if consumer_first:
-                consumer()
-                producer()
+                with gpu_range("gemm", "consumer"):
+                    consumer()
+                with gpu_range("producer", "grid"):
+                    producer()
             else:
-                producer()
+                with gpu_range("producer", "grid"):
+                    producer()
                 # the consumer's grid is dispatched only once the producer's runs (no SM
                 # spent spinning while producer programs queue); the stream wait takes no SM
                 if _flags._cuda_driver():
                     _flags.stream_wait_value(cur, w.flags, start_idx, 1)
-                consumer()
+                with gpu_range("gemm", "consumer"):
+                    consumer()
         finally:
             # also after an exception: whatever was queued on the producer's stream is
             # ordered before the next call's zeroing, and no record_stream is needed
