@@ -63,18 +63,24 @@ class DeviceOrder:
         self._stream: torch.cuda.Stream | None = None
 
     def begin(self, cur: torch.cuda.Stream) -> None:
-        """Order ``cur``'s next work after the previous call (hold ``lock``)."""
-        if self._stream is not None and self._stream != cur and not capturing():
+        """Order ``cur``'s next work after the previous call (hold ``lock``). The event
+        is recorded on the previous call's stream only now, when a call comes on another
+        stream: it then also covers whatever was queued there after that call (more
+        order than needed, never less), and a run of calls on one stream records none."""
+        prev = self._stream
+        if prev is not None and prev != cur and not capturing():
+            if self._ev is None:
+                self._ev = torch.cuda.Event()
+            self._ev.record(prev)  # a wait queued earlier keeps the record it saw
             cur.wait_event(self._ev)
 
     def end(self, cur: torch.cuda.Stream) -> None:
         """Mark the end of a call whose work is all on ``cur`` by now (hold ``lock``)."""
-        if capturing():
-            return
-        if self._ev is None:
-            self._ev = torch.cuda.Event()
-        self._ev.record(cur)  # a wait queued earlier keeps the record it saw
         self._stream = cur
+
+    def last_stream(self) -> torch.cuda.Stream | None:
+        """The stream of the last call (its work ends there)."""
+        return self._stream
 
 
 _orders: dict[int, DeviceOrder] = {}
@@ -465,12 +471,17 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
 
 
-def every_call_checked() -> bool:
-    """``OVERLAP_CHECK_RANKS=every``: check the ranks' agreement on every call, not once
-    per signature (a blocking all-gather per call; for debugging)."""
-    import os
+_EVERY_CALL: list[bool] = []
 
-    return os.environ.get("OVERLAP_CHECK_RANKS", "").strip().lower() == "every"
+
+def every_call_checked() -> bool:
+    """``OVERLAP_CHECK_RANKS=every`` (read on the first call): check the ranks' agreement
+    on every call, not once per signature (a blocking all-gather per call; for debugging)."""
+    if not _EVERY_CALL:
+        import os
+
+        _EVERY_CALL.append(os.environ.get("OVERLAP_CHECK_RANKS", "").strip().lower() == "every")
+    return _EVERY_CALL[0]
 
 
 def _env_transport() -> str | None:
@@ -587,8 +598,11 @@ def _drain(rt: Runtime, timeout_s: float) -> bool:
         ev = torch.cuda.Event()
         ev.record(s)
         evs.append(ev)
-    if rt.order._ev is not None:
-        evs.append(rt.order._ev)
+    last = rt.order.last_stream()
+    if last is not None:
+        ev = torch.cuda.Event()
+        ev.record(last)
+        evs.append(ev)
     deadline = time.monotonic() + timeout_s
     while not all(ev.query() for ev in evs):
         if time.monotonic() > deadline:
