@@ -102,3 +102,23 @@ def test_run_p2p_failure(pushed: int) -> None:
 def test_check_errors_without_words() -> None:
     with mock.patch.object(rtmod, "_error_words", []):
         rtmod.check_errors()
+
+
+def test_first_runtime_does_not_deadlock() -> None:
+    """The first runtime on a device asks for the device's call order while ``get_runtime``
+    holds the registry's lock: the two must not share a non-reentrant lock (that hung
+    the first collective op of a process that had run no chain before)."""
+    import types
+
+    done: list[Any] = []
+    fake_props = types.SimpleNamespace(multi_processor_count=132)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda d: fake_props), \
+            mock.patch.object(torch.cuda, "Stream", lambda **kw: object()), \
+            mock.patch.object(rtmod, "group_key", lambda g: ((0,), 0)), \
+            mock.patch.dict(rtmod._orders, clear=True), mock.patch.dict(rtmod._runtimes, clear=True), \
+            mock.patch.dict(rtmod._by_group, clear=True):
+        t = threading.Thread(target=lambda: done.append(rtmod.get_runtime(object(), torch.device("cuda", 7))),
+                             daemon=True)
+        t.start()
+        t.join(timeout=10)
+        assert done and done[0].order is rtmod._orders[7], "get_runtime did not return (lock held twice)"

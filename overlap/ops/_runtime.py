@@ -84,13 +84,14 @@ class DeviceOrder:
 
 
 _orders: dict[int, DeviceOrder] = {}
+_orders_lock = threading.Lock()  # not _lock: get_runtime holds that while a Runtime asks for its order
 
 
 def device_order(device: torch.device) -> DeviceOrder:
     """The ``DeviceOrder`` of ``device`` (one per device, shared by every op and group)."""
     o = _orders.get(device.index)
     if o is None:
-        with _lock:
+        with _orders_lock:
             o = _orders.setdefault(device.index, DeviceOrder())
     return o
 
@@ -100,7 +101,7 @@ _error_words: list[_flags.ErrorWord] = []
 
 
 def register_error_word(err: _flags.ErrorWord) -> _flags.ErrorWord:
-    with _lock:
+    with _orders_lock:  # (Runtime.err can run under _lock)
         _error_words.append(err)
     return err
 
@@ -111,7 +112,7 @@ def check_errors(*, block: bool = True) -> None:
     (a captured call does not check; its timeouts surface here or on the op's next
     eager call). ``block=True`` first waits for the work queued so far on each word's
     device; ``block=False`` reads only what has landed (never waits on the GPU)."""
-    with _lock:
+    with _orders_lock:
         words = list(_error_words)
     for err in words:
         err.check(block=block)
