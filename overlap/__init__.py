@@ -44,6 +44,13 @@ from . import ops
 from ._library import all_gather_matmul, all_reduce_matmul, mlp_chain
 from .ops import ChainConfig, Norm, OverlapConfig, tune_all_gather_matmul, tune_all_reduce_matmul, tune_mlp_chain
 
+# ---- what ran ---------------------------------------------------------------------------
+# overlap.profile(True) (or OVERLAP_PROFILE=1) turns on NVTX ranges and CUDA-event phase
+# timing; print(overlap.report()) shows per op and shape the paths taken and why, tuning,
+# warnings, timeouts and the hidden fraction (docs/observability.md).
+from . import observe
+from .observe import profile, report, reset_report
+
 check_errors = getattr(ops, "check_errors", None) or getattr(ops._runtime, "check_errors", None)
 if check_errors is None:  # an older overlap.ops: looked up when called
 
@@ -64,4 +71,8 @@ __all__ += [
     "ChainConfig",
     "Norm",
     "check_errors",
+    "observe",
+    "profile",
+    "report",
+    "reset_report",
 ]

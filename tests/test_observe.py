@@ -36,6 +36,22 @@ def _row(rep: observe.Report, op: str) -> dict:
     return rows[0]
 
 
+# ---- the top level ------------------------------------------------------------------------
+
+def test_top_level_switch_and_report() -> None:
+    """overlap.profile / overlap.report / overlap.reset_report are observe's, in __all__."""
+    import overlap
+
+    for name in ("profile", "report", "reset_report"):
+        assert getattr(overlap, name) is getattr(observe, name) and name in overlap.__all__, name
+    assert overlap.profile(True) is True and observe.profile() is True
+    assert overlap.profile(False) is False and observe.profile() is False
+    observe.record_call("mlp_chain", (8, 8, 8, 8), "reference", observe.Why.NO_GPU)
+    assert _row(overlap.report(), "mlp_chain")["calls"] == 1
+    overlap.reset_report()
+    assert overlap.report().rows == []
+
+
 # ---- the report ---------------------------------------------------------------------------
 
 def test_report_counts_paths_warnings_timeouts_tuning() -> None:
