@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "stream_write_value",
+__all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
+           "stream_write_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
 
 
@@ -67,6 +68,22 @@ class FlagTimeoutError(RuntimeError):
             f"saw {seen} (tile {tile}). A peer did not send, NCCL got no SMs, or the wait bound "
             f"(OVERLAP_WAIT_TIMEOUT_MS) is shorter than the skew between ranks."
         )
+
+
+class RanksDisagreeError(FlagTimeoutError):
+    """A peer-copy op's kernel found that the peer whose rows it waited for made its call
+    with another signature (shapes, dtype, chunks or config) than this rank: the ranks
+    disagree. The output is not valid; the next calls are, once the ranks agree again."""
+
+    def __init__(self, what: str, rank: int, flag_idx: int, expected: int, seen: int, tile: int) -> None:
+        super().__init__(what, rank, flag_idx, expected, seen, tile)
+        self.args = (f"{what}: rank {rank}: the peer that writes signature word {flag_idx} made this call with "
+                     f"signature {seen & 0xFFFFFFFF:#010x}, this rank with {expected & 0xFFFFFFFF:#010x}: the ranks "
+                     "disagree on the call's shapes, dtype or config (the same call must be made on every rank); "
+                     "the output is not valid",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class FlagProtocolError(FlagTimeoutError):
@@ -262,7 +279,7 @@ class ErrorWord:
             # A recorded timeout makes every later tile of every call skip its
             # work; once reported, clear it so the next call computes again.
             self.clear()
-            cls = FlagProtocolError if vals[0] == 2 else FlagTimeoutError
+            cls = {2: FlagProtocolError, 3: RanksDisagreeError}.get(vals[0], FlagTimeoutError)
             raise cls(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
 
     def clear(self) -> None:

@@ -399,8 +399,11 @@ class _StandIn:
 
     world, rank, ranks, device, num_sms = 2, 0, (0, 1), torch.device("cpu"), 12
 
+    STRIDE = 512  # overlap._p2p.flag_stride(2)
+
     def __init__(self):
         self.blocks, self.fl, self.errs, self.counters, self.pushes = {}, {}, {}, {}, []
+        self.disagree = False  # the peer's signature words differ from this rank's
         self.comm_stream, self.aux_stream, self.copy_stream = self.Stream(), self.Stream(), self.Stream()
         self.copies = []  # memcpy_async calls made outside push (dst, src, nbytes)
 
@@ -443,6 +446,16 @@ class _StandIn:
 
         def write_value(stream, flags, idx, value):
             flags[idx] = value
+            # a signature word this rank writes into the peer's flags: the peer makes the
+            # same call (or, with ``disagree``, another one) and writes its own into every
+            # region of this rank's flags at the same word
+            off = idx % self.STRIDE
+            if off >= self.STRIDE - 2:
+                for f in self.fl.values():
+                    if flags is f.remote:
+                        v = value ^ 2 if self.disagree else value
+                        for r in range(0, f.local.numel(), self.STRIDE):
+                            f.local[r + off] = v
 
         def zero(stream, t, n):
             t[:n] = 0
@@ -626,6 +639,51 @@ def scenario_p2p_all_gather_op() -> None:
                 calls += 1
     assert ag.stats["p2p"] >= calls, ag.stats
     print("PASS p2p_all_gather_op")
+
+
+def scenario_p2p_disagree() -> None:
+    """The peer-copy ops' signature check on the stand-in runtime, kernels interpreted:
+    the peer's signature words for this call differ from this rank's (the ranks disagree
+    on the call although the host's check was cached): the all-gather's GEMM and the
+    all-reduce's reduce kernel record it, the call raises RanksDisagreeError naming the
+    signatures, and the next call, the ranks agreeing again, is correct."""
+    from dataclasses import replace
+
+    from overlap.flags import RanksDisagreeError
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+    from overlap.ops import all_reduce as ar
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(9)
+    ms, n, k = 64, 32, 48
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", gemm=CFG)
+    lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    with rt.patched():
+        for disagree in (False, True, False, True, False):
+            rt.disagree = disagree
+            a = torch.randn(ms, k, generator=g).half()
+            peer = torch.randn(ms, k, generator=g).half()
+            rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+            try:
+                c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+            except RanksDisagreeError as e:
+                assert disagree and "disagree" in str(e) and e.rank == 0, e
+                assert e.flag_idx % rt.STRIDE >= rt.STRIDE - 2, e.flag_idx
+            else:
+                assert not disagree, "a peer's other signature was not caught (all-gather)"
+                assert _rel(c, torch.cat([a, peer]).double() @ lin.t().double()) < 1e-2
+            x = torch.randn(ms, k, generator=g).half()
+            xp = torch.randn(ms, k, generator=g).half()
+            rt.recv("all_reduce_matmul", (1, ms, k), torch.float16)[0].copy_(xp)
+            try:
+                c2, h = ar._fused_p2p(rt, x, lin.t(), None, None, replace(cfg, reduce_ctas=4))
+            except RanksDisagreeError as e:
+                assert disagree and "disagree" in str(e), e
+            else:
+                assert not disagree, "a peer's other signature was not caught (all-reduce)"
+                assert _rel(h, x.double() + xp.double()) < 1e-2
+    print("PASS p2p_disagree")
 
 
 def scenario_posts_and_gelu() -> None:

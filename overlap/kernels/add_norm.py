@@ -128,7 +128,7 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
 # the p2p all-reduce's consumer: sum the pushed partials, add, norm, post
 # --------------------------------------------------------------------------
 from ._launch import CachedLauncher  # noqa: E402
-from .tile_gemm import _cta_any, _wait, interpreting  # noqa: E402
+from .tile_gemm import _check_sig, _cta_any, _wait, interpreting  # noqa: E402
 
 
 @triton.jit
@@ -279,16 +279,16 @@ def _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOC
         tl.store(y_ptr + off2, yv.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins"],
+@triton.jit(do_not_specialize=["n_chunks", "flag_stride", "epoch", "rank", "timeout_ns", "max_spins", "sig"],
             launch_metadata=_observe.reduce_norm_metadata)
 def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        rflags_ptr, ready_ptr, err_ptr, starts_ptr, stats_ptr, seg_ptr,
-                       K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins,
+                       K, eps, n_chunks, flag_stride, epoch, rank, slot_stride, timeout_ns, max_spins, sig,
                        WORLD: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
-                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1):
+                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1, SIG: tl.constexpr = False):
     """Persistent over row chunks in order. For chunk c every program waits until each
     peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
@@ -346,6 +346,11 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
             if ok != 0:
                 ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
                            max_spins, USE_TIMER, FENCE_ASYNC)
+                if SIG:
+                    # the sender's signature word, the last flag of its region (as the tile GEMM's)
+                    if ok != 0:
+                        ok = _check_sig(rflags_ptr, err_ptr, s * flag_stride + c, flag_stride, sig, epoch & 1,
+                                        rank, c, FENCE_ASYNC)
         if SEG > 0:
             if ok != 0:
                 n_seg = K // SEG
@@ -502,7 +507,8 @@ class ReducePlan:
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None) -> None:
+                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
+                 sig: bool = False) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -580,7 +586,11 @@ class ReducePlan:
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
-                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1)
+                    SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1,
+                    SIG=bool(sig))
+        if sig and flag_stride < n_chunks + 2:
+            raise ValueError(f"a signature needs two flags of its own after the {n_chunks} chunks' "
+                             f"(flag_stride {flag_stride})")
         res = residual if residual is not None else x
         tensors = (x, recv, res, h, y if y is not None else h, weight if weight is not None else x,
                    bias if bias is not None else x, rflags, ready, err, starts,
@@ -590,7 +600,9 @@ class ReducePlan:
         self.prepared = _reduce_launcher.prepare(key, meta, num_warps=num_warps, interpret=interp)
 
     def launch(self, x: Any, recv: Any, h: Any, *, epoch: int, residual: Any = None, weight: Any = None,
-               bias: Any = None, y: Any = None, stats: Any = None) -> None:
+               bias: Any = None, y: Any = None, stats: Any = None, sig: int = 0) -> None:
+        """``sig``: the call's signature, checked after each wait when the plan was made
+        with ``sig=True`` (the peer-copy ops' check that the ranks agree on the call)."""
         if ((residual is not None, y is not None, weight is not None, bias is not None, stats is not None)
                 != (self.has_res, self.has_y, self.has_w, self.has_b, self.has_stats)):
             raise ValueError("residual, y, weight, bias and stats must be given as when the plan was made")
@@ -598,8 +610,8 @@ class ReducePlan:
                weight if weight is not None else x, bias if bias is not None else x)
         st = stats if stats is not None else (self.row_stats if self.row_stats is not None else self.fixed[3])
         seg = self.seg if self.seg is not None else self.fixed[3]
-        self.prepared.launch(self.programs, (*ops, *self.fixed, st, seg, *self.scalars, int(epoch), *self.tail),
-                             aligned=(*ops, st, seg))
+        self.prepared.launch(self.programs, (*ops, *self.fixed, st, seg, *self.scalars, int(epoch), *self.tail,
+                                             int(sig)), aligned=(*ops, st, seg))
 
 
 def stats_segment(K: int, block: int, num_warps: int) -> int:

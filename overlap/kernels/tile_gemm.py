@@ -60,12 +60,13 @@ import triton.language as tl
 
 from .. import observe as _observe
 
-__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT", "ERR_AHEAD"]
+__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT", "ERR_AHEAD", "ERR_DISAGREE"]
 
 TABLE_COLS = 8
 ERR_WORDS = 8
 ERR_TIMEOUT = 1
 ERR_AHEAD = 2
+ERR_DISAGREE = 3
 
 
 @triton.jit
@@ -208,6 +209,54 @@ def _poll(flags_ptr, idx):
 
 
 @triton.jit
+def _record(err_ptr, code, rank, idx, expected, seen, t):
+    """Record a failed wait in the error word: [code, rank, flag index, expected, seen,
+    tile]. The first failure wins; later ones only stop."""
+    prev = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
+    if prev == 0:
+        tl.store(err_ptr + 1, rank)
+        tl.store(err_ptr + 2, idx)
+        tl.store(err_ptr + 3, expected)
+        tl.store(err_ptr + 4, seen)
+        tl.store(err_ptr + 5, t)
+        # and the record into the host's pinned words whose address slots 6-7 hold
+        # (0: none), which the host reads on every call without a copy or a
+        # synchronization (a stuck peer cannot make the report wait): the fields
+        # first, then the code with release semantics, so a host that sees the
+        # code sees the fields
+        lo = tl.load(err_ptr + 6)
+        hi = tl.load(err_ptr + 7)
+        host = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        if host != 0:
+            hp = host.to(tl.pointer_type(tl.int32))
+            tl.store(hp + 1, rank)
+            tl.store(hp + 2, idx)
+            tl.store(hp + 3, expected)
+            tl.store(hp + 4, seen)
+            tl.store(hp + 5, t)
+            tl.atomic_xchg(hp, code, sem="release", scope="sys")
+
+
+@triton.jit
+def _check_sig(flags_ptr, err_ptr, idx, sig_stride, sig, par, rank, t, FENCE_ASYNC: tl.constexpr):
+    """After a wait on flag ``idx`` succeeded: 1 if its sender's signature word for this
+    call's parity ``par`` (flag ``stride - 1 - par`` of the sender's region of
+    ``sig_stride`` flags) holds ``sig``, the signature of this rank's call; else 0 and
+    code 3 recorded (the ranks disagree on the call's shapes, dtype or config). The
+    sender writes the word before any of its pushes of the call, from the stream its
+    push streams fork from, so the flag's acquire makes it visible; two words by call
+    parity, as the data buffers' halves (``overlap._p2p``): a sender one call ahead
+    writes the other word."""
+    sidx = (idx // sig_stride) * sig_stride + sig_stride - 1 - par
+    seen = _poll(flags_ptr, sidx)
+    ok = 1
+    if _cta_any((seen != sig).to(tl.int32), FENCE_ASYNC) != 0:
+        _record(err_ptr, 3, rank, sidx, sig, seen, t)
+        ok = 0
+    return ok
+
+
+@triton.jit
 def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spins,
           USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr):
     """Spin until flags[idx] >= expected; returns 1 when satisfied, 0 on timeout/abort.
@@ -245,30 +294,7 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
         ok = 0
         code = 2
     if ok == 0:
-        # first failure wins the error word; later ones only stop
-        prev = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
-        if prev == 0:
-            tl.store(err_ptr + 1, rank)
-            tl.store(err_ptr + 2, idx)
-            tl.store(err_ptr + 3, expected)
-            tl.store(err_ptr + 4, seen)
-            tl.store(err_ptr + 5, t)
-            # and the record into the host's pinned words whose address slots 6-7 hold
-            # (0: none), which the host reads on every call without a copy or a
-            # synchronization (a stuck peer cannot make the report wait): the fields
-            # first, then the code with release semantics, so a host that sees the
-            # code sees the fields
-            lo = tl.load(err_ptr + 6)
-            hi = tl.load(err_ptr + 7)
-            host = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
-            if host != 0:
-                hp = host.to(tl.pointer_type(tl.int32))
-                tl.store(hp + 1, rank)
-                tl.store(hp + 2, idx)
-                tl.store(hp + 3, expected)
-                tl.store(hp + 4, seen)
-                tl.store(hp + 5, t)
-                tl.atomic_xchg(hp, code, sem="release", scope="sys")
+        _record(err_ptr, code, rank, idx, expected, seen, t)
     if FENCE_ASYNC:
         # the A tiles are read by TMA (async proxy) after a generic-proxy acquire
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
@@ -277,7 +303,8 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
 
 
 @triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx",
-                               "split_start", "split_parts"], launch_metadata=_observe.tile_gemm_metadata)
+                               "split_start", "split_parts", "sig", "sig_stride"],
+            launch_metadata=_observe.tile_gemm_metadata)
 def tile_gemm_kernel(
     # operands
     a_desc, a2_desc, b_desc, c_ptr,
@@ -289,6 +316,8 @@ def tile_gemm_kernel(
     ws_ptr,
     # sizes and scalars
     N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, split_start, split_parts,
+    # the call's signature and the flags' region per sender (SIG)
+    sig, sig_stride,
     # strides
     stride_cm, stride_cn,
     # meta
@@ -298,6 +327,7 @@ def tile_gemm_kernel(
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    SIG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -330,6 +360,10 @@ def tile_gemm_kernel(
                 if K_WAIT == 0:  # else the K loop waits, group by group (TileSync)
                     ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
                                timeout_ns, max_spins, USE_TIMER, FENCE_ASYNC)
+                    if SIG:
+                        if ok != 0:
+                            ok = _check_sig(flags_ptr, err_ptr, w_idx, sig_stride, sig, epoch & 1, rank, t,
+                                            FENCE_ASYNC)
         if ok != 0:
             off_bn = pid_n * BLOCK_N
             a_use = a_desc
@@ -495,6 +529,7 @@ def launch_tile_gemm(
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
     rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
+    sig: tuple[int, int] | None = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -518,6 +553,10 @@ def launch_tile_gemm(
     tile. Needs ``counter`` with ``1 + (T - start) / parts`` zeroed words (one count per
     split tile after the dispatch word) and ``workspace`` fp32 with ``(T - start) *
     block_m * block_n`` elements (``split_workspace``).
+    ``sig=(value, stride)``: after each satisfied wait on flag i the tile also checks
+    that flag ``(i // stride) * stride + stride - 1 - (epoch & 1)`` (the sender's
+    signature word for the call's parity) holds ``value`` (the peer-copy ops' check that
+    the ranks agree on the call); otherwise it records code 3 and skips its work.
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -538,7 +577,8 @@ def launch_tile_gemm(
     a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
     b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
     interp = interpreting()
-    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split)
+    meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
+                 sig is not None)
     key = _key(meta, a, a2, b_store, c, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
@@ -546,7 +586,7 @@ def launch_tile_gemm(
     ws = workspace if split is not None else table  # never read: SPLIT is off
     args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt, rowstat, colvec, ws,
             c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-            int(start_flag) if start_flag is not None else 0, *sp, c.stride(0), c.stride(1))
+            int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), c.stride(0), c.stride(1))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                      interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec, ws))
 
@@ -620,14 +660,14 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
-          split: Any = None) -> dict[str, Any]:
+          split: Any = None, sig: bool = False) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
-                SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp)
+                SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig))
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
@@ -654,8 +694,11 @@ class TileGemmPlan:
                  rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
-                 k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None) -> None:
+                 k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None,
+                 sig_stride: int | None = None) -> None:
         b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
+        if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
+            raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
         self.num_tiles = table.shape[0]
         # the plan owns its split workspace: launches of one plan are stream-ordered
@@ -675,7 +718,8 @@ class TileGemmPlan:
         self.interp = interpreting()
         self.norm_epi = bool(norm_epi)
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
-                          rowstat=True if norm_epi else None, split=split)
+                          rowstat=True if norm_epi else None, split=split, sig=sig_stride is not None)
+        self.sig_stride = int(sig_stride) if sig_stride is not None else 1
         self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
         self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -708,9 +752,11 @@ class TileGemmPlan:
         return a_desc, a2_desc, TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
 
     def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
-               colvec: Any = None) -> None:
+               colvec: Any = None, sig: int = 0) -> None:
         """``rowstat`` and ``colvec``: those of ``launch_tile_gemm``, given exactly when
-        the plan was made with ``norm_epi`` (checked there; here only their presence)."""
+        the plan was made with ``norm_epi`` (checked there; here only their presence).
+        ``sig``: the call's signature, checked after each wait when the plan was made
+        with ``sig_stride`` (``launch_tile_gemm``'s ``sig``)."""
         if self.num_tiles == 0:
             return
         if (c.shape[1], c.stride()) != self.c_layout:
@@ -721,7 +767,8 @@ class TileGemmPlan:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
         args = (*descs, c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
-                *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, *self.c_layout[1])
+                *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride,
+                *self.c_layout[1])
         self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter, rowstat,
                                                    colvec, self.ws))
 

@@ -463,6 +463,27 @@ def run_p2p(rt: Runtime, op: str, fn: Any, *args: Any) -> Any:
             rt.order.end(cur)
 
 
+def call_sig(op: str, values: tuple[int, ...]) -> int:
+    """The signature of a peer-copy call: a nonzero int32 of the op and the values every
+    rank must pass alike (CRC-32 of their text, the same on every rank; never 0, the
+    flags' value before any write). Written beside the pushed rows and compared by the
+    peer's kernels: ranks that disagree get ``overlap.flags.RanksDisagreeError`` with no
+    host synchronization, also where the host's agreement check was cached."""
+    import zlib
+
+    return _flags.wrap32(zlib.crc32(repr((op, tuple(int(v) for v in values))).encode()) | 1)
+
+
+def post_sig(cur: torch.cuda.Stream, targets: list[tuple[torch.Tensor, int]], epoch: int, stride: int,
+             sig: int) -> None:
+    """Write ``sig`` into each (flags, region start) of ``targets`` (the peers' shared flags,
+    this rank's region in each), in the word of the call's parity, on ``cur`` before the
+    push streams fork from it: every push of the call, on any stream, comes after it."""
+    off = stride - 1 - (epoch & 1)
+    for flags, base in targets:
+        _flags.stream_write_value(cur, flags, base + off, sig)
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
            torch.uint8)
 
@@ -961,7 +982,8 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
     first use. The op plan fixes everything else (shapes, table, config, rank)."""
     key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
-           counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"))
+           counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
+           kw.get("sig_stride"))
     gp = plans.get(key)
     if gp is None:
         from ..kernels.tile_gemm import TileGemmPlan

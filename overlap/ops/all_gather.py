@@ -38,7 +38,7 @@ from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
-                       capturing, check_agree, observed, serial_phases,
+                       call_sig, capturing, check_agree, observed, post_sig, serial_phases,
                        confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once,
                        ws_variants)
@@ -215,8 +215,9 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
             from .._p2p import flag_stride
 
             stride = flag_stride(rt.world)
-            if chunks > stride:
-                raise ValueError(f"all_gather_matmul: at most {stride} chunks on the p2p transport at {rt.world} ranks")
+            if chunks > stride - 2:  # the last two flags of a sender's region: its signature words
+                raise ValueError(f"all_gather_matmul: at most {stride - 2} chunks on the p2p transport at {rt.world} "
+                                 "ranks")
             layout = all_gather_push_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN, flag_stride=stride)
             flag_count = rt.world * stride
         else:
@@ -405,6 +406,8 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         st = p.launches[ck] = (blk, blk.tensor(rank, off, (world * ms, k), a_shard.dtype), pushes)
     gathered = st[1]
     cur = torch.cuda.current_stream(a_shard.device)
+    sig = call_sig("all_gather_matmul", (ms, k, n, dtype_code(a_shard.dtype), len(p.layout.chunk_rows)))
+    post_sig(cur, [(sf.peer((rank + step) % world), rank * stride) for step in range(1, world)], epoch, stride, sig)
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
     with gpu_range("comm", "pushes"):
@@ -416,9 +419,10 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         counter = rt.counter("all_gather_matmul", p.counters)
         _flags.stream_zero(cur, counter, p.counters)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
-                   timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split)
+                   timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,
+                   sig_stride=stride)
     with gpu_range("gemm", "grid"):
-        gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid)
+        gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid, sig=sig)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:

@@ -60,7 +60,7 @@ from ..observe import gpu_range
 from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       confirm_best, observed, serial_phases, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+                       call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once)
 
 __all__ = [
@@ -335,8 +335,8 @@ def _two_shot_layout(world: int, rank: int, m: int, chunks: int) -> _TwoShot:
         offsets.append(acc)
         acc += r
     stride = flag_stride(world)
-    if 2 * chunks > stride:
-        raise ValueError(f"two_shot: at most {stride // 2} chunks at {world} ranks")
+    if 2 * chunks > stride - 2:  # the last two flags of a region: the sender's signature words
+        raise ValueError(f"two_shot: at most {(stride - 2) // 2} chunks at {world} ranks")
     return _TwoShot(world, rank, tuple(rows), tuple(offsets),
                     tuple(tuple(split_rows(r, chunks, CHUNK_ALIGN)) for r in rows), chunks, stride)
 
@@ -637,8 +637,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     # two halves by call parity (overlap._p2p: no handshake needed for reuse)
     blk = heap.block("all_reduce_matmul", 2 * half)
     stride = flag_stride(world)
-    if chunks > stride:
-        raise ValueError(f"all_reduce_matmul: at most {stride} chunks on the p2p transport at {world} ranks")
+    if chunks > stride - 2:  # the last two flags of a sender's region: its signature words
+        raise ValueError(f"all_reduce_matmul: at most {stride - 2} chunks on the p2p transport at {world} ranks")
     sf = heap.flags("all_reduce_matmul", (world - 1) * stride)
     ready = p.ready
     err = rt.err("all_reduce_matmul")
@@ -677,6 +677,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     # side streams fork from this one
     _flags.stream_zero(cur, counter, p.counters)
     _flags.stream_zero(cur, ready.flags, len(ready))
+    sig = call_sig("all_reduce_matmul", (m, k, n, dtype_code(x.dtype), int(residual is not None), _norm_code(norm),
+                                         chunks))
+    post_sig(cur, [(sf.peer(q), push_slot(rank, q, world) * stride) for q in range(world) if q != rank], epoch,
+             stride, sig)
     rt.p2p_begin("all_reduce_matmul", cur, ns)
     src = x.data_ptr()
     with gpu_range("comm", "pushes"):
@@ -695,9 +699,9 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-            **(shared_reduce_shape(k) if p.reduce_shared else {}))
+            sig=True, **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur), gpu_range("reduce", "kernel"):
-        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat)
+        rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat, sig=sig)
     vec = None
     if fold:
         # B' = diag(weight) B and its column vectors, on this stream while the first chunk moves
@@ -794,6 +798,11 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     ns, cs2 = rt.aux_stream, rt.copy_stream
     _flags.stream_zero(cur, counter, p.counters)
     _flags.stream_zero(cur, ready.flags, len(ready))
+    # the signature in my region of every peer's flags, and in my own-chunks region of mine
+    sig = call_sig("all_reduce_matmul.two_shot", (m, k, n, dtype_code(x.dtype), int(residual is not None),
+                                                  _norm_code(norm), two.ask))
+    post_sig(cur, [(sf.peer(q), push_slot(rank, q, world) * two.stride) for q in range(world) if q != rank]
+             + [(sf.local, two.own_flag(0))], epoch, two.stride, sig)
     rt.p2p_begin("all_reduce_matmul", cur, ns, cs2)
     src = x.data_ptr()
     for dst, src_off, nbytes, q, idx in scatter:
@@ -810,10 +819,10 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
         rp = p.launches[rkey] = ReducePlan(
             x_me, rs, h_me, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank,
             world=world, programs=p.reduce_programs, residual=res_me, norm=norm.kind if norm else None,
-            eps=norm.eps if norm else 1e-5, flag_stride=two.stride, timeout_ns=timeout_ns, stats=st_me,
+            eps=norm.eps if norm else 1e-5, flag_stride=two.stride, timeout_ns=timeout_ns, stats=st_me, sig=True,
             **(shared_reduce_shape(k) if p.reduce_shared else {}))
     with on_stream(ns, cur):
-        rp.launch(x_me, rs, h_me, epoch=epoch, residual=res_me, stats=st_me)
+        rp.launch(x_me, rs, h_me, epoch=epoch, residual=res_me, stats=st_me, sig=sig)
     # each own chunk, once reduced: its flag for my GEMM, then its rows (and statistics) to every peer
     from .. import _p2p
 
@@ -832,13 +841,14 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
         if p.give_back_grid:
             rt.fork(cur, ns)  # the give-back grid reads B' too
     gp = gemm_plan(p.launches, h, b, c, p.table, a2=ag, flags=sf.local, err=err.word, timeout_ns=timeout_ns,
-                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
+                   sig_stride=two.stride)
     descs = gp.operands(h, b, ag)
     rowstat = stats_all if fold else None
-    gp.launch(descs, c, epoch=epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
+    gp.launch(descs, c, epoch=epoch, grid=p.grid, rowstat=rowstat, colvec=vec, sig=sig)
     if p.give_back_grid:
         with on_stream(ns, cur):  # behind the reduce kernel: its SMs are free by then
-            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec)
+            gp.launch(descs, c, epoch=epoch, grid=p.give_back_grid, rowstat=rowstat, colvec=vec, sig=sig)
     rt.join(cur, rt.comm_stream, ns, cs2)  # no record_stream needed (Runtime.join)
     # the peers' rows of h, from the buffer, once every GEMM tile ran: each waited (bounded)
     # for its rows to land. A stream wait on the peers' flags instead would never end if a

@@ -16,6 +16,7 @@ rows were written would read the last call's data and fail).
     graph_agmm       all_gather_matmul at world size 1 (NCCL transport) captured and replayed
     graph_armm       all_reduce_matmul (+ residual, LayerNorm) at world size 1 captured and replayed
     capture_unwarmed a capture of a shape never run eagerly raises OverlapCaptureError
+    sig_kernels      the peer-copy signature check of the tile GEMM and the reduce kernel
 """
 
 from __future__ import annotations
@@ -330,12 +331,81 @@ def capture_unwarmed() -> str:
     return f"raised: {msg[:90]}..."
 
 
+def sig_kernels() -> str:
+    """The peer-copy signature check of both kernels compiled and run on the GPU, with the
+    peer's flags and signature words written locally: the same signature passes, another
+    one records code 3, reported by the blocking and the non-blocking check alike."""
+    from overlap.kernels.add_norm import ReducePlan
+    from overlap.kernels.tile_gemm import launch_tile_gemm
+    from overlap.policies import Segment, build_tile_table
+
+    stride, epoch, sig = 512, 3, 0x1234567  # epoch 3: parity word stride - 2
+    out = []
+    a = torch.randn(256, 256, device=DEV, dtype=torch.bfloat16)
+    peer = torch.randn(256, 256, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(256, 256, device=DEV, dtype=torch.bfloat16) / 16
+    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=256),
+                                           Segment(a_src=1, a_row=0, c_row=256, rows=256, wait_idx=stride)],
+                                          256, 128, 256), dtype=torch.int32, device=DEV)
+    for seen_sig, expect in ((sig, "ok"), (sig ^ 2, "disagree")):
+        flags = torch.zeros(2 * stride, dtype=torch.int32, device=DEV)
+        flags[stride] = epoch
+        flags[stride + stride - 1 - (epoch & 1)] = seen_sig
+        flags[stride + stride - 2 + (epoch & 1)] = 77  # the other parity's word: never read
+        ew = fl.ErrorWord(DEV, what="sig gemm")
+        c = torch.full((512, 256), float("nan"), device=DEV, dtype=torch.bfloat16)
+        launch_tile_gemm(a, b, c, table, a2=peer, flags=flags, err=ew.word, epoch=epoch, grid=8, wait=True,
+                         timeout_ns=2_000_000_000, sig=(sig, stride))
+        torch.cuda.synchronize()
+        try:
+            ew.check(block=False)
+            got = "ok"
+        except fl.RanksDisagreeError as e:
+            assert (e.flag_idx, e.expected, e.seen) == (stride + stride - 2, sig, seen_sig), e
+            got = "disagree"
+        assert got == expect, (seen_sig, got)
+        if got == "ok":
+            ref = torch.cat([a, peer]).float() @ b.float()
+            assert rel(c, ref) < 1e-2 and not torch.isnan(c).any()
+        else:
+            assert torch.isnan(c[256:]).all(), "a tile whose peer disagreed wrote"
+        ew.check(block=True)  # reported once, then cleared
+    out.append("tile GEMM: same signature computes, another raises RanksDisagreeError")
+    m, k, chunks = 512, 1024, 2
+    starts = torch.tensor([0, 256, 512], dtype=torch.int32, device=DEV)
+    for seen_sig, expect in ((sig, "ok"), (sig ^ 2, "disagree")):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        recv = torch.randn(1, m, k, device=DEV, dtype=torch.bfloat16)
+        h = torch.empty_like(x)
+        rflags = torch.zeros(stride, dtype=torch.int32, device=DEV)
+        rflags[:chunks] = epoch
+        rflags[stride - 1 - (epoch & 1)] = seen_sig
+        ready = torch.zeros(chunks, dtype=torch.int32, device=DEV)
+        ew = fl.ErrorWord(DEV, what="sig reduce")
+        rp = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=0, world=2,
+                        programs=4, flag_stride=stride, timeout_ns=2_000_000_000, sig=True)
+        rp.launch(x, recv, h, epoch=epoch, sig=sig)
+        torch.cuda.synchronize()
+        try:
+            ew.check(block=True)
+            got = "ok"
+        except fl.RanksDisagreeError:
+            got = "disagree"
+        assert got == expect, (seen_sig, got)
+        assert ready.tolist() == [4] * chunks, ready  # posted either way: nothing waits in vain
+        if got == "ok":
+            assert rel(h, x.float() + recv[0].float()) < 1e-2
+    out.append("reduce kernel: the same")
+    return "; ".join(out)
+
+
 def main() -> None:
     torch.manual_seed(0)
     ok = True
     for name, fn in (("graph_chain", graph_chain), ("streams_chain", streams_chain),
                      ("threads_chain", threads_chain), ("failure_chain", failure_chain),
-                     ("replay_timeout", replay_timeout), ("capture_unwarmed", capture_unwarmed)):
+                     ("replay_timeout", replay_timeout), ("capture_unwarmed", capture_unwarmed),
+                     ("sig_kernels", sig_kernels)):
         ok &= check(name, fn)
     overlap.dist.init()
     try:
