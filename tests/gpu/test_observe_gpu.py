@@ -1,10 +1,13 @@
 """overlap.observe on one GPU: CUDA-event phases read without waiting, the tile GEMM's
 launch metadata through a Triton launch hook, mlp_chain's ranges and kernels in a
-profiler trace, and the cost of the ranges when profiling is off."""
+profiler trace and its hidden fraction in the report, the world-size-1 collective ops'
+ranges (host, per chunk, GEMM grid) in a trace made by ``benchmarks/diag/trace_ops.py``,
+and the host time the observe calls add to an op call when profiling is off."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import time
 import timeit
 
@@ -148,6 +151,7 @@ def test_mlp_chain_ranges_and_kernels_in_trace() -> None:
 
 
 def test_noop_ranges_cost_under_a_microsecond() -> None:
+    """The no-op range and counter alone (what an op adds per call with profiling off)."""
     observe.profile(False)
     shape = (1024, 1024, 2048)
 
@@ -159,3 +163,103 @@ def test_noop_ranges_cost_under_a_microsecond() -> None:
     best = min(timeit.repeat(call, number=n, repeat=5, timer=time.process_time)) / n
     print(f"op_range + record_call, profiling off: {best * 1e9:.0f} ns")
     assert best < 1e-6
+
+
+def _chain_inputs(m: int, k: int, f: int, n: int, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(m + k + f + n)
+    x = torch.randn(m, k, device=dev, dtype=dtype, generator=g)
+    w1 = (torch.randn(f, k, device=dev, dtype=dtype, generator=g) * k ** -0.5).t()  # fc1.weight.t()
+    w2 = (torch.randn(n, f, device=dev, dtype=dtype, generator=g) * f ** -0.5).t()  # fc2.weight.t()
+    return x, w1, w2
+
+
+def test_mlp_chain_hidden_fraction_in_report() -> None:
+    """Profiling on, stream-sync calls (the two grids one after the other: the alone-times)
+    then fused calls: the report's chain row has alone-times, the op time and a hidden
+    fraction in [0, 1]. Shape: the GPT-3 175B MLP slice at TP 8, M = 2048."""
+    from overlap.ops import chain
+
+    shape = (2048, 12288, 6144, 12288)  # (M, K, F, N)
+    x, w1, w2 = _chain_inputs(*shape)
+    for _ in range(2):  # compiled, tables built: not timed
+        chain.mlp_chain_stream_sync(x, w1, w2)
+        chain.mlp_chain(x, w1, w2)
+    torch.cuda.synchronize()
+    observe.reset_report()
+    observe.profile(True)
+    for _ in range(5):
+        x.normal_()
+        chain.mlp_chain_stream_sync(x, w1, w2)
+    for _ in range(5):
+        x.normal_()
+        chain.mlp_chain(x, w1, w2)
+    torch.cuda.synchronize()
+    observe.profile(False)
+    rep = observe.report()
+    print(rep)
+    (row,) = [r for r in rep.rows if r["op"] == "mlp_chain"]
+    assert row["shape"] == list(shape) and row["calls"] == 5
+    (fused,) = [t for t in row["timing"] if not t["serial"]]
+    assert fused["path"].startswith("tile-flag") and fused["calls"] == 5, fused
+    assert fused["comm_alone_ms"] > 0 and fused["gemm_alone_ms"] > 0 and fused["op_ms"] > 0, fused
+    assert fused["hidden"] is not None and 0.0 <= fused["hidden"] <= 1.0, fused
+    print(f"mlp_chain {'x'.join(map(str, shape))} {fused['path']}: op {fused['op_ms']:.3f} ms, producer alone "
+          f"{fused['comm_alone_ms']:.3f} ms, consumer alone {fused['gemm_alone_ms']:.3f} ms, "
+          f"hidden {fused['hidden']:.2f}")
+
+
+def test_profiling_off_adds_no_host_time_to_an_op_call() -> None:
+    """mlp_chain's tile-flag path at a host-bound size (the GPU keeps up): host time per
+    call with profiling off against the same op with observe's calls patched out, under
+    ``tests.test_observe.ADDED_US_BOUND`` (which says what the calls cost now)."""
+    from overlap.ops import chain
+    from tests.test_observe import ADDED_US_BOUND, host_us_off_and_bare
+
+    x, w1, w2 = _chain_inputs(256, 512, 1024, 512, torch.float16)
+    for _ in range(20):
+        chain.mlp_chain(x, w1, w2)
+    off, bare = host_us_off_and_bare(chain, lambda: chain.mlp_chain(x, w1, w2), sync=torch.cuda.synchronize)
+    print(f"mlp_chain host us per call: profiling off {off:.2f}, observe patched out {bare:.2f}, "
+          f"added {off - bare:+.2f}")
+    assert off - bare < ADDED_US_BOUND, (off, bare)
+
+
+def test_world1_ops_ranges_in_trace(tmp_path) -> None:
+    """benchmarks/diag/trace_ops.py at world size 1 (a child process, NCCL): the host
+    ranges ``overlap.<op>[nccl x2]``, each chunk's ``overlap:comm:chunk N`` and the GEMM
+    grid's range inside every call, the GPU side of those ranges, kernels in the call's
+    GPU lanes, and the report's paths, reasons and hidden fractions."""
+    from benchmarks import timeline
+    from tests._procs import REPO, run_ranks
+
+    out = tmp_path / "trace"
+    (p,) = run_ranks(REPO / "benchmarks" / "diag" / "trace_ops.py", 1, ["--out", str(out), "--calls", "3", "--small"],
+                     timeout_s=240, env={"NCCL_NVLS_ENABLE": "0"})
+    assert p.returncode == 0, p
+    events = timeline.load(str(out / "trace.json"))
+    gpu_ann = {e["name"] for e in events if e.get("cat") == "gpu_user_annotation"}
+    for op in ("all_gather_matmul", "all_reduce_matmul"):
+        calls = timeline.find_calls(events, op)
+        assert len(calls) == 3 and {c.path for c in calls} == {"nccl x2"}, [(c.op, c.path) for c in calls]
+        for c in calls:
+            inside = {e["name"] for e in c.host}
+            for name in (f"overlap.{op}[nccl x2]", "overlap:comm:chunk 0", "overlap:comm:chunk 1",
+                         "overlap:gemm:grid"):
+                assert name in inside, (op, name, sorted(inside))
+        for name in ("overlap:comm:chunk 0", "overlap:comm:chunk 1", "overlap:gemm:grid"):
+            assert name in gpu_ann, (name, sorted(gpu_ann))
+        lanes = timeline.call_lanes(events, calls[-1])
+        kernels = [i["name"] for lane, items in lanes.items() if lane != "host" for i in items
+                   if i["kind"] == "kernel"]
+        assert any("tile_gemm" in k for k in kernels), (op, lanes.keys(), kernels[:20])
+    chain_calls = timeline.find_calls(events, "mlp_chain")
+    assert len(chain_calls) == 3 and all(c.path.startswith("tile-flag") for c in chain_calls)
+    rows = {r["op"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    for op in ("all_gather_matmul", "all_reduce_matmul"):
+        assert rows[op]["paths"] == [{"path": "nccl x2", "why": "config given", "calls": 5}], rows[op]  # 2 warm + 3
+    for op in ("mlp_chain", "all_gather_matmul", "all_reduce_matmul"):
+        (t,) = [t for t in rows[op]["timing"] if not t["serial"]]
+        assert t["hidden"] is not None and 0.0 <= t["hidden"] <= 1.0, (op, t)
+    for op in ("mlp_chain", "all_gather_matmul", "all_reduce_matmul"):
+        assert (out / f"trace.{op}.png").stat().st_size > 1000
