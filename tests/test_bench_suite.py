@@ -64,6 +64,7 @@ def _check_run(out_dir: Path, stdout: str, ops: list[str], sets: list[str], cust
             for p in doc["ops"][op]["part_titles"]:
                 assert r["ms"][p] > 0, (case, p)
             assert r["floor_ms"] > 0 and r["flops"] > 0, case
+            assert ("observed" in r) == ("--profile" in doc["command"]), case
             if doc["ops"][op]["comm"]:
                 assert r["busbw_GBps"]["comm"] > 0 and r["comm_bytes"] > 0, case
                 assert set(r["hidden_frac"]) == set(timed) - {"reference"}, case
@@ -99,6 +100,84 @@ def test_every_op_and_shape_under_torchrun_sh(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "results.json").read_text())
     assert len(doc["results"]) == 5 + 1 + 10 + 1 + 10 + 1
     assert [r["params"] for r in doc["results"] if r["op"] == "armm"][-1] == {"ln": True}
+
+
+def test_profile_adds_the_report_per_variant(tmp_path: Path) -> None:
+    """--profile: per case, every variant that ran (external ones aside) has the report's
+    keys; on CPU the library's op is seen taking its reference path ("no GPU"), the
+    timings are None, and the markdown has the section."""
+    from benchmarks.suite.observed import FIELDS
+
+    r = run_cmd(["bash", "launch/torchrun.sh", "2", "benchmarks/run.py", "--ops", "agmm,chain", "--shape", CUSTOM,
+                 *FAST, "--profile", "--profile-calls", "3", "--out", str(tmp_path)], timeout_s=90)
+    assert r.returncode == 0, r
+    doc = _check_run(tmp_path, r.out, ["agmm", "chain"], [], [CUSTOM])
+    want_op = {"agmm": "all_gather_matmul", "chain": "mlp_chain"}
+    for rec in doc["results"]:
+        variants = doc["ops"][rec["op"]]["variants"]
+        ran = {n for n, v in variants.items() if v["role"] != "external" and n not in rec["na"]}
+        assert set(rec["observed"]) == ran, (rec["op"], rec["observed"])
+        for n, o in rec["observed"].items():
+            assert tuple(o) == FIELDS, (rec["op"], n, o)
+            for f in ("op_ms", "comm_ms", "gemm_ms", "comm_alone_ms", "gemm_alone_ms", "hidden"):
+                assert o[f] is None, (rec["op"], n, f, o)  # CPU: no CUDA events
+        lib = rec["observed"][doc["ops"][rec["op"]]["library"]] if rec["op"] == "agmm" else \
+            rec["observed"]["torch"]
+        if rec["op"] == "agmm":
+            assert (lib["path"], lib["why"], lib["calls"]) == ("reference", "no GPU", 3), lib
+        else:  # the chain's reference (mlp_chain_ref) is not an observed op
+            assert lib["path"] is None, lib
+        rows = rec["observed_report"]
+        if rec["op"] == "agmm":
+            assert rows and {row["op"] for row in rows} == {want_op[rec["op"]]}, rows
+        else:  # nothing of the chain is observed on CPU
+            assert rows == [], rows
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("overlap.report() of a few profiled calls") == 2 and "reference (no GPU)" in md
+
+
+def test_observe_case_attributes_paths_and_timings() -> None:
+    """observe_case on stand-in variants that record as the ops do on a GPU (a serial
+    reference, an overlapped library path, an unobserved baseline): each variant gets its
+    path, its calls and its figures; the library's hidden fraction uses the reference's
+    alone-times."""
+    from types import SimpleNamespace
+
+    from benchmarks.suite.observed import FIELDS, observe_case
+    from benchmarks.suite.spec import Case, Variant
+    from overlap import observe
+
+    ev = lambda t: SimpleNamespace(t=t, query=lambda: True, elapsed_time=lambda e, t=t: e.t - t)  # noqa: E731
+    shape = (64, 32, 16)
+
+    def ref() -> None:  # all_gather_matmul_ref: serial phases, no record_call
+        observe.record_phases("op", shape, "reference", {"comm": (ev(0), ev(0.6)), "gemm": (ev(0.6), ev(1.3))},
+                              serial=True)
+
+    def lib() -> None:
+        observe.record_call("op", shape, "nccl x2", "tuner pick")
+        observe.record_phases("op", shape, "nccl x2", {"op": (ev(0), ev(1.0))})
+
+    case = Case(variants={"reference": Variant("seq", fn=ref, role="reference"), "other": Variant("b", fn=lambda: None),
+                          "tile_flag": Variant("lib", fn=lib, role="library"),
+                          "ext": Variant("x", fn=lib, role="external")}, parts={}, flops=1.0)
+    was = observe.profile()
+    observe.reset_report()
+    try:
+        seen, rows = observe_case(case, "op", 3, skip=set())
+    finally:
+        observe.reset_report()
+    assert observe.profile() == was
+    assert set(seen) == {"reference", "other", "tile_flag"}  # external ones aside
+    assert all(tuple(o) == FIELDS for o in seen.values())
+    r, o, t = seen["reference"], seen["other"], seen["tile_flag"]
+    assert (r["path"], r["why"], r["calls"], r["serial"]) == ("reference", None, 3, True), r
+    assert r["comm_ms"] == pytest.approx(0.6) and r["hidden"] is None
+    assert o == dict.fromkeys(FIELDS), o
+    assert (t["path"], t["why"], t["calls"], t["serial"]) == ("nccl x2", "tuner pick", 3, False), t
+    assert t["op_ms"] == pytest.approx(1.0) and t["comm_alone_ms"] == pytest.approx(0.6)
+    assert t["hidden"] == pytest.approx((0.6 + 0.7 - 1.0) / 0.6)
+    assert [row["op"] for row in rows] == ["op"] and rows[0]["calls"] == 3
 
 
 @pytest.mark.mpi

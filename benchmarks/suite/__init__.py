@@ -5,6 +5,7 @@
     timing.py    CUDA-event and CPU timers, median, slowest rank
     report.py    table, JSON, markdown, PNG
     runner.py    the command line and the loop over ops and shapes
+    observed.py  --profile: what overlap.report() saw of each variant
     op_*.py      one module per op, each defining ``OP = OpSpec(...)``
 
 Adding an op: write ``op_<name>.py`` with ``OP``; it is found by its file name.

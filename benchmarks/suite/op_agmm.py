@@ -87,4 +87,4 @@ def setup(shape: Shape, env: Env) -> Case:
 
 OP = OpSpec(name="agmm", title="All-gather -> GEMM", comm="all_gather", shapes=SHAPES, setup=setup,
             part_titles={"comm": "all-gather", "gemm": "cuBLAS GEMM"},
-            floor_title="floor = max(all-gather, GEMM)")
+            floor_title="floor = max(all-gather, GEMM)", observed="all_gather_matmul")

@@ -89,4 +89,5 @@ def setup(shape: Shape, env: Env) -> Case:
 
 OP = OpSpec(name="armm", title="All-reduce (+ residual, LayerNorm) -> GEMM", comm="all_reduce", shapes=SHAPES,
             setup=setup, part_titles={"comm": "all-reduce", "gemm": "cuBLAS GEMM"},
-            floor_title="floor = max(all-reduce, GEMM)", params_from_suffix=_suffix)
+            floor_title="floor = max(all-reduce, GEMM)", params_from_suffix=_suffix,
+            observed="all_reduce_matmul")

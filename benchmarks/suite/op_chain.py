@@ -85,4 +85,4 @@ def setup(shape: Shape, env: Env) -> Case:
 OP = OpSpec(name="chain", title="MLP chain fc1 -> gelu -> fc2 (one GPU per rank)", comm=None, shapes=SHAPES,
             setup=setup, library="tile_flag", floor="sum",
             part_titles={"producer": "fc1+gelu alone", "consumer": "fc2 alone"},
-            floor_title="sequential = producer + consumer", speedup=("tile_flag", "stream_sync"))
+            floor_title="sequential = producer + consumer", speedup=("tile_flag", "stream_sync"), observed="mlp_chain")

@@ -2,7 +2,9 @@
 
 A record (one op, one shape) holds ``ms`` (every timing: parts, extras, variants; None
 where not run), ``na`` / ``errors`` / ``notes`` per variant, and the derived figures
-``floor_ms``, ``vs_floor``, ``tflops``, ``busbw_GBps``, ``hidden_frac``, ``speedup``.
+``floor_ms``, ``vs_floor``, ``tflops``, ``busbw_GBps``, ``hidden_frac``, ``speedup``; with
+``--profile`` also ``observed`` (per variant: path, why, calls, phase times, alone-times and
+the hidden fraction from ``overlap.report()``) and ``observed_report`` (its rows).
 """
 
 from __future__ import annotations
@@ -78,6 +80,20 @@ def table(meta: dict, recs: list[dict]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def observed_table(meta: dict, recs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the ``--profile`` figures: one row per shape and variant."""
+    head = ["set", "shape", "variant", "path (why)", "op ms", "comm alone", "gemm alone", "hidden"]
+    rows = []
+    for r in recs:
+        for n, o in r.get("observed", {}).items():
+            path = "-" if o["path"] is None else o["path"] + (f" ({o['why']})" if o["why"] else "")
+            h = o["hidden"]
+            rows.append([r["set"], _shape_cell(r), meta["variants"].get(n, {}).get("title", n), path,
+                         fmt(o["op_ms"]), fmt(o["comm_alone_ms"]), fmt(o["gemm_alone_ms"]),
+                         "n/a" if h is None else f"{100 * h:.0f}%"])
+    return head, rows
+
+
 def text_table(head: list[str], rows: list[list[str]]) -> str:
     w = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
 
@@ -144,6 +160,11 @@ def op_section(doc: dict, name: str, *, markdown: bool) -> str:
     lines += ["", md_table(head, rows) if markdown else text_table(head, rows), ""]
     for n in _notes(meta, recs):
         lines.append(("- " if markdown else "  ") + n)
+    if any("observed" in r for r in recs):
+        head, rows = observed_table(meta, recs)
+        lines += ["", "overlap.report() of a few profiled calls per variant after the timing (--profile): the path "
+                  "taken, the op's CUDA-event time, the alone-times from the serial calls, the hidden fraction",
+                  "", md_table(head, rows) if markdown else text_table(head, rows), ""]
     if markdown and doc.get("plots", {}).get(name):
         lines += ["", f"![{name}]({doc['plots'][name]})"]
     return "\n".join(lines) + "\n"

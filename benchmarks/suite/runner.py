@@ -6,8 +6,11 @@
 
 Every rank runs the same cases in the same order (the timers hold collectives); rank 0
 prints a progress line per case, the tables at the end, and writes DIR/results.json,
-DIR/results.md and DIR/<op>.png. Without a GPU it runs on gloo with every shape scaled
-down (largest dim <= --cpu-max-dim) and says that its figures are not GPU figures.
+DIR/results.md and DIR/<op>.png. ``--profile`` adds, per case and variant, what
+``overlap.report()`` saw of a few profiled calls after the timing (``suite/observed.py``):
+the path taken and why, CUDA-event phase times and the hidden fraction. Without a GPU it
+runs on gloo with every shape scaled down (largest dim <= --cpu-max-dim) and says that
+its figures are not GPU figures.
 Exit status: 0, or 1 when a variant of the library or a baseline raised (the reports
 are written either way; the error is in them).
 """
@@ -53,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-max-dim", type=int, default=CPU_MAX_DIM,
                     help="CPU: scale every shape so its largest dim is at most this (0: run shapes as given)")
     ap.add_argument("--timeout", type=float, default=300.0, help="bound on waits for other ranks, seconds")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each case, profile a few calls of each variant and add what "
+                         "overlap.report() says (path, phase times, hidden fraction) to the JSON")
+    ap.add_argument("--profile-calls", type=int, default=5, help="with --profile: calls per variant")
     args = ap.parse_args(argv)
     ops = available_ops() if args.ops.strip() in ("", "all") else [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in available_ops()]
@@ -61,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = ops
     args.sets = ([] if args.shape else ["all"]) if args.shapes is None else [
         s.strip() for s in args.shapes.split(",") if s.strip()]
-    if args.iters < 1 or args.warmup < 0 or args.reps < 1:
-        ap.error("--iters and --reps must be >= 1, --warmup >= 0")
+    if args.iters < 1 or args.warmup < 0 or args.reps < 1 or args.profile_calls < 1:
+        ap.error("--iters, --reps and --profile-calls must be >= 1, --warmup >= 0")
     try:
         specs = [load_op(o) for o in ops]  # every shape argument must make sense before any process starts
         for op in specs:
@@ -186,6 +193,9 @@ def progress(i: int, total: int, op: OpSpec, rec: dict, meta: dict, secs: float)
     if op.comm:
         h = rec.get("hidden_frac", {}).get(lib)
         extra += f" hidden {'n/a' if h is None else f'{100 * h:.0f}%'}"
+    if "observed" in rec:
+        h = rec["observed"].get(lib, {}).get("hidden")
+        extra += f" report-hidden {'n/a' if h is None else f'{100 * h:.0f}%'}"
     if rec.get("speedup"):
         extra += " " + " ".join(f"{k} {report.fmt(v, 2)}" for k, v in rec["speedup"].items())
     if "tuned" in rec:
@@ -207,6 +217,10 @@ def run_case(op: OpSpec, shape: Shape, run_shape: Shape, env: Env, timer: Timer,
                            "ms": {}, "na": {}, "notes": {}, "errors": {}}
     if run_shape.dims != shape.dims:
         rec["run_dims"] = dict(run_shape.dims)
+    if args.profile:
+        from overlap import observe
+
+        observe.reset_report()  # this case's calls, tuning and warnings alone
     case: Case | None = None
     code, why = 0, ""
     try:
@@ -282,6 +296,8 @@ def run_case(op: OpSpec, shape: Shape, run_shape: Shape, env: Env, timer: Timer,
         rec["synced_ms"] = synced
     if fast:
         rec["fast_path_calls"] = fast
+    if args.profile and op.observed:
+        profile_case(op, case, env, args, rec)
     if case.check is not None and ms.get(op.library) is not None:
         try:
             rec["check"] = case.check()
@@ -295,6 +311,25 @@ def run_case(op: OpSpec, shape: Shape, run_shape: Shape, env: Env, timer: Timer,
     rec["info"] = case.info
     derive(op, case, rec, env.world)
     return "ok", rec
+
+
+def profile_case(op: OpSpec, case: Case, env: Env, args: argparse.Namespace, rec: dict) -> None:
+    """``--profile``: rec["observed"] (per variant: what overlap.report() saw, every key
+    present, None where it saw nothing) and rec["observed_report"] (the op's report rows)."""
+    from .observed import empty, observe_case
+
+    skip = {n for n in rec["errors"]} | {n for n, v in case.variants.items() if v.na is not None}
+    sync = (lambda: torch.cuda.synchronize(env.device)) if env.on_gpu else None
+    try:
+        seen, rows = observe_case(case, op.observed, args.profile_calls, skip, sync)
+    except Exception as e:
+        rec["errors"]["profile"] = _err(e)
+        if env.verbose:
+            traceback.print_exc()
+        seen, rows = {}, []
+    rec["observed"] = {n: seen.get(n, empty()) for n, v in case.variants.items()
+                       if v.role != "external" and v.na is None}
+    rec["observed_report"] = rows
 
 
 def derive(op: OpSpec, case: Case, rec: dict, world: int) -> None:

@@ -104,6 +104,7 @@ class OpSpec:
     speedup: tuple[str, str] | None = None  # (fast, slow): report t(slow) / t(fast)
     dims_doc: str = "M x N x K"
     params_from_suffix: Callable[[str], dict[str, Any]] | None = None  # "+ln" -> {"ln": True}
+    observed: str | None = None  # the op's name in overlap.report() (``--profile``)
 
     def knows_suffix(self, suffix: str) -> bool:
         if self.params_from_suffix is None:
