@@ -44,18 +44,60 @@ def wrap32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def default_timeout_ms() -> float:
-    """Bound of a tile's flag wait: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+def default_timeout_ms(group: Any = None) -> float:
+    """Bound of a flag wait (and of shutdown's drain) where the op's config sets none, in ms.
+
+    1. ``OVERLAP_WAIT_TIMEOUT_MS``, if set (a finite number > 0);
+    2. else the timeout of ``overlap.dist.init``'s context (``DistContext.timeout_s``),
+       which is also its process groups' timeout;
+    3. else torch's default process-group timeout for ``group``'s backend (or the
+       default group's; 30 min, NCCL's 10 min where torch sets one).
+
+    Minutes, not milliseconds, by design: in a real job one rank regularly arrives
+    seconds after its peers (a GC pause, a checkpoint write, a slow data loader), and a
+    wait that expired then would fail a healthy job. A rank whose peer is dead still
+    gets ``FlagTimeoutError`` within this bound, as NCCL's watchdog ends a collective
+    after the process group's timeout. Tests and tuners that provoke timeouts pass a
+    short ``timeout_ms`` of their own."""
     v = os.environ.get("OVERLAP_WAIT_TIMEOUT_MS")
-    if v is None:
-        return 500.0
+    if v is not None:
+        try:
+            out = float(v)
+        except ValueError:
+            raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a number, got {v!r}") from None
+        if not (0 < out < float("inf")):  # nan and inf too: a wait must end
+            raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a finite number > 0, got {v!r}")
+        return out
+    from . import dist
+
+    ctx = dist.get_context()
+    if ctx is not None:
+        return _finite_ms(float(ctx.timeout_s) * 1000.0, "overlap.dist context's timeout_s")
+    return _finite_ms(_torch_default_timeout_s(group) * 1000.0, "torch's default process-group timeout")
+
+
+def _finite_ms(ms: float, what: str) -> float:
+    if not (0 < ms < float("inf")):
+        raise ValueError(f"{what} must give a finite wait bound > 0, got {ms} ms")
+    return ms
+
+
+def _torch_default_timeout_s(group: Any) -> float:
+    """torch's default timeout for ``group``'s backend (the default group's where
+    ``group`` is None; gloo's where none is initialized), in seconds."""
+    import torch.distributed as tdist
+    from torch.distributed import constants
+
+    backend = ""
     try:
-        out = float(v)
-    except ValueError:
-        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a number, got {v!r}") from None
-    if not (0 < out < float("inf")):  # nan and inf too: a wait must end
-        raise ValueError(f"OVERLAP_WAIT_TIMEOUT_MS must be a finite number > 0, got {v!r}")
-    return out
+        if tdist.is_available() and tdist.is_initialized():
+            backend = str(tdist.get_backend(group)).lower()
+    except Exception:  # noqa: BLE001 - a group this rank is not in: the generic default
+        backend = ""
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    if backend == "nccl" and nccl is not None:
+        return float(nccl.total_seconds())
+    return float(constants.default_pg_timeout.total_seconds())
 
 
 class FlagTimeoutError(RuntimeError):

@@ -36,6 +36,48 @@ def test_wait_bound_must_end(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
         ChainConfig(timeout_ms=float("inf"))
 
 
+def test_default_bound_follows_the_process_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default wait bound is minutes (the process groups' timeout), so a rank that
+    arrives seconds late is waited for: OVERLAP_WAIT_TIMEOUT_MS first, then the
+    overlap.dist context's timeout, then torch's default process-group timeout; and
+    shutdown's drain stays bounded (at most 60 s)."""
+    from datetime import timedelta
+
+    from torch.distributed import constants
+
+    from overlap import dist
+
+    monkeypatch.delenv("OVERLAP_WAIT_TIMEOUT_MS", raising=False)
+    monkeypatch.setattr(dist, "get_context", lambda: None)
+    torch_default = constants.default_pg_timeout.total_seconds() * 1000.0
+    assert fl.default_timeout_ms() == torch_default and torch_default >= 60_000
+    assert rtmod.shutdown_timeout_s() == 60.0
+    # no context: the group's backend picks torch's default (NCCL's own where torch sets one)
+    monkeypatch.setattr(constants, "default_pg_nccl_timeout", timedelta(minutes=7))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    assert fl.default_timeout_ms("a group") == 7 * 60_000.0
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert fl.default_timeout_ms("a group") == torch_default
+    # overlap.dist.init's context: its timeout_s, which its process groups have too
+    monkeypatch.setattr(dist, "get_context", lambda: SimpleNamespace(timeout_s=42.0))
+    assert fl.default_timeout_ms() == 42_000.0 and fl.default_timeout_ms("a group") == 42_000.0
+    assert rtmod.shutdown_timeout_s() == 47.0
+    monkeypatch.setattr(dist, "get_context", lambda: SimpleNamespace(timeout_s=float("inf")))
+    with pytest.raises(ValueError, match="finite"):
+        fl.default_timeout_ms()
+    # the environment overrides both
+    monkeypatch.setenv("OVERLAP_WAIT_TIMEOUT_MS", "250")
+    assert fl.default_timeout_ms() == 250.0 and rtmod.shutdown_timeout_s() == 5.25
+
+
+def test_tuner_bounds_its_timed_calls() -> None:
+    """A tuner's timed calls wait seconds, not the default's minutes (a candidate that
+    starves its own communication is dropped quickly); a bound the candidate sets stays."""
+    assert rtmod.tuning_bound(OverlapConfig()).timeout_ms == rtmod.TUNE_TIMEOUT_MS
+    assert rtmod.tuning_bound(OverlapConfig(timeout_ms=7.0)).timeout_ms == 7.0
+
+
 def test_wrap32() -> None:
     assert [fl.wrap32(v) for v in (0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, -1)] == \
         [0, 1, 2**31 - 1, -(2**31), -1, 0, 5, -1]

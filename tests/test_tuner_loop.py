@@ -14,7 +14,7 @@ import torch.distributed as tdist
 
 from overlap.flags import FlagTimeoutError
 from overlap.ops import OverlapConfig
-from overlap.ops._runtime import WARM_TIMEOUT_MS, confirm_best, time_candidates
+from overlap.ops._runtime import TUNE_TIMEOUT_MS, WARM_TIMEOUT_MS, confirm_best, time_candidates
 from tests._procs import free_port
 
 
@@ -55,8 +55,10 @@ def test_timed_out_candidate_is_dropped(group: Any, capsys: pytest.CaptureFixtur
         out = time_candidates(rt, err, cands, run, 3, group, describe=lambda c: f"cand {c.chunks}", timer=timer)
     assert [(t, c.chunks) for t, c in out] == [(2.0, 1), (6.0, 3)]
     assert all(c.check == "async" for _, c in out) and all(c.check == "none" for c in seen)
-    # each candidate's first (compiling) call ran under the long bound, the timed ones under its own
-    assert [c.timeout_ms for c in seen] == [WARM_TIMEOUT_MS, None] * 3
+    # each candidate's first (compiling) call ran under the long bound, the timed ones under
+    # the tuning bound (seconds, not the default's minutes); the winners keep their own (None)
+    assert [c.timeout_ms for c in seen] == [WARM_TIMEOUT_MS, TUNE_TIMEOUT_MS] * 3
+    assert all(c.timeout_ms is None for _, c in out)
     printed = capsys.readouterr().out
     assert "cand 2" in printed and "rejected" in printed and printed.count("rejected") == 1
 

@@ -146,7 +146,9 @@ class OverlapConfig:
     gemm: Any = None
     """``overlap.kernels.tile_gemm.GemmConfig``; ``None``: the tuned or default one."""
     timeout_ms: float | None = None
-    """Bound of one tile's flag wait; ``None``: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    """Bound of one tile's flag wait; ``None``: ``overlap.flags.default_timeout_ms(group)``
+    (``OVERLAP_WAIT_TIMEOUT_MS``, else the process groups' timeout: minutes, so that a rank
+    arriving seconds late is waited for)."""
     transport: str | None = None
     """How rows move between GPUs: "nccl" (chunked NCCL collectives on the
     library's communicator; their CTAs hold SMs) or "p2p" (copy-engine pushes into
@@ -633,10 +635,12 @@ def _drain(rt: Runtime, timeout_s: float) -> bool:
     return True
 
 
-def shutdown_timeout_s() -> float:
-    """How long shutdown waits for the ops' work to end: the wait bound (every tile's
-    wait ends by then) plus 5 s, at most 60 s."""
-    return min(60.0, _flags.default_timeout_ms() / 1000.0 + 5.0)
+def shutdown_timeout_s(group: Any = None) -> float:
+    """How long shutdown and ``reset`` wait for the ops' work to end: the wait bound
+    (every tile's wait ends by then) plus 5 s, at most 60 s. The default bound is the
+    process groups' timeout (minutes), so this is usually the 60 s cap: past it, shutdown
+    aborts the library's NCCL communicators rather than wait out a dead peer's bound."""
+    return min(60.0, _flags.default_timeout_ms(group) / 1000.0 + 5.0)
 
 
 def reset(group: Any = None) -> None:
@@ -661,9 +665,9 @@ def reset(group: Any = None) -> None:
         ranks, _ = group_key(group)
         with _lock:
             rt = next((r for (rk, _), r in _runtimes.items() if rk == ranks), None)
-    if rt is not None and not _drain(rt, shutdown_timeout_s()):
+    if rt is not None and not _drain(rt, shutdown_timeout_s(group)):
         raise RuntimeError(f"overlap.reset: rank {rt.rank}: the ops' work did not end within "
-                           f"{shutdown_timeout_s():.0f} s; shut down instead (overlap.dist.shutdown)")
+                           f"{shutdown_timeout_s(group):.0f} s; shut down instead (overlap.dist.shutdown)")
     tdist.barrier(group=group)  # every rank's pushes have ended: nothing lands after this
     if rt is not None:
         with rt.order.lock:
@@ -875,6 +879,18 @@ def _none_timed_out(rt: Runtime, err: _flags.ErrorWord, group: Any, key: str, me
 
 WARM_TIMEOUT_MS = 60_000.0
 """Wait bound of a tuner candidate's first (compiling) call: a bound, not a hang."""
+TUNE_TIMEOUT_MS = 5_000.0
+"""Wait bound of a tuner's timed calls of a candidate that sets none. The ranks start
+each candidate together (a barrier after its warm call), so a wait this long means the
+candidate starves its own communication (e.g. NCCL finds no SM): it is dropped within
+seconds, not after the minutes of the default bound (``flags.default_timeout_ms``)."""
+
+
+def tuning_bound(cand: "OverlapConfig") -> "OverlapConfig":
+    """``cand`` with its timed calls' wait bound: its own, else ``TUNE_TIMEOUT_MS``."""
+    from dataclasses import replace
+
+    return cand if cand.timeout_ms is not None else replace(cand, timeout_ms=TUNE_TIMEOUT_MS)
 
 
 def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[OverlapConfig], run: Any, iters: int,
@@ -899,7 +915,8 @@ def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[Overlap
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         tdist.barrier(group=group)
-        t = timer(lambda: run(cand), iters, group)
+        timed = tuning_bound(cand)
+        t = timer(lambda: run(timed), iters, group)
         ok = _none_timed_out(rt, err, group, f"tune-timeout-{err.what}-{cand}",
                              lambda e, cand=cand: f"tuner: {cand} timed out ({e}); skipped")
         if ok:

@@ -40,8 +40,8 @@ from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layo
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
                        call_sig, capturing, check_agree, observed, post_sig, serial_phases,
                        confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
-                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once,
-                       ws_variants)
+                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
+                       warn_once, ws_variants)
 
 __all__ = [
     "all_gather_matmul",
@@ -329,7 +329,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     p = _plan(rt, ms, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_gather_matmul")
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     with rt.order.lock:
         # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed
         # below on the caller's stream: no epoch (``_runtime.LocalWords``)
@@ -387,7 +387,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     blk = heap.block("all_gather_matmul", 2 * half)
     sf = heap.flags("all_gather_matmul", p.flag_count)
     err = rt.err("all_gather_matmul")
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     c = a_shard.new_empty((world * ms, n))
     # the epoch last, just before the first work is queued: a call that fails before
     # it must not leave this rank's count ahead of its peers'
@@ -491,7 +491,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     def fn_for(choice: Any) -> Any:
         if choice == "sequential":
             return lambda: all_gather_matmul_ref(a_shard, b, group=group)
-        quiet = replace(choice, check="none")
+        quiet = tuning_bound(replace(choice, check="none"))
         return lambda: run(quiet)
 
     def label(choice: Any) -> str:

@@ -61,7 +61,8 @@ from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments
                         tail_parts)
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
-                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, warn_once)
+                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
+                       warn_once)
 
 __all__ = [
     "Norm",
@@ -545,7 +546,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     p = _plan(rt, m, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_reduce_matmul")
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     residual, norm = _contiguous(residual, norm)
     prologue = residual is not None or norm is not None
     with rt.order.lock:
@@ -643,7 +644,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
     ready = p.ready
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul", p.counters)
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     residual, norm = _contiguous(residual, norm)
     fold = cfg.fold_norm and norm is not None
     h = torch.empty_like(x)
@@ -760,7 +761,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     ready = p.ready
     err = rt.err("all_reduce_matmul")
     counter = rt.counter("all_reduce_matmul", p.counters)
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     residual, norm = _contiguous(residual, norm)
     fold = norm is not None
     h = torch.empty_like(x)
@@ -974,7 +975,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     def fn_for(choice: Any) -> Any:
         if isinstance(choice, str):
             return paths[choice]
-        quiet = replace(choice, check="none")
+        quiet = tuning_bound(replace(choice, check="none"))
         return lambda: run(quiet)
 
     def label(choice: Any) -> str:

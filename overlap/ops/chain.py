@@ -93,7 +93,9 @@ class ChainConfig:
     reserve_sms: int = 1
     """SMs the consumer's grid leaves to the producer (>= 1: the no-deadlock argument needs one)."""
     timeout_ms: float | None = None
-    """Bound of one consumer tile's wait; None: ``OVERLAP_WAIT_TIMEOUT_MS`` or 500 ms."""
+    """Bound of one consumer tile's wait; None: ``overlap.flags.default_timeout_ms()``
+    (``OVERLAP_WAIT_TIMEOUT_MS``, else ``overlap.dist``'s or torch's process-group timeout:
+    minutes, so that a producer held back by other work on the GPU is waited for)."""
     check: str = "async"
     """'sync', 'async' or 'none', as in ``OverlapConfig``."""
     sync: str = "row"
