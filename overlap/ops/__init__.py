@@ -8,6 +8,14 @@ from .all_gather import (
     tune_all_gather_matmul,
 )
 from .chain import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
+from .matmul_reduce import (
+    matmul_all_reduce,
+    matmul_all_reduce_chunked,
+    matmul_all_reduce_ref,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_chunked,
+    matmul_reduce_scatter_ref,
+)
 from .all_reduce import (
     Norm,
     all_reduce_matmul,
@@ -29,6 +37,12 @@ __all__ = [
     "all_reduce_matmul",
     "all_reduce_matmul_chunked",
     "all_reduce_matmul_ref",
+    "matmul_all_reduce",
+    "matmul_all_reduce_chunked",
+    "matmul_all_reduce_ref",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_chunked",
+    "matmul_reduce_scatter_ref",
     "mlp_chain",
     "mlp_chain_ref",
     "mlp_chain_stream_sync",

@@ -1,0 +1,468 @@
+"""GEMM -> reduce-scatter and GEMM -> all-reduce: a chunk's communication starts as its tiles finish.
+
+    matmul_reduce_scatter(a, b)  ==  reduce_scatter(a @ b, dim=0)           (sum over ranks)
+    matmul_all_reduce(a, b)      ==  all_reduce(a @ b) (+ residual)
+
+    tensor      shape          on each of R ranks
+    a           [M, K/R]       this rank's columns of the activations (row-parallel input)
+    b           [K/R, N]       this rank's rows of the weight; any nn.Linear layout (w.t())
+    returns     [M/R, N]       reduce-scatter: rows r*M/R .. (r+1)*M/R of the sum
+                [M, N]         all-reduce: the sum (+ residual [M, N])
+
+The producer half of a tensor-parallel layer (the row-parallel GEMM whose partial sums
+the ranks must add up), and in the backward pass the column-parallel layer's input
+gradient. The schedule (R = 2, 2 chunks; P = a tile's post, a release add after its
+stores; W = a stream wait on a chunk's count, no SM):
+
+    GEMM grid    | chunk0 tiles (P c0) ... | chunk1 tiles (P c1) ... |     (persistent, all SMs but NCCL's)
+    comm stream  |W c0 = tiles(c0)| RS/AR chunk0 |W c1| RS/AR chunk1 |     (library communicator, CTAs capped)
+
+The GEMM is launched once; its tiles come from one atomic counter in table order, chunk
+by chunk, so chunk 0's tiles finish first. Each tile adds 1 to its chunk's counter after
+its stores. The comm stream waits until a chunk's counter holds the chunk's tile count
+(``cuStreamWaitValue32``), then reduces that chunk with NCCL while the GEMM computes the
+next ones. Nothing waits in a circle: the GEMM waits on nothing, so it always ends; the
+NCCL kernels find SMs because the grid leaves ``nccl_ctas`` (+ margin) of them.
+
+For the reduce-scatter, chunk c is rows [c0, c0 + rows) of every rank's block of M/R
+rows, so NCCL needs them contiguous: the GEMM writes C chunk-major,
+
+    C_perm[chunk c] = [block 0 rows c0.., block 1 rows c0.., ...]      ([R, rows, N])
+
+and the reduce-scatter of that chunk lands rows c0.. of this rank's block of the output.
+For the all-reduce the chunks are row ranges of C itself, reduced in place.
+
+The counters are local words, zeroed by each call on its stream (``_runtime.LocalWords``):
+a captured call replays correctly, and an exception leaves the next call correct. The
+peer-copy transport (pushes of each chunk to its destination) is not built for these
+ops yet; ``transport="p2p"`` raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+from ..observe import gpu_range
+from ..policies import Segment, build_tile_table, split_rows
+from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
+                       dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
+                       report_errors, resolve_group, serial_phases, warn_once)
+
+__all__ = [
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_ref",
+    "matmul_reduce_scatter_chunked",
+    "matmul_all_reduce",
+    "matmul_all_reduce_ref",
+    "matmul_all_reduce_chunked",
+    "reduce_scatter_layout",
+    "stats",
+]
+
+stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0}
+"""How many calls took each path (proof that the fast path ran)."""
+
+CHUNK_ALIGN = 128
+"""Chunks are multiples of this many rows (except the last), independent of the GEMM config."""
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    import torch.distributed as tdist
+
+    fn = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+    fn(out, inp, group=group)
+
+
+def _check_inputs(op: str, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{op}: a must be [M, K/R] and b [K/R, N]; got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{op}: K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: dtype mismatch: a {a.dtype}, b {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{op}: device mismatch: a on {a.device}, b on {b.device}")
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"{op}: empty operand: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if residual is not None:
+        if tuple(residual.shape) != (a.shape[0], b.shape[1]):
+            raise ValueError(f"{op}: residual must be [M, N] = {(a.shape[0], b.shape[1])}, "
+                             f"got {tuple(residual.shape)}")
+        if residual.dtype != a.dtype or residual.device != a.device:
+            raise TypeError(f"{op}: residual is {residual.dtype} on {residual.device}; a is {a.dtype} on {a.device}")
+
+
+def _world(group: Any) -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------
+# references and the chunked baseline
+# --------------------------------------------------------------------------
+
+def matmul_reduce_scatter_ref(a: torch.Tensor, b: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """Plain reference: ``torch.matmul``, then one NCCL (or gloo) reduce-scatter over rows."""
+    _check_inputs("matmul_reduce_scatter", a, b)
+    group = resolve_group(group)
+    world = _world(group)
+    m = a.shape[0]
+    if m % world:
+        raise ValueError(f"matmul_reduce_scatter: M={m} is not a multiple of the {world} ranks")
+    tm = serial_phases("matmul_reduce_scatter", (m, b.shape[1], b.shape[0]), "reference", a.device)
+    if tm:
+        tm.start("gemm")
+    c = a @ b
+    if tm:
+        tm.stop("gemm")
+        tm.start("comm")
+    out = c.new_empty((m // world, c.shape[1]))
+    _reduce_scatter_single(out, c.contiguous(), group)
+    if tm:
+        tm.stop("comm")
+        tm.commit()
+    stats["reference"] += 1
+    return out
+
+
+def matmul_all_reduce_ref(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                          residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain reference: ``torch.matmul``, one NCCL (or gloo) all-reduce, then the residual add."""
+    import torch.distributed as tdist
+
+    _check_inputs("matmul_all_reduce", a, b, residual)
+    group = resolve_group(group)
+    tm = serial_phases("matmul_all_reduce", (a.shape[0], b.shape[1], b.shape[0]), "reference", a.device)
+    if tm:
+        tm.start("gemm")
+    c = a @ b
+    if tm:
+        tm.stop("gemm")
+        tm.start("comm")
+    tdist.all_reduce(c, group=group)
+    if tm:
+        tm.stop("comm")
+        tm.commit()
+    if residual is not None:
+        c += residual
+    stats["reference"] += 1
+    return c
+
+
+def _chunked(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, chunks: int,
+             residual: torch.Tensor | None) -> torch.Tensor:
+    """Per chunk on the current stream a cuBLAS GEMM of the chunk's rows (of every block, for
+    the reduce-scatter), an event, and on the comm stream the chunk's NCCL call (the
+    library's uncapped communicator) behind it.
+
+        compute  | mm c0 | mm c1 | ...
+        comm             | RS/AR c0 (wait e0) | RS/AR c1 (wait e1) |
+    """
+    group = resolve_group(group)
+    rt = get_runtime(group, a.device)
+    comm = rt.comm(None)
+    world = rt.world
+    m, n = a.shape[0], b.shape[1]
+    rs = op == "matmul_reduce_scatter"
+    ms = m // world if rs else m
+    sizes = split_rows(ms, chunks, CHUNK_ALIGN)
+    cur = torch.cuda.current_stream(a.device)
+    cs = rt.comm_stream
+    out = a.new_empty((ms, n)) if rs else a.new_empty((m, n))
+    start = 0
+    for rows in sizes:
+        if rs:
+            # the chunk's rows of every destination's block, contiguous for NCCL (a buffer
+            # per chunk: the comm stream reads it while the next chunk's GEMMs run)
+            part = a.new_empty((world, rows, n))
+            for d in range(world):
+                torch.mm(a[d * ms + start: d * ms + start + rows], b, out=part[d])
+            ev = torch.cuda.Event()
+            ev.record(cur)
+            cs.wait_event(ev)
+            comm.reduce_scatter(part.view(world * rows, n), out[start:start + rows], stream=cs)
+        else:
+            torch.mm(a[start:start + rows], b, out=out[start:start + rows])
+            ev = torch.cuda.Event()
+            ev.record(cur)
+            cs.wait_event(ev)
+            comm.all_reduce(out[start:start + rows], out[start:start + rows], stream=cs)
+            if residual is not None:
+                with on_stream(cs, cur):
+                    out[start:start + rows] += residual[start:start + rows]
+        start += rows
+    rt.join(cur, cs)  # no record_stream needed (Runtime.join)
+    stats["chunked"] += 1
+    return out
+
+
+def matmul_reduce_scatter_chunked(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                                  chunks: int = 2) -> torch.Tensor:
+    """Chunked stream-overlap baseline of ``matmul_reduce_scatter`` (see ``_chunked``)."""
+    _check_inputs("matmul_reduce_scatter", a, b)
+    if not a.is_cuda:
+        return matmul_reduce_scatter_ref(a, b, group=group)
+    if a.shape[0] % _world(resolve_group(group)):
+        raise ValueError(f"matmul_reduce_scatter: M={a.shape[0]} is not a multiple of the ranks")
+    return _chunked("matmul_reduce_scatter", a, b, group, chunks, None)
+
+
+def matmul_all_reduce_chunked(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                              residual: torch.Tensor | None = None, chunks: int = 2) -> torch.Tensor:
+    """Chunked stream-overlap baseline of ``matmul_all_reduce`` (see ``_chunked``)."""
+    _check_inputs("matmul_all_reduce", a, b, residual)
+    if not a.is_cuda:
+        return matmul_all_reduce_ref(a, b, group=group, residual=residual)
+    return _chunked("matmul_all_reduce", a, b, group, chunks, residual)
+
+
+# --------------------------------------------------------------------------
+# the plan: chunk map and tile table
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChunkMap:
+    """Where the rows of each chunk are: ``chunk_rows[c]`` rows from ``chunk_starts[c]``
+    of every destination's block (reduce-scatter) or of C (all-reduce); the GEMM's
+    segments in the order the comm stream needs them, each posting to its chunk's
+    counter; ``c_rows`` the rows of the GEMM's output buffer."""
+
+    chunk_starts: tuple[int, ...]
+    chunk_rows: tuple[int, ...]
+    segments: tuple[tuple[Segment, int], ...]
+    """(segment, chunk) in schedule order."""
+    c_rows: int
+
+
+def reduce_scatter_layout(world: int, m: int, chunks: int, align: int = CHUNK_ALIGN,
+                          scatter: bool = True) -> ChunkMap:
+    """The chunk map of a reduce-scatter (``scatter``) or all-reduce of an [M, N] product.
+
+    Reduce-scatter: each destination's block has M / world rows, cut into ``chunks``
+    row chunks (multiples of ``align`` but the last); chunk c of destination d is A rows
+    d * M/R + start_c .. and lands in the chunk-major output buffer at
+    ``(world * start_c + d * rows_c)``, so a chunk is one contiguous [world, rows_c, N]
+    block for NCCL. All-reduce: ``chunks`` row ranges of M, C in natural order."""
+    if scatter:
+        if m % world:
+            raise ValueError(f"M={m} is not a multiple of the {world} ranks")
+        ms = m // world
+    else:
+        ms = m
+    sizes = split_rows(ms, chunks, align)
+    starts, s = [], 0
+    for r in sizes:
+        starts.append(s)
+        s += r
+    segs: list[tuple[Segment, int]] = []
+    for c, (st, rows) in enumerate(zip(starts, sizes)):
+        if scatter:
+            for d in range(world):
+                segs.append((Segment(a_src=0, a_row=d * ms + st, c_row=world * st + d * rows, rows=rows), c))
+        else:
+            segs.append((Segment(a_src=0, a_row=st, c_row=st, rows=rows), c))
+    return ChunkMap(tuple(starts), tuple(sizes), tuple(segs), m)
+
+
+def producer_table(cmap: ChunkMap, n: int, block_m: int, block_n: int,
+                   group_m: int = 8) -> tuple[list[list[int]], list[int]]:
+    """The GEMM's tile table in schedule order, every tile posting to its chunk's counter
+    (table column 7), and the tile count per chunk (what the comm stream waits for)."""
+    table: list[list[int]] = []
+    counts = [0] * len(cmap.chunk_rows)
+    for seg, c in cmap.segments:
+        rows = build_tile_table([seg], n, block_m, block_n, group_m)
+        for r in rows:
+            r[7] = c
+        counts[c] += len(rows)
+        table += rows
+    return table, counts
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cmap: ChunkMap
+    table: torch.Tensor
+    counts: tuple[int, ...]
+    grid: int
+    nccl_ctas: int
+    gemm: Any
+    launches: dict = field(default_factory=dict)
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _default_chunks(rows: int) -> int:
+    # one chunk per ~1024 rows of a block, 1..4 (the consumer ops' rule)
+    return max(1, min(4, rows // 1024))
+
+
+def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _Plan:
+    from ..kernels.tile_gemm import DEFAULT_CONFIG
+
+    scatter = op == "matmul_reduce_scatter"
+    gemm = cfg.gemm or DEFAULT_CONFIG
+    chunks = cfg.chunks or _default_chunks(m // rt.world if scatter else m)
+    nccl_ctas = cfg.nccl_ctas or 16
+    margin = cfg.margin("nccl")
+    key = (op, rt.ranks, rt.device.index, m, n, k, chunks, nccl_ctas, margin, gemm)
+    p = _plans.get(key)
+    if p is None:
+        if capturing():
+            raise OverlapCaptureError(f"{op}: M={m}, N={n}, K={k} with this config has not run outside a CUDA "
+                                      "graph capture yet; call it once before capturing it")
+        cmap = reduce_scatter_layout(rt.world, m, chunks, CHUNK_ALIGN, scatter)
+        rows, counts = producer_table(cmap, n, gemm.block_m, gemm.block_n, gemm.group_m)
+        grid = rt.num_sms - nccl_ctas - margin
+        if grid < 1:
+            raise ValueError(f"{op}: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
+                             f"margin {margin}")
+        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = p
+    return p
+
+
+def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
+           cfg: OverlapConfig) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[1]
+    scatter = op == "matmul_reduce_scatter"
+    p = _plan(rt, op, m, n, k, cfg)
+    comm = rt.comm(p.nccl_ctas)
+    err = rt.err(op)
+    chunks = len(p.cmap.chunk_rows)
+    world = rt.world
+    with rt.order.lock:
+        # the dispatch counter, then a counter per chunk; zeroed below on the caller's stream
+        w = rt.local_words(op, 1, chunks)
+        c = a.new_empty((p.cmap.c_rows, n))
+        out = a.new_empty((m // world, n)) if scatter else c
+        cur = torch.cuda.current_stream(a.device)
+        cs = rt.comm_stream
+        rt.order.begin(cur)
+        _flags.stream_zero(cur, w.buf, w.buf.numel())
+        rt.fork(cur, cs)
+        try:
+            gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1, counter=w.counters,
+                           rank=rt.rank, config=p.gemm, post=True)
+            with gpu_range("gemm", "grid"):
+                gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid)
+            for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):
+                with gpu_range("comm", "chunk", ci):
+                    # every tile of the chunk stored (each posted once, with release)
+                    _flags.stream_wait_value(cs, w.flags, ci, p.counts[ci])
+                    if scatter:
+                        comm.reduce_scatter(c[world * start: world * (start + rows)], out[start:start + rows],
+                                            stream=cs)
+                    else:
+                        comm.all_reduce(c[start:start + rows], c[start:start + rows], stream=cs)
+                        if residual is not None:
+                            with on_stream(cs, cur):
+                                c[start:start + rows] += residual[start:start + rows]
+        finally:
+            # also after an exception: the comm stream's work is ordered before the next
+            # call's zeroing (and no record_stream is needed: Runtime.join)
+            rt.join(cur, cs)
+            rt.order.end(cur)
+    report_errors(err, cfg.check)
+    stats["fused"] += 1
+    return out
+
+
+# --------------------------------------------------------------------------
+# the public ops
+# --------------------------------------------------------------------------
+
+def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.Tensor | None,
+         config: OverlapConfig | None, ref: Any) -> torch.Tensor:
+    refuse_grad(op, a, b, residual)
+    group = resolve_group(group)
+    m, k = a.shape
+    n = b.shape[1]
+    scatter = op == "matmul_reduce_scatter"
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16):
+        warn_once(f"{op}-ref-{a.device.type}-{a.dtype}",
+                  f"{op}: no tile-flag path for {a.dtype} on {a.device.type}; running the reference "
+                  f"(matmul, then {'reduce-scatter' if scatter else 'all-reduce'})")
+        agree_on_reference(group, op, ("M", "K/R", "N", "dtype", "residual"),
+                           (m, k, n, dtype_code(a.dtype), int(residual is not None)), a.device)
+        why = "no GPU" if not a.is_cuda else f"dtype {a.dtype}"
+        return observed(op, (m, n, k), "reference", why, a.device, ref)
+    esize = a.element_size()
+    if (k * esize) % 16 or (n * esize) % 16:
+        raise ValueError(f"{op}: K/R={k} and N={n} must be multiples of {16 // esize} for {a.dtype} "
+                         "(16-byte rows for TMA)")
+    from ..kernels.tile_gemm import check_b, check_tma
+
+    check_b(b)  # before any work is queued
+    check_tma("a", a.contiguous())
+    cfg = config or OverlapConfig()
+    if cfg.transport == "p2p":
+        raise ValueError(f"{op}: the peer-copy transport is not built for this op yet; use transport='nccl' "
+                         "(or None)")
+    if capturing() and get_runtime_if_made(group, a.device) is None:
+        raise OverlapCaptureError(f"{op}: call it once outside the CUDA graph capture first")
+    rt = get_runtime(group, a.device)
+    if scatter and m % rt.world:
+        raise ValueError(f"{op}: M={m} is not a multiple of the {rt.world} ranks")
+    chunks = cfg.chunks or _default_chunks(m // rt.world if scatter else m)
+    # the NCCL calls' sizes come from (M, N) and the chunks: ranks must agree or peers hang
+    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks"),
+                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks))
+    rt.require_warm(op, (m, k, n, a.dtype, b.stride(), residual is not None, cfg))
+    why = "config given" if config is not None else "default config"
+    return observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op, a.contiguous(), b,
+                    None if residual is None else residual.contiguous(), cfg)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                          config: OverlapConfig | None = None) -> torch.Tensor:
+    """``reduce_scatter(a @ b, dim=0)``: each chunk's reduce-scatter starts as its tiles finish.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    a           [M, K/R]   this rank's columns of the input (row-parallel)
+    b           [K/R, N]   this rank's rows of the weight: row-major, or
+                           ``w.t()`` of an nn.Linear weight ``w`` [N, K/R]
+    returns     [M/R, N]   rows r*M/R .. (r+1)*M/R of the sum over ranks
+    ==========  =========  ===================================================
+
+    fp16 and bf16 on CUDA take the tile-flag path (NCCL transport: ``config`` sets
+    chunks, NCCL CTAs, SM margin and the GEMM config); other inputs (a CPU / gloo group,
+    fp32) take ``matmul_reduce_scatter_ref`` with a one-time warning. M must be a
+    multiple of R.
+    """
+    _check_inputs("matmul_reduce_scatter", a, b)
+    return _run("matmul_reduce_scatter", a, b, group, None, config,
+                lambda: matmul_reduce_scatter_ref(a, b, group=group))
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, residual: torch.Tensor | None = None,
+                      config: OverlapConfig | None = None) -> torch.Tensor:
+    """``all_reduce(a @ b) (+ residual)``: each chunk's all-reduce starts as its tiles finish.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    a           [M, K/R]   this rank's columns of the input (row-parallel)
+    b           [K/R, N]   this rank's rows of the weight (any nn.Linear layout)
+    residual    [M, N]     optional, added to the sum (not modified)
+    returns     [M, N]     the sum over ranks (+ residual)
+    ==========  =========  ===================================================
+
+    As ``matmul_reduce_scatter`` for paths and config.
+    """
+    _check_inputs("matmul_all_reduce", a, b, residual)
+    return _run("matmul_all_reduce", a, b, group, residual, config,
+                lambda: matmul_all_reduce_ref(a, b, group=group, residual=residual))

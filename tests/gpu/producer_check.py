@@ -1,0 +1,111 @@
+"""GPU checks of the producer ops (GEMM -> reduce-scatter / all-reduce), one process.
+
+Under torchrun / mpirun with R ranks (``producer2_check.py`` wraps it at 2), or alone at
+world size 1: each op against one unsharded reference (A [M, K] and W [N, K] the same on
+every rank, sharded along K), inputs new on every call, several chunkings, both B
+layouts, fp16 and bf16, the residual; captured in a CUDA graph and replayed with new
+inputs; the op on two streams at once. Prints ``PASS producer world=<R> ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from overlap import dist  # noqa: E402
+from overlap.ops import OverlapConfig, check_errors, matmul_all_reduce, matmul_reduce_scatter  # noqa: E402
+from overlap.ops import matmul_reduce as mr  # noqa: E402
+
+
+def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item()
+
+
+def shared(*shape: int, seed: int, dev: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=dev, dtype=dtype) * scale
+
+
+def main() -> None:
+    ctx = dist.init()
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    calls = 0
+    for (m, n, k, dt, chunks, layout) in ((1024, 512, 256, torch.bfloat16, 1, "wt"),
+                                          (2048, 768, 512, torch.float16, 2, "kn"),
+                                          (1000 * world, 384, 384, torch.bfloat16, 3, "wt"),
+                                          (4096, 1024, 2048, torch.bfloat16, 4, "wt")):
+        ks = k // world
+        cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync")
+        for it in range(3):
+            seed = 100 * it + m + n + k
+            a_full = shared(m, k, seed=seed, dev=dev, dtype=dt)
+            w = shared(n, k, seed=seed + 1, dev=dev, dtype=dt, scale=k ** -0.5)
+            res = shared(m, n, seed=seed + 2, dev=dev, dtype=dt)
+            a = a_full[:, rank * ks:(rank + 1) * ks].contiguous()
+            wr = w[:, rank * ks:(rank + 1) * ks]
+            b = wr.t() if layout == "wt" else wr.t().contiguous()
+            full = a_full.double() @ w.double().t()
+            mine = full[rank * (m // world):(rank + 1) * (m // world)]
+            e1 = rel(matmul_reduce_scatter(a, b, config=cfg), mine)
+            e2 = rel(matmul_all_reduce(a, b, residual=res, config=cfg), full + res.double())
+            assert e1 < 2e-2 and e2 < 2e-2, (m, n, k, chunks, it, e1, e2)
+            calls += 2
+    # graphs: the same call captured and replayed with new inputs
+    m, n, k = 2048, 1024, 1024
+    ks = k // world
+    cfg = OverlapConfig(chunks=2, nccl_ctas=8)
+    a = torch.empty(m, ks, device=dev, dtype=torch.bfloat16)
+    b = (shared(n, k, seed=5, dev=dev, dtype=torch.bfloat16, scale=k ** -0.5)[:, rank * ks:(rank + 1) * ks]).t()
+    res = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+
+    def refill(i: int) -> torch.Tensor:
+        a_full = shared(m, k, seed=7000 + i, dev=dev, dtype=torch.bfloat16)
+        a.copy_(a_full[:, rank * ks:(rank + 1) * ks])
+        res.copy_(shared(m, n, seed=9000 + i, dev=dev, dtype=torch.bfloat16))
+        wf = shared(n, k, seed=5, dev=dev, dtype=torch.bfloat16, scale=k ** -0.5)
+        return a_full.double() @ wf.double().t()
+
+    refill(0)
+    matmul_reduce_scatter(a, b, config=cfg)
+    matmul_all_reduce(a, b, residual=res, config=cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o1 = matmul_reduce_scatter(a, b, config=cfg)
+        o2 = matmul_all_reduce(a, b, residual=res, config=cfg)
+    worst = 0.0
+    for i in range(100):
+        full = refill(1 + i)
+        g.replay()
+        errs = (rel(o1, full[rank * (m // world):(rank + 1) * (m // world)]), rel(o2, full + res.double()))
+        worst = max(worst, *errs)
+        assert max(errs) < 2e-2, (i, errs)
+    # two streams at once
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for i in range(10):
+        full = refill(500 + i)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s1):
+            r1 = matmul_reduce_scatter(a, b, config=cfg)
+        with torch.cuda.stream(s2):
+            r2 = matmul_all_reduce(a, b, config=cfg)
+        torch.cuda.synchronize()
+        assert rel(r1, full[rank * (m // world):(rank + 1) * (m // world)]) < 2e-2
+        assert rel(r2, full) < 2e-2
+    check_errors()
+    assert mr.stats["fused"] >= calls, mr.stats
+    tdist.barrier()
+    if rank == 0:
+        print(f"PASS producer world={world} {ctx.launch.launcher} calls={calls} replays=100 worst={worst:.1e} "
+              f"stats={mr.stats}", flush=True)
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
