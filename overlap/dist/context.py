@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as tdist
 
-from ._env import require
+from .._env import require
 
 if TYPE_CHECKING:  # overlap._nccl needs cupy; never import it at module load
-    from ._nccl import NcclCommunicator, NcclConfig
+    from .._nccl import NcclCommunicator, NcclConfig
 
 __all__ = [
     "DistContext",
