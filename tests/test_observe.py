@@ -208,11 +208,13 @@ def test_noop_host_cost() -> None:
 
 
 # Host time observe may add to one op call with profiling off, in us. Measured on a slow
-# 2-core runner: the no-op range and counter 0.4 us, but _runtime.observed adds about 2 us
-# in all (a function-level ``from .. import observe`` about 1.2 us and ``device.type``
-# about 0.6 us per call, both paid with profiling off). The bound catches a real cost (a
-# record_function or a CUDA event per call, a synchronization) until those two are gone.
-ADDED_US_BOUND = 5.0
+# 2-core runner: the no-op range and counter 0.4 us, but an op call pays about 2 us in all
+# on the reference path and 4 us on the tile-flag path (observed around the body, two
+# gpu_ranges): _runtime.observed's function-level ``from .. import observe`` (about 1.2 us)
+# and ``device.type`` (about 0.6 us) are paid with profiling off. The bound catches a real
+# cost (a record_function per range: +12 us, a CUDA event, a synchronization); it can come
+# down to about 1.5 us once those two are out of the path.
+ADDED_US_BOUND = 10.0
 
 
 def _bare_observed(op, shape, path, why, device, fn, *args, serial=False):  # noqa: ANN001, ANN202
