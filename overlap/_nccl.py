@@ -46,8 +46,9 @@ class NcclConfig:
     """Per-communicator NCCL settings (fields left ``None`` keep NCCL's default).
 
     ``max_ctas`` is the one that matters here: it bounds the SMs NCCL's kernels
-    take (about 10 GB/s received per CTA on NVLink, see DESIGN.md), so the
-    persistent GEMM that spins on chunk flags can be sized to the SMs left.
+    take (NCCL's bandwidth grows with its CTAs, each one an SM the GEMM loses; see
+    docs/experiments.md, "Before the library"), so the persistent GEMM that spins
+    on chunk flags can be sized to the SMs left.
     """
 
     max_ctas: int | None = None

@@ -1,11 +1,11 @@
 """Peer memory on one node: buffers and flags that every rank of a group can write.
 
-The NCCL path of the overlapped ops pays for bandwidth with SMs (about 10 GB/s
-per NCCL CTA, measured on 2x H200), and those SMs are taken from the GEMM. Between GPUs
-of one node there is a second way: the copy engines. A rank *pushes* its rows
-straight into a peer's buffer with ``cudaMemcpyAsync`` over NVLink (no SM; a
-plain peer copy moved 381 GB/s on 2x H200, NCCL's all-gather 247 GB/s holding
-24 SMs), then writes the peer's flag with ``cuStreamWriteValue32`` on the same
+The NCCL path of the overlapped ops pays for bandwidth with SMs (each NCCL CTA
+holds one), and those SMs are taken from the GEMM. Between GPUs of one node there
+is a second way: the copy engines. A rank *pushes* its rows straight into a
+peer's buffer with ``cudaMemcpyAsync`` over NVLink (no SM, and faster than NCCL's
+all-gather holding all its SMs; see docs/experiments.md, "Before the library"),
+then writes the peer's flag with ``cuStreamWriteValue32`` on the same
 stream. The write is ordered after the copy and carries a memory barrier, so a
 GEMM tile on the peer that acquires the flag sees the rows. This is the
 put-with-signal of NVSHMEM and of torch's symmetric memory, here on legacy CUDA
