@@ -315,9 +315,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     the program merges the segments of its own rows, MERGE_ROWS rows at a time
     (``_seg_merge``; NSEG_P2: K / SEG to the next power of two). The block-wide sums
     of the whole-row path hold every warp at a barrier per block, which left the
-    loads idle: at 16384 x 8192 with the residual they nearly doubled the kernel's
-    time; with the segments the kernel with statistics runs faster than the residual
-    add alone in its 4096-column blocks (0.596 against 0.622 ms on 16 programs).
+    loads idle; the segments take no barrier, and the kernel with statistics runs no
+    slower than the residual add alone (docs/experiments.md, 2026-11-30, "Reduce
+    statistics from warp-held segments").
     Without FOLD the merge writes each row's (rstd, mean) to stats (there the plan's
     scratch), and the program writes y for its rows of the chunk from h read back
     (``_norm_out``), as the K-blocked path does, Y_ROWS rows (a multiple of ROWS) at a
@@ -534,18 +534,14 @@ class ReducePlan:
             raise ValueError(f"flag_stride {flag_stride} < {n_chunks} chunks")
         # a row block in registers up to 8K columns, 4096-column blocks above. Each program
         # runs alone on its SM beside the GEMM, so its loads in flight set its bandwidth:
-        # blocks of 32K elements and 16 warps (measured on H200, 24 programs, at M x K =
-        # 16384 x 8192: 4 rows x 16 warps 0.370 ms, 2 x 8 0.484, with residual and LayerNorm
-        # 1.045, 1.177 (one run, be57eb4); at 8192 x 4096: 8 x 16 0.123 ms, 4 x 8 0.142, with
-        # LayerNorm 0.299, 0.318; at 8192 x 12288: 8 rows x 4096 columns 0.315 ms against 0.574
-        # for one 16K-column row in registers, with residual and LayerNorm 0.906 against
-        # 0.975 (351ab94)). Loading the next block into registers ahead of this one's work
-        # was slower at every shape tried (it spilled with a norm)
-        # a residual without a norm: 4096-column blocks of 8 rows. At 16384 x 8192 on 16
-        # programs: 0.699 ms against 0.984 for 4 whole rows (bench_reduce_norm, 0a6c191 and
-        # 94a86b9). With a norm the whole rows stay faster (y: 1.415 against 1.600; folded
-        # statistics: 1.234 against 1.391, 0a6c191; both from whole-row statistics, before
-        # the segments)
+        # blocks of 32K elements and 16 warps beat smaller ones with fewer warps; past 8K
+        # columns a whole row in registers loses to 4096-column blocks of several rows.
+        # Loading the next block ahead of this one's work was slower (it spilled with a
+        # norm) and was reverted.
+        # a residual without a norm: 4096-column blocks of 8 rows, more loads in flight than
+        # whole rows; with a norm, whole rows were faster before the segment statistics.
+        # Figures: docs/experiments.md, 2026-11-29 ("The p2p all-reduce, reduce kernel and
+        # pushes", "Reduce blocks over 8192 columns", "The folded norm").
         split = residual is not None and norm is None
         d_block, d_rows, d_warps = reduce_block_shape(K, block_k, split)
         block_k = block_k or d_block
@@ -562,10 +558,8 @@ class ReducePlan:
         merge_rows = max(rows, min(128, _pow2_floor(num_warps * 32 * 8 // n_seg_p2)))
         # writing y from segment statistics: rows per block of the output pass. Twice the
         # block's rows where the block is exactly K columns (whole rows, no column mask:
-        # more loads in flight; on H200 at 16384 x 8192, residual + LayerNorm: 1.013
-        # against 1.090 ms on 16 programs, 0.731 against 0.787 on 24); not for K-blocked
-        # rows (8192 x 12288 in 4096-column blocks: 0.844 against 0.827, it spills;
-        # bench_reduce_norm, 9b56c53)
+        # more loads in flight); not for K-blocked rows, where the doubled block spills
+        # (docs/experiments.md, 2026-11-30, "Normed rows from the segment statistics")
         uses_y_rows = seg and stats is None
         if y_rows is None:
             y_rows = 2 * rows if block_k == K else rows
