@@ -448,13 +448,15 @@ class GemmConfig:
     block_k: int = 64
     """K step of the main loop."""
     num_stages: int = 3
-    """Software-pipelining depth of the K loop (4 at 128x256x64 overflows smem)."""
+    """Software-pipelining depth of the K loop. The ring of A and B tiles and the
+    epilogue's scratch must fit shared memory, which keeps the default tile at 3
+    (docs/experiments.md, "Before the library")."""
     num_warps: int = 8
     """Warps per program."""
     warp_specialize: bool = False
     """Warp-specialize the K loop (Triton's ``tl.range(warp_specialize=True)``): the TMA
-    loads and the MMAs run on separate warps. Needs Triton 3.6 (the version it was
-    measured with) or later and a Hopper or later GPU (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
+    loads and the MMAs run on separate warps. Needs Triton 3.6 or later (earlier
+    versions are not tried) and a Hopper or later GPU (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
     waits (``k_wait``) keep their plain loop."""
     group_m: int = 8
     """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
@@ -477,8 +479,8 @@ DEFAULT_CONFIG = GemmConfig()
 
 
 def warp_specialize_supported(device: Any = None) -> bool:
-    """Whether ``GemmConfig.warp_specialize`` is taken here: Triton 3.6 or later (the
-    version its Hopper build was measured with; earlier ones are not tried) and a GPU of
+    """Whether ``GemmConfig.warp_specialize`` is taken here: Triton 3.6 or later
+    (earlier ones are not tried; docs/experiments.md, 2026-12-01) and a GPU of
     compute capability 9.0 or later; False under the interpreter."""
     import torch
 
