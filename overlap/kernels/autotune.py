@@ -33,12 +33,10 @@ Rules drop what cannot or should not run, before anything is timed:
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time.
 
-Cost per new shape, on one H200 (Triton 3.6; ``benchmarks/gemm_sweep.py``, 48 shapes):
-with its kernels compiled, 0.1 s median and 2.0 s at most (a 21 ms GEMM), for 6 to 10
-candidates. Compiling is the larger cost where the kernels are new to the process and to
-Triton's disk cache: 0.4-1.8 s per config (median 0.6 s), so up to 10-15 s for a cold
-shortlist; the configs recur from shape to shape, so this is paid once per config, dtype
-and B layout.
+Cost per new shape: timing the shortlist is short next to compiling it, where the kernels
+are new to the process and to Triton's disk cache; the configs recur from shape to shape,
+so compiling is paid once per config, dtype and B layout (figures: docs/experiments.md,
+2026-12-01, "The GEMM tuner's rule-pruned space over 48 layer shapes").
 
 The cache: a shape is tuned once per process; with ``OVERLAP_GEMM_CACHE`` naming a
 JSON file the winners are also kept there (read at first use, written after each new
