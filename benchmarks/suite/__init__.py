@@ -21,7 +21,7 @@ from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 __all__ = ["Case", "Env", "OpSpec", "Shape", "Variant", "available_ops", "load_op", "mnk"]
 
 # the order ops run in and appear in reports; ops found later go after these
-_ORDER = ("agmm", "armm", "chain")
+_ORDER = ("agmm", "armm", "mmrs", "mmar", "chain")
 
 
 def available_ops() -> list[str]:
