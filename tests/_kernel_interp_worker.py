@@ -398,6 +398,7 @@ class _StandIn:
             return self.bufs.setdefault((tuple(shape), dtype), torch.zeros(shape, dtype=dtype))
 
     world, rank, ranks, device, num_sms = 2, 0, (0, 1), torch.device("cpu"), 12
+    group = None  # the default wait bound's group (no process group here)
 
     STRIDE = 512  # overlap._p2p.flag_stride(2)
 
@@ -1069,6 +1070,85 @@ def scenario_split_tail() -> None:
         else:
             raise AssertionError(f"accepted a bad split ({what})")
     print("PASS split_tail")
+
+
+def scenario_late_peer_new_m() -> None:
+    """A peer that arrives late, and M that changes every call, on the p2p all-gather op's
+    host side (stand-in runtime, kernels interpreted). Each call's peer rows and flags
+    land 1.5 s after the call starts (past the old 500 ms default bound), from another
+    thread, while this rank's GEMM waits: with default settings every call is correct and
+    raises nothing, and the bound the op hands its kernels is the process groups' timeout
+    (minutes; the interpreter itself bounds a wait by its spins, not by time). The M/R of
+    the calls changes every call within two buckets: the shared buffer is asked for the
+    bucket's size (``row_bucket``), so it grows once per bucket, not once per M."""
+    import threading
+    import time
+    from unittest import mock
+
+    from overlap import flags as fl
+    from overlap.ops import OverlapConfig
+    from overlap.ops import _runtime as rtm
+    from overlap.ops import all_gather as ag
+    from overlap.policies import row_bucket
+
+    os.environ.pop("OVERLAP_WAIT_TIMEOUT_MS", None)
+    default_ms = fl.default_timeout_ms()
+    assert default_ms >= 60_000, default_ms
+
+    class LateFlags(_StandIn.Flags):
+        def next_epoch(self):  # the peer's flags land later, from the thread below
+            self.epoch += 1
+            return self.epoch
+
+    rt = _StandIn()
+    rt.Flags = LateFlags
+    asked = []
+    block = rt.block
+
+    def sized_block(name, nbytes):
+        if nbytes:  # (not the test's own ``recv``)
+            asked.append(nbytes)
+        return block(name, nbytes)
+
+    rt.block = sized_block
+    bounds = []
+    real_plan = rtm.gemm_plan
+
+    def gemm_plan(*a, **kw):
+        bounds.append(kw["timeout_ns"])
+        return real_plan(*a, **kw)
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 32, 48
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", gemm=CFG)
+    lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    with rt.patched(), mock.patch.object(ag, "gemm_plan", gemm_plan):
+        for ms in (40, 100, 77, 130, 200, 150):
+            a = torch.randn(ms, k, generator=g).half()
+            peer = torch.randn(ms, k, generator=g).half()
+            recv = rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)
+            recv[ms:].fill_(float("nan"))  # not landed yet
+            f = rt.flags("all_gather_matmul", 1)
+
+            def land(epoch=f.epoch + 1, recv=recv, peer=peer, ms=ms, f=f):
+                time.sleep(1.5)
+                recv[ms:].copy_(peer)
+                words = torch.arange(f.local.numel())
+                chunk_words = (words % rt.STRIDE) < rt.STRIDE - 2  # not the signature words
+                f.local[chunk_words] = epoch
+
+            th = threading.Thread(target=land)
+            t0 = time.monotonic()
+            th.start()
+            c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+            th.join()
+            assert time.monotonic() - t0 >= 1.5
+            assert _rel(c, torch.cat([a, peer]).double() @ lin.t().double()) < 1e-2, ms
+    assert bounds and all(b == int(default_ms * 1e6) for b in bounds), bounds
+    row_bytes = k * 2
+    assert asked == [2 * (-(-2 * row_bucket(ms) * row_bytes // 1024) * 1024) for ms in (40, 100, 77, 130, 200, 150)]
+    assert len(set(asked)) == 2, asked  # two buckets (128, 256 rows), six M
+    print("PASS late_peer_new_m")
 
 
 if __name__ == "__main__":

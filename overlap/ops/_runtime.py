@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -25,13 +26,68 @@ import torch
 
 from .. import flags as _flags
 
-__all__ = ["Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
+__all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
            "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
 _warned: set[str] = set()
+
+
+class LRU(OrderedDict):
+    """A dict of at most ``cap`` entries; setting a new key past the cap drops the least
+    recently used one. Every per-shape cache of the ops is one of these: a server whose
+    token count M changes every call would otherwise grow them without bound. Reads and
+    writes take a lock (the ops run from several threads; their caches are shared).
+
+    Evicting is safe for eager calls (an entry is rebuilt on its next use) but not for
+    what a CUDA graph captured: a graph holds the device addresses of a plan's tables
+    and words for as long as it lives, so a plan used inside a capture is also kept by
+    ``keep_for_capture`` and is never freed."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        if cap < 1:
+            raise ValueError(f"an LRU needs room for one entry, got cap={cap}")
+        self.cap = cap
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            try:
+                v = OrderedDict.__getitem__(self, key)
+            except KeyError:
+                return default
+            self.move_to_end(key)
+            return v
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        with self._lock:
+            OrderedDict.__setitem__(self, key, value)
+            self.move_to_end(key)
+            while len(self) > self.cap:
+                self.popitem(last=False)
+
+    def add(self, key: Any) -> None:
+        """Use as a bounded set: remember ``key``."""
+        self[key] = True
+
+
+_kept_for_capture: list[Any] = []
+
+
+def keep_for_capture(obj: Any) -> Any:
+    """Keep ``obj`` (a plan, a table) alive for the life of the process when the current
+    stream is capturing: the graph holds its device addresses (see ``LRU``)."""
+    if capturing():
+        with _lock_kept:
+            if not any(o is obj for o in _kept_for_capture):
+                _kept_for_capture.append(obj)
+    return obj
+
+
+_lock_kept = threading.Lock()
 
 
 class OverlapCaptureError(RuntimeError):
@@ -254,7 +310,10 @@ class LocalWords:
             return Words(buf, buf[:nc], buf[nc:])
         got = self._by.get(name)
         if got is None or got[0] != nc or got[1].numel() < words:
-            got = self._by[name] = (nc, torch.zeros(max(words, nc + 64), dtype=torch.int32, device=self.device))
+            # grown to a power of two: flag counts follow M (the chain's row blocks), and a
+            # server whose M changes every call must not reallocate on every larger M
+            size = max(1 << (words - 1).bit_length(), nc + 64)
+            got = self._by[name] = (nc, torch.zeros(size, dtype=torch.int32, device=self.device))
         buf = got[1]
         return Words(buf[:words], buf[:nc], buf[nc:words])
 
@@ -281,8 +340,9 @@ class Runtime:
         self.pushes = 0
         """Pushes queued so far (``run_p2p`` takes an epoch back when a call queued none)."""
         self.order = device_order(device)
-        self.seen: set[tuple] = set()
-        """Call signatures an eager call has run: a capture needs one (``require_warm``)."""
+        self.seen = LRU(4096)
+        """Call signatures an eager call has run (the 4096 most recent): a capture needs one
+        (``require_warm``)."""
         self._heap: Any = None
         self._p2p_why: str | None = None  # None: not decided yet
         self._p2p_done: dict[str, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}
@@ -427,7 +487,7 @@ class Runtime:
                     f"{op}: this call ({sig}) has not run outside a CUDA graph capture yet; call the op once "
                     "with the same shapes, dtypes and config before capturing it (that call compiles its "
                     "kernels, builds its plan and checks that the ranks agree)")
-        elif len(self.seen) < 4096:
+        else:
             self.seen.add((op, sig))
 
     def counter(self, name: str, n: int = 1) -> torch.Tensor:
@@ -730,15 +790,32 @@ def resolve_group(group: Any) -> Any:
     return tdist.group.WORLD
 
 
-_agreed: set[tuple] = set()
+_agreed = LRU(1024)
+"""Agreement keys checked so far (``check_agree``)."""
 
 
-def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...]) -> None:
+def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...],
+                rows_at: int | None = None) -> None:
     """Sizes that must agree across the group's ranks (else NCCL sizes disagree
-    and peers hang). Checked once per (op, values) with a tiny all-gather on
-    torch's group; a rank that disagrees makes every rank raise."""
-    key = (rt.ranks, op, names, values)
-    if key in _agreed and (not every_call_checked() or capturing()):
+    and peers hang). Checked with a tiny blocking all-gather on torch's group the first
+    time a key is seen; a rank that disagrees makes every rank raise.
+
+    ``rows_at``: the index in ``values`` of the row count (M or M/R), which enters the
+    key by its bucket (``overlap.policies.row_bucket``): a new M in a bucket seen before
+    costs no collective, so a server whose M changes every call pays the check once per
+    bucket. What is compared when the check runs is every value, M included. Between
+    checks, ranks that pass different M of one bucket are caught on the peer-copy
+    transport by the kernels' signature comparison (``RanksDisagreeError``); on the NCCL
+    transport they are not (NCCL calls of different sizes: a flag timeout, bounded), and
+    ``OVERLAP_CHECK_RANKS=every`` checks every call."""
+    if rows_at is not None:
+        from ..policies import row_bucket
+
+        kv = values[:rows_at] + (-row_bucket(values[rows_at]),) + values[rows_at + 1:]
+    else:
+        kv = values
+    key = (rt.ranks, op, names, kv)
+    if _agreed.get(key) and (not every_call_checked() or capturing()):
         return
     if capturing():
         raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
@@ -995,7 +1072,7 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
 def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
               flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
               **kw: Any) -> Any:
-    """The ``TileGemmPlan`` in ``plans`` (an op plan's own dict) for these operands'
+    """The ``TileGemmPlan`` in ``plans`` (an op plan's own ``LRU``) for these operands'
     dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
     first use. The op plan fixes everything else (shapes, table, config, rank)."""
     key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
@@ -1007,7 +1084,8 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
 
         gp = plans[key] = TileGemmPlan(a, b, c, table, flags=flags, err=err, timeout_ns=timeout_ns,
                                        counter=counter, **kw)
-    return gp
+    # a captured launch reads the plan's table and split workspace on every replay: never freed
+    return keep_for_capture(gp)
 
 
 def report_errors(err: _flags.ErrorWord, check: str) -> None:

@@ -35,10 +35,10 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
-                        tail_parts)
-from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
-                       call_sig, capturing, check_agree, observed, post_sig, serial_phases,
+from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, row_bucket,
+                        split_tail, table_tensor, tail_parts)
+from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
+                       call_sig, keep_for_capture, capturing, check_agree, observed, post_sig, serial_phases,
                        confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
                        warn_once, ws_variants)
@@ -151,7 +151,7 @@ def all_gather_matmul_chunked(a_shard: torch.Tensor, b: torch.Tensor, *, group: 
     return c
 
 
-_perms: dict[tuple, torch.Tensor] = {}
+_perms: LRU = LRU(16)
 
 
 def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
@@ -162,7 +162,7 @@ def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
     perm = _perms.get(key)
     if perm is None:
         perm = _perms[key] = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
-    return gathered.index_select(0, perm)
+    return gathered.index_select(0, keep_for_capture(perm))
 
 
 # --------------------------------------------------------------------------
@@ -182,15 +182,17 @@ class _Plan:
     """The GEMM's split tail (first split table row, K pieces per tile), or None."""
     counters: int = 1
     """Counter words the GEMM uses: dispatch, then one per split tile."""
-    launches: dict = field(default_factory=dict)
+    launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
-_plans: dict[tuple, _Plan] = {}
+_plans: LRU = LRU(64)
+"""Plans by shape and config, the 64 most recently used (a new M costs a new plan: its
+tile table, built with numpy and uploaded, well under a millisecond at 2048 tiles)."""
 CHUNK_ALIGN = 128
 """Chunks are multiples of this many rows (except the last), independent of the GEMM config."""
-_tuned: dict[tuple, OverlapConfig | str] = {}
+_tuned: LRU = LRU(256)
 
 
 def _default_chunks(ms: int) -> int:
@@ -223,7 +225,7 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
         else:
             layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
             flag_count = len(layout.chunk_rows)
-        rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n)
+        rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
         grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
@@ -236,7 +238,7 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
         parts = tail_parts(tail, sms, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
         split = (split_start, parts) if split_start is not None else None
-        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        table = table_tensor(rows, rt.device)
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0))
         _plans[key] = p
     return p
@@ -295,7 +297,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     # sequential path): ranks must agree or peers hang
     check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p"),
                 (ms, k, n, dtype_code(a_shard.dtype), 0 if config is None else (config.chunks or _default_chunks(ms)),
-                 int(transport == "p2p")))
+                 int(transport == "p2p")), rows_at=0)
     shape = (ms * rt.world, n, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
@@ -381,7 +383,9 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     p = _plan(rt, ms, n, k, cfg, "p2p")
     stride = flag_stride(world)
     row_bytes = k * a_shard.element_size()
-    half = -(-world * ms * row_bytes // 1024) * 1024
+    # sized for the bucket of M/R (``row_bucket``): a new M of a bucket seen before grows
+    # nothing, so it needs no collective (growing is one) and no host agreement check
+    half = -(-world * row_bucket(ms) * row_bytes // 1024) * 1024
     # two halves, used by call parity (see overlap._p2p on why no handshake is needed);
     # a grown block keeps that: every rank grows at the same call, after a barrier
     blk = heap.block("all_gather_matmul", 2 * half)

@@ -57,10 +57,11 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import (Segment, build_tile_table, push_slot, row_chunk_segments, split_rows, split_tail,
-                        tail_parts)
-from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+from ..policies import (Segment, build_tile_table, push_slot, row_bucket, row_chunk_segments, split_rows,
+                        split_tail, table_tensor, tail_parts)
+from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
+                       call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime,
+                       get_runtime_if_made, on_stream, refuse_grad,
                        report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
                        warn_once)
 
@@ -257,13 +258,15 @@ class _Plan:
     """p2p: the reduce kernel's small programs run beside the GEMM's (``OverlapConfig.reduce_shared``)."""
     two_shot: "_TwoShot | None" = None
     """p2p two-shot: who reduces which rows (``OverlapConfig.two_shot``), or None."""
-    launches: dict = field(default_factory=dict)
+    launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
-_plans: dict[tuple, _Plan] = {}
-_tuned: dict[tuple, OverlapConfig | str] = {}
+_plans: LRU = LRU(64)
+"""Plans by shape and config, the 64 most recently used (a new M costs a new plan: its
+tile table, built with numpy and uploaded, well under a millisecond at 2048 tiles)."""
+_tuned: LRU = LRU(256)
 CHUNK_ALIGN = 128
 """Row chunks are multiples of this (except the last), independent of the GEMM config."""
 
@@ -393,7 +396,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             last = 1
             if reduce_ctas:  # a chunk is ready when every reduce program posted it
                 segs = [replace(sg, wait_mult=programs) for sg in segs]
-        rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n)
+        rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n, array=True)
         # SMs of their own for the reduce programs, unless they run beside the GEMM's
         grid = rt.num_sms - nccl_ctas - (0 if shared else reduce_ctas) - margin
         if grid < 1:
@@ -406,7 +409,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         parts = tail_parts(tail, grid + give_back, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
         split = (split_start, parts) if split_start is not None else None
-        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        table = table_tensor(rows, rt.device)
         starts = ready = None
         if reduce_ctas:
             acc = [0]
@@ -484,7 +487,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
     check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
                 (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
-                 int(transport == "p2p")))
+                 int(transport == "p2p")), rows_at=0)
     shape = (m, n, k)
 
     def ref() -> tuple[torch.Tensor, torch.Tensor]:
@@ -634,7 +637,9 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
         return _fused_two_shot(rt, p, x, b, residual, norm, cfg)
     chunks = len(p.chunk_rows)
     row_bytes = k * x.element_size()
-    half = -(-(world - 1) * m * row_bytes // 1024) * 1024
+    # sized for the bucket of M (``row_bucket``): a new M of a bucket seen before grows
+    # nothing, so it needs no collective (growing is one) and no host agreement check
+    half = -(-(world - 1) * row_bucket(m) * row_bytes // 1024) * 1024
     # two halves by call parity (overlap._p2p: no handshake needed for reuse)
     blk = heap.block("all_reduce_matmul", 2 * half)
     stride = flag_stride(world)
@@ -756,7 +761,13 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     ag_part = up(m * row_bytes)
     st_part = up(m * 8)
     part = rs_part + ag_part + st_part
-    blk = heap.block("all_reduce_matmul.two_shot", 2 * part)
+    # the block sized for the bucket of M (``row_bucket``, as in ``_fused_p2p``): a rank's
+    # share of rows is at most M / R + 128 (``split_rows`` in 128-row units), so each half
+    # holds this call's parts, whose offsets follow M
+    mb = row_bucket(m)
+    blk = heap.block("all_reduce_matmul.two_shot",
+                     2 * (up((world - 1) * (-(-mb // world) + CHUNK_ALIGN) * row_bytes) + up(mb * row_bytes)
+                          + up(mb * 8)))
     sf = heap.flags("all_reduce_matmul", two.own_flag(two.ask))
     ready = p.ready
     err = rt.err("all_reduce_matmul")

@@ -65,8 +65,8 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ._runtime import (LocalWords, OverlapCaptureError, capturing, device_order, observed, on_stream, refuse_grad,
-                       register_error_word, report_errors, serial_phases, warn_once)
+from ._runtime import (LRU, LocalWords, OverlapCaptureError, capturing, device_order, keep_for_capture, observed,
+                       on_stream, refuse_grad, register_error_word, report_errors, serial_phases, warn_once)
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
@@ -126,14 +126,16 @@ class _State:
     prod_stream: torch.cuda.Stream
     err: _flags.ErrorWord
     words: LocalWords
-    tables: dict = field(default_factory=dict)
-    seen: set = field(default_factory=set)
-    """Call signatures run eagerly (compiled, tables built): what a capture may run."""
+    tables: LRU = field(default_factory=lambda: LRU(64))
+    """Tile tables by shape and config, the 64 most recently used (a new M builds new ones)."""
+    seen: LRU = field(default_factory=lambda: LRU(4096))
+    """Call signatures run eagerly (compiled, tables built), the 4096 most recent: what a
+    capture may run."""
 
 
 _lock = threading.Lock()
 _states: dict[int, _State] = {}
-_tuned: dict[tuple, "ChainConfig"] = {}
+_tuned: LRU = LRU(256)
 
 
 def _tune_key(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> tuple:
@@ -190,7 +192,7 @@ def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch
     wait needs (``mult``: producer tiles per row block under RowSync, 1 under TileSync)
     and the consumer's ``k_wait``. A call zeroes the flags first, so a flag holds that
     count exactly once its row block (or tile) is stored."""
-    from ..policies import rowsync_chain_tables, tilesync_chain_tables
+    from ..policies import rowsync_chain_tables, table_tensor, tilesync_chain_tables
 
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
@@ -201,16 +203,17 @@ def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch
             raise OverlapCaptureError(f"mlp_chain: M={m}, F={f}, N={n} with this config has not run outside a CUDA "
                                       "graph capture yet; call it once before capturing it")
         if cfg.sync == "tile":
-            prod, cons, pol = tilesync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, cc.block_k)
+            prod, cons, pol = tilesync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, cc.block_k,
+                                                    array=True)
             n_flags, mult, k_wait = -(-m // pc.block_m) * pol.producer_n_tiles, 1, pol.k_wait
         else:
-            prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n)
+            prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, array=True)
             n_flags, mult, k_wait = -(-m // pc.block_m), -(-f // pc.block_n), 0
-        t = (torch.tensor(prod, dtype=torch.int32, device=st.device),
-             torch.tensor(cons, dtype=torch.int32, device=st.device),
+        t = (table_tensor(prod, st.device), table_tensor(cons, st.device),
              n_flags + 1, mult, k_wait)  # + the producer's start flag
         st.tables[key] = t
-    return t
+    # a captured call's kernels read these tables on every replay: never freed
+    return keep_for_capture(t)
 
 
 def _validate_cuda(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -381,8 +384,7 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
             # (the caching allocator reuses x, w1 and mid only after this wait on cur)
             cur.wait_stream(ps)
             order.end(cur)
-        if len(st.seen) < 4096:
-            st.seen.add(sig)
+        st.seen.add(sig)
     report_errors(st.err, cfg.check)
     stats["fused"] += 1
     return y
