@@ -164,3 +164,17 @@ def test_first_runtime_does_not_deadlock() -> None:
         t.start()
         t.join(timeout=10)
         assert done and done[0].order is rtmod._orders[7], "get_runtime did not return (lock held twice)"
+
+
+def test_sm_margin_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OVERLAP_SM_MARGIN: the SMs every op leaves free for other NCCL traffic where a
+    config sets none (the rule of docs/guarantees.md, "Other NCCL traffic")."""
+    monkeypatch.delenv("OVERLAP_SM_MARGIN", raising=False)
+    assert (OverlapConfig().margin("p2p"), OverlapConfig().margin("nccl")) == (0, 4)
+    monkeypatch.setenv("OVERLAP_SM_MARGIN", "24")
+    assert (OverlapConfig().margin("p2p"), OverlapConfig().margin("nccl")) == (24, 24)
+    assert OverlapConfig(sm_margin=2).margin("p2p") == 2
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("OVERLAP_SM_MARGIN", bad)
+        with pytest.raises(ValueError, match="OVERLAP_SM_MARGIN"):
+            OverlapConfig().margin("p2p")

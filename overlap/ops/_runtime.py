@@ -194,7 +194,10 @@ class OverlapConfig:
     """Cap on NCCL's CTAs for the op's communicator (about 10 GB/s each on NVLink)."""
     sm_margin: int | None = None
     """SMs left idle beyond NCCL's CTAs (or the reduce kernel's programs); ``None``:
-    4 on the NCCL transport, 0 on the peer-copy transport."""
+    ``OVERLAP_SM_MARGIN`` (``env_sm_margin``) where set, else 4 on the NCCL transport and 0
+    on the peer-copy transport. Where other NCCL traffic shares the GPU (a data-parallel
+    all-reduce on torch's communicator), leave at least that communicator's CTA cap free
+    (docs/guarantees.md, "Other NCCL traffic")."""
     give_back: bool = True
     """After the last chunk lands (or the p2p all-reduce's reduce kernel ends), launch a
     second GEMM grid on the SMs the first one left, taking tiles from the same dispatch
@@ -271,7 +274,30 @@ class OverlapConfig:
         """``sm_margin`` resolved for ``transport``."""
         if self.sm_margin is not None:
             return self.sm_margin
+        env = env_sm_margin()
+        if env is not None:
+            return env
         return 4 if transport == "nccl" else 0
+
+
+def env_sm_margin() -> int | None:
+    """``OVERLAP_SM_MARGIN``: SMs every op's grids leave free for other work on the GPU
+    (``OverlapConfig.sm_margin`` where a config sets none; the chain's grids too), or None
+    where unset. A job that runs data-parallel NCCL collectives beside the ops sets it to
+    at least their CTA cap (``NCCL_MAX_CTAS``): then every kernel of both can be resident
+    at once, and no wait of one can hold the SMs the other needs."""
+    import os
+
+    v = os.environ.get("OVERLAP_SM_MARGIN", "").strip()
+    if not v:
+        return None
+    try:
+        out = int(v)
+    except ValueError:
+        raise ValueError(f"OVERLAP_SM_MARGIN must be an integer, got {v!r}") from None
+    if out < 0:
+        raise ValueError(f"OVERLAP_SM_MARGIN must be >= 0, got {v!r}")
+    return out
 
 
 class Words(NamedTuple):

@@ -65,7 +65,8 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ._runtime import (LRU, LocalWords, OverlapCaptureError, capturing, device_order, keep_for_capture, observed,
+from ._runtime import (LRU, LocalWords, OverlapCaptureError, capturing, device_order, env_sm_margin, keep_for_capture,
+                       observed,
                        on_stream, refuse_grad, register_error_word, report_errors, serial_phases, warn_once)
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
@@ -323,8 +324,11 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
     from ..kernels.tile_gemm import launch_tile_gemm
 
     st = _state(x.device)
-    if cfg.reserve_sms >= st.num_sms:
-        raise ValueError(f"reserve_sms={cfg.reserve_sms} leaves no SM for the consumer ({st.num_sms} SMs)")
+    # SMs left free for other work on the GPU (OVERLAP_SM_MARGIN: e.g. data-parallel NCCL)
+    margin = env_sm_margin() or 0
+    if cfg.reserve_sms + margin >= st.num_sms:
+        raise ValueError(f"reserve_sms={cfg.reserve_sms} and OVERLAP_SM_MARGIN={margin} leave no SM for the "
+                         f"consumer ({st.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
     sig = (m, x.shape[1], f, n, x.dtype, w1.stride(), w2.stride(), activation, cfg, consumer_first)
@@ -356,11 +360,12 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
             with on_stream(ps, cur):
                 if _producer_delay_cycles:
                     torch.cuda._sleep(int(_producer_delay_cycles))
-                launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation, post=True,
+                launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms - margin, config=pc, activation=activation,
+                                 post=True,
                                  counter=w.counters[0:1], start_flag=start_idx, **common)
 
         def consumer() -> None:
-            launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms, config=cc, wait=True,
+            launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms - margin, config=cc, wait=True,
                              counter=w.counters[4:5], k_wait=k_wait, **common)
 
         try:
