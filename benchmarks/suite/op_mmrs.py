@@ -2,7 +2,7 @@
 
 Shapes M x N x K with K the per-rank K (each rank holds a [M, K] and b [K, N]; the output
 is M/R rows). Variants: sequential reference (cuBLAS, then NCCL reduce-scatter), chunked
-stream overlap x2 and x4, the library's op (default config on CUDA), torch's symm_mem
+stream overlap x2 and x4, the library's op (tuned first on CUDA), torch's symm_mem
 fused_matmul_reduce_scatter (CUDA only). Parts: the library communicator's reduce-scatter
 alone (NCCL's default CTAs) and the cuBLAS GEMM alone. ``op_mmar`` is the all-reduce.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .oputil import CPU_FALLBACK, library_comm, raise_kernel_errors, symm_mem_variant
+from .oputil import CPU_FALLBACK, describe_config, library_comm, raise_kernel_errors, symm_mem_variant
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
 SHAPES = {
@@ -38,10 +38,15 @@ def make_case(shape: Shape, env: Env, scatter: bool) -> Case:
     op, ref, chunked = ((matmul_reduce_scatter, matmul_reduce_scatter_ref, matmul_reduce_scatter_chunked) if scatter
                         else (matmul_all_reduce, matmul_all_reduce_ref, matmul_all_reduce_chunked))
     cpu_note = None if env.on_gpu else CPU_FALLBACK
-    lib = Variant("library", fn=lambda: op(a, b, group=g), role="library", synced=True,
+    lib = Variant("library (tuned)", fn=lambda: op(a, b, group=g), role="library", synced=True,
                   note=None if env.on_gpu else "CPU: no tile-flag path, runs the reference")
     if env.on_gpu:
         lib.counter = lambda: mr.stats["fused"]
+        if env.tune:
+            from overlap.ops import tune_matmul_all_reduce, tune_matmul_reduce_scatter
+
+            tune = tune_matmul_reduce_scatter if scatter else tune_matmul_all_reduce
+            lib.prepare = lambda: describe_config(tune(a, b, group=g, verbose=env.verbose))
     c = a @ b
     if env.on_gpu:
         comm = library_comm(env)

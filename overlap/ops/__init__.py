@@ -15,6 +15,8 @@ from .matmul_reduce import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_chunked,
     matmul_reduce_scatter_ref,
+    tune_matmul_all_reduce,
+    tune_matmul_reduce_scatter,
 )
 from .all_reduce import (
     Norm,
@@ -48,5 +50,7 @@ __all__ = [
     "mlp_chain_stream_sync",
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
+    "tune_matmul_all_reduce",
+    "tune_matmul_reduce_scatter",
     "tune_mlp_chain",
 ]

@@ -61,6 +61,8 @@ __all__ = [
     "matmul_all_reduce_chunked",
     "reduce_scatter_layout",
     "stats",
+    "tune_matmul_all_reduce",
+    "tune_matmul_reduce_scatter",
 ]
 
 stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0}
@@ -297,6 +299,8 @@ class _Plan:
 
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 256
+_tuned: dict[tuple, OverlapConfig | str] = {}
+_MAX_TUNED = 1024
 
 
 def _default_chunks(rows: int) -> int:
@@ -406,21 +410,28 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
 
     check_b(b)  # before any work is queued
     check_tma("a", a.contiguous())
-    cfg = config or OverlapConfig()
-    if cfg.transport == "p2p":
-        raise ValueError(f"{op}: the peer-copy transport is not built for this op yet; use transport='nccl' "
-                         "(or None)")
     if capturing() and get_runtime_if_made(group, a.device) is None:
         raise OverlapCaptureError(f"{op}: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a.device)
+    tuned = None
+    if config is None:
+        tuned = _tuned.get((op, tuple(rt.ranks), m, n, k, a.dtype, residual is not None))
+    sequential = isinstance(tuned, str)  # the tuner's pick: the sequential reference
+    cfg = config or (None if sequential else tuned) or OverlapConfig()
+    if cfg.transport == "p2p":
+        raise ValueError(f"{op}: the peer-copy transport is not built for this op yet; use transport='nccl' "
+                         "(or None)")
     if scatter and m % rt.world:
         raise ValueError(f"{op}: M={m} is not a multiple of the {rt.world} ranks")
-    chunks = cfg.chunks or _default_chunks(m // rt.world if scatter else m)
-    # the NCCL calls' sizes come from (M, N) and the chunks: ranks must agree or peers hang
+    chunks = 0 if sequential else (cfg.chunks or _default_chunks(m // rt.world if scatter else m))
+    # the NCCL calls' sizes come from (M, N) and the chunks (0: the sequential path): ranks
+    # must agree or peers hang
     check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks"),
                 (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks))
+    if sequential:
+        return observed(op, (m, n, k), "sequential", "tuner pick", a.device, ref)
     rt.require_warm(op, (m, k, n, a.dtype, b.stride(), residual is not None, cfg))
-    why = "config given" if config is not None else "default config"
+    why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     return observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op, a.contiguous(), b,
                     None if residual is None else residual.contiguous(), cfg)
 
@@ -466,3 +477,85 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
     _check_inputs("matmul_all_reduce", a, b, residual)
     return _run("matmul_all_reduce", a, b, group, residual, config,
                 lambda: matmul_all_reduce_ref(a, b, group=group, residual=residual))
+
+
+# --------------------------------------------------------------------------
+# tuners
+# --------------------------------------------------------------------------
+
+def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.Tensor | None,
+          candidates: list[OverlapConfig] | None, iters: int, verbose: bool) -> OverlapConfig | str:
+    from ._runtime import confirm_best, time_candidates, time_ms
+
+    _check_inputs(op, a, b, residual)
+    group = resolve_group(group)
+    m, k = a.shape
+    n = b.shape[1]
+    esize = a.element_size()
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or (k * esize) % 16 or (n * esize) % 16:
+        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+    rt = get_runtime(group, a.device)
+    a = a.contiguous()
+    scatter = op == "matmul_reduce_scatter"
+
+    def ref() -> Any:
+        return (matmul_reduce_scatter_ref(a, b, group=group) if scatter
+                else matmul_all_reduce_ref(a, b, group=group, residual=residual))
+
+    if candidates is None:
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
+                      for ct in (8, 16, 24)]
+    results: list[tuple[float, Any]] = [(time_ms(ref, iters, group), "sequential")]
+
+    def run(cand: OverlapConfig) -> Any:
+        return _fused(rt, op, a, b, residual, cand)
+
+    def describe(cand: Any) -> str:
+        if isinstance(cand, str):
+            return f"  tune {op} {m}x{n}x{k}: {cand}"
+        return f"  tune {op} {m}x{n}x{k}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
+
+    if verbose and rt.rank == 0:
+        print(f"{describe('sequential')}: {results[0][0]:.3f} ms", flush=True)
+    results += time_candidates(rt, rt.err(op), candidates, run, iters, group, describe if verbose else None)
+
+    def fn_for(choice: Any) -> Any:
+        if choice == "sequential":
+            return ref
+        from dataclasses import replace
+
+        quiet = replace(choice, check="none")
+        return lambda: run(quiet)
+
+    _, best = confirm_best(rt, rt.err(op), results, fn_for, iters, group, describe=describe if verbose else None,
+                           keep=("sequential",))
+    if len(_tuned) >= _MAX_TUNED:
+        _tuned.pop(next(iter(_tuned)))
+    _tuned[(op, tuple(rt.ranks), m, n, k, a.dtype, residual is not None)] = best
+    from .. import observe
+
+    observe.record_tuning(op, (m, n, k), [(describe(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],
+                          describe(best).strip())
+    if best == "sequential":
+        warn_once(f"{op}-seq-{m}-{n}-{k}", f"{op}: overlap does not pay for M={m}, N={n}, K/R={k} (the sequential "
+                  "reference was fastest); running matmul then the collective for this shape")
+    return best
+
+
+def tune_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                               candidates: list[OverlapConfig] | None = None, iters: int = 10,
+                               verbose: bool = False) -> OverlapConfig | str:
+    """Time candidate configs (collectively: every rank must call; default 1, 2, 4 chunks
+    x 8, 16, 24 NCCL CTAs) and the sequential reference, then the three fastest again in
+    interleaved rounds; cache the winner for this shape (later calls without a config use
+    it). Returns the ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs
+    the reference for this shape). Inputs with no tile-flag path return ``"sequential"``
+    untimed."""
+    return _tune("matmul_reduce_scatter", a, b, group, None, candidates, iters, verbose)
+
+
+def tune_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                           residual: torch.Tensor | None = None, candidates: list[OverlapConfig] | None = None,
+                           iters: int = 10, verbose: bool = False) -> OverlapConfig | str:
+    """``tune_matmul_reduce_scatter`` for ``matmul_all_reduce`` (keyed with the residual or not)."""
+    return _tune("matmul_all_reduce", a, b, group, residual, candidates, iters, verbose)

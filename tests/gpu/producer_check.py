@@ -98,6 +98,15 @@ def main() -> None:
         torch.cuda.synchronize()
         assert rel(r1, full[rank * (m // world):(rank + 1) * (m // world)]) < 2e-2
         assert rel(r2, full) < 2e-2
+    # the tuners: whatever wins, a later call without a config takes it
+    from overlap.ops import tune_matmul_all_reduce, tune_matmul_reduce_scatter
+
+    for tune, op in ((tune_matmul_reduce_scatter, matmul_reduce_scatter), (tune_matmul_all_reduce, matmul_all_reduce)):
+        best = tune(a, b, iters=3)
+        full = refill(900)
+        got = op(a, b)
+        want = full[rank * (m // world):(rank + 1) * (m // world)] if op is matmul_reduce_scatter else full
+        assert rel(got, want) < 2e-2, (best, rel(got, want))
     check_errors()
     assert mr.stats["fused"] >= calls, mr.stats
     tdist.barrier()
