@@ -41,8 +41,9 @@ __all__ = [
 # The fused ops are torch.library custom ops at this level (eager calls go straight to the
 # Python op; torch.compile traces the custom op), same signatures as in overlap.ops.
 from . import ops
-from ._library import all_gather_matmul, all_reduce_matmul, mlp_chain
-from .ops import ChainConfig, Norm, OverlapConfig, tune_all_gather_matmul, tune_all_reduce_matmul, tune_mlp_chain
+from ._library import all_gather_matmul, all_reduce_matmul, matmul_all_reduce, matmul_reduce_scatter, mlp_chain
+from .ops import (ChainConfig, Norm, OverlapConfig, reset, tune_all_gather_matmul, tune_all_reduce_matmul,
+                  tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
 
 # ---- what ran ---------------------------------------------------------------------------
 # overlap.profile(True) (or OVERLAP_PROFILE=1) turns on NVTX ranges and CUDA-event phase
@@ -64,9 +65,14 @@ __all__ += [
     "all_gather_matmul",
     "all_reduce_matmul",
     "mlp_chain",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
+    "tune_matmul_reduce_scatter",
+    "tune_matmul_all_reduce",
     "tune_mlp_chain",
+    "reset",
     "OverlapConfig",
     "ChainConfig",
     "Norm",

@@ -29,6 +29,7 @@ import torch
 from .ops import all_gather as _ag
 from .ops import all_reduce as _ar
 from .ops import chain as _chain
+from .ops import matmul_reduce as _mr
 from .ops._runtime import resolve_group as _resolve_default
 from .ops import ChainConfig, Norm, OverlapConfig
 
@@ -235,3 +236,60 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     return _chain_impl(x, w1, w2, activation=activation, config=config, sync=sync, consumer_first=consumer_first,
                        _producer_delay_cycles=_producer_delay_cycles)
 
+
+
+# ---- matmul_reduce_scatter / matmul_all_reduce ------------------------------------------
+
+@torch.library.custom_op("overlap::matmul_reduce_scatter", mutates_args=())
+def _matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, group_name: str, config: int) -> torch.Tensor:
+    """``reduce_scatter(a @ b, dim=0)``."""
+    return _mr.matmul_reduce_scatter(a, b, group=_group(group_name), config=_configs[config])
+
+
+@_matmul_reduce_scatter_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, group_name: str, config: int) -> torch.Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "matmul_reduce_scatter: a and b must be 2-D")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"matmul_reduce_scatter: K mismatch, a {a.shape}, b {b.shape}")
+    world = _world_size(group_name)
+    return a.new_empty((a.shape[0] // world, b.shape[1]))
+
+
+_forward_only(_matmul_reduce_scatter_op, "matmul_reduce_scatter")
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+                          config: OverlapConfig | None = None) -> torch.Tensor:
+    """``reduce_scatter(a @ b, dim=0)``: ``overlap.ops.matmul_reduce_scatter``, traceable by torch.compile."""
+    if _compiling():
+        return _matmul_reduce_scatter_op(a, b, _group_name(group), config_id(config))
+    if (a.requires_grad or b.requires_grad) and _grad_enabled():
+        raise _no_backward("matmul_reduce_scatter")
+    return _mr.matmul_reduce_scatter(a, b, group=group, config=config)
+
+
+@torch.library.custom_op("overlap::matmul_all_reduce", mutates_args=())
+def _matmul_all_reduce_op(a: torch.Tensor, b: torch.Tensor, group_name: str, residual: Optional[torch.Tensor],
+                          config: int) -> torch.Tensor:
+    """``all_reduce(a @ b) (+ residual)``."""
+    return _mr.matmul_all_reduce(a, b, group=_group(group_name), residual=residual, config=_configs[config])
+
+
+@_matmul_all_reduce_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, group_name: str, residual: Optional[torch.Tensor],
+      config: int) -> torch.Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "matmul_all_reduce: a and b must be 2-D")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"matmul_all_reduce: K mismatch, a {a.shape}, b {b.shape}")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+_forward_only(_matmul_all_reduce_op, "matmul_all_reduce")
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, residual: torch.Tensor | None = None,
+                      config: OverlapConfig | None = None) -> torch.Tensor:
+    """``all_reduce(a @ b) (+ residual)``: ``overlap.ops.matmul_all_reduce``, traceable by torch.compile."""
+    if _compiling():
+        return _matmul_all_reduce_op(a, b, _group_name(group), residual, config_id(config))
+    if (a.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)) and _grad_enabled():
+        raise _no_backward("matmul_all_reduce")
+    return _mr.matmul_all_reduce(a, b, group=group, residual=residual, config=config)

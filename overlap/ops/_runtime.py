@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import flags as _flags
+from .. import observe as _observe
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
@@ -883,11 +884,10 @@ def observed(op: str, shape: tuple, path: str, why: str, device: torch.device, f
     and, while profiling is on, the call's span on the caller's stream timed by CUDA
     events (read when the report is made, never waited on). Off: a counter and a shared
     no-op range, well under a microsecond."""
-    from .. import observe
-
-    with observe.op_range(op, path):
-        observe.record_call(op, shape, path, why)
-        tm = observe.timer(op, shape, path, serial=serial) if device.type == "cuda" else None
+    with _observe.op_range(op, path):
+        _observe.record_call(op, shape, path, why)
+        # the switch first: with profiling off nothing else is looked at
+        tm = _observe.timer(op, shape, path, serial=serial) if _observe._enabled and device.type == "cuda" else None
         if not tm:
             return fn(*args)
         cur = torch.cuda.current_stream(device)
@@ -902,9 +902,7 @@ def serial_phases(op: str, shape: tuple, path: str, device: torch.device) -> Any
     """A timer for a call that runs its communication and GEMM one after the other (the
     references): their spans are the alone-times of the report's hidden fraction. Falsy
     (a no-op) unless profiling is on and the call is on CUDA."""
-    from .. import observe
-
-    return observe.timer(op, shape, path, serial=True) if device.type == "cuda" else None
+    return _observe.timer(op, shape, path, serial=True) if _observe._enabled and device.type == "cuda" else None
 
 
 def refuse_grad(op: str, *tensors: Any) -> None:
