@@ -11,7 +11,7 @@ One ``Runtime`` per (group ranks, device). It owns
 
 and knows the SM count, from which the GEMM grid is sized so that NCCL's CTAs
 always find free SMs (a persistent grid over every SM, spinning on flags that
-NCCL must set, never lets NCCL run: measured hang, see DESIGN.md).
+NCCL must set, never lets NCCL run: a hang, docs/design.md).
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ class OverlapConfig:
     chunks: int | None = None
     """NCCL calls the collective is cut into (each followed by a flag post)."""
     nccl_ctas: int | None = None
-    """Cap on NCCL's CTAs for the op's communicator (about 10 GB/s each on NVLink)."""
+    """Cap on NCCL's CTAs for the op's communicator (its bandwidth grows with them; each is
+    an SM the GEMM does not get: docs/design.md, the SM budget)."""
     sm_margin: int | None = None
     """SMs left idle beyond NCCL's CTAs (or the reduce kernel's programs); ``None``:
     ``OVERLAP_SM_MARGIN`` (``env_sm_margin``) where set, else 4 on the NCCL transport and 0
@@ -418,11 +419,9 @@ class Runtime:
         comm stream, then set the peer's ``flags[idx] = value`` behind it, so the flag
         says the bytes have landed (``overlap._p2p``).
 
-        All on one stream. Measured on 2x H200 (256 MB per rank in 16 chunks, a flag
-        write after each): 0.80 ms on one stream, 0.77 alternating two streams, 0.79 with
-        the flag writes on a second stream behind events, against 0.69 for one copy;
-        inside the all-reduce op the one-stream order was the fastest (1.14 ms at
-        16384x2048x8192, against 1.16 and 1.68)."""
+        All on one stream: copies alternating over two streams, or the flag writes on a
+        second stream behind events, were no faster alone and slower inside the
+        all-reduce op (docs/experiments.md, 2026-11-29)."""
         from .. import _p2p
 
         _p2p.memcpy_async(dst, src, nbytes, self.comm_stream)

@@ -196,8 +196,8 @@ _tuned: LRU = LRU(256)
 
 
 def _default_chunks(ms: int) -> int:
-    # one chunk per ~1024 rows of a shard, 1..4: more calls cost more than
-    # they hide at these sizes (measured, DESIGN.md)
+    # one chunk per ~1024 rows of a shard, 1..4: each NCCL call has a fixed cost, and
+    # past a few chunks it outweighs what they hide (docs/experiments.md)
     return max(1, min(4, ms // 1024))
 
 

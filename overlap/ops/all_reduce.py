@@ -943,11 +943,10 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                                            transport="p2p")
                              for fold in ((False, True) if norm is not None else (False,))
                              for ch in (4, 8, 16) for rc in (66, 132)]
-                          # two-shot: each rank reduces 1/R of the rows (a norm folded). At 2 ranks it
-                          # lost to the one-shot push on every comm-heavy case (b09b936: 16384x2048x8192
-                          # 1.245 ms at best against 1.052; the reduced chunk's push back adds a copy to
-                          # the last rows' path), so only past 2 ranks, where the one-shot push moves
-                          # R - 1 times a rank's rows
+                          # two-shot: each rank reduces 1/R of the rows (a norm folded). At 2 ranks the
+                          # reduced chunk's push back adds a copy to the last rows' path and it lost to
+                          # the one-shot push (docs/experiments.md), so only past 2 ranks, where the
+                          # one-shot push moves R - 1 times a rank's rows
                           + ([OverlapConfig(chunks=ch, reduce_ctas=rc, two_shot=True, fold_norm=norm is not None,
                                             transport="p2p")
                               for ch in (4, 8, 16) for rc in ((16, 24) if norm is not None else (8, 16))]

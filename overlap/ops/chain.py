@@ -18,7 +18,7 @@ Speed: the consumer is enqueued behind a stream wait (no SM) on a flag the
 producer's grid sets as it starts, so the producer's programs take the SMs
 first and consumer programs move in as producer programs run out of tiles.
 Without it, a consumer grid dispatched first holds every SM but the reserved
-ones while the producer crawls on those (measured: 20-40x slower).
+ones while the producer crawls on those (many times slower: docs/experiments.md).
 
 No deadlock, whichever kernel the GPU schedules first. Both kernels hand out
 tiles in order from an atomic counter (a program holds no tile until it runs),
@@ -32,7 +32,7 @@ finish (slow, never stuck); tests launch it that way on purpose.
 One hazard is outside the kernels: loading a kernel's module (CUDA loads
 modules lazily, Triton on first launch) waits while a spinning kernel holds
 the GPU. Enqueued first, a consumer therefore times out if the producer's
-kernel was never launched before (measured); in the normal order the producer
+kernel was never launched before; in the normal order the producer
 is loaded and running before the consumer spins.
 
 Flags are never reset (epochs); every wait inside the kernels is bounded and a
