@@ -577,11 +577,11 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
                     ev = torch.cuda.Event()
                     ev.record(cs)
                     ns.wait_event(ev)
-                    with on_stream(ns, cur):
+                    with on_stream(ns, cur), gpu_range("aux", "add+norm", c_idx):
                         launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
                                         weight=norm.weight if norm else None, bias=norm.bias if norm else None,
                                         eps=norm.eps if norm else 1e-5, y=y)
-                    _flags.stream_write_value(ns, w.flags, c_idx, 1)
+                        _flags.stream_write_value(ns, w.flags, c_idx, 1)
                 else:
                     _flags.stream_write_value(cs, w.flags, c_idx, 1)
                 start += rows
