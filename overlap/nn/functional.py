@@ -1,0 +1,528 @@
+"""Tensor-parallel linears with autograd: one ``torch.autograd.Function`` per change of region.
+
+Each Function names its pair (what the forward communicates, what the backward does), as
+Megatron-LM's ``mappings.py``; the fused ones run the library's ops for both passes:
+
+    function                 forward                               backward (grad_input)
+    all_gather_linear        all_gather(x_shard) @ w.t()           reduce_scatter(grad @ w)
+                             (all_gather_matmul)                   (matmul_reduce_scatter)
+    linear_reduce_scatter    reduce_scatter(x @ w.t())             all_gather(grad) @ w
+                             (matmul_reduce_scatter)               (all_gather_matmul)
+    copy_linear              x @ w.t()       (local)               all_reduce(grad @ w)
+                                                                   (matmul_all_reduce)
+    linear_all_reduce        all_reduce(x @ w.t())                 grad @ w        (local)
+                             (matmul_all_reduce)
+    all_reduce_norm_linear   h = all_reduce(x) + res;              all_reduce(grad @ w) through
+                             norm(h) @ w.t() (all_reduce_matmul)   the norm; grad_x = grad_h
+
+and three small ones on plain collectives for the edges of a region:
+
+    copy_to_region           identity                              all_reduce(grad)
+    gather_from_region       all_gather(x, dim)                    grad's own slice
+    scatter_to_region        x's own slice along dim               all_gather(grad, dim)
+
+Every function takes 2-D ``[tokens, features]`` tensors and a resolved group (the layers
+flatten leading dimensions and resolve the group once, at construction). ``fused=False``
+runs the same autograd with the ops' plain references (``overlap.ops.*_ref``: one
+torch.distributed collective and ``torch.matmul``): the tests' reference.
+
+Under ``torch.compile`` the forward and backward call the library's custom ops
+(``torch.ops.overlap.*``), which Dynamo traces whole; the edge collectives use
+``torch.distributed._functional_collectives`` there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _library as _lib
+from ..ops import all_gather as _ag
+from ..ops import all_reduce as _ar
+from ..ops import matmul_reduce as _mr
+from ..ops._runtime import all_gather_single as _all_gather_single
+
+__all__ = [
+    "all_gather_linear",
+    "linear_reduce_scatter",
+    "copy_linear",
+    "linear_all_reduce",
+    "all_reduce_norm_linear",
+    "copy_to_region",
+    "gather_from_region",
+    "scatter_to_region",
+    "norm_backward",
+]
+
+_compiling = torch.compiler.is_compiling
+
+
+# ---- the ops, fused or plain ------------------------------------------------------------
+# Each helper runs under torch.no_grad (the caller's Function records the autograd), so
+# the library's refusal of inputs that require grad never fires.
+
+def _ag_mm(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any,
+           return_gathered: bool) -> Any:
+    if fused:
+        return _lib.all_gather_matmul(a, b, group=group, return_gathered=return_gathered, config=config)
+    return _ag.all_gather_matmul_ref(a, b, group=group, return_gathered=return_gathered)
+
+
+def _mm_rs(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any) -> torch.Tensor:
+    if fused:
+        return _lib.matmul_reduce_scatter(a, b, group=group, config=config)
+    return _mr.matmul_reduce_scatter_ref(a, b, group=group)
+
+
+def _mm_ar(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any) -> torch.Tensor:
+    if fused:
+        return _lib.matmul_all_reduce(a, b, group=group, config=config)
+    return _mr.matmul_all_reduce_ref(a, b, group=group)
+
+
+def _all_gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``torch.cat(all_gather(x), dim=0)`` on a plain collective: [M/R, K] -> [M, K]."""
+    import torch.distributed as tdist
+
+    if _compiling():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_gather_tensor(x.contiguous(), 0, group)
+    x = x.contiguous()
+    out = x.new_empty((tdist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``sum over ranks of x`` on a plain collective (a new tensor; x is not modified)."""
+    import torch.distributed as tdist
+
+    if _compiling():
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x.contiguous(), "sum", group)
+    out = x.clone(memory_format=torch.contiguous_format)
+    tdist.all_reduce(out, group=group)
+    return out
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    import torch.distributed as tdist
+
+    return tdist.get_rank(group), tdist.get_world_size(group)
+
+
+def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
+    return grad.sum(0).to(bias.dtype) if bias is not None and needed else None
+
+
+# ---- sequence-parallel column / row -----------------------------------------------------
+
+class _AllGatherLinear(torch.autograd.Function):
+    """forward: all-gather rows, then GEMM; backward: GEMM, then reduce-scatter rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                fused: bool, config: Any, save_gathered: bool) -> torch.Tensor:
+        with torch.no_grad():
+            y, gathered = _ag_mm(x_shard, w_shard.t(), group, fused, config, return_gathered=True)
+            if bias is not None:
+                y = y + bias  # [M, N/R]
+        ctx.group, ctx.fused, ctx.config, ctx.has_bias = group, fused, config, bias is not None
+        ctx.save_gathered = save_gathered
+        # the weight gradient reads the gathered input: keeping it costs [M, K] per layer until
+        # backward; save_gathered=False keeps the shard [M/R, K] and all-gathers it again there
+        ctx.save_for_backward(gathered if save_gathered else x_shard, w_shard)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        saved, w_shard = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        with torch.no_grad():
+            grad_y = grad_y.contiguous()  # [M, N/R]
+            if need_x:
+                grad_x = _mm_rs(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M/R, K]
+            if need_w:
+                gathered = saved if ctx.save_gathered else _all_gather_rows(saved, ctx.group)  # [M, K]
+                grad_w = grad_y.t() @ gathered  # [N/R, K]
+            if ctx.has_bias and need_b:
+                grad_b = grad_y.sum(0)  # [N/R]
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """forward: GEMM, then reduce-scatter rows; backward: all-gather rows, then GEMM."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, group: Any, fused: bool,
+                config: Any) -> torch.Tensor:
+        with torch.no_grad():
+            y_shard = _mm_rs(x, w_shard.t(), group, fused, config)  # [M/R, N]
+        ctx.group, ctx.fused, ctx.config = group, fused, config
+        ctx.save_for_backward(x, w_shard)
+        return y_shard
+
+    @staticmethod
+    def backward(ctx: Any, grad_y_shard: torch.Tensor) -> tuple:
+        x, w_shard = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        with torch.no_grad():
+            grad_y_shard = grad_y_shard.contiguous()  # [M/R, N]
+            if need_x:
+                # one all-gather serves both: the GEMM's input and (returned) the weight gradient's
+                out = _ag_mm(grad_y_shard, w_shard, ctx.group, ctx.fused, ctx.config, return_gathered=need_w)
+                grad_x, grad_y = out if need_w else (out, None)  # [M, K/R], [M, N]
+            elif need_w:
+                grad_y = _all_gather_rows(grad_y_shard, ctx.group)  # [M, N]
+            if need_w:
+                grad_w = grad_y.t() @ x  # [N, K/R]
+        return grad_x, grad_w, None, None, None
+
+
+def all_gather_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      group: Any, fused: bool = True, config: Any = None,
+                      save_gathered: bool = True) -> torch.Tensor:
+    """``all_gather(x_shard, dim=0) @ w_shard.t() + bias``: a sequence-parallel column-parallel linear.
+
+    forward: all-gather -> GEMM (``all_gather_matmul``); backward: GEMM -> reduce-scatter
+    (``matmul_reduce_scatter``) for the input's gradient, ``grad^T @ gathered`` for the weight's.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    x_shard     [M/R, K]   this rank's tokens
+    w_shard     [N/R, K]   this rank's output rows of an nn.Linear weight
+    bias        [N/R]      this rank's slice of the bias, or None
+    returns     [M, N/R]   every token, this rank's output features
+    ==========  =========  ===================================================
+
+    ``save_gathered=True`` keeps the gathered input [M, K] from forward to backward for the
+    weight gradient (memory for time: no second all-gather); False keeps only ``x_shard``
+    and all-gathers it again in backward.
+    """
+    return _AllGatherLinear.apply(x_shard, w_shard, bias, group, fused, config, save_gathered)
+
+
+def linear_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, *, group: Any, fused: bool = True,
+                          config: Any = None) -> torch.Tensor:
+    """``reduce_scatter(x @ w_shard.t(), dim=0)``: a sequence-parallel row-parallel linear (no bias).
+
+    forward: GEMM -> reduce-scatter (``matmul_reduce_scatter``); backward: all-gather -> GEMM
+    (``all_gather_matmul``, whose gathered ``grad`` also gives ``grad_w = grad^T @ x``).
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    x           [M, K/R]   every token, this rank's input features
+    w_shard     [N, K/R]   this rank's input columns of an nn.Linear weight
+    returns     [M/R, N]   this rank's tokens of the sum over ranks
+    ==========  =========  ===================================================
+
+    A bias is added by the caller after the reduction, through ``copy_to_region`` (each
+    rank's rows give a part of its gradient).
+    """
+    return _LinearReduceScatter.apply(x, w_shard, group, fused, config)
+
+
+# ---- tensor-parallel column / row (activations replicated) ------------------------------
+
+class _CopyLinear(torch.autograd.Function):
+    """forward: identity (copy into the region), then GEMM; backward: GEMM, then all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                fused: bool, config: Any) -> torch.Tensor:
+        with torch.no_grad():
+            y = torch.nn.functional.linear(x, w_shard, bias)  # [M, N/R]
+        ctx.group, ctx.fused, ctx.config, ctx.has_bias = group, fused, config, bias is not None
+        ctx.save_for_backward(x, w_shard)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x, w_shard = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        with torch.no_grad():
+            grad_y = grad_y.contiguous()  # [M, N/R]
+            if need_x:
+                grad_x = _mm_ar(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M, K]
+            if need_w:
+                grad_w = grad_y.t() @ x  # [N/R, K]
+            if ctx.has_bias and need_b:
+                grad_b = grad_y.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _LinearAllReduce(torch.autograd.Function):
+    """forward: GEMM, then all-reduce (+ bias once); backward: identity for the reduction, GEMM."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                fused: bool, config: Any) -> torch.Tensor:
+        with torch.no_grad():
+            y = _mm_ar(x, w_shard.t(), group, fused, config)  # [M, N]
+            if bias is not None:
+                y = y + bias  # after the sum: once, not R times
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, w_shard)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x, w_shard = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        with torch.no_grad():
+            # the all-reduce's backward is the identity: every rank's partial gets all of grad_y
+            if need_x:
+                grad_x = grad_y @ w_shard  # [M, K/R]
+            if need_w:
+                grad_w = grad_y.t() @ x  # [N, K/R]
+            if ctx.has_bias and need_b:
+                grad_b = grad_y.sum(0)  # grad_y is the same on every rank, so is this
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def copy_linear(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *, group: Any,
+                fused: bool = True, config: Any = None) -> torch.Tensor:
+    """``x @ w_shard.t() + bias``: a column-parallel linear whose input is the same on every rank.
+
+    forward: local GEMM (copy into the region); backward: GEMM -> all-reduce
+    (``matmul_all_reduce``) for the input's gradient.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    x           [M, K]     replicated
+    w_shard     [N/R, K]   this rank's output rows
+    bias        [N/R]      this rank's slice, or None
+    returns     [M, N/R]   this rank's output features
+    ==========  =========  ===================================================
+    """
+    return _CopyLinear.apply(x, w_shard, bias, group, fused, config)
+
+
+def linear_all_reduce(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *, group: Any,
+                      fused: bool = True, config: Any = None) -> torch.Tensor:
+    """``all_reduce(x @ w_shard.t()) + bias``: a row-parallel linear, output replicated.
+
+    forward: GEMM -> all-reduce (``matmul_all_reduce``), the bias added once after it;
+    backward: identity for the reduction, a local GEMM for the input's gradient.
+
+    ==========  =========  ===================================================
+    tensor      shape      meaning
+    ==========  =========  ===================================================
+    x           [M, K/R]   this rank's input features
+    w_shard     [N, K/R]   this rank's input columns
+    bias        [N]        replicated, or None
+    returns     [M, N]     the sum over ranks (+ bias), on every rank
+    ==========  =========  ===================================================
+    """
+    return _LinearAllReduce.apply(x, w_shard, bias, group, fused, config)
+
+
+# ---- the block boundary: all-reduce -> residual -> norm -> column-parallel GEMM ---------
+
+def norm_backward(grad_n: torch.Tensor, h: torch.Tensor, kind: str, weight: torch.Tensor,
+                  bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``torch.autograd.grad(norm(h), (h, weight, bias), grad_n)`` in closed form, in fp32.
+
+    LayerNorm: ``xh = (h - mean) * rstd``, ``g = grad_n * weight``,
+    ``dh = rstd * (g - mean(g) - xh * mean(g * xh))``; RMSNorm the same without the means
+    of ``h`` and ``g``. ``dweight = sum(grad_n * xh)``, ``dbias = sum(grad_n)`` over rows.
+    Written out (not ``torch.autograd.grad`` on a recomputed norm) so that torch.compile
+    traces the backward whole; the tests check it against torch's autograd.
+    """
+    hf, gf, wf = h.float(), grad_n.float(), weight.float()
+    if kind == "layernorm":
+        mu = hf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(hf.var(-1, unbiased=False, keepdim=True) + eps)
+        xh = (hf - mu) * rstd  # [M, K]
+        g = gf * wf
+        dh = rstd * (g - g.mean(-1, keepdim=True) - xh * (g * xh).mean(-1, keepdim=True))
+    else:
+        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        xh = hf * rstd
+        g = gf * wf
+        dh = rstd * (g - xh * (g * xh).mean(-1, keepdim=True))
+    dw = (gf * xh).sum(0).to(weight.dtype)
+    db = gf.sum(0).to(bias.dtype) if bias is not None else None
+    return dh.to(h.dtype), dw, db
+
+
+def _apply_norm(h: torch.Tensor, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+    k = h.shape[-1]
+    if kind == "layernorm":
+        return torch.nn.functional.layer_norm(h, (k,), weight, bias, eps)
+    return torch.nn.functional.rms_norm(h, (k,), weight, eps)
+
+
+class _AllReduceNormLinear(torch.autograd.Function):
+    """forward: all-reduce (+ residual), norm, then GEMM; backward: GEMM, then all-reduce,
+    then the norm's backward; the first all-reduce's backward is the identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x_partial: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                norm_bias: torch.Tensor | None, w_shard: torch.Tensor, bias: torch.Tensor | None, kind: str,
+                eps: float, group: Any, fused: bool, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..ops import Norm
+
+        with torch.no_grad():
+            if fused:
+                y, h = _lib.all_reduce_matmul(x_partial, w_shard.t(), group=group, residual=residual,
+                                              norm=Norm(kind, norm_weight, norm_bias, eps), config=config)
+            else:
+                y, h = _ar.all_reduce_matmul_ref(x_partial, w_shard.t(), group=group, residual=residual,
+                                                 norm=Norm(kind, norm_weight, norm_bias, eps))
+            if bias is not None:
+                y = y + bias  # [M, N/R]
+        ctx.kind, ctx.eps, ctx.group, ctx.fused, ctx.config = kind, eps, group, fused, config
+        ctx.has_residual, ctx.has_norm_bias, ctx.has_bias = residual is not None, norm_bias is not None, bias is not None
+        # h [M, K] is kept (it is an output, alive anyway in the residual stream); norm(h)
+        # is recomputed in backward for the weight gradient instead of kept
+        ctx.save_for_backward(h, norm_weight, norm_bias, w_shard)
+        return y, h
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor | None, grad_h: torch.Tensor | None) -> tuple:
+        h, nw, nb, w_shard = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grad_w = grad_b = dnw = dnb = None
+        with torch.no_grad():
+            if grad_y is not None:
+                grad_y = grad_y.contiguous()  # [M, N/R]
+                # the norm's output feeds every rank's columns: its gradient is the sum over ranks
+                grad_n = _mm_ar(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M, K]
+                dh, dnw, dnb = norm_backward(grad_n, h, ctx.kind, nw, nb, ctx.eps)
+                grad_h = dh if grad_h is None else grad_h + dh  # [M, K]
+                if need[4]:
+                    grad_w = grad_y.t() @ _apply_norm(h, ctx.kind, nw, nb, ctx.eps)  # [N/R, K]
+                if ctx.has_bias and need[5]:
+                    grad_b = grad_y.sum(0)
+            if grad_h is None:
+                grad_h = torch.zeros_like(h)
+        # h = sum_r x_partial_r + residual: each rank's partial and the residual get all of grad_h
+        return (grad_h if need[0] else None, grad_h if ctx.has_residual and need[1] else None,
+                dnw if need[2] else None, dnb if ctx.has_norm_bias and need[3] else None,
+                grad_w, grad_b, None, None, None, None, None)
+
+
+def all_reduce_norm_linear(x_partial: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *,
+                           residual: torch.Tensor | None, norm_kind: str, norm_weight: torch.Tensor,
+                           norm_bias: torch.Tensor | None = None, eps: float = 1e-5, group: Any,
+                           fused: bool = True, config: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = all_reduce(x_partial) + residual; return norm(h) @ w_shard.t() + bias, h``.
+
+    The non-sequence-parallel block boundary (``all_reduce_matmul``): a row-parallel
+    layer's partial sums reduced into the residual stream, normed, into a column-parallel
+    GEMM. backward: GEMM -> all-reduce (``matmul_all_reduce``) gives the norm's output
+    gradient, then the norm's backward (``norm_backward``) adds into ``h``'s gradient;
+    ``x_partial``'s and ``residual``'s gradients are ``h``'s (the reduction's backward is
+    the identity for each rank's partial).
+
+    ============  =========  =================================================
+    tensor        shape      meaning
+    ============  =========  =================================================
+    x_partial     [M, K]     this rank's partial sums
+    residual      [M, K]     the residual stream (replicated), or None
+    norm_weight   [K]        LayerNorm / RMSNorm weight (replicated)
+    norm_bias     [K]        LayerNorm bias, or None
+    w_shard       [N/R, K]   this rank's output rows
+    bias          [N/R]      this rank's slice, or None
+    returns                  y [M, N/R], h [M, K] (the new residual stream)
+    ============  =========  =================================================
+    """
+    return _AllReduceNormLinear.apply(x_partial, residual, norm_weight, norm_bias, w_shard, bias, norm_kind,
+                                      float(eps), group, fused, config)
+
+
+# ---- the edges of a region, on plain collectives ----------------------------------------
+
+class _CopyToRegion(torch.autograd.Function):
+    """forward: identity; backward: all-reduce. For a replicated tensor (a parameter) used
+    on rank-local data, whose gradient is the sum of every rank's part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        with torch.no_grad():
+            return _all_reduce(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """forward: all-gather along ``dim``; backward: this rank's slice of the gradient (split)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        with torch.no_grad():
+            return _gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _split_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    """forward: this rank's slice along ``dim`` (split); backward: all-gather the gradient along it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        with torch.no_grad():
+            return _gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+def _gather_dim(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """``torch.cat(all_gather(x), dim)``."""
+    _, world = _rank_world(group)
+    dim = dim % x.dim()
+    g = _all_gather_rows(x, group)  # [R * x.shape[0], ...]
+    # (R, *x.shape) -> R next to dim -> merged into it
+    return g.view(world, *x.shape).movedim(0, dim).reshape(
+        *x.shape[:dim], world * x.shape[dim], *x.shape[dim + 1:])
+
+
+def _split_dim(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """``x.chunk(R, dim)[rank]`` (contiguous)."""
+    rank, world = _rank_world(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split dim {dim} of {tuple(x.shape)} over {world} ranks")
+    n = x.shape[dim] // world
+    return x.narrow(dim, rank * n, n).contiguous()
+
+
+def copy_to_region(x: torch.Tensor, *, group: Any) -> torch.Tensor:
+    """``x`` (identity) forward; ``all_reduce(grad)`` backward. For a replicated parameter
+    applied to this rank's tokens only (a sequence-parallel norm's weight, a row-parallel
+    bias added after the reduce-scatter): its true gradient sums every rank's tokens."""
+    return _CopyToRegion.apply(x, group)
+
+
+def gather_from_region(x: torch.Tensor, *, group: Any, dim: int = -1) -> torch.Tensor:
+    """``torch.cat(all_gather(x), dim)`` forward; this rank's slice of ``grad`` backward.
+    ``[..., n, ...] -> [..., R * n, ...]`` (a column-parallel output gathered, ``dim=-1``;
+    a sequence shard gathered before the head, ``dim`` = the sequence dim)."""
+    return _GatherFromRegion.apply(x, group, dim)
+
+
+def scatter_to_region(x: torch.Tensor, *, group: Any, dim: int = -1) -> torch.Tensor:
+    """``x.chunk(R, dim)[rank]`` forward; ``torch.cat(all_gather(grad), dim)`` backward.
+    ``[..., n, ...] -> [..., n / R, ...]`` (a replicated input into a row-parallel layer,
+    ``dim=-1``; the residual stream split into sequence shards, ``dim`` = the sequence dim)."""
+    return _ScatterToRegion.apply(x, group, dim)

@@ -1,0 +1,336 @@
+"""Tensor-parallel linear layers (Megatron-LM semantics and weight layout).
+
+    layer                     weight          bias      input                 output
+    ColumnParallelLinear      [N/R, K]        [N/R]     [..., K]  replicated  [..., N/R]   (gather_output: [..., N])
+      sequence_parallel                                 [T/R, ..., K] shard   [T, ..., N/R]
+    RowParallelLinear         [N, K/R]        [N]       [..., K/R]            [..., N]     replicated
+      sequence_parallel                                 [T, ..., K/R]         [T/R, ..., N] shard
+    NormColumnParallelLinear  [N/R, K]        [N/R]     partial sums [..., K] (y [..., N/R], h [..., K])
+      sequence_parallel                                 [T/R, ..., K] shard   (y [T, ..., N/R], h [T/R, ..., K])
+
+R is the group's size; N = ``out_features``, K = ``in_features``. Inputs are 2-D
+``[tokens, features]`` or N-D ``[..., features]``: the leading dimensions are flattened into
+tokens. Sequence parallel shards dimension ``sequence_dim`` (default 0, Megatron's
+``[T, B, C]``; 1 for a batch-first ``[B, T, C]`` stream, which costs a copy of the input and
+output to bring T first), which must be a multiple of R at the row-parallel layers.
+
+``overlap=True`` runs the library's fused ops (forward and backward); ``overlap=False``
+the same autograd on their plain references (one torch.distributed collective and
+``torch.matmul``). On a CPU / gloo group, or dtypes without a tile-flag path, the fused
+ops run their references too (with the ops' one-time warning).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ops._runtime import resolve_group
+from . import functional as F
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "NormColumnParallelLinear"]
+
+
+def _group_info(group: Any) -> tuple[Any, int, int]:
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        raise RuntimeError("tensor-parallel layers need torch.distributed initialized (overlap.dist.init())")
+    group = resolve_group(group)
+    return group, tdist.get_world_size(group), tdist.get_rank(group)
+
+
+def _divisible(what: str, n: int, world: int) -> None:
+    if n % world:
+        raise ValueError(f"{what}={n} is not a multiple of the tensor-parallel size {world}")
+
+
+def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's init for a weight of fan-in ``fan_in`` (the unsharded layer's), on a shard."""
+    with torch.no_grad():
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        weight.uniform_(-bound, bound)  # kaiming_uniform(a=sqrt(5)) of nn.Linear: U(-1/sqrt(fan_in), ...)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+class _SequenceDim:
+    """Moves the sequence dim first and flattens tokens; and back."""
+
+    @staticmethod
+    def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        if dim % x.dim() == x.dim() - 1:
+            raise ValueError(f"sequence_dim={dim} is the feature dim of an input of shape {tuple(x.shape)}")
+        if dim:
+            x = x.movedim(dim, 0)  # (T, ..., C): the rows of one rank's tokens contiguous
+        lead = tuple(x.shape[:-1])
+        return x.reshape(-1, x.shape[-1]), lead  # (T * ..., C)
+
+    @staticmethod
+    def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
+        y = y.view(*lead, y.shape[-1])  # (T', ..., N)
+        return y.movedim(0, dim).contiguous() if dim else y
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ w.t() + b`` with the output features split over ranks: ``w_shard_n = w[rank rows]``.
+
+    =================  =============  ==============================================
+    tensor             shape          meaning
+    =================  =============  ==============================================
+    weight             [N/R, K]       this rank's output rows of the nn.Linear weight
+    bias               [N/R]          this rank's slice
+    x                  [..., K]       replicated (sequence_parallel: [T/R, ..., K])
+    returns            [..., N/R]     this rank's features (sequence_parallel: all T;
+                                      gather_output: all N features)
+    =================  =============  ==============================================
+
+    Autograd pairs (``overlap.nn.functional``): ``copy_linear`` (forward local GEMM,
+    backward GEMM -> all-reduce), or with ``sequence_parallel`` ``all_gather_linear``
+    (forward all-gather -> GEMM, backward GEMM -> reduce-scatter). ``save_gathered=False``
+    keeps the input shard instead of the gathered input for the weight gradient.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group: Any = None,
+                 sequence_parallel: bool = False, gather_output: bool = False, config: Any = None,
+                 overlap: bool = True, device: Any = None, dtype: torch.dtype | None = None,
+                 save_gathered: bool = True, sequence_dim: int = 0) -> None:
+        super().__init__()
+        self.group, self.tp_size, self.tp_rank = _group_info(group)
+        _divisible("out_features", out_features, self.tp_size)
+        if sequence_parallel and gather_output:
+            raise ValueError("gather_output=True with sequence_parallel=True: a sequence-parallel column layer's "
+                             "output feeds a row-parallel layer, split by features")
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        self.config, self.overlap = config, overlap
+        self.save_gathered, self.sequence_dim = save_gathered, sequence_dim
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features, **kw))  # [N/R, K]
+        self.bias = nn.Parameter(torch.empty(out_features // self.tp_size, **kw)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None, sequence_parallel: bool = False,
+                    **kwargs: Any) -> "ColumnParallelLinear":
+        """This rank's output rows of ``linear`` (the same on every rank that passes the same layer)."""
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype, **kwargs)
+        n = m.out_features // m.tp_size
+        with torch.no_grad():
+            m.weight.copy_(w[m.tp_rank * n:(m.tp_rank + 1) * n])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias[m.tp_rank * n:(m.tp_rank + 1) * n])
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x2, lead = _SequenceDim.to_rows(x, self.sequence_dim)  # [T/R * ..., K]
+            y = F.all_gather_linear(x2, self.weight, self.bias, group=self.group, fused=self.overlap,
+                                    config=self.config, save_gathered=self.save_gathered)  # [T * ..., N/R]
+            return _SequenceDim.from_rows(y, (self.tp_size * lead[0], *lead[1:]), self.sequence_dim)
+        lead = x.shape[:-1]
+        y = F.copy_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, group=self.group,
+                          fused=self.overlap, config=self.config)  # [tokens, N/R]
+        y = y.view(*lead, y.shape[-1])  # (..., N/R)
+        return F.gather_from_region(y, group=self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
+                f"gather_output={self.gather_output}, overlap={self.overlap}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ w.t() + b`` with the input features split over ranks: ``w_shard_k = w[:, rank columns]``.
+
+    =================  =============  ==============================================
+    tensor             shape          meaning
+    =================  =============  ==============================================
+    weight             [N, K/R]       this rank's input columns of the nn.Linear weight
+    bias               [N]            replicated, added once after the reduction
+    x                  [..., K/R]     this rank's features (input_is_parallel=False:
+                                      [..., K], split here)
+    returns            [..., N]       the sum over ranks (sequence_parallel: this rank's
+                                      T/R tokens of it; reduce_output=False: this rank's
+                                      partial sum, no bias)
+    =================  =============  ==============================================
+
+    Autograd pairs: ``linear_all_reduce`` (forward GEMM -> all-reduce, backward local GEMM),
+    or with ``sequence_parallel`` ``linear_reduce_scatter`` (forward GEMM -> reduce-scatter,
+    backward all-gather -> GEMM; the bias through ``copy_to_region``, whose backward sums
+    every rank's tokens). ``reduce_output=False`` leaves the reduction to the next layer
+    (``NormColumnParallelLinear``, which takes this layer's bias as ``input_bias``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group: Any = None,
+                 sequence_parallel: bool = False, input_is_parallel: bool = True, config: Any = None,
+                 overlap: bool = True, device: Any = None, dtype: torch.dtype | None = None,
+                 reduce_output: bool = True, sequence_dim: int = 0) -> None:
+        super().__init__()
+        self.group, self.tp_size, self.tp_rank = _group_info(group)
+        _divisible("in_features", in_features, self.tp_size)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True: the input of a "
+                             "sequence-parallel row layer comes split by features from a column layer")
+        if sequence_parallel and not reduce_output:
+            raise ValueError("reduce_output=False with sequence_parallel=True: the reduce-scatter is the "
+                             "sequence-parallel layer's output")
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.input_is_parallel = sequence_parallel, input_is_parallel
+        self.config, self.overlap = config, overlap
+        self.reduce_output, self.sequence_dim = reduce_output, sequence_dim
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, **kw))  # [N, K/R]
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: Any = None, sequence_parallel: bool = False,
+                    **kwargs: Any) -> "RowParallelLinear":
+        """This rank's input columns of ``linear``; the bias whole (the same on every rank)."""
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
+                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype, **kwargs)
+        k = m.in_features // m.tp_size
+        with torch.no_grad():
+            m.weight.copy_(w[:, m.tp_rank * k:(m.tp_rank + 1) * k])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = F.scatter_to_region(x, group=self.group)  # (..., K) -> (..., K/R)
+        if self.sequence_parallel:
+            x2, lead = _SequenceDim.to_rows(x, self.sequence_dim)  # [T * ..., K/R]
+            if lead[0] % self.tp_size:
+                raise ValueError(f"sequence_parallel: the sequence dim ({lead[0]} tokens) is not a multiple of "
+                                 f"the tensor-parallel size {self.tp_size}")
+            y = F.linear_reduce_scatter(x2, self.weight, group=self.group, fused=self.overlap,
+                                        config=self.config)  # [T/R * ..., N]
+            if self.bias is not None:
+                y = y + F.copy_to_region(self.bias, group=self.group)
+            return _SequenceDim.from_rows(y, (lead[0] // self.tp_size, *lead[1:]), self.sequence_dim)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, K/R]
+        if not self.reduce_output:
+            # the partial sum; its all-reduce's backward (the identity) is plain autograd's
+            y = torch.nn.functional.linear(x2, self.weight)
+        else:
+            y = F.linear_all_reduce(x2, self.weight, self.bias, group=self.group, fused=self.overlap,
+                                    config=self.config)  # [tokens, N]
+        return y.view(*lead, y.shape[-1])  # (..., N)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (/{self.tp_size}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
+                f"input_is_parallel={self.input_is_parallel}, reduce_output={self.reduce_output}, "
+                f"overlap={self.overlap}")
+
+
+class NormColumnParallelLinear(nn.Module):
+    """The block boundary as one layer:
+    ``h = all_reduce(x_partial) + input_bias + residual; return norm(h) @ w_shard.t() + b, h``.
+
+    =================  =============  ==============================================
+    tensor             shape          meaning
+    =================  =============  ==============================================
+    norm.weight/bias   [K]            replicated LayerNorm / RMSNorm parameters
+    weight             [N/R, K]       this rank's output rows
+    bias               [N/R]          this rank's slice
+    x                  [..., K]       this rank's partial sums (from a
+                                      ``RowParallelLinear(reduce_output=False)``);
+                                      sequence_parallel: [T/R, ..., K], already
+                                      reduce-scattered, so h = x + input_bias + residual
+    residual           like x         the residual stream, or None
+    input_bias         [K]            the producing row layer's bias, added once, or None
+    returns                           y [..., N/R] (sequence_parallel: all T tokens),
+                                      h like x (the new residual stream)
+    =================  =============  ==============================================
+
+    Not sequence-parallel: one ``all_reduce_matmul`` forward (``all_reduce_norm_linear``;
+    backward GEMM -> all-reduce, then the norm's backward). Sequence-parallel: the add and
+    the norm on this rank's tokens (torch ops; the norm's parameters through
+    ``copy_to_region``, whose backward sums every rank's part), then ``all_gather_linear``.
+    ``norm``: "layernorm" or "rmsnorm".
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, norm: str = "layernorm", eps: float = 1e-5,
+                 norm_bias: bool = True, bias: bool = True, group: Any = None, sequence_parallel: bool = False,
+                 config: Any = None, overlap: bool = True, device: Any = None, dtype: torch.dtype | None = None,
+                 save_gathered: bool = True, sequence_dim: int = 0) -> None:
+        super().__init__()
+        self.group, self.tp_size, self.tp_rank = _group_info(group)
+        _divisible("out_features", out_features, self.tp_size)
+        if norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {norm!r}")
+        if norm == "rmsnorm" and norm_bias:
+            norm_bias = False  # RMSNorm has none
+        kw = {"device": device, "dtype": dtype}
+        self.norm_kind, self.eps = norm, float(eps)
+        self.norm = (nn.LayerNorm(in_features, eps=eps, bias=norm_bias, **kw) if norm == "layernorm"
+                     else nn.RMSNorm(in_features, eps=eps, **kw))
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.config, self.overlap = sequence_parallel, config, overlap
+        self.save_gathered, self.sequence_dim = save_gathered, sequence_dim
+        self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features, **kw))  # [N/R, K]
+        self.bias = nn.Parameter(torch.empty(out_features // self.tp_size, **kw)) if bias else None
+        _init_linear(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module, linear: nn.Linear, *, group: Any = None,
+                     sequence_parallel: bool = False, **kwargs: Any) -> "NormColumnParallelLinear":
+        """From a ``nn.LayerNorm`` / ``nn.RMSNorm`` and the ``nn.Linear`` it feeds: the norm
+        copied, this rank's output rows of the linear."""
+        kind = "layernorm" if isinstance(norm, nn.LayerNorm) else "rmsnorm"
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, norm=kind, eps=eps,
+                norm_bias=getattr(norm, "bias", None) is not None, bias=linear.bias is not None, group=group,
+                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype, **kwargs)
+        n = m.out_features // m.tp_size
+        with torch.no_grad():
+            m.norm.load_state_dict(norm.state_dict())
+            m.weight.copy_(w[m.tp_rank * n:(m.tp_rank + 1) * n])
+            if m.bias is not None:
+                m.bias.copy_(linear.bias[m.tp_rank * n:(m.tp_rank + 1) * n])
+        return m
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+                input_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        nw, nb = self.norm.weight, getattr(self.norm, "bias", None)
+        if self.sequence_parallel:
+            # this rank's tokens only: the replicated parameters' gradients sum over ranks
+            h = x
+            if input_bias is not None:
+                h = h + F.copy_to_region(input_bias, group=self.group)
+            if residual is not None:
+                h = h + residual
+            k = h.shape[-1]
+            nw_ = F.copy_to_region(nw, group=self.group)
+            nb_ = None if nb is None else F.copy_to_region(nb, group=self.group)
+            n = (torch.nn.functional.layer_norm(h, (k,), nw_, nb_, self.eps) if self.norm_kind == "layernorm"
+                 else torch.nn.functional.rms_norm(h, (k,), nw_, self.eps))
+            n2, lead = _SequenceDim.to_rows(n, self.sequence_dim)  # [T/R * ..., K]
+            y = F.all_gather_linear(n2, self.weight, self.bias, group=self.group, fused=self.overlap,
+                                    config=self.config, save_gathered=self.save_gathered)  # [T * ..., N/R]
+            return _SequenceDim.from_rows(y, (self.tp_size * lead[0], *lead[1:]), self.sequence_dim), h
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, K]
+        r2 = None if residual is None else residual.reshape(x2.shape)  # [tokens, K]
+        if input_bias is not None:
+            r2 = input_bias.expand(x2.shape) if r2 is None else r2 + input_bias  # once, after the reduction
+        y, h = F.all_reduce_norm_linear(x2, self.weight, self.bias, residual=r2, norm_kind=self.norm_kind,
+                                        norm_weight=nw, norm_bias=nb, eps=self.eps, group=self.group,
+                                        fused=self.overlap, config=self.config)  # [tokens, N/R], [tokens, K]
+        return y.view(*lead, y.shape[-1]), h.view(*lead, h.shape[-1])  # (..., N/R), (..., K)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "
+                f"norm={self.norm_kind}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
