@@ -52,6 +52,10 @@ from .ops import (ChainConfig, Norm, OverlapConfig, reset, tune_all_gather_matmu
 from . import observe
 from .observe import profile, report, reset_report
 
+# ---- tensor-parallel layers with autograd (docs/nn.md) -----------------------------------
+from . import nn
+from .nn import parallelize
+
 check_errors = getattr(ops, "check_errors", None) or getattr(ops._runtime, "check_errors", None)
 if check_errors is None:  # an older overlap.ops: looked up when called
 
@@ -81,4 +85,6 @@ __all__ += [
     "profile",
     "report",
     "reset_report",
+    "nn",
+    "parallelize",
 ]

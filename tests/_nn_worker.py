@@ -371,22 +371,24 @@ def check_compiled() -> None:
         z, h = layers["nc"](p, res, input_bias=layers["r2"].bias)
         return (layers["r3"](z).square().sum() + h.sum()) / 10
 
-    targets: list[str] = []
+    targets: dict[str, list[str]] = {"forward": [], "backward": []}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
 
-        def keep(g: torch.fx.GraphModule, _: list) -> object:
-            targets.extend(str(nd.target) for nd in g.graph.nodes if nd.op == "call_function")
-            return make_boxed_func(g.forward)
+        def keep(which: str) -> object:
+            def compiler(g: torch.fx.GraphModule, _: list) -> object:
+                targets[which].extend(str(nd.target) for nd in g.graph.nodes if nd.op == "call_function")
+                return make_boxed_func(g.forward)
+            return compiler
 
-        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))(gm, example_inputs)
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     for call in range(3):
         x = torch.randn(2 * WS, k, generator=gen(600 + call + 10 * RANK))
-        res = torch.randn(2 * WS, k, generator=gen(700 + call))
+        res = torch.randn(2 * WS * WS, k, generator=gen(700 + call))
         grads = []
         for fn in (step, compiled):
             xl, rl = leaf(x), leaf(res)
@@ -397,8 +399,12 @@ def check_compiled() -> None:
                 p.grad = None
         for i, (u, v) in enumerate(zip(*grads)):
             close(v, u, f"compiled vs eager, call {call}, tensor {i}")
-    for op in ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce_matmul", "matmul_all_reduce"):
-        assert any(f"overlap.{op}" in t for t in targets), (op, sorted(set(targets)))
+    # forward: agmm (c), mmrs (r), armm (nc), mmar (r3); backward: mmrs (c), agmm (r), mmar (c2, nc)
+    for which, ops in (("forward", ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce_matmul",
+                                    "matmul_all_reduce")),
+                       ("backward", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))):
+        for op in ops:
+            assert f"overlap.{op}.default" in targets[which], (which, op, sorted(set(targets[which])))
 
 
 def main() -> None:

@@ -304,6 +304,8 @@ class NormColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
                 input_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         nw, nb = self.norm.weight, getattr(self.norm, "bias", None)
+        if residual is not None and residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must have the input's shape {tuple(x.shape)}")
         if self.sequence_parallel:
             # this rank's tokens only: the replicated parameters' gradients sum over ranks
             h = x
