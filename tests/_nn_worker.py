@@ -25,11 +25,23 @@ from overlap import dist, observe
 from overlap.nn import (ColumnParallelLinear, NormColumnParallelLinear, RowParallelLinear, functional, parallelize)
 
 RANK, WS = 0, 1
+DEV, DT, S = torch.device("cpu"), torch.float32, 1  # the GPU check (tests/gpu/nn_check.py): cuda, bf16, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32: sums over ranks in another order than the reference's
+REL_BF16 = 3e-2  # bf16: the relative error norm, against a reference in bf16 too
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, **TOL, msg=lambda s: f"rank {RANK}: {what}: {s}")
+    if DT == torch.float32:
+        torch.testing.assert_close(got, want, **TOL, msg=lambda s: f"rank {RANK}: {what}: {s}")
+        return
+    assert got.shape == want.shape, f"rank {RANK}: {what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)).item()
+    assert err < REL_BF16, f"rank {RANK}: {what}: relative error {err:.3g} >= {REL_BF16}"
+
+
+def rand(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    """torch.randn from a CPU generator (the same on every rank and device), on DEV in DT."""
+    return torch.randn(*shape, generator=generator).to(DEV, DT)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -43,7 +55,7 @@ def rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 def linear(k: int, n: int, bias: bool, seed: int) -> nn.Linear:
     torch.manual_seed(seed)  # the same on every rank
-    return nn.Linear(k, n, bias=bias)
+    return nn.Linear(k, n, bias=bias).to(DEV, DT)
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +65,7 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 # ---- column -----------------------------------------------------------------------------
 
 def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overlap: bool, shape: tuple) -> None:
-    k, n = 8, 4 * WS
+    k, n = 8 * S, 4 * WS * S
     ref = linear(k, n, bias, seed=1)
     tp = ColumnParallelLinear.from_linear(ref, sequence_parallel=sp, gather_output=gather_output, overlap=overlap,
                                           sequence_dim=seq_dim)
@@ -61,8 +73,8 @@ def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overla
     cols = slice(RANK * ns, (RANK + 1) * ns)
     for call in range(3):  # new inputs every call
         g = gen(100 + call)
-        x_full = torch.randn(*shape, k, generator=g)
-        g_full = torch.randn(*shape, n, generator=g)  # the upstream gradient of y
+        x_full = rand(*shape, k, generator=g)
+        g_full = rand(*shape, n, generator=g)  # the upstream gradient of y
         x_ref = leaf(x_full)
         y_ref = ref(x_ref)
         (y_ref * g_full).sum().backward()
@@ -86,7 +98,7 @@ def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overla
 # ---- row --------------------------------------------------------------------------------
 
 def check_row(sp: bool, seq_dim: int, input_is_parallel: bool, bias: bool, overlap: bool, shape: tuple) -> None:
-    k, n = 4 * WS, 6
+    k, n = 4 * WS * S, 6 * S
     ref = linear(k, n, bias, seed=2)
     tp = RowParallelLinear.from_linear(ref, sequence_parallel=sp, input_is_parallel=input_is_parallel,
                                        overlap=overlap, sequence_dim=seq_dim)
@@ -94,8 +106,8 @@ def check_row(sp: bool, seq_dim: int, input_is_parallel: bool, bias: bool, overl
     cols = slice(RANK * ks, (RANK + 1) * ks)
     for call in range(3):
         g = gen(200 + call)
-        x_full = torch.randn(*shape, k, generator=g)
-        g_full = torch.randn(*shape, n, generator=g)
+        x_full = rand(*shape, k, generator=g)
+        g_full = rand(*shape, n, generator=g)
         x_ref = leaf(x_full)
         y_ref = ref(x_ref)
         (y_ref * g_full).sum().backward()
@@ -125,21 +137,21 @@ def norm_ref(kind: str, k: int, seed: int) -> nn.Module:
         m.weight.uniform_(0.5, 1.5)
         if getattr(m, "bias", None) is not None:
             m.bias.normal_()
-    return m
+    return m.to(DEV, DT)
 
 
 def check_norm_column(sp: bool, kind: str, with_residual: bool, with_input_bias: bool, overlap: bool,
                       shape: tuple) -> None:
-    k, n = 8, 4 * WS
+    k, n = 8 * S, 4 * WS * S
     norm, lin = norm_ref(kind, k, seed=3), linear(k, n, True, seed=4)
     tp = NormColumnParallelLinear.from_modules(norm, lin, sequence_parallel=sp, overlap=overlap)
     ns = n // WS
     cols = slice(RANK * ns, (RANK + 1) * ns)
     for call in range(3):
         g = gen(300 + call)
-        parts = [torch.randn(*shape, k, generator=g) for _ in range(WS)]  # every rank's partial sums
-        res, ib = torch.randn(*shape, k, generator=g), torch.randn(k, generator=g)
-        g_y, g_h = torch.randn(*shape, n, generator=g), torch.randn(*shape, k, generator=g)
+        parts = [rand(*shape, k, generator=g) for _ in range(WS)]  # every rank's partial sums
+        res, ib = rand(*shape, k, generator=g), rand(k, generator=g)
+        g_y, g_h = rand(*shape, n, generator=g), rand(*shape, k, generator=g)
         total = sum(parts)
         t_ref, r_ref, b_ref = leaf(total), leaf(res), leaf(ib)
         h_ref = t_ref + (r_ref if with_residual else 0) + (b_ref if with_input_bias else 0)
@@ -171,8 +183,8 @@ def check_norm_backward() -> None:
     """``functional.norm_backward`` against torch's autograd, both norms, with and without bias."""
     for kind, has_bias in (("layernorm", True), ("layernorm", False), ("rmsnorm", False)):
         g = gen(7)
-        h, gn = leaf(torch.randn(5, 16, generator=g) * 3 + 1), torch.randn(5, 16, generator=g)
-        w, b = leaf(torch.rand(16, generator=g) + 0.5), leaf(torch.randn(16, generator=g)) if has_bias else None
+        h, gn = leaf(rand(5, 16, generator=g) * 3 + 1), rand(5, 16, generator=g)
+        w, b = leaf(torch.rand(16, generator=g).to(DEV, DT) + 0.5), leaf(rand(16, generator=g)) if has_bias else None
         out = functional._apply_norm(h, kind, w, b, 1e-5)
         want = torch.autograd.grad(out, [t for t in (h, w, b) if t is not None], gn)
         got = functional.norm_backward(gn, h.detach(), kind, w.detach(), None if b is None else b.detach(), 1e-5)
@@ -189,9 +201,9 @@ def _op_calls() -> int:
 def check_fused_vs_plain() -> None:
     """Both paths give the same numbers; only overlap=True goes through the library's ops
     (counted by overlap.observe); overlap=False through the references alone."""
-    k, n = 8, 4 * WS
+    k, n = 8 * S, 4 * WS * S
     torch.manual_seed(5)
-    col, row = nn.Linear(k, n), nn.Linear(n, k)
+    col, row = nn.Linear(k, n).to(DEV, DT), nn.Linear(n, k).to(DEV, DT)
     norm = norm_ref("layernorm", k, seed=6)
     outs = {}
     for ov in (True, False):
@@ -199,8 +211,8 @@ def check_fused_vs_plain() -> None:
         c = ColumnParallelLinear.from_linear(col, sequence_parallel=True, overlap=ov)
         r = RowParallelLinear.from_linear(row, sequence_parallel=True, overlap=ov)
         nc = NormColumnParallelLinear.from_modules(norm, col, overlap=ov)
-        x = leaf(torch.randn(3 * WS, k, generator=gen(RANK)))
-        p = leaf(torch.randn(3 * WS, k, generator=gen(10 + RANK)))
+        x = leaf(rand(3 * WS, k, generator=gen(RANK)))
+        p = leaf(rand(3 * WS, k, generator=gen(10 + RANK)))
         y = r(torch.relu(c(x)))
         z, h = nc(p, None)
         (y.square().sum() + z.sum() + h.sum()).backward()
@@ -209,14 +221,17 @@ def check_fused_vs_plain() -> None:
         # forward: agmm, mmrs, armm; backward: mmrs, agmm, mmar
         assert (calls == 6) if ov else (calls == 0), (ov, calls)
     for i, (u, v) in enumerate(zip(outs[True], outs[False])):
-        assert torch.equal(u, v), f"rank {RANK}: overlap=True vs False, tensor {i} differs"
+        if DEV.type == "cpu":  # the same reference code underneath
+            assert torch.equal(u, v), f"rank {RANK}: overlap=True vs False, tensor {i} differs"
+        else:
+            close(u, v, f"overlap=True vs False, tensor {i}")
 
 
 # ---- from_linear ------------------------------------------------------------------------
 
 def check_from_linear() -> None:
     """Shards all-gathered give back the layer, on every rank, for both kinds."""
-    ref = linear(4 * WS, 4 * WS, True, seed=8)
+    ref = linear(4 * WS * S, 4 * WS * S, True, seed=8)
     c = ColumnParallelLinear.from_linear(ref)
     r = RowParallelLinear.from_linear(ref)
     wc = [torch.empty_like(c.weight) for _ in range(WS)]
@@ -227,7 +242,8 @@ def check_from_linear() -> None:
     tdist.all_gather(wr, r.weight.detach())
     assert torch.equal(torch.cat(wc, 0), ref.weight) and torch.equal(torch.cat(bc), ref.bias)
     assert torch.equal(torch.cat(wr, 1), ref.weight) and torch.equal(r.bias, ref.bias)
-    assert c.weight.shape == (4, 4 * WS) and r.weight.shape == (4 * WS, 4), (c.weight.shape, r.weight.shape)
+    assert c.weight.shape == (4 * S, 4 * WS * S) and r.weight.shape == (4 * WS * S, 4 * S), (c.weight.shape,
+                                                                                          r.weight.shape)
 
 
 # ---- parallelize on a small GPT ---------------------------------------------------------
@@ -267,8 +283,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, c: int = 16, nh: int = 4, layers: int = 2, seed: int = 9) -> None:
+    def __init__(self, c: int = 0, nh: int = 4, layers: int = 2, seed: int = 9) -> None:
         super().__init__()
+        c = c or 16 * S
         torch.manual_seed(seed)
         self.drop = nn.Dropout(0.0)
         self.h = nn.ModuleList(Block(c, nh) for _ in range(layers))
@@ -278,6 +295,7 @@ class TinyGPT(nn.Module):
                 if isinstance(m, nn.LayerNorm):
                     m.weight.uniform_(0.5, 1.5)
                     m.bias.normal_()
+        self.to(DEV, DT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.drop(x)
@@ -292,8 +310,8 @@ def check_parallelize(sp: bool) -> None:
     assert isinstance(tp.h[1].mlp.fc2, RowParallelLinear) and tp.h[1].mlp.fc2.sequence_parallel == sp
     refp = dict(ref.named_parameters())
     for call in range(2):
-        x_full = torch.randn(2, 4 * WS, 16, generator=gen(400 + call))  # (B, T, C)
-        gy = torch.randn(2, 4 * WS, 16, generator=gen(500 + call))
+        x_full = rand(2, 4 * WS, 16 * S, generator=gen(400 + call))  # (B, T, C)
+        gy = rand(2, 4 * WS, 16 * S, generator=gen(500 + call))
         x_ref, x = leaf(x_full), leaf(x_full)
         (ref(x_ref) * gy).sum().backward()
         y = tp(x)
@@ -318,10 +336,14 @@ def check_parallelize(sp: bool) -> None:
 # ---- bad arguments ----------------------------------------------------------------------
 
 def check_bad_arguments() -> None:
-    cases = [
+    divisible = [  # nothing to divide at one rank
         (lambda: ColumnParallelLinear(8, 4 * WS + 1), "out_features"),
         (lambda: RowParallelLinear(4 * WS + 1, 8), "in_features"),
         (lambda: NormColumnParallelLinear(8, 4 * WS + 1), "out_features"),
+        (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True)(rand(4 * WS + 1, 4, generator=gen(0))),
+         "multiple"),
+    ]
+    cases = divisible * (WS > 1) + [
         (lambda: ColumnParallelLinear(8, 4 * WS, sequence_parallel=True, gather_output=True), "gather_output"),
         (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True, input_is_parallel=False), "input_is_parallel"),
         (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True, reduce_output=False), "reduce_output"),
@@ -329,7 +351,6 @@ def check_bad_arguments() -> None:
         (lambda: parallelize(TinyGPT(), plan={"*nothing": "column"}), "matched no module"),
         (lambda: parallelize(TinyGPT(), plan={"*fc1": "diagonal"}), "kinds"),
         (lambda: parallelize(TinyGPT(), plan={"*ln_1": "sequence_norm"}), "sequence_parallel"),
-        (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True)(torch.randn(4 * WS + 1, 4)), "multiple"),
     ]
     for i, (fn, text) in enumerate(cases):
         try:
@@ -352,9 +373,9 @@ def check_compiled() -> None:
     """Column (sequence-parallel), row (sequence-parallel and not) and norm + column under
     torch.compile(fullgraph=True, backend="aot_eager"): outputs and gradients equal eager's,
     inputs new every call, and the graphs hold the library's custom ops."""
-    k, n = 8, 4 * WS
+    k, n = 8 * S, 4 * WS * S
     torch.manual_seed(11)
-    col, row, norm = nn.Linear(k, n), nn.Linear(n, k), norm_ref("layernorm", k, seed=12)
+    col, row, norm = nn.Linear(k, n).to(DEV, DT), nn.Linear(n, k).to(DEV, DT), norm_ref("layernorm", k, seed=12)
     layers = nn.ModuleDict({
         "c": ColumnParallelLinear.from_linear(col, sequence_parallel=True),
         "r": RowParallelLinear.from_linear(row, sequence_parallel=True),
@@ -387,8 +408,8 @@ def check_compiled() -> None:
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     for call in range(3):
-        x = torch.randn(2 * WS, k, generator=gen(600 + call + 10 * RANK))
-        res = torch.randn(2 * WS * WS, k, generator=gen(700 + call))
+        x = rand(2 * WS, k, generator=gen(600 + call + 10 * RANK))
+        res = rand(2 * WS * WS, k, generator=gen(700 + call))
         grads = []
         for fn in (step, compiled):
             xl, rl = leaf(x), leaf(res)
@@ -407,16 +428,18 @@ def check_compiled() -> None:
             assert f"overlap.{op}.default" in targets[which], (which, op, sorted(set(targets[which])))
 
 
-def main() -> None:
-    global RANK, WS
-    RANK, WS = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init(timeout_s=30)
+def main(device: str = "cpu", dtype: str = "float32", scale: int = 1, compile_too: bool = False) -> None:
+    global RANK, WS, DEV, DT, S
+    RANK, WS = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    ctx = dist.init(timeout_s=30)
+    DEV = ctx.device if device == "cuda" else torch.device(device)
+    DT, S = getattr(torch, dtype), scale
     warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
     if sys.argv[1:] == ["compile"]:
         check_compiled()
         tdist.barrier()
         dist.shutdown()
-        print(f"PASS nn compile rank={RANK}", flush=True)
+        print(f"PASS nn compile world={WS} rank={RANK}", flush=True)
         return
     check_norm_backward()
     for ov in (True, False):
@@ -441,9 +464,11 @@ def main() -> None:
     check_parallelize(False)
     check_parallelize(True)
     check_bad_arguments()
+    if compile_too:
+        check_compiled()
     tdist.barrier()
     dist.shutdown()
-    print(f"PASS nn rank={RANK}", flush=True)
+    print(f"PASS nn world={WS} rank={RANK} device={DEV.type} dtype={dtype}", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ from tests._procs import REPO, run_ranks
 def test_layers_gloo(world_size: int) -> None:
     procs = run_ranks(REPO / "tests" / "_nn_worker.py", world_size, timeout_s=150)
     for p in procs:
-        assert p.returncode == 0 and f"PASS nn rank={p.rank}" in p.out, p
+        assert p.returncode == 0 and f"PASS nn world={world_size} rank={p.rank}" in p.out, p
 
 
 def test_layers_compiled_gloo() -> None:
     procs = run_ranks(REPO / "tests" / "_nn_worker.py", 2, ["compile"], timeout_s=150)
     for p in procs:
-        assert p.returncode == 0 and f"PASS nn compile rank={p.rank}" in p.out, p
+        assert p.returncode == 0 and f"PASS nn compile world=2 rank={p.rank}" in p.out, p
 
 
 def test_top_level_names() -> None:
