@@ -43,22 +43,26 @@ _KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence
 class SequenceParallelNorm(nn.Module):
     """A LayerNorm / RMSNorm run on this rank's tokens: ``norm(x)`` with the parameters through
     ``copy_to_region`` (forward identity, backward all-reduce: their gradients sum every
-    rank's tokens, and stay the same on every rank)."""
+    rank's tokens, and stay the same on every rank). Holds the norm's own parameters under
+    the same names (``weight``, ``bias``), so a state dict keeps its keys."""
 
     def __init__(self, norm: nn.Module, group: Any) -> None:
         super().__init__()
         if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) or len(norm.normalized_shape) != 1:
             raise TypeError(f"sequence_norm needs a LayerNorm or RMSNorm over one dim, got {norm}")
-        self.inner = norm
+        self.kind = "layernorm" if isinstance(norm, nn.LayerNorm) else "rmsnorm"
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self.bias = getattr(norm, "bias", None)
         self.group, self.tp_size, self.tp_rank = _group_info(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m, k = self.inner, x.shape[-1]
-        w = None if m.weight is None else F.copy_to_region(m.weight, group=self.group)
-        if isinstance(m, nn.LayerNorm):
-            b = None if m.bias is None else F.copy_to_region(m.bias, group=self.group)
-            return torch.nn.functional.layer_norm(x, (k,), w, b, m.eps)
-        return torch.nn.functional.rms_norm(x, (k,), w, m.eps)
+        k = x.shape[-1]
+        w = None if self.weight is None else F.copy_to_region(self.weight, group=self.group)
+        if self.kind == "layernorm":
+            b = None if self.bias is None else F.copy_to_region(self.bias, group=self.group)
+            return torch.nn.functional.layer_norm(x, (k,), w, b, self.eps)
+        return torch.nn.functional.rms_norm(x, (k,), w, self.eps)
 
 
 def _matches(name: str, pattern: str) -> bool:
