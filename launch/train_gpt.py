@@ -46,7 +46,7 @@ import overlap
 from overlap import dist
 from overlap.models import GPT, GPTConfig, corpus
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                   help="autocast dtype on GPUs (auto: bf16); CPU runs use fp32")
+                   help="parameter and activation dtype (auto: bf16 on GPUs, fp32 on CPU); the "
+                        "fused ops' tile-flag paths need bf16/fp16 on a GPU, fp32 runs their references")
     p.add_argument("--out", type=Path, default=Path("runs/train_gpt"), help="output directory")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt")
@@ -101,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def build_model(args: argparse.Namespace, ctx: dist.DistContext) -> GPT:
-    """The same unsharded GPT on every rank, then sharded over the tp group."""
+def build_model(args: argparse.Namespace, ctx: dist.DistContext, dtype: torch.dtype) -> GPT:
+    """The same unsharded GPT on every rank, then sharded over the tp group. Parameters
+    in ``dtype`` (bf16 on GPUs: no fp32 master weights, a demo's trade-off; the layers'
+    fused ops take the weights as they are)."""
     config = GPTConfig(vocab_size=corpus.tokenizer().vocab_size, block_size=args.block,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(config, seed=args.seed).to(ctx.device)
+    model = GPT(config, seed=args.seed).to(device=ctx.device, dtype=dtype)
     model.unsharded_params = model.num_params()
     if ctx.tp_size > 1:
         from overlap import nn as tp_nn  # the layers; imported only when sharding
@@ -177,14 +180,14 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
     if args.batch % ctx.dp_size:
         raise SystemExit(f"--batch {args.batch} is not a multiple of the data-parallel size {ctx.dp_size}")
     on_gpu = dev.type == "cuda"
-    amp = DTYPES["bf16" if args.dtype == "auto" else args.dtype] if on_gpu else torch.float32
+    dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if on_gpu else torch.float32)
 
     def say(*a: object) -> None:
         if ctx.is_main:
             print(*a, flush=True)
 
     torch.manual_seed(args.seed)  # dropout, if a config turns it on
-    model = build_model(args, ctx)
+    model = build_model(args, ctx, dtype)
     opt = make_optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)  # the data order, the same on every rank
     start, history = 0, []
@@ -197,7 +200,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
     say(f"GPT {model.unsharded_params / 1e6:.3f}M params, "
         f"layers={args.n_layer} heads={args.n_head} embd={args.n_embd} vocab={model.config.vocab_size}")
     say(f"world={ctx.world_size} tp={ctx.tp_size} dp={ctx.dp_size} sp={args.sp} path={args.path} "
-        f"device={dev} backend={ctx.backend} dtype={str(amp).removeprefix('torch.')}"
+        f"device={dev} backend={ctx.backend} dtype={str(dtype).removeprefix('torch.')}"
         + ("" if on_gpu else " (CPU: figures are not GPU figures)"))
     if start:
         say(f"resumed at step {start} from {args.out / 'ckpt'}")
@@ -207,8 +210,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
         t0 = time.perf_counter()
         x, y = corpus.get_batch("train", args.batch, args.block, gen)  # (batch, block) each
         x, y = x[rows].to(dev), y[rows].to(dev)  # (batch / dp, block): this dp rank's rows
-        with torch.autocast(device_type=dev.type, dtype=amp, enabled=amp != torch.float32):
-            _, loss = model(x, y)
+        _, loss = model(x, y)
         loss.backward()
         if ctx.dp_size > 1:
             average_grads(model, ctx.dp_group, ctx.dp_size)
@@ -233,7 +235,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
                            "model": model_config_dict(model), "batch": args.batch},
             })
 
-    val = val_loss(model, args, dev, amp)
+    val = val_loss(model, args, dev)
     say(f"val loss {val:.4f}")
     if args.path == "overlap":  # which path each fused op took, and why (rank 0's calls)
         say(str(overlap.report()))
@@ -254,8 +256,7 @@ def average_grads(model: GPT, group: tdist.ProcessGroup, n: int) -> None:
 
 
 @torch.no_grad()
-def val_loss(model: GPT, args: argparse.Namespace, dev: torch.device, amp: torch.dtype,
-             batches: int = 4) -> float:
+def val_loss(model: GPT, args: argparse.Namespace, dev: torch.device, batches: int = 4) -> float:
     """Mean loss on a few fixed validation batches (its own generator: the training data
     order does not move). Every rank of a tp group computes the same value."""
     model.eval()
@@ -263,8 +264,7 @@ def val_loss(model: GPT, args: argparse.Namespace, dev: torch.device, amp: torch
     total = 0.0
     for _ in range(batches):
         x, y = corpus.get_batch("val", args.batch, args.block, gen)  # (batch, block) each
-        with torch.autocast(device_type=dev.type, dtype=amp, enabled=amp != torch.float32):
-            _, loss = model(x.to(dev), y.to(dev))
+        _, loss = model(x.to(dev), y.to(dev))
         total += loss.item()
     model.train()
     return total / batches

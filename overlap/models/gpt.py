@@ -162,7 +162,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t))  # (B*T, V) vs (B*T,)
+            flat = logits.reshape(b * t, -1).float()  # (B*T, V); the loss in fp32 whatever the dtype
+            loss = F.cross_entropy(flat, targets.reshape(b * t))  # targets (B*T,)
         return logits, loss
 
     def num_params(self) -> int:
