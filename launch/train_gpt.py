@@ -102,19 +102,20 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def build_model(args: argparse.Namespace, ctx: dist.DistContext, dtype: torch.dtype) -> GPT:
-    """The same unsharded GPT on every rank, then sharded over the tp group. Parameters
-    in ``dtype`` (bf16 on GPUs: no fp32 master weights, a demo's trade-off; the layers'
-    fused ops take the weights as they are)."""
-    config = GPTConfig(vocab_size=corpus.tokenizer().vocab_size, block_size=args.block,
-                       n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(config, seed=args.seed).to(device=ctx.device, dtype=dtype)
-    model.unsharded_params = model.num_params()
-    if ctx.tp_size > 1:
-        from overlap import nn as tp_nn  # the layers; imported only when sharding
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab_size=corpus.tokenizer().vocab_size, block_size=args.block,
+                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
 
-        tp_nn.parallelize(model, ctx.tp_group, sequence_parallel=args.sp, overlap=args.path == "overlap")
-    return model
+
+def build_model(args: argparse.Namespace, ctx: dist.DistContext, dtype: torch.dtype) -> tuple[GPT, int]:
+    """The same unsharded GPT on every rank, then sharded over the tp group; and its
+    unsharded parameter count. Parameters in ``dtype`` (bf16 on GPUs: no fp32 master
+    weights, a demo's trade-off; the layers' fused ops take the weights as they are)."""
+    model = GPT(model_config(args), seed=args.seed).to(device=ctx.device, dtype=dtype)
+    n_params = model.num_params()
+    if ctx.tp_size > 1:
+        overlap.parallelize(model, ctx.tp_group, sequence_parallel=args.sp, overlap=args.path == "overlap")
+    return model, n_params
 
 
 def make_optimizer(model: GPT, lr: float) -> torch.optim.AdamW:
@@ -145,8 +146,7 @@ def load_checkpoint(args: argparse.Namespace, ctx: dist.DistContext, model: GPT,
     if not path.exists():
         raise SystemExit(f"--resume: rank {ctx.rank} has no checkpoint {path}")
     state = torch.load(path, map_location=ctx.device, weights_only=False)
-    layout = {"world_size": ctx.world_size, "tp_size": ctx.tp_size, "sp": args.sp,
-              "model": model_config_dict(model), "batch": args.batch}
+    layout = ckpt_layout(args, ctx, model)
     if state["layout"] != layout:
         raise SystemExit(f"--resume: checkpoint {path} was written by {state['layout']}, this run is {layout}")
     model.load_state_dict(state["model"])
@@ -162,6 +162,13 @@ def load_checkpoint(args: argparse.Namespace, ctx: dist.DistContext, model: GPT,
         raise SystemExit(f"--resume: the ranks' checkpoints are at different steps "
                          f"({-steps[1].item()} .. {steps[0].item()}); delete {args.out / 'ckpt'}")
     return int(state["step"]), list(state["history"])
+
+
+def ckpt_layout(args: argparse.Namespace, ctx: dist.DistContext, model: GPT) -> dict[str, Any]:
+    """What a checkpoint's shards depend on; a resumed run must have the same."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"world_size": ctx.world_size, "tp_size": ctx.tp_size, "sp": args.sp, "batch": args.batch,
+            "dtype": dtype, "model": model_config_dict(model)}
 
 
 def model_config_dict(model: GPT) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
             print(*a, flush=True)
 
     torch.manual_seed(args.seed)  # dropout, if a config turns it on
-    model = build_model(args, ctx, dtype)
+    model, n_params = build_model(args, ctx, dtype)
     opt = make_optimizer(model, args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)  # the data order, the same on every rank
     start, history = 0, []
@@ -197,7 +204,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
     b_local = args.batch // ctx.dp_size
     rows = slice(ctx.dp_rank * b_local, (ctx.dp_rank + 1) * b_local)
     tokens_per_step = args.batch * args.block
-    say(f"GPT {model.unsharded_params / 1e6:.3f}M params, "
+    say(f"GPT {n_params / 1e6:.3f}M params, "
         f"layers={args.n_layer} heads={args.n_head} embd={args.n_embd} vocab={model.config.vocab_size}")
     say(f"world={ctx.world_size} tp={ctx.tp_size} dp={ctx.dp_size} sp={args.sp} path={args.path} "
         f"device={dev} backend={ctx.backend} dtype={str(dtype).removeprefix('torch.')}"
@@ -230,9 +237,7 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
                 "step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict(),
                 "data_rng": gen.get_state(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(dev) if on_gpu else None,
-                "history": history,
-                "layout": {"world_size": ctx.world_size, "tp_size": ctx.tp_size, "sp": args.sp,
-                           "model": model_config_dict(model), "batch": args.batch},
+                "history": history, "layout": ckpt_layout(args, ctx, model),
             })
 
     val = val_loss(model, args, dev)
