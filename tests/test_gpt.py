@@ -223,6 +223,9 @@ def test_single_process_resume(reference: dict, tmp_path_factory: pytest.TempPat
     assert "resumed at step 10" in resumed["log"]
     assert resumed["losses"] == reference["losses"]
     assert resumed["val_loss"] == reference["val_loss"]
+    other = run_cmd([sys.executable, "launch/train_gpt.py", "--resume", "--batch", "4", "--steps", "21",
+                     "--out", str(out)], timeout_s=60)  # another layout: refused, with the reason
+    assert other.returncode not in (0, None) and "was written by" in other.out, other
 
 
 @pytest.mark.slow
