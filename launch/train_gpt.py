@@ -209,6 +209,8 @@ def train(args: argparse.Namespace, ctx: dist.DistContext) -> int:
     say(f"world={ctx.world_size} tp={ctx.tp_size} dp={ctx.dp_size} sp={args.sp} path={args.path} "
         f"device={dev} backend={ctx.backend} dtype={str(dtype).removeprefix('torch.')}"
         + ("" if on_gpu else " (CPU: figures are not GPU figures)"))
+    if args.path == "overlap" and ctx.tp_size == 1:
+        say("note: --path overlap changes nothing at --tp 1 (no tensor-parallel layers)")
     if start:
         say(f"resumed at step {start} from {args.out / 'ckpt'}")
 
