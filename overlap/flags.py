@@ -301,11 +301,16 @@ class ErrorWord:
     def check(self, block: bool = True) -> None:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
 
-        ``block=True`` synchronizes on the current stream's work. ``block=False``
-        reads the host mirror (the failing kernel stores the whole record there), or
-        without one the latest landed snapshot; it never waits on the GPU.
+        ``block=True`` waits for the current stream's work so far, polling: it raises as
+        soon as the host mirror shows a record (a stream held by a dead peer's NCCL
+        kernel, behind a tile that timed out, cannot hold the report), and past the wait
+        bound plus 5 s with nothing recorded raises ``TimeoutError`` instead of waiting on.
+        ``block=False`` reads the host mirror (the failing kernel stores the whole record
+        there), or without one the latest landed snapshot; it never waits on the GPU.
         """
-        if block or not self.word.is_cuda:
+        if block and self.word.is_cuda and self._mirror:
+            vals = self._poll_until_done()
+        elif block or not self.word.is_cuda:
             vals = self.word.tolist()
         elif self._mirror:
             if self._host_np[0] == 0:
@@ -323,6 +328,22 @@ class ErrorWord:
             self.clear()
             cls = {2: FlagProtocolError, 3: RanksDisagreeError}.get(vals[0], FlagTimeoutError)
             raise cls(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
+
+    def _poll_until_done(self) -> list[int]:
+        import time
+
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.word.device))
+        deadline = time.monotonic() + default_timeout_ms() / 1000.0 + 5.0
+        while not ev.query():
+            if self._host_np[0] != 0:
+                return self._host.tolist()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.what}: the op's work did not end within the wait bound and no wait "
+                                   "recorded a timeout (an NCCL call whose peer is gone?); overlap.dist.shutdown() "
+                                   "aborts the library's communicators")
+            time.sleep(0.0005)
+        return self.word.tolist()
 
     def clear(self) -> None:
         self.word[:6].zero_()  # slots 6-7: the mirror's address

@@ -103,6 +103,7 @@ def test_seen_signatures_bounded() -> None:
     holder = SimpleNamespace(seen=rtm.LRU(4096))
     for m in range(10_000):
         rtm.Runtime.require_warm(holder, "op", (m,))
+        rtm.Runtime.mark_warm(holder, "op", (m,), None)  # recorded once the call returned
     assert len(holder.seen) == 4096 and ("op", (9_999,)) in holder.seen and ("op", (0,)) not in holder.seen
 
 

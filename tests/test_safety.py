@@ -178,3 +178,21 @@ def test_sm_margin_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setenv("OVERLAP_SM_MARGIN", bad)
         with pytest.raises(ValueError, match="OVERLAP_SM_MARGIN"):
             OverlapConfig().margin("p2p")
+
+
+def test_post_sig_refreshes_idle_chunk_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer-copy sender writes its signature word of the call's parity every call, and once
+    per ``REFRESH_EVERY`` calls also sets every chunk flag of its region to the previous
+    epoch, so no flag is left alone for 2**31 calls (where it would compare as ahead)."""
+    writes: list[tuple[int, int]] = []
+    monkeypatch.setattr(fl, "stream_write_value", lambda s, f, i, v: writes.append((i, v)))
+    rtmod.post_sig("cur", [(object(), 512)], 5, 512, 77)
+    assert writes == [(512 + 512 - 1 - 1, 77)]
+    for e in (rtmod.REFRESH_EVERY * 3, 2**32):  # also at the wrap: epoch 0
+        writes.clear()
+        rtmod.post_sig("cur", [(object(), 16)], fl.wrap32(e), 8, 9)
+        assert writes[0] == (16 + 8 - 1 - (e & 1), 9)
+        assert sorted(writes[1:]) == [(16 + i, fl.wrap32(e - 1)) for i in range(6)]
+    writes.clear()
+    rtmod.post_sig("cur", [(object(), 0)], rtmod.REFRESH_EVERY + 1, 8, 9)
+    assert len(writes) == 1

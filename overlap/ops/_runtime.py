@@ -506,15 +506,19 @@ class Runtime:
         """Inside a capture: ``sig`` (the call's shapes, dtypes and config) must have run
         eagerly before, which compiled its kernels, made its plan and communicators and
         checked the ranks' agreement (none of which a capture may do); else a clear
-        ``OverlapCaptureError``. Outside: remember ``sig``."""
-        if capturing():
-            if (op, sig) not in self.seen:
-                raise OverlapCaptureError(
-                    f"{op}: this call ({sig}) has not run outside a CUDA graph capture yet; call the op once "
-                    "with the same shapes, dtypes and config before capturing it (that call compiles its "
-                    "kernels, builds its plan and checks that the ranks agree)")
-        else:
+        ``OverlapCaptureError``. Outside: nothing (``mark_warm`` records a call that ran)."""
+        if capturing() and (op, sig) not in self.seen:
+            raise OverlapCaptureError(
+                f"{op}: this call ({sig}) has not run outside a CUDA graph capture yet; call the op once "
+                "with the same shapes, dtypes and config before capturing it (that call compiles its "
+                "kernels, builds its plan and checks that the ranks agree)")
+
+    def mark_warm(self, op: str, sig: tuple, out: Any) -> Any:
+        """Remember ``sig`` as run eagerly (after the call returned: one that raised, say in
+        its first compile, does not count) and return ``out``."""
+        if not capturing():
             self.seen.add((op, sig))
+        return out
 
     def counter(self, name: str, n: int = 1) -> torch.Tensor:
         """An op's int32 counter words: the GEMM's dispatch counter, then one count per
@@ -534,10 +538,11 @@ def run_p2p(rt: Runtime, op: str, fn: Any, *args: Any) -> Any:
     if no push was queued (the peers never saw this call; after a push they did, and
     the call counts as made: its pushes set the peers' flags for that epoch, and the
     next call's pushes the next)."""
-    sf = rt.p2p().flags(op, 1)
-    e0, n0 = sf.epoch, rt.pushes
     cur = torch.cuda.current_stream(rt.device)
     with rt.order.lock:
+        # read under the lock: another thread's call in between must not count as this one's
+        sf = rt.p2p().flags(op, 1)
+        e0, n0 = sf.epoch, rt.pushes
         rt.order.begin(cur)
         try:
             return fn(*args)
@@ -568,8 +573,23 @@ def post_sig(cur: torch.cuda.Stream, targets: list[tuple[torch.Tensor, int]], ep
     this rank's region in each), in the word of the call's parity, on ``cur`` before the
     push streams fork from it: every push of the call, on any stream, comes after it."""
     off = stride - 1 - (epoch & 1)
+    refresh = (epoch & (REFRESH_EVERY - 1)) == 0
     for flags, base in targets:
         _flags.stream_write_value(cur, flags, base + off, sig)
+        if refresh:
+            # A chunk flag is written only by calls that use that chunk; one left alone for
+            # 2**31 calls would compare as ahead (and at 2**32 as landed). Once per
+            # REFRESH_EVERY calls this sender sets every chunk flag of its region to the
+            # previous epoch: no wait of this call or the peer's previous one is released
+            # by it (their flags hold that epoch already, or are not read), and a later
+            # wait compares against a value at most REFRESH_EVERY calls old.
+            prev = _flags.wrap32(epoch - 1)
+            for i in range(stride - 2):
+                _flags.stream_write_value(cur, flags, base + i, prev)
+
+
+REFRESH_EVERY = 1 << 24
+"""Calls between refreshes of a peer-copy sender's idle chunk flags (``post_sig``)."""
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,

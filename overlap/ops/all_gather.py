@@ -161,6 +161,9 @@ def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
     key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows, gathered.device)
     perm = _perms.get(key)
     if perm is None:
+        if capturing():
+            raise OverlapCaptureError("all_gather_matmul: the gathered rows' permutation for this shape is not "
+                                      "cached (evicted, or never run); call it once outside the capture first")
         perm = _perms[key] = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
     return gathered.index_select(0, keep_for_capture(perm))
 
@@ -212,6 +215,9 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
            cfg.split_tail)
     p = _plans.get(key)
     if p is None:
+        if capturing():  # evicted since its eager call: building it uploads a table (not capturable)
+            raise OverlapCaptureError(f"all_gather_matmul: the plan for M/R={ms}, N={n}, K={k} is not cached "
+                                      "(evicted, or never run); call it once outside the capture first")
         # chunk sizes must agree across ranks whatever GEMM config each rank runs
         if transport == "p2p":
             from .._p2p import flag_stride
@@ -317,10 +323,12 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     path = f"{transport} x{config.chunks or _default_chunks(ms)}"
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return observed("all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul",
-                        _fused_p2p, rt, a_shard.contiguous(), b, return_gathered, config)
-    return observed("all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b,
-                    return_gathered, config)
+        return rt.mark_warm("all_gather_matmul", sig, observed(
+            "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _fused_p2p, rt,
+            a_shard.contiguous(), b, return_gathered, config))
+    return rt.mark_warm("all_gather_matmul", sig, observed(
+        "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b, return_gathered,
+        config))
 
 
 def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
@@ -365,7 +373,9 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
             # next call's zeroing (and no record_stream is needed: Runtime.join)
             rt.join(cur, cs)
             rt.order.end(cur)
-    report_errors(err, cfg.check)
+        # under the lock: clearing a reported error queues its zeroing on this stream,
+        # which the next call (any thread, any stream) is ordered after
+        report_errors(err, cfg.check)
     stats["fused"] += 1
     if return_gathered:
         return c, _natural(gathered, p.layout)

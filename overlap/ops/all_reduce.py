@@ -377,6 +377,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
            gemm, cfg.split_tail, shared, two is not None)
     p = _plans.get(key)
     if p is None:
+        if capturing():  # evicted since its eager call: building it uploads a table (not capturable)
+            raise OverlapCaptureError(f"all_reduce_matmul: the plan for M={m}, N={n}, K={k} is not cached "
+                                      "(evicted, or never run); call it once outside the capture first")
         if shared and reduce_ctas > rt.num_sms:
             raise ValueError(f"reduce_shared: at most one reduce program per SM ({rt.num_sms}), "
                              f"got reduce_ctas={reduce_ctas}")
@@ -516,10 +519,12 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     path = f"{transport}{' two-shot' if config.two_shot and transport == 'p2p' else ''} x{chunks}"
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return observed("all_reduce_matmul", shape, path, why, x_partial.device, run_p2p, rt, "all_reduce_matmul",
-                        _fused_p2p, rt, x_partial.contiguous(), b, residual, norm, config)
-    return observed("all_reduce_matmul", shape, path, why, x_partial.device, _fused, rt, x_partial.contiguous(), b,
-                    residual, norm, config)
+        return rt.mark_warm("all_reduce_matmul", sig, observed(
+            "all_reduce_matmul", shape, path, why, x_partial.device, run_p2p, rt, "all_reduce_matmul", _fused_p2p,
+            rt, x_partial.contiguous(), b, residual, norm, config))
+    return rt.mark_warm("all_reduce_matmul", sig, observed(
+        "all_reduce_matmul", shape, path, why, x_partial.device, _fused, rt, x_partial.contiguous(), b, residual,
+        norm, config))
 
 
 def _norm_code(norm: Norm | None) -> int:
@@ -603,7 +608,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
             else:
                 rt.join(cur, cs)
             rt.order.end(cur)
-    report_errors(err, cfg.check)
+        report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's
     stats["fused"] += 1
     return c, h
 

@@ -390,7 +390,7 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
             cur.wait_stream(ps)
             order.end(cur)
         st.seen.add(sig)
-    report_errors(st.err, cfg.check)
+        report_errors(st.err, cfg.check)  # under the lock, as all_gather_matmul's
     stats["fused"] += 1
     return y
 

@@ -378,7 +378,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
             # call's zeroing (and no record_stream is needed: Runtime.join)
             rt.join(cur, cs)
             rt.order.end(cur)
-    report_errors(err, cfg.check)
+        report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's
     stats["fused"] += 1
     return out
 
@@ -427,13 +427,15 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
     # the NCCL calls' sizes come from (M, N) and the chunks (0: the sequential path): ranks
     # must agree or peers hang
     check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks"),
-                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks))
+                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks), rows_at=0)
     if sequential:
         return observed(op, (m, n, k), "sequential", "tuner pick", a.device, ref)
-    rt.require_warm(op, (m, k, n, a.dtype, b.stride(), residual is not None, cfg))
+    sig = (m, k, n, a.dtype, b.stride(), residual is not None, cfg)
+    rt.require_warm(op, sig)
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
-    return observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op, a.contiguous(), b,
-                    None if residual is None else residual.contiguous(), cfg)
+    return rt.mark_warm(op, sig, observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op,
+                                          a.contiguous(), b, None if residual is None else residual.contiguous(),
+                                          cfg))
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
