@@ -153,7 +153,18 @@ def test_ws_variants_take_the_fastest_plain_configs(monkeypatch: pytest.MonkeyPa
     assert ws_variants(results, "cpu") == []
 
 
-def test_warp_specialize_supported_is_false_without_a_gpu() -> None:
-    from overlap.kernels.tile_gemm import warp_specialize_supported
+@pytest.mark.parametrize("gpu,version,cc,interp,want", [
+    (True, "3.6.0", 9, False, True), (True, "3.9.1", 10, False, True), (True, "3.5.1", 9, False, False),
+    (True, "3.6.0", 8, False, False), (True, "3.6.0", 9, True, False), (False, "3.6.0", 9, False, False),
+    (True, "unknown", 9, False, False)])
+def test_warp_specialize_supported_rule(gpu: bool, version: str, cc: int, interp: bool, want: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warp specialization is taken with Triton 3.6 or later on a GPU of compute
+    capability 9.0 or later, never under the interpreter or without a GPU."""
+    from overlap.kernels import tile_gemm
 
-    assert torch.cuda.is_available() or not warp_specialize_supported()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (cc, 0))
+    monkeypatch.setattr(tile_gemm.triton, "__version__", version)
+    monkeypatch.setattr(tile_gemm, "interpreting", lambda: interp)
+    assert tile_gemm.warp_specialize_supported() is want
