@@ -176,12 +176,14 @@ def _chunked(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, chunks: int,
     cur = torch.cuda.current_stream(a.device)
     cs = rt.comm_stream
     out = a.new_empty((ms, n)) if rs else a.new_empty((m, n))
+    parts = []  # alive until the join below: freed earlier, the next chunk could reuse one NCCL still reads
     start = 0
     for rows in sizes:
         if rs:
             # the chunk's rows of every destination's block, contiguous for NCCL (a buffer
             # per chunk: the comm stream reads it while the next chunk's GEMMs run)
             part = a.new_empty((world, rows, n))
+            parts.append(part)
             for d in range(world):
                 torch.mm(a[d * ms + start: d * ms + start + rows], b, out=part[d])
             ev = torch.cuda.Event()
