@@ -199,10 +199,6 @@ class SharedFlags:
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF
         return wrap32(self.epoch)
 
-    def undo_epoch(self) -> None:
-        """Take back the last ``next_epoch``: a call that failed before it queued any push."""
-        self.epoch = (self.epoch - 1) & 0xFFFFFFFF
-
 
 class PeerHeap:
     """Shared flags and growable data blocks for one group on one device."""

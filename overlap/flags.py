@@ -221,27 +221,17 @@ def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
 
 
 class FlagArray:
-    """``n`` int32 flags on ``device`` with a host-side epoch counter (modulo 2**32,
-    see ``wrap32``)."""
+    """``n`` int32 flags on ``device``, zeroed by each call that uses them (local flags:
+    ``overlap.ops._runtime.LocalWords``; the epochs of shared flags are
+    ``overlap._p2p.SharedFlags``')."""
 
     def __init__(self, n: int, device: torch.device | str) -> None:
         if n <= 0:
             raise ValueError(f"need at least one flag, got {n}")
         self.flags = torch.zeros(n, dtype=torch.int32, device=device)
-        self.epoch = 0
 
     def __len__(self) -> int:
         return self.flags.numel()
-
-    def next_epoch(self) -> int:
-        """Epoch for the next call, as the kernels take it (a signed int32; it wraps
-        past 2**31 and 2**32 with the flags, see ``wrap32``)."""
-        self.epoch = (self.epoch + 1) & 0xFFFFFFFF
-        return wrap32(self.epoch)
-
-    def undo_epoch(self) -> None:
-        """Take back the last ``next_epoch`` (a call that failed before it queued work)."""
-        self.epoch = (self.epoch - 1) & 0xFFFFFFFF
 
 
 class ErrorWord:

@@ -361,7 +361,6 @@ class Runtime:
         # all-reduce's gather) must not queue behind those that do not
         self.copy_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comms: dict[int | None, Any] = {}
-        self._flags: dict[str, _flags.FlagArray] = {}
         self._errs: dict[str, _flags.ErrorWord] = {}
         self._counters: dict[str, torch.Tensor] = {}
         self._local = LocalWords(device)
@@ -487,13 +486,6 @@ class Runtime:
     def local_words(self, name: str, n_counters: int, n_flags: int) -> "Words":
         """The counters and local flags of one call of op ``name`` (``LocalWords``)."""
         return self._local.get(name, n_counters, n_flags)
-
-    def flags(self, name: str, n: int) -> _flags.FlagArray:
-        f = self._flags.get(name)
-        if f is None or len(f) < n:
-            f = _flags.FlagArray(max(n, 64), self.device)
-            self._flags[name] = f
-        return f
 
     def err(self, name: str) -> _flags.ErrorWord:
         if name not in self._errs:
