@@ -79,6 +79,8 @@ def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overla
         y_ref = ref(x_ref)
         (y_ref * g_full).sum().backward()
         x = leaf(rows(x_full, seq_dim) if sp else x_full)
+        raw: list = []
+        x.register_hook(raw.append)  # the gradient as the layer hands it back
         y = tp(x)
         what = f"column sp={sp} dim={seq_dim} gather={gather_output} bias={bias} overlap={overlap} call {call}"
         if gather_output:
@@ -88,6 +90,9 @@ def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overla
             close(y, y_ref[..., cols], f"{what}: y")
             (y * g_full[..., cols]).sum().backward()
         close(x.grad, rows(x_ref.grad, seq_dim) if sp else x_ref.grad, f"{what}: grad x")
+        # a gradient in the moved (T-major) layout misleads some kernels upstream (CUDA
+        # attention's backward did): each layer hands back its input's natural layout
+        assert raw[0].is_contiguous() and y.is_contiguous(), f"{what}: strides {raw[0].stride()} {y.stride()}"
         close(tp.weight.grad, ref.weight.grad[cols], f"{what}: grad w")
         if bias:
             close(tp.bias.grad, ref.bias.grad[cols], f"{what}: grad b")
@@ -112,6 +117,8 @@ def check_row(sp: bool, seq_dim: int, input_is_parallel: bool, bias: bool, overl
         y_ref = ref(x_ref)
         (y_ref * g_full).sum().backward()
         x = leaf(x_full[..., cols] if input_is_parallel else x_full)
+        raw: list = []
+        x.register_hook(raw.append)  # the gradient as the layer hands it back
         y = tp(x)
         what = f"row sp={sp} dim={seq_dim} parallel_in={input_is_parallel} bias={bias} overlap={overlap} call {call}"
         if sp:
@@ -121,6 +128,7 @@ def check_row(sp: bool, seq_dim: int, input_is_parallel: bool, bias: bool, overl
             close(y, y_ref, f"{what}: y")
             (y * g_full).sum().backward()
         close(x.grad, x_ref.grad[..., cols] if input_is_parallel else x_ref.grad, f"{what}: grad x")
+        assert raw[0].is_contiguous() and y.is_contiguous(), f"{what}: strides {raw[0].stride()} {y.stride()}"
         close(tp.weight.grad, ref.weight.grad[:, cols], f"{what}: grad w")
         if bias:
             close(tp.bias.grad, ref.bias.grad, f"{what}: grad b")

@@ -57,6 +57,29 @@ def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -
             bias.uniform_(-bound, bound)
 
 
+class _MoveRows(torch.autograd.Function):
+    """(..., T, ..., C) with T at ``dim`` -> (T * ..., C) contiguous, and back; each pass's
+    output and each backward's gradient contiguous in its natural layout. (Autograd's own
+    ``movedim`` backward hands the layer's input a gradient in the moved layout: legal,
+    but some kernels read such strides wrongly; torch 2.11's CUDA attention backward in
+    bf16 did, see docs/experiments.md.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, lead: tuple[int, ...] | None) -> torch.Tensor:
+        ctx.dim, ctx.to_rows = dim, lead is None
+        if lead is None:  # to rows
+            ctx.lead = tuple(x.movedim(dim, 0).shape[:-1])
+            return x.movedim(dim, 0).reshape(-1, x.shape[-1])
+        ctx.lead = lead
+        return x.view(*lead, x.shape[-1]).movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        if ctx.to_rows:
+            return g.reshape(*ctx.lead, g.shape[-1]).movedim(0, ctx.dim).contiguous(), None, None
+        return g.movedim(ctx.dim, 0).reshape(-1, g.shape[-1]), None, None
+
+
 class _SequenceDim:
     """Moves the sequence dim first and flattens tokens; and back."""
 
@@ -64,15 +87,17 @@ class _SequenceDim:
     def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
         if dim % x.dim() == x.dim() - 1:
             raise ValueError(f"sequence_dim={dim} is the feature dim of an input of shape {tuple(x.shape)}")
-        if dim:
-            x = x.movedim(dim, 0)  # (T, ..., C): the rows of one rank's tokens contiguous
-        lead = tuple(x.shape[:-1])
+        dim %= x.dim()
+        lead = tuple(x.movedim(dim, 0).shape[:-1])
+        if dim:  # (T, ..., C): the rows of one rank's tokens contiguous
+            return _MoveRows.apply(x, dim, None), lead  # (T * ..., C)
         return x.reshape(-1, x.shape[-1]), lead  # (T * ..., C)
 
     @staticmethod
     def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
-        y = y.view(*lead, y.shape[-1])  # (T', ..., N)
-        return y.movedim(0, dim).contiguous() if dim else y
+        if dim % (len(lead) + 1):
+            return _MoveRows.apply(y, dim % (len(lead) + 1), lead)
+        return y.view(*lead, y.shape[-1])  # (T', ..., N)
 
 
 class ColumnParallelLinear(nn.Module):
