@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import _shapes
 from .ops import all_gather as _ag
 from .ops import all_reduce as _ar
 from .ops import chain as _chain
@@ -110,6 +111,11 @@ def _world_size(name: str) -> int:
     return tdist.get_world_size(_resolve_default(_group(name)))
 
 
+def _refuse_grad(op: str, *ts: Any) -> None:
+    if _grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in ts):
+        raise _no_backward(op)
+
+
 def _forward_only(op: Any, name: str) -> None:
     """Raise at forward time (setup_context runs as the op's forward returns, before any
     graph is built on it) when autograd would have to record the op."""
@@ -147,9 +153,16 @@ def _(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, return_gathered: 
 _forward_only(_all_gather_matmul_op, "all_gather_matmul")
 
 
-def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
-                      config: OverlapConfig | None = None) -> Any:
-    """``all_gather(a_shard, dim=0) @ b``: ``overlap.ops.all_gather_matmul``, traceable by torch.compile."""
+def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, return_gathered: bool = False,
+                      config: OverlapConfig | None = None, gather_dim: int = 0) -> Any:
+    """``all_gather(a_shard, dim=gather_dim) @ b``: ``overlap.ops.all_gather_matmul``, traceable by
+    torch.compile. ``a_shard`` [..., K] with any ``gather_dim`` but the last; ``b`` [K, N] or a
+    list of such weights (one gather; a list of outputs). See ``overlap._shapes``."""
+    if not _shapes.simple(a_shard, b, gather_dim):
+        _refuse_grad("all_gather_matmul", a_shard, *(b if isinstance(b, (list, tuple)) else [b]))
+        return _shapes.all_gather_matmul(
+            lambda rows, b0, need_g: all_gather_matmul(rows, b0, group=group, return_gathered=need_g, config=config),
+            a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered)
     if _compiling():
         c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
         return (c, gathered) if return_gathered else c
@@ -184,11 +197,17 @@ def _(x_partial: torch.Tensor, b: torch.Tensor, group_name: str, residual: Optio
 _forward_only(_all_reduce_matmul_op, "all_reduce_matmul")
 
 
-def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
                       residual: torch.Tensor | None = None, norm: Norm | None = None,
-                      config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: OverlapConfig | None = None) -> tuple[Any, torch.Tensor]:
     """``h = all_reduce(x_partial) (+ residual); return norm(h) @ b, h``: ``overlap.ops.all_reduce_matmul``,
-    traceable by torch.compile."""
+    traceable by torch.compile. ``x_partial`` [..., K]; ``b`` [K, N] or a list of such weights
+    (one all-reduce and norm; a list of outputs)."""
+    if not _shapes.simple(x_partial, b):
+        _refuse_grad("all_reduce_matmul", *(b if isinstance(b, (list, tuple)) else [b]))
+        return _shapes.all_reduce_matmul(
+            lambda rows, b0, res: all_reduce_matmul(rows, b0, group=group, residual=res, norm=norm, config=config),
+            x_partial, b, residual=residual, norm=norm)
     if _compiling():
         if norm is None:
             return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,
@@ -258,8 +277,15 @@ _forward_only(_matmul_reduce_scatter_op, "matmul_reduce_scatter")
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
-                          config: OverlapConfig | None = None) -> torch.Tensor:
-    """``reduce_scatter(a @ b, dim=0)``: ``overlap.ops.matmul_reduce_scatter``, traceable by torch.compile."""
+                          config: OverlapConfig | None = None, scatter_dim: int = 0,
+                          reduce_op: str = "sum") -> torch.Tensor:
+    """``reduce_scatter(a @ b, dim=scatter_dim)`` (``reduce_op`` "sum" or "avg"):
+    ``overlap.ops.matmul_reduce_scatter``, traceable by torch.compile. ``a`` [..., K] with any
+    ``scatter_dim`` but the last."""
+    if reduce_op != "sum" or not _shapes.simple(a, b, scatter_dim):
+        return _shapes.matmul_reduce_scatter(
+            lambda rows, b0: matmul_reduce_scatter(rows, b0, group=group, config=config),
+            a, b, scatter_dim=scatter_dim, reduce_op=reduce_op)
     if _compiling():
         return _matmul_reduce_scatter_op(a, b, _group_name(group), config_id(config))
     if (a.requires_grad or b.requires_grad) and _grad_enabled():
@@ -287,7 +313,12 @@ _forward_only(_matmul_all_reduce_op, "matmul_all_reduce")
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, residual: torch.Tensor | None = None,
                       config: OverlapConfig | None = None) -> torch.Tensor:
-    """``all_reduce(a @ b) (+ residual)``: ``overlap.ops.matmul_all_reduce``, traceable by torch.compile."""
+    """``all_reduce(a @ b) (+ residual)``: ``overlap.ops.matmul_all_reduce``, traceable by torch.compile.
+    ``a`` [..., K], ``residual`` [..., N]."""
+    if a.dim() != 2:
+        return _shapes.matmul_all_reduce(
+            lambda rows, b0, res: matmul_all_reduce(rows, b0, group=group, residual=res, config=config),
+            a, b, residual=residual)
     if _compiling():
         return _matmul_all_reduce_op(a, b, _group_name(group), residual, config_id(config))
     if (a.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)) and _grad_enabled():

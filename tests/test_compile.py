@@ -278,14 +278,19 @@ def test_top_level_names() -> None:
     assert want <= set(overlap.__all__), want - set(overlap.__all__)
     for name in overlap.__all__:
         assert hasattr(overlap, name), name
-    for op in OPS:
+    for op in (*OPS, "matmul_reduce_scatter", "matmul_all_reduce"):
         wrapper, inner = getattr(overlap, op), getattr(overlap.ops, op)
         assert wrapper is getattr(_library, op) and wrapper is not inner
-        # the same call convention as overlap.ops: names, kinds, defaults
+        # the call convention of overlap.ops (names, kinds, defaults), plus the N-D keywords
+        # (docs/ops/compat.md), keyword-only with defaults that keep the 2-D meaning
         sw, si = inspect.signature(wrapper), inspect.signature(inner)
-        assert [(p.name, p.kind, p.default) for p in sw.parameters.values()] == \
+        ps = list(sw.parameters.values())
+        assert [(p.name, p.kind, p.default) for p in ps[:len(si.parameters)]] == \
                [(p.name, p.kind, p.default) for p in si.parameters.values()], (op, sw, si)
-        assert sw.return_annotation == si.return_annotation, (op, sw, si)
+        extra = {p.name: p.default for p in ps[len(si.parameters):]}
+        assert all(p.kind is p.KEYWORD_ONLY for p in ps[len(si.parameters):]), (op, sw)
+        assert extra == {"all_gather_matmul": {"gather_dim": 0},
+                         "matmul_reduce_scatter": {"scatter_dim": 0, "reduce_op": "sum"}}.get(op, {}), (op, extra)
         assert wrapper.__doc__.strip().startswith("``"), "the meaning in one line of plain code"
     for name in ("tune_all_gather_matmul", "tune_all_reduce_matmul", "tune_mlp_chain", "OverlapConfig",
                  "ChainConfig", "Norm"):

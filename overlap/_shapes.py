@@ -1,0 +1,162 @@
+"""N-D inputs, any gather / scatter dim and several weights for the top-level ops.
+
+The fused ops work on row-major 2-D operands: ``all_gather`` concatenates the ranks'
+rows, ``reduce_scatter`` hands rank r the r-th block of rows. An activation of shape
+``[B, T, C]`` sharded (or to be scattered) along T (``dim=1``) becomes rows by moving T
+first and flattening: ``x.movedim(dim, 0).reshape(-1, C)`` holds rank r's tokens as one
+contiguous block of rows, which is what the 2-D op moves. The result is viewed back:
+
+    all_gather_matmul    [T/R, ..., K] rows -> c [T, ..., N] rows -> c.movedim(0, dim)
+    matmul_reduce_scatter [T, ..., K] rows  -> y [T/R, ..., N] rows -> movedim, contiguous
+
+The strides are those of PyTorch's async-TP fallbacks (``torch.distributed.
+_symmetric_memory``): an all-gather output is a view of a T-major tensor (as
+``torch.matmul(A, B).movedim(0, gather_dim)`` there), a reduce-scatter output is
+contiguous (as ``reduce_scatter_tensor`` along a dim there).
+
+Several weights on one gather: the first weight's GEMM is the fused one (its tiles start
+as the chunks land); the others read the gathered rows that call returns, with
+``torch.matmul``, after it. The input is gathered once. (One grid whose tiles of every
+weight wait on the same chunk flags, interleaved, is not built: docs/ops/compat.md.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def norm_dim(op: str, dim: int, nd: int, what: str, last_ok: bool = False) -> int:
+    """``dim`` in ``[0, nd)``; ValueError for one out of range, or the feature dim."""
+    if not -nd <= dim < nd:
+        raise ValueError(f"{op}: {what}={dim} is out of range for an input with {nd} dims")
+    dim %= nd
+    if dim == nd - 1 and not last_ok:
+        raise ValueError(f"{op}: {what}={dim} is the feature (last) dim; any other dim can be "
+                         f"{'gathered' if what == 'gather_dim' else 'scattered'}")
+    return dim
+
+
+def weights(op: str, b: Any, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], bool]:
+    """(the weights as a list, whether a list was given); ValueError for bad ones."""
+    many = isinstance(b, (list, tuple))
+    bs = list(b) if many else [b]
+    if not bs:
+        raise ValueError(f"{op}: an empty list of weights")
+    for i, w in enumerate(bs):
+        name = f"b[{i}]" if many else "b"
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a 2-D tensor [K, N], got "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+        if w.shape[0] != k:
+            raise ValueError(f"{op}: {name} has {w.shape[0]} rows, the input's last dim is K={k}")
+        if w.dtype != dtype:
+            raise ValueError(f"{op}: {name} is {w.dtype}, the input is {dtype}")
+    return bs, many
+
+
+def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` [..., K] with ``dim`` moved first, as rows [prod(lead), K]; and ``lead``."""
+    if dim:
+        x = x.movedim(dim, 0)
+    lead = tuple(x.shape[:-1])
+    return x.reshape(-1, x.shape[-1]), lead
+
+
+def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
+    """Rows [prod(lead), N] viewed as ``lead + (N,)`` with the first dim moved to ``dim``."""
+    y = y.view(*lead, y.shape[-1])
+    return y.movedim(0, dim) if dim else y
+
+
+def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: int,
+                      return_gathered: bool) -> Any:
+    """``fused(rows, b0, need_gathered)`` is the 2-D op; see the module docstring."""
+    op = "all_gather_matmul"
+    if a_shard.dim() < 2:
+        raise ValueError(f"{op}: a_shard must have at least 2 dims [..., K], got {tuple(a_shard.shape)}")
+    d = norm_dim(op, gather_dim, a_shard.dim(), "gather_dim")
+    bs, many = weights(op, b, a_shard.shape[-1], a_shard.dtype)
+    rows, lead = to_rows(a_shard, d)
+    need_g = return_gathered or len(bs) > 1
+    out = fused(rows, bs[0], need_g)
+    c0, g = out if need_g else (out, None)
+    cs = [c0] + [g @ w for w in bs[1:]]
+    world = c0.shape[0] // rows.shape[0]
+    lead_out = (world * lead[0], *lead[1:])
+    cs = [from_rows(c, lead_out, d) for c in cs]
+    res = cs if many else cs[0]
+    if return_gathered:
+        return res, from_rows(g, lead_out, d)
+    return res
+
+
+def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int,
+                          reduce_op: str) -> torch.Tensor:
+    op = "matmul_reduce_scatter"
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    if a.dim() < 2:
+        raise ValueError(f"{op}: a must have at least 2 dims [..., K], got {tuple(a.shape)}")
+    d = norm_dim(op, scatter_dim, a.dim(), "scatter_dim")
+    weights(op, b, a.shape[-1], a.dtype)
+    rows, lead = to_rows(a, d)
+    y = fused(rows, b)  # raises unless the rows divide by the ranks
+    world = rows.shape[0] // y.shape[0]
+    if lead[0] % world:
+        # each rank's block of rows would cut through the scattered dim: the same error on every rank
+        raise ValueError(f"{op}: dim {d} of a {tuple(a.shape)} ({a.shape[d]}) is not a multiple of the "
+                         f"{world} ranks")
+    if reduce_op == "avg":
+        y = y / world
+    y = from_rows(y, (lead[0] // world, *lead[1:]), d)
+    return y.contiguous() if d else y
+
+
+def flat(op: str, x: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """[..., K] -> [prod(...), K] and the leading shape."""
+    if x.dim() < 2:
+        raise ValueError(f"{op}: {name} must have at least 2 dims [..., K], got {tuple(x.shape)}")
+    return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
+
+
+def like_rows(op: str, t: torch.Tensor | None, lead: tuple[int, ...], name: str) -> torch.Tensor | None:
+    """A residual [..., X] with the input's leading shape, as rows."""
+    if t is None:
+        return None
+    if tuple(t.shape[:-1]) != lead:
+        raise ValueError(f"{op}: {name} {tuple(t.shape)} does not match the input's leading dims {lead}")
+    return t.reshape(-1, t.shape[-1])
+
+
+def all_reduce_matmul(fused: Any, x_partial: torch.Tensor, b: Any, *, residual: torch.Tensor | None,
+                      norm: Any) -> tuple[Any, torch.Tensor]:
+    """``fused(rows, b0, residual_rows)`` is the 2-D op, returning (c, h)."""
+    op = "all_reduce_matmul"
+    x2, lead = flat(op, x_partial, "x_partial")
+    bs, many = weights(op, b, x2.shape[1], x2.dtype)
+    c0, h = fused(x2, bs[0], like_rows(op, residual, lead, "residual"))
+    if len(bs) > 1:
+        y = norm.apply(h) if norm is not None else h
+        cs = [c0] + [y @ w for w in bs[1:]]
+    else:
+        cs = [c0]
+    cs = [c.view(*lead, c.shape[-1]) for c in cs]
+    return (cs if many else cs[0]), h.view(*lead, h.shape[-1])
+
+
+def matmul_all_reduce(fused: Any, a: torch.Tensor, b: torch.Tensor, *, residual: torch.Tensor | None) -> torch.Tensor:
+    op = "matmul_all_reduce"
+    a2, lead = flat(op, a, "a")
+    weights(op, b, a2.shape[1], a2.dtype)
+    c = fused(a2, b, like_rows(op, residual, lead, "residual"))
+    return c.view(*lead, c.shape[-1])
+
+
+def simple(x: torch.Tensor, b: Any, dim: int = 0) -> bool:
+    """The 2-D, dim 0, one-weight call: straight to the op."""
+    return x.dim() == 2 and dim in (0, -2) and isinstance(b, torch.Tensor)
+
+
+__all__: Sequence[str] = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce_matmul", "matmul_all_reduce")

@@ -1,0 +1,200 @@
+"""Drop-in for PyTorch's async-TP ops (``torch.ops.symm_mem.*``), with their schemas.
+
+Code written for PyTorch's async tensor parallelism switches by changing the namespace:
+
+    torch.ops.symm_mem.fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, return_A=True)
+    torch.ops.overlap.fused_all_gather_matmul(A_shard, Bs, gather_dim, group_name, return_A=True)
+
+or the import (``from overlap.compat import fused_all_gather_matmul``). Importing this
+module registers, under the ``overlap`` namespace, with torch's schemas and the
+``needs_fixed_stride_order`` tag:
+
+    fused_all_gather_matmul(Tensor A, Tensor[] Bs, int gather_dim, str group_name, *,
+                            bool return_A=True) -> (Tensor?, Tensor[])
+        (all_gather(A, gather_dim), [all_gather(A, gather_dim) @ B for B in Bs])
+    fused_matmul_reduce_scatter(Tensor A, Tensor B, str reduce_op, int scatter_dim,
+                                str group_name) -> Tensor
+        reduce_scatter(A @ B, reduce_op, scatter_dim)
+    fused_all_gather_scaled_matmul(...), fused_scaled_matmul_reduce_scatter(...)
+        torch's FP8 signatures; they raise NotImplementedError (no FP8 path yet)
+
+The values, shapes and strides are those of torch's fallbacks (checked by
+tests/test_compat.py). They run ``overlap.all_gather_matmul`` and
+``overlap.matmul_reduce_scatter`` (tile-flag overlap on CUDA in fp16 / bf16, the
+reference elsewhere); a gather along the last dim (torch's column gather) takes the
+reference (all-gather, concatenate, matmul), with a one-time warning. Like torch's
+ops they have no backward: outputs do not require grad. Any process group works: no
+symmetric memory is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _library as _lib_ops
+from . import _shapes
+from .ops._runtime import warn_once
+
+__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter", "fused_all_gather_scaled_matmul",
+           "fused_scaled_matmul_reduce_scatter"]
+
+_lib = torch.library.Library("overlap", "FRAGMENT")
+_FIXED = (torch._C.Tag.needs_fixed_stride_order,)
+_lib.define("fused_all_gather_matmul(Tensor A, Tensor[] Bs, int gather_dim, str group_name, *, "
+            "bool return_A=True) -> (Tensor?, Tensor[])", tags=_FIXED)
+_lib.define("fused_matmul_reduce_scatter(Tensor A, Tensor B, str reduce_op, int scatter_dim, str group_name) "
+            "-> Tensor", tags=_FIXED)
+_lib.define("fused_all_gather_scaled_matmul(Tensor A, Tensor[] Bs, Tensor A_scale, Tensor[] B_scales, "
+            "int gather_dim, str group_name, Tensor?[] biases, Tensor?[] result_scales, "
+            "ScalarType?[] out_dtypes, bool[] use_fast_accum) -> (Tensor, Tensor[])", tags=_FIXED)
+_lib.define("fused_scaled_matmul_reduce_scatter(Tensor A, Tensor B, Tensor A_scale, Tensor B_scale, "
+            "str reduce_op, int orig_scatter_dim, int scatter_dim_after_maybe_reshape, str group_name, "
+            "SymInt[]? output_shape, Tensor? bias=None, Tensor? result_scale=None, ScalarType? out_dtype=None, "
+            "bool use_fast_accum=False) -> Tensor", tags=_FIXED)
+
+
+def _group(group_name: str) -> Any:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _world(group_name: str) -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_world_size(_group(group_name))
+
+
+def _check_ag(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int) -> int:
+    op = "fused_all_gather_matmul"
+    if A.dim() < 2:
+        raise ValueError(f"{op}: A_shard must have at least 2 dims [..., K], got {tuple(A.shape)}")
+    d = _shapes.norm_dim(op, gather_dim, A.dim(), "gather_dim", last_ok=True)
+    k = A.shape[-1]
+    if d == A.dim() - 1:  # column gather: B's rows are the gathered features
+        if not Bs:
+            raise ValueError(f"{op}: an empty list of weights")
+        return d
+    _shapes.weights(op, list(Bs), k, A.dtype)
+    return d
+
+
+# ---- fused_all_gather_matmul ------------------------------------------------------------
+
+def _ag_last(A: torch.Tensor, Bs: list[torch.Tensor], group_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The column gather: A_mm = cat(all_gather(A), dim=-1), then matmuls (the reference)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    warn_once("compat-ag-last", "overlap.compat.fused_all_gather_matmul: gather_dim is the last dim; no "
+              "overlapped path for a column gather, running the reference (all-gather, concatenate, matmul)")
+    world = _world(group_name)
+    g = funcol.wait_tensor(funcol.all_gather_tensor(A.contiguous(), 0, _group(group_name)))
+    a_mm = torch.cat(g.chunk(world), dim=-1)
+    return a_mm, [a_mm @ b for b in Bs]
+
+
+def _ag_impl(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: str, *,
+             return_A: bool = True) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    d = _check_ag(A, Bs, gather_dim)
+    with torch.no_grad():
+        if d == A.dim() - 1:
+            a_mm, outs = _ag_last(A, list(Bs), group_name)
+            return (a_mm if return_A else None), outs
+        got = _lib_ops.all_gather_matmul(A, list(Bs), group=_group(group_name), gather_dim=d,
+                                         return_gathered=return_A)
+    outs, a = got if return_A else (got, None)
+    return a, outs
+
+
+def _ag_meta(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: str, *,
+             return_A: bool = True) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    d = _check_ag(A, Bs, gather_dim)
+    world = _world(group_name)
+    if d == A.dim() - 1:
+        a_mm = A.new_empty((*A.shape[:-1], world * A.shape[-1]))
+        return (a_mm if return_A else None), [A.new_empty((*A.shape[:-1], b.shape[1])) for b in Bs]
+    lead = tuple(A.movedim(d, 0).shape[:-1])
+    lead = (world * lead[0], *lead[1:])
+    outs = [A.new_empty((*lead, b.shape[1])).movedim(0, d) for b in Bs]
+    return (A.new_empty((*lead, A.shape[-1])).movedim(0, d) if return_A else None), outs
+
+
+# ---- fused_matmul_reduce_scatter --------------------------------------------------------
+
+def _rs_impl(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
+    with torch.no_grad():
+        return _lib_ops.matmul_reduce_scatter(A, B, group=_group(group_name), scatter_dim=scatter_dim,
+                                              reduce_op=reduce_op)
+
+
+def _rs_meta(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
+    op = "fused_matmul_reduce_scatter"
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
+    if A.dim() < 2:
+        raise ValueError(f"{op}: A must have at least 2 dims [..., K], got {tuple(A.shape)}")
+    d = _shapes.norm_dim(op, scatter_dim, A.dim(), "scatter_dim")
+    _shapes.weights(op, B, A.shape[-1], A.dtype)
+    shape = [*A.shape[:-1], B.shape[1]]
+    shape[d] //= _world(group_name)
+    return A.new_empty(shape)
+
+
+# ---- FP8 ----------------------------------------------------------------------------------
+
+def _no_fp8(op: str) -> NotImplementedError:
+    return NotImplementedError(f"overlap.compat.{op}: FP8 (scaled) matmuls are not supported yet; "
+                               f"torch.ops.symm_mem.{op} runs them")
+
+
+def _ag_scaled(*args: Any, **kw: Any) -> Any:
+    raise _no_fp8("fused_all_gather_scaled_matmul")
+
+
+def _rs_scaled(*args: Any, **kw: Any) -> Any:
+    raise _no_fp8("fused_scaled_matmul_reduce_scatter")
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("fused_all_gather_matmul", _ag_impl, _key)
+    _lib.impl("fused_matmul_reduce_scatter", _rs_impl, _key)
+    _lib.impl("fused_all_gather_scaled_matmul", _ag_scaled, _key)
+    _lib.impl("fused_scaled_matmul_reduce_scatter", _rs_scaled, _key)
+_lib.impl("fused_all_gather_matmul", _ag_meta, "Meta")
+_lib.impl("fused_matmul_reduce_scatter", _rs_meta, "Meta")
+_lib.impl("fused_all_gather_scaled_matmul", _ag_scaled, "Meta")
+_lib.impl("fused_scaled_matmul_reduce_scatter", _rs_scaled, "Meta")
+
+
+# ---- Python entry points: torch's call forms ----------------------------------------------
+
+def _name(group: Any) -> str:
+    return group if isinstance(group, str) else group.group_name
+
+
+def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: Any, *,
+                            return_A: bool = True) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    """``torch.ops.symm_mem.fused_all_gather_matmul``'s call on overlap's ops: returns
+    ``(all_gather(A_shard, gather_dim) or None, [that @ B for B in Bs])``. ``group_name``: a
+    group's name (or the group)."""
+    return torch.ops.overlap.fused_all_gather_matmul(A_shard, list(Bs), gather_dim, _name(group_name),
+                                                     return_A=return_A)
+
+
+def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int,
+                                group_name: Any) -> torch.Tensor:
+    """``torch.ops.symm_mem.fused_matmul_reduce_scatter``'s call on overlap's ops:
+    ``reduce_scatter(A @ B, reduce_op, scatter_dim)``."""
+    return torch.ops.overlap.fused_matmul_reduce_scatter(A, B, reduce_op, scatter_dim, _name(group_name))
+
+
+def fused_all_gather_scaled_matmul(*args: Any, **kw: Any) -> Any:
+    """torch's FP8 signature; raises NotImplementedError."""
+    return torch.ops.overlap.fused_all_gather_scaled_matmul(*args, **kw)
+
+
+def fused_scaled_matmul_reduce_scatter(*args: Any, **kw: Any) -> Any:
+    """torch's FP8 signature; raises NotImplementedError."""
+    return torch.ops.overlap.fused_scaled_matmul_reduce_scatter(*args, **kw)

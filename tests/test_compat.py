@@ -1,0 +1,33 @@
+"""overlap.compat (torch's async-TP schemas) and the top-level ops' N-D inputs, gather /
+scatter dims and weight lists, on gloo through the reference path, against torch's own
+fallbacks (values and strides): see _compat_worker.py. The GPU run: tests/gpu/compat_check.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._procs import REPO, run_ranks
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compat_gloo(world_size: int) -> None:
+    procs = run_ranks(REPO / "tests" / "_compat_worker.py", world_size, timeout_s=300)
+    for p in procs:
+        assert p.returncode == 0 and f"PASS compat rank={p.rank} world={world_size}" in p.out, p
+
+
+def test_compat_schemas_match_torch() -> None:
+    """The schemas are torch's, op for op (the switch is the namespace)."""
+    import torch
+
+    import overlap.compat  # noqa: F401
+
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (defines torch.ops.symm_mem.*)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torch's symmetric memory module: {e}")
+    for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter", "fused_all_gather_scaled_matmul",
+               "fused_scaled_matmul_reduce_scatter"):
+        ours = str(getattr(torch.ops.overlap, op).default._schema).split("(", 1)[1]
+        theirs = str(getattr(torch.ops.symm_mem, op).default._schema).split("(", 1)[1]
+        assert ours == theirs, (op, ours, theirs)
