@@ -37,8 +37,9 @@ from . import _library as _lib_ops
 from . import _shapes
 from .ops._runtime import warn_once
 
-__all__ = ["fused_all_gather_matmul", "fused_matmul_reduce_scatter", "fused_all_gather_scaled_matmul",
-           "fused_scaled_matmul_reduce_scatter"]
+_OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter", "fused_all_gather_scaled_matmul",
+        "fused_scaled_matmul_reduce_scatter")
+__all__ = [*_OPS, "enable_inductor_async_tp"]
 
 _lib = torch.library.Library("overlap", "FRAGMENT")
 _FIXED = (torch._C.Tag.needs_fixed_stride_order,)
@@ -198,3 +199,71 @@ def fused_all_gather_scaled_matmul(*args: Any, **kw: Any) -> Any:
 def fused_scaled_matmul_reduce_scatter(*args: Any, **kw: Any) -> Any:
     """torch's FP8 signature; raises NotImplementedError."""
     return torch.ops.overlap.fused_scaled_matmul_reduce_scatter(*args, **kw)
+
+
+# ---- torch.compile's async-TP pass, emitting these ops --------------------------------------
+
+def enable_inductor_async_tp(group: Any = None) -> None:
+    """Turn on Inductor's async-TP pass (``torch._inductor.config._micro_pipeline_tp``) for
+    ``group`` (default: overlap's tensor-parallel group), with its fused nodes retargeted from
+    ``torch.ops.symm_mem.*`` to ``torch.ops.overlap.*``: a compiled model's all-gather -> mm and
+    mm -> reduce-scatter run overlap's ops. What torchtitan's ``enable_async_tensor_parallel``
+    does (docs/ops/compat.md), plus the retargeting pass. Call it before the first compiled
+    call (Inductor reads its config when it compiles).
+
+    The pass fires only for a group that torch's ``is_symm_mem_enabled_for_group`` accepts:
+    this calls ``enable_symm_mem_for_group`` (which records the group's store; it allocates
+    nothing), and torch's symmetric memory is never used, since no symm_mem node is left.
+    It also needs a torch built with NCCL (``torch.distributed.is_nccl_available()``)."""
+    import warnings
+
+    from torch._inductor import config as inductor_config
+    from torch.distributed import _symmetric_memory as symm
+
+    from .ops._runtime import resolve_group
+
+    group = resolve_group(group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated in recent torch, still the gate
+        symm.enable_symm_mem_for_group(group.group_name)
+    inductor_config._micro_pipeline_tp = True
+    cur = inductor_config.post_grad_custom_post_pass
+    if not isinstance(cur, _retarget_class()):
+        inductor_config.post_grad_custom_post_pass = _retarget_class()(cur)
+
+
+_RETARGET: Any = None
+
+
+def _retarget_class() -> Any:
+    """``Retarget``: a post-grad pass (after the async-TP pass) replacing each fused symm_mem
+    node by the overlap op of the same schema, same arguments; chains the pass it replaces."""
+    global _RETARGET
+    if _RETARGET is not None:
+        return _RETARGET
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class Retarget(CustomGraphPass):
+        def __init__(self, prev: Any = None) -> None:
+            self.prev = prev
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if self.prev is not None:
+                self.prev(graph)
+            sm, ov = torch.ops.symm_mem, torch.ops.overlap
+            table = {getattr(sm, n).default: getattr(ov, n).default for n in _OPS}
+            for node in list(graph.nodes):
+                if node.op == "call_function" and node.target in table:
+                    with graph.inserting_before(node):
+                        new = graph.call_function(table[node.target], node.args, dict(node.kwargs))
+                    new.meta.update(node.meta)
+                    node.replace_all_uses_with(new)
+                    graph.erase_node(node)
+
+        def uuid(self) -> Any:
+            # Inductor's graph cache keys on it (a pass without one bypasses the cache)
+            prev = self.prev.uuid() if isinstance(self.prev, CustomGraphPass) else None
+            return (get_hash_for_files((__file__,)), prev)
+
+    _RETARGET = Retarget
+    return Retarget

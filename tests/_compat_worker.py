@@ -80,6 +80,11 @@ def check_all_gather(dtype: torch.dtype, name: str) -> None:
         a_ref, outs_ref = torch_ag(a_shard, bs, gd % len(shape), name)  # torch's: dims >= 0
         close(a_got, a_ref, f"{what}: A")
         close(a_got, a_full, f"{what}: A against the full input", strides=False)
+        if DEV.type == "cuda" and WS > 1:  # torch's own op (symmetric memory), where it runs
+            a_t, outs_t = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gd % len(shape), name)
+            close(a_got, a_t, f"{what}: A against torch.ops.symm_mem")
+            for i, o in enumerate(outs_t):
+                close(outs[i], o, f"{what}: out {i} against torch.ops.symm_mem")
         for i, (o, o_ref) in enumerate(zip(outs, outs_ref)):
             close(o, o_ref, f"{what}: out {i}")
             close(o, a_full @ bs[i], f"{what}: out {i} against the full product", strides=False)
@@ -110,6 +115,9 @@ def check_reduce_scatter(dtype: torch.dtype, name: str) -> None:
             got = compat.fused_matmul_reduce_scatter(a, b, op, sd, name)
             ref = torch_rs(a, b, op, sd % len(shape), name)
             close(got, ref, what)
+            if DEV.type == "cuda" and WS > 1:
+                close(got, torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, op, sd % len(shape), name),
+                      f"{what}: against torch.ops.symm_mem")
             total = sum(p.double() @ shard(b_full, 0, r).double() for r, p in enumerate(parts))
             if op == "avg":
                 total = total / WS
@@ -207,7 +215,13 @@ def main() -> None:
     dist.init(timeout_s=60)
     RANK, WS = tdist.get_rank(), tdist.get_world_size()
     DEV = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    name = dist.get_context().tp_group.group_name if hasattr(dist.get_context(), "tp_group") else "0"
+    name = dist.get_context().tp_group.group_name
+    if cuda and WS > 1:
+        import torch.distributed._symmetric_memory as symm
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(name)
     warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
     warnings.filterwarnings("ignore", message=".*no overlapped path.*")
     with torch.no_grad():

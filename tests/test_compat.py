@@ -31,3 +31,11 @@ def test_compat_schemas_match_torch() -> None:
         ours = str(getattr(torch.ops.overlap, op).default._schema).split("(", 1)[1]
         theirs = str(getattr(torch.ops.symm_mem, op).default._schema).split("(", 1)[1]
         assert ours == theirs, (op, ours, theirs)
+
+
+def test_inductor_async_tp_emits_overlap_ops() -> None:
+    """torch.compile's async-TP pass, retargeted: the generated code calls overlap's ops."""
+    pytest.importorskip("torch._inductor")
+    procs = run_ranks(REPO / "tests" / "_inductor_tp_worker.py", 2, timeout_s=400)
+    for p in procs:
+        assert p.returncode == 0 and f"PASS inductor_tp rank={p.rank} world=2" in p.out, p
