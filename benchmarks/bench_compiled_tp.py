@@ -1,0 +1,206 @@
+"""A torchtitan-style sequence-parallel transformer block under torch.compile, three ways:
+
+    none      Inductor without async TP: all-gather, mm, ..., mm, reduce-scatter in turn
+    torch     Inductor's async-TP pass (``_micro_pipeline_tp``), torch's symm_mem fused ops
+    overlap   the same pass, its fused nodes retargeted to overlap's ops
+              (``overlap.compat.enable_inductor_async_tp``, docs/ops/compat.md)
+
+The block is written as torchtitan's layers run it, with functional collectives along the
+sequence dim (1 of [B, T, C]): LayerNorm -> all-gather -> qkv mm -> attention -> proj mm
+-> reduce-scatter -> residual -> LayerNorm -> all-gather -> fc1 mm -> GeLU -> fc2 mm ->
+reduce-scatter -> residual. Forward and backward (the pass runs on both graphs) per step;
+ms per step (median over steps, slowest rank), peak memory, and for each mode which fused
+ops Inductor's generated code calls (so a pass that did not fire shows).
+
+    bash launch/torchrun.sh 2 benchmarks/bench_compiled_tp.py [--batch 4 --seq 4096 --embd 8192 --heads 64]
+        [--modes none,torch,overlap] [--steps 20] [--out DIR]
+
+Writes ``compiled_tp.json`` (context: GPU, versions, commit) under ``--out`` on rank 0 and
+prints a table. Without a GPU it runs tiny shapes on gloo and says its figures are not GPU
+figures; ``torch`` needs CUDA, and ``overlap`` needs the pass's NCCL check, which
+``--pretend-nccl`` patches on a CPU torch (the pass only reads the graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch.distributed import _functional_collectives as funcol
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.context import run_context  # noqa: E402
+from overlap import dist  # noqa: E402
+
+MODES = ("none", "torch", "overlap")
+
+
+class Block(torch.nn.Module):
+    """This rank's shard of a sequence-parallel block: weights split Megatron's way."""
+
+    def __init__(self, c: int, heads: int, world: int, group: Any, dev: torch.device, dt: torch.dtype) -> None:
+        super().__init__()
+        self.group, self.world, self.hs = group, world, c // heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.qkv = torch.nn.Linear(c, 3 * c // world, bias=False)
+        self.proj = torch.nn.Linear(c // world, c, bias=False)
+        self.fc1 = torch.nn.Linear(c, 4 * c // world, bias=False)
+        self.fc2 = torch.nn.Linear(4 * c // world, c, bias=False)
+        self.to(dev, dt)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_gather_tensor(x, 1, self.group)
+
+    def _scatter(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.reduce_scatter_tensor(x, "sum", 1, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T/R, C]
+        h = self._gather(self.ln1(x))  # [B, T, C]
+        b, t, _ = h.shape
+        q, k, v = self.qkv(h).view(b, t, -1, 3, self.hs).permute(3, 0, 2, 1, 4).unbind(0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self._scatter(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+        h = self._gather(self.ln2(x))
+        return x + self._scatter(self.fc2(torch.nn.functional.gelu(self.fc1(h))))
+
+
+def _set_mode(mode: str, group: Any, saved: dict[str, Any], pretend_nccl: bool) -> None:
+    from torch._inductor import config
+
+    config._micro_pipeline_tp = saved["_micro_pipeline_tp"]
+    config.post_grad_custom_post_pass = saved["post_grad_custom_post_pass"]
+    if pretend_nccl and not tdist.is_nccl_available():
+        tdist.is_nccl_available = lambda: True
+    if mode == "torch":
+        import warnings
+
+        import torch.distributed._symmetric_memory as symm
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(group.group_name)
+        config._micro_pipeline_tp = True
+    elif mode == "overlap":
+        from overlap import compat
+
+        compat.enable_inductor_async_tp(group)
+
+
+def _fused_calls(codes: list[str]) -> dict[str, int]:
+    text = "\n".join(codes)
+    names = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+    return {f"{ns}.{n}": text.count(f"torch.ops.{ns}.{n}.default(") for ns in ("overlap", "symm_mem") for n in names}
+
+
+def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
+    from torch._inductor.utils import run_and_get_code
+
+    dev, dt, group, world, rank = env["dev"], env["dt"], env["group"], env["world"], env["rank"]
+    if mode == "torch" and dev.type != "cuda":
+        return {"mode": mode, "na": "torch's symm_mem ops need CUDA"}
+    _set_mode(mode, group, env["saved"], args.pretend_nccl)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blk = Block(args.embd, args.heads, world, group, dev, dt)
+    step = torch.compile(blk, fullgraph=True)
+    g = torch.Generator(device="cpu").manual_seed(100 + rank)
+    xs = [torch.randn(args.batch, args.seq // world, args.embd, generator=g).to(dev, dt).requires_grad_()
+          for _ in range(2)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def one(i: int) -> torch.Tensor:
+        y = step(xs[i % 2])
+        y.float().square().mean().backward()
+        return y
+
+    t0 = time.perf_counter()
+    _, codes = run_and_get_code(one, 0)  # compiles forward and backward
+    compile_s = time.perf_counter() - t0
+    for i in range(args.warmup):
+        one(i)
+    sync()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.steps):
+        tdist.barrier(group=group)
+        sync()
+        t0 = time.perf_counter()
+        one(i)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    # the slowest rank's median
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    tdist.all_reduce(med, op=tdist.ReduceOp.MAX, group=group)
+    out = {"mode": mode, "ms_per_step": med.item(), "compile_s": compile_s, "fused_calls": _fused_calls(codes)}
+    if dev.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--embd", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--pretend-nccl", action="store_true", help="patch the pass's NCCL check (CPU smoke runs)")
+    args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")
+    ctx = dist.init()
+    group, world, rank = ctx.tp_group, tdist.get_world_size(ctx.tp_group), tdist.get_rank(ctx.tp_group)
+    dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
+    if dev.type != "cuda":  # tiny shapes on gloo
+        args.batch, args.seq, args.embd, args.heads = 2, 8 * world, 64, 4
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    if args.seq % world or args.embd % args.heads or args.heads % world:
+        p.error(f"seq {args.seq} must divide by the {world} ranks, embd {args.embd} by heads {args.heads}, "
+                f"heads by the ranks")
+    from torch._inductor import config
+
+    env = {"dev": dev, "dt": torch.bfloat16 if dev.type == "cuda" else torch.float32, "group": group,
+           "world": world, "rank": rank,
+           "saved": {"_micro_pipeline_tp": config._micro_pipeline_tp,
+                     "post_grad_custom_post_pass": config.post_grad_custom_post_pass}}
+    rows = [run_mode(m, args, env) for m in modes]
+    if rank == 0:
+        doc = {"context": run_context(world), "args": vars(args), "rows": rows}
+        if dev.type != "cuda":
+            doc["note"] = "CPU run (gloo, tiny shapes): figures are not GPU figures"
+            print(doc["note"])
+        print(f"block B={args.batch} T={args.seq} C={args.embd} heads={args.heads}, {world} ranks, "
+              f"forward + backward per step")
+        print(f"{'mode':8} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10}  fused calls in the generated code")
+        for r in rows:
+            if "na" in r:
+                print(f"{r['mode']:8} n/a: {r['na']}")
+                continue
+            calls = ", ".join(f"{k} x{v}" for k, v in r["fused_calls"].items() if v) or "none"
+            print(f"{r['mode']:8} {r['ms_per_step']:9.3f} {r.get('peak_gib', float('nan')):9.2f} "
+                  f"{r['compile_s']:10.1f}  {calls}")
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "compiled_tp.json"), "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {os.path.join(args.out, 'compiled_tp.json')}")
+    tdist.barrier(group=group)
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
