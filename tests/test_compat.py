@@ -41,22 +41,25 @@ def test_inductor_async_tp_emits_overlap_ops() -> None:
         assert p.returncode == 0 and f"PASS inductor_tp rank={p.rank} world=2" in p.out, p
 
 
-def test_compiled_block_benchmark_gloo(tmp_path) -> None:  # noqa: ANN001
-    """benchmarks/bench_compiled_tp.py on gloo: the overlap mode's generated code calls
-    overlap's fused ops (forward and backward), the plain mode none; the JSON says CPU."""
+def test_block_benchmark_gloo(tmp_path) -> None:  # noqa: ANN001
+    """benchmarks/bench_block.py on gloo, sequence parallel, every mode: the eager layers time;
+    the compiled-overlap mode's generated code calls overlap's fused ops (forward and
+    backward), the compiled mode none; torch's symm_mem mode is n/a without CUDA."""
     import json
 
     from tests._procs import run_cmd
 
-    r = run_cmd(["bash", "launch/torchrun.sh", "2", "benchmarks/bench_compiled_tp.py", "--pretend-nccl",
-                 "--modes", "none,overlap", "--out", str(tmp_path)], timeout_s=400)
+    r = run_cmd(["bash", "launch/torchrun.sh", "2", "benchmarks/bench_block.py", "--sp", "--pretend-nccl",
+                 "--out", str(tmp_path)], timeout_s=400)
     assert r.returncode == 0, r.out[-4000:]
-    doc = json.loads((tmp_path / "compiled_tp.json").read_text())
+    doc = json.loads((tmp_path / "block_sp.json").read_text())
     assert doc["note"].startswith("CPU run") and doc["context"]["world_size"] == 2
     rows = {row["mode"]: row for row in doc["rows"]}
-    assert not any(rows["none"]["fused_calls"].values()), rows["none"]
-    calls = rows["overlap"]["fused_calls"]
+    for mode in ("plain", "library", "library-regather", "compiled", "compiled-overlap"):
+        assert rows[mode]["ms_per_step"] > 0 and rows[mode]["tokens_per_s"] > 0, rows[mode]
+    assert "CUDA" in rows["compiled-torch"]["na"]
+    assert not any(rows["compiled"]["fused_calls"].values()), rows["compiled"]
+    calls = rows["compiled-overlap"]["fused_calls"]
     # qkv and fc1 gather in the forward, proj and fc2 in the backward; the reverse for the scatters
     assert calls["overlap.fused_all_gather_matmul"] == 4 and calls["overlap.fused_matmul_reduce_scatter"] == 4, calls
     assert calls["symm_mem.fused_all_gather_matmul"] == 0 == calls["symm_mem.fused_matmul_reduce_scatter"], calls
-    assert rows["overlap"]["ms_per_step"] > 0

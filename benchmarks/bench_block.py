@@ -1,24 +1,37 @@
-"""A torchtitan-style sequence-parallel transformer block under torch.compile, three ways:
+"""One GPT block, forward + backward, at TP R: the library's layers against the plain
+path and against torch.compile's async tensor parallelism. Modes:
 
-    none      Inductor without async TP: all-gather, mm, ..., mm, reduce-scatter in turn
-    torch     Inductor's async-TP pass (``_micro_pipeline_tp``), torch's symm_mem fused ops
-    overlap   the same pass, its fused nodes retargeted to overlap's ops
-              (``overlap.compat.enable_inductor_async_tp``, docs/ops/compat.md)
+    plain            eager ``overlap.nn`` layers with ``overlap=False``: NCCL + cuBLAS
+                     (Megatron's schedule)
+    library          eager ``overlap.nn`` layers (``overlap.parallelize``)
+    library-regather as ``library``, sequence parallel: the weight gradient all-gathers
+                     its input again in backward instead of keeping it from forward
+                     (``save_gathered=False``: less memory, one more all-gather)
+    compiled         torch.compile without async TP (sequence parallel only, below)
+    compiled-torch   Inductor's async-TP pass (``_micro_pipeline_tp``), torch's symm_mem ops
+    compiled-overlap the same pass, its fused nodes retargeted to overlap's ops
+                     (``overlap.compat.enable_inductor_async_tp``, docs/ops/compat.md)
 
-The block is written as torchtitan's layers run it, with functional collectives along the
-sequence dim (1 of [B, T, C]): LayerNorm -> all-gather -> qkv mm -> attention -> proj mm
--> reduce-scatter -> residual -> LayerNorm -> all-gather -> fc1 mm -> GeLU -> fc2 mm ->
-reduce-scatter -> residual. Forward and backward (the pass runs on both graphs) per step;
-ms per step (median over steps, slowest rank), peak memory, and for each mode which fused
-ops Inductor's generated code calls (so a pass that did not fire shows).
+The eager modes run ``overlap.models.gpt.Block`` through ``overlap.parallelize``. The
+compiled modes run the block as torchtitan writes it, with functional collectives along
+the sequence dim (1 of [B, T, C]): LayerNorm -> all-gather -> qkv mm -> attention ->
+proj mm -> reduce-scatter -> residual -> LayerNorm -> all-gather -> fc1 mm -> GeLU -> fc2
+mm -> reduce-scatter -> residual. The async-TP pass fuses all-gather -> mm and mm ->
+reduce-scatter, forward and backward; it has nothing to fuse without sequence
+parallelism (an all-reduce), so the compiled modes run only with ``--sp``.
 
-    bash launch/torchrun.sh 2 benchmarks/bench_compiled_tp.py [--batch 4 --seq 4096 --embd 8192 --heads 64]
-        [--modes none,torch,overlap] [--steps 20] [--out DIR]
+Per mode: ms per step (median over steps, slowest rank), tokens per second, peak memory,
+and for the compiled modes which fused ops Inductor's generated code calls (a pass that
+did not fire shows).
 
-Writes ``compiled_tp.json`` (context: GPU, versions, commit) under ``--out`` on rank 0 and
-prints a table. Without a GPU it runs tiny shapes on gloo and says its figures are not GPU
-figures; ``torch`` needs CUDA, and ``overlap`` needs the pass's NCCL check, which
-``--pretend-nccl`` patches on a CPU torch (the pass only reads the graph).
+    bash launch/torchrun.sh 2 benchmarks/bench_block.py --sp [--batch 1 --seq 4096 --embd 8192 --heads 64]
+        [--modes plain,library,...] [--steps 20] [--out DIR]
+
+Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
+on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
+figures are not GPU figures; ``compiled-torch`` needs CUDA, and ``compiled-overlap`` needs
+the pass's NCCL check, which ``--pretend-nccl`` patches on a CPU torch (the pass only reads
+the graph).
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.context import run_context  # noqa: E402
 from overlap import dist  # noqa: E402
 
-MODES = ("none", "torch", "overlap")
+MODES = ("plain", "library", "library-regather", "compiled", "compiled-torch", "compiled-overlap")
 
 
 class Block(torch.nn.Module):
@@ -73,13 +86,14 @@ class Block(torch.nn.Module):
 
 
 def _set_mode(mode: str, group: Any, saved: dict[str, Any], pretend_nccl: bool) -> None:
+    """Inductor's config for ``mode``, from the values saved at start (no pass left over)."""
     from torch._inductor import config
 
     config._micro_pipeline_tp = saved["_micro_pipeline_tp"]
     config.post_grad_custom_post_pass = saved["post_grad_custom_post_pass"]
     if pretend_nccl and not tdist.is_nccl_available():
         tdist.is_nccl_available = lambda: True
-    if mode == "torch":
+    if mode == "compiled-torch":
         import warnings
 
         import torch.distributed._symmetric_memory as symm
@@ -88,7 +102,7 @@ def _set_mode(mode: str, group: Any, saved: dict[str, Any], pretend_nccl: bool) 
             warnings.simplefilter("ignore", FutureWarning)
             symm.enable_symm_mem_for_group(group.group_name)
         config._micro_pipeline_tp = True
-    elif mode == "overlap":
+    elif mode == "compiled-overlap":
         from overlap import compat
 
         compat.enable_inductor_async_tp(group)
@@ -100,20 +114,47 @@ def _fused_calls(codes: list[str]) -> dict[str, int]:
     return {f"{ns}.{n}": text.count(f"torch.ops.{ns}.{n}.default(") for ns in ("overlap", "symm_mem") for n in names}
 
 
+def _eager_block(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> torch.nn.Module:
+    from overlap.models.gpt import Block as GPTBlock
+    from overlap.models.gpt import GPTConfig
+    from overlap.nn import parallelize
+    from overlap.nn.parallelize import DEFAULT_PLAN
+
+    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=1, n_head=args.heads, n_embd=args.embd,
+                    bias=False)
+    torch.manual_seed(0)
+    blk = GPTBlock(cfg).to(env["dev"], env["dt"])
+    plan = {**DEFAULT_PLAN, "*ln_1": "sequence_norm", "*ln_2": "sequence_norm"} if args.sp else None
+    blk = parallelize(blk, env["group"], plan, sequence_parallel=args.sp, overlap=mode != "plain")
+    if mode == "library-regather":
+        for m in blk.modules():
+            if hasattr(m, "save_gathered"):
+                m.save_gathered = False
+    return blk
+
+
 def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     from torch._inductor.utils import run_and_get_code
 
     dev, dt, group, world, rank = env["dev"], env["dt"], env["group"], env["world"], env["rank"]
-    if mode == "torch" and dev.type != "cuda":
+    compiled = mode.startswith("compiled")
+    if compiled and not args.sp:
+        return {"mode": mode, "na": "sequence parallel only (--sp): the async-TP pass fuses all-gather and "
+                                    "reduce-scatter, not all-reduce"}
+    if mode == "library-regather" and not args.sp:
+        return {"mode": mode, "na": "sequence parallel only (--sp)"}
+    if mode == "compiled-torch" and dev.type != "cuda":
         return {"mode": mode, "na": "torch's symm_mem ops need CUDA"}
     _set_mode(mode, group, env["saved"], args.pretend_nccl)
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    blk = Block(args.embd, args.heads, world, group, dev, dt)
-    step = torch.compile(blk, fullgraph=True)
-    g = torch.Generator(device="cpu").manual_seed(100 + rank)
-    xs = [torch.randn(args.batch, args.seq // world, args.embd, generator=g).to(dev, dt).requires_grad_()
-          for _ in range(2)]
+    if compiled:
+        torch.manual_seed(0)
+        step = torch.compile(Block(args.embd, args.heads, world, group, dev, dt), fullgraph=True)
+    else:
+        step = _eager_block(mode, args, env)
+    t_in = args.seq // world if args.sp else args.seq
+    g = torch.Generator(device="cpu").manual_seed(100 + (rank if args.sp else 0))
+    xs = [torch.randn(args.batch, t_in, args.embd, generator=g).to(dev, dt).requires_grad_() for _ in range(2)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def one(i: int) -> torch.Tensor:
@@ -122,8 +163,11 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         return y
 
     t0 = time.perf_counter()
-    _, codes = run_and_get_code(one, 0)  # compiles forward and backward
-    compile_s = time.perf_counter() - t0
+    if compiled:
+        _, codes = run_and_get_code(one, 0)  # compiles forward and backward
+    else:
+        one(0)
+    first_s = time.perf_counter() - t0
     for i in range(args.warmup):
         one(i)
     sync()
@@ -137,18 +181,22 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         one(i)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    # the slowest rank's median
     med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    tdist.all_reduce(med, op=tdist.ReduceOp.MAX, group=group)
-    out = {"mode": mode, "ms_per_step": med.item(), "compile_s": compile_s, "fused_calls": _fused_calls(codes)}
+    tdist.all_reduce(med, op=tdist.ReduceOp.MAX, group=group)  # the slowest rank's median
+    out = {"mode": mode, "ms_per_step": med.item(), "tokens_per_s": args.batch * args.seq / med.item() * 1e3,
+           "first_step_s": first_s}
+    if compiled:
+        out["fused_calls"] = _fused_calls(codes)
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    del step, xs
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--sp", action="store_true", help="sequence parallel (the compiled modes need it)")
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--embd", type=int, default=8192)
     p.add_argument("--heads", type=int, default=64)
@@ -166,7 +214,7 @@ def main() -> None:
     group, world, rank = ctx.tp_group, tdist.get_world_size(ctx.tp_group), tdist.get_rank(ctx.tp_group)
     dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
     if dev.type != "cuda":  # tiny shapes on gloo
-        args.batch, args.seq, args.embd, args.heads = 2, 8 * world, 64, 4
+        args.batch, args.seq, args.embd, args.heads = 2, 8 * world, 64, 4 * world
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     if args.seq % world or args.embd % args.heads or args.heads % world:
         p.error(f"seq {args.seq} must divide by the {world} ranks, embd {args.embd} by heads {args.heads}, "
@@ -183,21 +231,25 @@ def main() -> None:
         if dev.type != "cuda":
             doc["note"] = "CPU run (gloo, tiny shapes): figures are not GPU figures"
             print(doc["note"])
-        print(f"block B={args.batch} T={args.seq} C={args.embd} heads={args.heads}, {world} ranks, "
+        print(f"GPT block B={args.batch} T={args.seq} C={args.embd} heads={args.heads}, {world} ranks, "
+              f"{'sequence parallel' if args.sp else 'not sequence parallel'}, {str(env['dt'])[6:]}, "
               f"forward + backward per step")
-        print(f"{'mode':8} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10}  fused calls in the generated code")
+        print(f"{'mode':17} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'1st step s':>10}  "
+              f"fused calls in the generated code")
         for r in rows:
             if "na" in r:
-                print(f"{r['mode']:8} n/a: {r['na']}")
+                print(f"{r['mode']:17} n/a: {r['na']}")
                 continue
-            calls = ", ".join(f"{k} x{v}" for k, v in r["fused_calls"].items() if v) or "none"
-            print(f"{r['mode']:8} {r['ms_per_step']:9.3f} {r.get('peak_gib', float('nan')):9.2f} "
-                  f"{r['compile_s']:10.1f}  {calls}")
+            calls = (", ".join(f"{k} x{v}" for k, v in r["fused_calls"].items() if v) or "none"
+                     if "fused_calls" in r else "")
+            print(f"{r['mode']:17} {r['ms_per_step']:9.3f} {r['tokens_per_s']:10.0f} "
+                  f"{r.get('peak_gib', float('nan')):9.2f} {r['first_step_s']:10.1f}  {calls}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "compiled_tp.json"), "w") as f:
+            path = os.path.join(args.out, "block_sp.json" if args.sp else "block.json")
+            with open(path, "w") as f:
                 json.dump(doc, f, indent=1)
-            print(f"wrote {os.path.join(args.out, 'compiled_tp.json')}")
+            print(f"wrote {path}")
     tdist.barrier(group=group)
     dist.shutdown()
 
