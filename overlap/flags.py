@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from . import protocol as P
+
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
            "stream_write_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
@@ -235,7 +237,8 @@ class FlagArray:
 
 
 class ErrorWord:
-    """Device int32[8]: [code, rank, flag index, expected, seen, tile, host lo, host hi].
+    """Device int32[8]: [code, rank, flag index, expected, seen, tile, host lo, host hi]
+    (``overlap.protocol``'s ERR_* slots and codes).
 
     Slots 6-7 hold the address of a pinned host word (0: none). A kernel that
     records a failure also stores its code there, so ``check(block=False)`` reads
@@ -245,10 +248,10 @@ class ErrorWord:
     reads the latest landed copy."""
 
     def __init__(self, device: torch.device | str, what: str = "overlap op") -> None:
-        self.word = torch.zeros(8, dtype=torch.int32, device=device)
+        self.word = torch.zeros(P.ERR_WORDS, dtype=torch.int32, device=device)
         self.what = what
         dev = torch.device(device)
-        self._host = torch.zeros(8, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self._host = torch.zeros(P.ERR_WORDS, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._host_np = self._host.numpy()
         self._event: Any = None
         self._mirror = self.word.is_cuda and self._open_mirror()
@@ -271,7 +274,7 @@ class ErrorWord:
             return False
         ptr = self._host.data_ptr()
         halves = [(ptr >> s) & 0xFFFFFFFF for s in (0, 32)]
-        self.word[6:8] = torch.tensor([h - (1 << 32) if h >= 1 << 31 else h for h in halves], dtype=torch.int32)
+        self.word[P.ERR_HOST_LO:P.ERR_HOST_HI + 1] = torch.tensor([h - (1 << 32) if h >= 1 << 31 else h for h in halves], dtype=torch.int32)
         self._host.zero_()
         torch.cuda.synchronize(self.word.device)
         return True
@@ -303,7 +306,7 @@ class ErrorWord:
         elif block or not self.word.is_cuda:
             vals = self.word.tolist()
         elif self._mirror:
-            if self._host_np[0] == 0:
+            if self._host_np[P.ERR_CODE] == 0:
                 return
             # the kernel stored the whole record here before the code: no
             # synchronization, so a stream that never finishes cannot hold the report
@@ -312,12 +315,14 @@ class ErrorWord:
             if self._event is None or not self._event.query():
                 return
             vals = self._host.tolist()
-        if vals[0] != 0:
+        if vals[P.ERR_CODE] != 0:
             # A recorded timeout makes every later tile of every call skip its
             # work; once reported, clear it so the next call computes again.
             self.clear()
-            cls = {2: FlagProtocolError, 3: RanksDisagreeError}.get(vals[0], FlagTimeoutError)
-            raise cls(self.what, vals[1], vals[2], vals[3], vals[4], vals[5])
+            cls = {P.ERR_AHEAD: FlagProtocolError, P.ERR_DISAGREE: RanksDisagreeError}.get(vals[P.ERR_CODE],
+                                                                                         FlagTimeoutError)
+            raise cls(self.what, *(vals[i] for i in (P.ERR_RANK, P.ERR_FLAG, P.ERR_EXPECTED, P.ERR_SEEN,
+                                                     P.ERR_TILE)))
 
     def _poll_until_done(self) -> list[int]:
         import time
@@ -326,7 +331,7 @@ class ErrorWord:
         ev.record(torch.cuda.current_stream(self.word.device))
         deadline = time.monotonic() + default_timeout_ms() / 1000.0 + 5.0
         while not ev.query():
-            if self._host_np[0] != 0:
+            if self._host_np[P.ERR_CODE] != 0:
                 return self._host.tolist()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.what}: the op's work did not end within the wait bound and no wait "

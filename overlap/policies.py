@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from . import protocol as P
+
 __all__ = [
     "Segment",
     "build_tile_table",
@@ -116,17 +118,17 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
         order = np.lexsort((pm_g.ravel(), pn_g.ravel(), grp.ravel()))
         pmv, pnv = pm_g.ravel()[order], pn_g.ravel()[order]
         off = pmv * block_m
-        t = np.empty((pmv.size, 8), dtype=np.int64)
-        t[:, 0] = seg.a_row + off
-        t[:, 1] = seg.a_src
-        t[:, 2] = seg.c_row + off
-        t[:, 3] = np.minimum(block_m, seg.rows - off)
-        t[:, 4] = pnv
-        t[:, 5] = seg.wait_idx
-        t[:, 6] = seg.wait_mult
-        t[:, 7] = NO_FLAG if seg.post_base == NO_FLAG else seg.post_base + pmv
+        t = np.empty((pmv.size, P.TABLE_COLS), dtype=np.int64)
+        t[:, P.COL_A_ROW] = seg.a_row + off
+        t[:, P.COL_A_SRC] = seg.a_src
+        t[:, P.COL_C_ROW] = seg.c_row + off
+        t[:, P.COL_C_ROWS] = np.minimum(block_m, seg.rows - off)
+        t[:, P.COL_N_TILE] = pnv
+        t[:, P.COL_WAIT] = seg.wait_idx
+        t[:, P.COL_WAIT_MULT] = seg.wait_mult
+        t[:, P.COL_POST] = NO_FLAG if seg.post_base == NO_FLAG else seg.post_base + pmv
         parts.append(t)
-    table = np.concatenate(parts) if parts else np.zeros((0, 8), dtype=np.int64)
+    table = np.concatenate(parts) if parts else np.zeros((0, P.TABLE_COLS), dtype=np.int64)
     if array:
         return table.astype(np.int32)
     return table.tolist()
@@ -137,7 +139,7 @@ def table_tensor(table: Any, device: Any) -> Any:
     import numpy as np
     import torch
 
-    arr = np.ascontiguousarray(np.asarray(table, dtype=np.int32).reshape(-1, 8))
+    arr = np.ascontiguousarray(np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS))
     return torch.from_numpy(arr).to(device)
 
 
@@ -386,7 +388,8 @@ def tilesync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: in
     n_prod = _cdiv(f, prod_block_n)
     pol = TileSync(n_prod, prod_block_n, cons_block_k)
     prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n, array=True)
-    prod[:, 7] = prod[:, 7] * n_prod + prod[:, 4]  # post per tile (``TileSync.post``), not per row block
+    # post per tile (``TileSync.post``), not per row block
+    prod[:, P.COL_POST] = prod[:, P.COL_POST] * n_prod + prod[:, P.COL_N_TILE]
     cons = build_tile_table(row_block_segments(m, block_m, wait=pol), n, block_m, cons_block_n, array=array)
     return (prod if array else prod.tolist()), cons, pol
 

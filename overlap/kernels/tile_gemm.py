@@ -60,13 +60,30 @@ import triton.language as tl
 
 from .. import observe as _observe
 
-__all__ = ["tile_gemm_kernel", "TABLE_COLS", "ERR_WORDS", "ERR_TIMEOUT", "ERR_AHEAD", "ERR_DISAGREE"]
+from .. import protocol as _p
 
-TABLE_COLS = 8
-ERR_WORDS = 8
-ERR_TIMEOUT = 1
-ERR_AHEAD = 2
-ERR_DISAGREE = 3
+__all__ = ["tile_gemm_kernel"]
+
+# the protocol's numbers (overlap/protocol.py) as the kernels read them
+_TABLE_COLS = tl.constexpr(_p.TABLE_COLS)
+_COL_A_ROW = tl.constexpr(_p.COL_A_ROW)
+_COL_A_SRC = tl.constexpr(_p.COL_A_SRC)
+_COL_C_ROW = tl.constexpr(_p.COL_C_ROW)
+_COL_C_ROWS = tl.constexpr(_p.COL_C_ROWS)
+_COL_N_TILE = tl.constexpr(_p.COL_N_TILE)
+_COL_WAIT = tl.constexpr(_p.COL_WAIT)
+_COL_WAIT_MULT = tl.constexpr(_p.COL_WAIT_MULT)
+_COL_POST = tl.constexpr(_p.COL_POST)
+_ERR_RANK = tl.constexpr(_p.ERR_RANK)
+_ERR_FLAG = tl.constexpr(_p.ERR_FLAG)
+_ERR_EXPECTED = tl.constexpr(_p.ERR_EXPECTED)
+_ERR_SEEN = tl.constexpr(_p.ERR_SEEN)
+_ERR_TILE = tl.constexpr(_p.ERR_TILE)
+_ERR_HOST_LO = tl.constexpr(_p.ERR_HOST_LO)
+_ERR_HOST_HI = tl.constexpr(_p.ERR_HOST_HI)
+_ERR_TIMEOUT = tl.constexpr(_p.ERR_TIMEOUT)
+_ERR_AHEAD = tl.constexpr(_p.ERR_AHEAD)
+_ERR_DISAGREE = tl.constexpr(_p.ERR_DISAGREE)
 
 
 @triton.jit
@@ -214,26 +231,26 @@ def _record(err_ptr, code, rank, idx, expected, seen, t):
     tile]. The first failure wins; later ones only stop."""
     prev = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
     if prev == 0:
-        tl.store(err_ptr + 1, rank)
-        tl.store(err_ptr + 2, idx)
-        tl.store(err_ptr + 3, expected)
-        tl.store(err_ptr + 4, seen)
-        tl.store(err_ptr + 5, t)
+        tl.store(err_ptr + _ERR_RANK, rank)
+        tl.store(err_ptr + _ERR_FLAG, idx)
+        tl.store(err_ptr + _ERR_EXPECTED, expected)
+        tl.store(err_ptr + _ERR_SEEN, seen)
+        tl.store(err_ptr + _ERR_TILE, t)
         # and the record into the host's pinned words whose address slots 6-7 hold
         # (0: none), which the host reads on every call without a copy or a
         # synchronization (a stuck peer cannot make the report wait): the fields
         # first, then the code with release semantics, so a host that sees the
         # code sees the fields
-        lo = tl.load(err_ptr + 6)
-        hi = tl.load(err_ptr + 7)
+        lo = tl.load(err_ptr + _ERR_HOST_LO)
+        hi = tl.load(err_ptr + _ERR_HOST_HI)
         host = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
         if host != 0:
             hp = host.to(tl.pointer_type(tl.int32))
-            tl.store(hp + 1, rank)
-            tl.store(hp + 2, idx)
-            tl.store(hp + 3, expected)
-            tl.store(hp + 4, seen)
-            tl.store(hp + 5, t)
+            tl.store(hp + _ERR_RANK, rank)
+            tl.store(hp + _ERR_FLAG, idx)
+            tl.store(hp + _ERR_EXPECTED, expected)
+            tl.store(hp + _ERR_SEEN, seen)
+            tl.store(hp + _ERR_TILE, t)
             tl.atomic_xchg(hp, code, sem="release", scope="sys")
 
 
@@ -251,7 +268,7 @@ def _check_sig(flags_ptr, err_ptr, idx, sig_stride, sig, par, rank, t, FENCE_ASY
     seen = _poll(flags_ptr, sidx)
     ok = 1
     if _cta_any((seen != sig).to(tl.int32), FENCE_ASYNC) != 0:
-        _record(err_ptr, 3, rank, sidx, sig, seen, t)
+        _record(err_ptr, _ERR_DISAGREE, rank, sidx, sig, seen, t)
         ok = 0
     return ok
 
@@ -289,10 +306,10 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
         other = tl.load(err_ptr, volatile=True)
         aborted = _cta_any((late | (other != 0)).to(tl.int32), FENCE_ASYNC)
     ok = ((seen - expected) >= 0).to(tl.int32)
-    code = 1
+    code = _ERR_TIMEOUT
     if (seen - ahead) >= 0:
         ok = 0
-        code = 2
+        code = _ERR_AHEAD
     if ok == 0:
         _record(err_ptr, code, rank, idx, expected, seen, t)
     if FENCE_ASYNC:
@@ -343,16 +360,16 @@ def tile_gemm_kernel(
     else:
         t = pid
     while t < num_tiles:
-        row = table_ptr + t * 8
-        a_row = tl.load(row + 0)
-        a_src = tl.load(row + 1)
-        c_row = tl.load(row + 2)
-        c_rows = tl.load(row + 3)
-        pid_n = tl.load(row + 4)
+        row = table_ptr + t * _TABLE_COLS
+        a_row = tl.load(row + _COL_A_ROW)
+        a_src = tl.load(row + _COL_A_SRC)
+        c_row = tl.load(row + _COL_C_ROW)
+        c_rows = tl.load(row + _COL_C_ROWS)
+        pid_n = tl.load(row + _COL_N_TILE)
         ok = 1
         if HAS_WAIT:
-            w_idx = tl.load(row + 5)
-            w_mult = tl.load(row + 6)
+            w_idx = tl.load(row + _COL_WAIT)
+            w_mult = tl.load(row + _COL_WAIT_MULT)
             # (the same in every warp: the K loop's pipeline holds barriers)
             if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
                 ok = 0
@@ -410,7 +427,7 @@ def tile_gemm_kernel(
                     _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn,
                               rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
                 if HAS_POST:
-                    p_idx = tl.load(row + 7)
+                    p_idx = tl.load(row + _COL_POST)
                     # every thread's C stores precede the barrier; the release
                     # add by one thread then publishes them (cumulativity)
                     tl.debug_barrier()

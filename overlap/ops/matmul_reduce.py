@@ -48,6 +48,7 @@ import torch
 from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, split_rows
+from ..protocol import COL_POST
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
                        report_errors, resolve_group, serial_phases, warn_once)
@@ -276,13 +277,13 @@ def reduce_scatter_layout(world: int, m: int, chunks: int, align: int = CHUNK_AL
 def producer_table(cmap: ChunkMap, n: int, block_m: int, block_n: int,
                    group_m: int = 8) -> tuple[list[list[int]], list[int]]:
     """The GEMM's tile table in schedule order, every tile posting to its chunk's counter
-    (table column 7), and the tile count per chunk (what the comm stream waits for)."""
+    (``protocol.COL_POST``), and the tile count per chunk (what the comm stream waits for)."""
     table: list[list[int]] = []
     counts = [0] * len(cmap.chunk_rows)
     for seg, c in cmap.segments:
         rows = build_tile_table([seg], n, block_m, block_n, group_m)
         for r in rows:
-            r[7] = c
+            r[COL_POST] = c
         counts[c] += len(rows)
         table += rows
     return table, counts
