@@ -41,7 +41,8 @@ __all__ = [
 # The fused ops are torch.library custom ops at this level (eager calls go straight to the
 # Python op; torch.compile traces the custom op), same signatures as in overlap.ops.
 from . import ops
-from ._library import all_gather_matmul, all_reduce_matmul, matmul_all_reduce, matmul_reduce_scatter, mlp_chain
+from ._library import (all_gather_matmul, all_reduce_matmul, matmul_all_reduce, matmul_all_reduce_matmul,
+                       matmul_reduce_scatter, mlp_chain)
 from .ops import (ChainConfig, Norm, OverlapConfig, reset, tune_all_gather_matmul, tune_all_reduce_matmul,
                   tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
 
@@ -71,6 +72,7 @@ __all__ += [
     "mlp_chain",
     "matmul_reduce_scatter",
     "matmul_all_reduce",
+    "matmul_all_reduce_matmul",
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
     "tune_matmul_reduce_scatter",

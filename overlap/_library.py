@@ -29,12 +29,14 @@ import torch
 from . import _shapes
 from .ops import all_gather as _ag
 from .ops import all_reduce as _ar
+from .ops import boundary as _boundary
 from .ops import chain as _chain
 from .ops import matmul_reduce as _mr
 from .ops._runtime import resolve_group as _resolve_default
 from .ops import ChainConfig, Norm, OverlapConfig
 
-__all__ = ["all_gather_matmul", "all_reduce_matmul", "mlp_chain", "config_id", "config_for"]
+__all__ = ["all_gather_matmul", "all_reduce_matmul", "mlp_chain", "matmul_reduce_scatter", "matmul_all_reduce",
+           "matmul_all_reduce_matmul", "config_id", "config_for"]
 
 # bound once: the eager wrappers' whole cost is these calls and a few attribute reads
 # (Dynamo knows is_compiling by the function, not by the name it is called through)
@@ -324,3 +326,46 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
     if (a.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)) and _grad_enabled():
         raise _no_backward("matmul_all_reduce")
     return _mr.matmul_all_reduce(a, b, group=group, residual=residual, config=config)
+
+
+# ---- matmul_all_reduce_matmul (the block boundary) ----------------------------------------
+
+@torch.library.custom_op("overlap::matmul_all_reduce_matmul", mutates_args=())
+def _matmul_all_reduce_matmul_op(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, group_name: str,
+                                 residual: Optional[torch.Tensor], norm_kind: Optional[str],
+                                 norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                                 norm_eps: float, config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h) @ b_next, h)`` with ``h = all_reduce(a @ b) (+ residual)``."""
+    norm = None if norm_kind is None else Norm(norm_kind, norm_weight, norm_bias, norm_eps)
+    return _boundary.matmul_all_reduce_matmul(a, b, b_next, group=_group(group_name), residual=residual, norm=norm,
+                                              config=_configs[config])
+
+
+@_matmul_all_reduce_matmul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, group_name: str, residual: Optional[torch.Tensor],
+      norm_kind: Optional[str], norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+      norm_eps: float, config: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(a.dim() == 2 and b.dim() == 2 and b_next.dim() == 2,
+                 lambda: "matmul_all_reduce_matmul: a, b and b_next must be 2-D")
+    torch._check(a.shape[1] == b.shape[0] and b.shape[1] == b_next.shape[0],
+                 lambda: f"matmul_all_reduce_matmul: shapes a {a.shape}, b {b.shape}, b_next {b_next.shape}")
+    return a.new_empty((a.shape[0], b_next.shape[1])), a.new_empty((a.shape[0], b.shape[1]))
+
+
+_forward_only(_matmul_all_reduce_matmul_op, "matmul_all_reduce_matmul")
+
+
+def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
+                             residual: torch.Tensor | None = None, norm: Any = None,
+                             config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = all_reduce(a @ b) (+ residual); return norm(h) @ b_next, h``: the block boundary as one
+    pipeline, ``overlap.ops.matmul_all_reduce_matmul``, traceable by torch.compile."""
+    if _compiling():
+        if norm is None:
+            return _matmul_all_reduce_matmul_op(a, b, b_next, _group_name(group), residual, None, None, None, 0.0,
+                                                config_id(config))
+        return _matmul_all_reduce_matmul_op(a, b, b_next, _group_name(group), residual, norm.kind, norm.weight,
+                                            norm.bias, float(norm.eps), config_id(config))
+    _refuse_grad("matmul_all_reduce_matmul", a, b, b_next, residual,
+                 *(() if norm is None else (norm.weight, norm.bias)))
+    return _boundary.matmul_all_reduce_matmul(a, b, b_next, group=group, residual=residual, norm=norm, config=config)

@@ -25,7 +25,10 @@ def step(a_shard: torch.Tensor, b: torch.Tensor, x_partial: torch.Tensor, residu
                                      norm=Norm("layernorm", lw, lb, 1e-5))
     y2, h2 = overlap.all_reduce_matmul(x_partial, b)
     z = overlap.mlp_chain(h, b, w2)
-    return c, c2, gathered, y, h, y2, h2, z
+    # the block boundary: all_reduce(x_partial @ b.t-like) + residual, layer norm, @ w2
+    u, hb = overlap.matmul_all_reduce_matmul(x_partial, b, w2, group=group, residual=residual[:, :b.shape[1]],
+                                             norm=Norm("layernorm", lw[:b.shape[1]], lb[:b.shape[1]], 1e-5))
+    return c, c2, gathered, y, h, y2, h2, z, u, hb
 
 
 def main() -> None:
@@ -46,7 +49,7 @@ def main() -> None:
         got, want = compiled(*args), step(*args)
         for i, (u, v) in enumerate(zip(got, want)):
             torch.testing.assert_close(u, v, msg=lambda s: f"call {call} output {i}: {s}")
-        c, c2, gathered, y, h, y2, h2, z = got
+        c, c2, gathered, y, h, y2, h2, z, u, hb = got
         total = sum(parts)
         torch.testing.assert_close(gathered, full)
         torch.testing.assert_close(c, full @ b)
@@ -56,6 +59,9 @@ def main() -> None:
         torch.testing.assert_close(h2, total)
         torch.testing.assert_close(y2, total @ b)
         torch.testing.assert_close(z, torch.nn.functional.gelu(h @ b) @ w2)
+        hb_want = sum(p @ b for p in parts) + residual[:, :n]
+        torch.testing.assert_close(hb, hb_want)
+        torch.testing.assert_close(u, torch.nn.functional.layer_norm(hb_want, (n,), lw[:n], lb[:n], 1e-5) @ w2)
     with FakeTensorMode():
         a, b = torch.empty(4, 8), torch.empty(8, 6)
         c, gathered = torch.ops.overlap.all_gather_matmul(a, b, "", True, 0)

@@ -14,7 +14,8 @@ import warnings
 import torch
 
 from overlap import dist
-from overlap.ops import (matmul_all_reduce, matmul_all_reduce_chunked, matmul_all_reduce_ref, matmul_reduce_scatter,
+from overlap.ops import (Norm, matmul_all_reduce, matmul_all_reduce_chunked, matmul_all_reduce_matmul,
+                         matmul_all_reduce_matmul_ref, matmul_all_reduce_ref, matmul_reduce_scatter,
                          matmul_reduce_scatter_chunked, matmul_reduce_scatter_ref)
 from overlap.ops import matmul_reduce as mr
 
@@ -42,6 +43,18 @@ def main() -> None:
         torch.testing.assert_close(matmul_all_reduce(a, b, residual=res), full + res)
         torch.testing.assert_close(matmul_all_reduce_ref(a, b, residual=res), full + res)
         torch.testing.assert_close(matmul_all_reduce_chunked(a, b, residual=res), full + res)
+        # the block boundary: h = sum + residual, c = layer_norm(h) @ w2 shard
+        w2 = torch.randn(3 * ws, n, generator=g)  # the next layer's weight [N2, N], column-parallel
+        nw, nb = torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+        b2 = w2[rank * 3:(rank + 1) * 3].t()  # this rank's N2 / R columns, as w.t()
+        want_h = full + res
+        want_c = torch.nn.functional.layer_norm(want_h, (n,), nw, nb) @ b2
+        for fn in (matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref):
+            c, h = fn(a, b, b2, residual=res, norm=Norm("layernorm", nw, nb))
+            torch.testing.assert_close(h, want_h)
+            torch.testing.assert_close(c, want_c)
+        c, h = matmul_all_reduce_matmul(a, b, b2)  # no residual, no norm: c = sum @ b2
+        torch.testing.assert_close(c, full @ b2)
     assert mr.stats["reference"] >= 16, mr.stats
     # bad inputs: the same error on every rank, before any collective
     for fn, args, exc, text in [
@@ -55,6 +68,15 @@ def main() -> None:
             assert text in str(e), e
         else:
             raise AssertionError(f"{fn.__name__}{[tuple(t.shape) for t in args]} accepted")
+    for kw, text in [({"b_next": torch.randn(n + 1, 3)}, "b_next must be [N, N2]"),
+                     ({"norm": Norm("rmsnorm", torch.ones(n + 1))}, "norm weight must be [N]")]:
+        args = {"a": torch.randn(m, ks), "b": torch.randn(ks, n), "b_next": torch.randn(n, 3), **kw}
+        try:
+            matmul_all_reduce_matmul(args.pop("a"), args.pop("b"), args.pop("b_next"), **args)
+        except ValueError as e:
+            assert text in str(e), e
+        else:
+            raise AssertionError(f"matmul_all_reduce_matmul accepted {kw}")
     try:
         matmul_all_reduce(torch.randn(m, ks), torch.randn(ks, n), residual=torch.randn(m, n + 1))
     except ValueError as e:
@@ -69,6 +91,13 @@ def main() -> None:
         assert "disagree" in str(e), e
     else:
         raise AssertionError("ranks that disagree on M were not refused")
+    n2 = 3 if rank else 4  # the next layer's shard: ranks disagree on N2
+    try:
+        matmul_all_reduce_matmul(torch.randn(m, ks), torch.randn(ks, n), torch.randn(n, n2))
+    except ValueError as e:
+        assert "disagree" in str(e), e
+    else:
+        raise AssertionError("ranks that disagree on N2 were not refused")
     try:
         matmul_all_reduce(torch.randn(m, ks, requires_grad=True), torch.randn(ks, n))
     except RuntimeError as e:

@@ -19,12 +19,12 @@ from tests._procs import REPO, run_cmd, run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU (gloo) figures and labels")
 
-OPS = ["agmm", "armm", "mmrs", "mmar", "chain", "agmm3"]
+OPS = ["agmm", "armm", "mmrs", "mmar", "chain", "agmm3", "mmarmm"]
 SETS = ["gpt3-175b", "llama-70b", "comm-heavy"]
 CUSTOM = "512x256x384"
 FAST = ["--iters", "2", "--warmup", "1"]
 # variants that cannot run on CPU, per op (everything else must have a positive time)
-NA_ON_CPU = {"agmm": {"symm_mem"}, "agmm3": {"symm_mem"}, "armm": {"symm_mem"}, "mmrs": {"symm_mem"}, "mmar": set(),
+NA_ON_CPU = {"agmm": {"symm_mem"}, "agmm3": {"symm_mem"}, "mmarmm": set(), "armm": {"symm_mem"}, "mmrs": {"symm_mem"}, "mmar": set(),
              "chain": {"stream_sync", "tile_flag", "tile_sync"}}
 
 
@@ -99,7 +99,7 @@ def test_every_op_and_shape_under_torchrun_sh(tmp_path: Path) -> None:
     assert "op chain: no shapes in set comm-heavy (skipped)" in r.out
     assert f"op agmm: ignores +ln of --shape {CUSTOM}+ln" in r.out
     doc = json.loads((tmp_path / "results.json").read_text())
-    assert len(doc["results"]) == 5 + 1 + 10 + 1 + 5 + 1 + 5 + 1 + 10 + 1 + 4 + 1  # agmm, armm, mmrs, mmar, chain, agmm3
+    assert len(doc["results"]) == 5 + 1 + 10 + 1 + 5 + 1 + 5 + 1 + 10 + 1 + 4 + 1 + 3 + 1  # ..., agmm3, mmarmm
     assert [r["params"] for r in doc["results"] if r["op"] == "armm"][-1] == {"ln": True}
 
 

@@ -278,7 +278,7 @@ def test_top_level_names() -> None:
     assert want <= set(overlap.__all__), want - set(overlap.__all__)
     for name in overlap.__all__:
         assert hasattr(overlap, name), name
-    for op in (*OPS, "matmul_reduce_scatter", "matmul_all_reduce"):
+    for op in (*OPS, "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce_matmul"):
         wrapper, inner = getattr(overlap, op), getattr(overlap.ops, op)
         assert wrapper is getattr(_library, op) and wrapper is not inner
         # the call convention of overlap.ops (names, kinds, defaults), plus the N-D keywords

@@ -18,6 +18,7 @@ from .matmul_reduce import (
     tune_matmul_all_reduce,
     tune_matmul_reduce_scatter,
 )
+from .boundary import matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref
 from .all_reduce import (
     Norm,
     all_reduce_matmul,
@@ -41,6 +42,8 @@ __all__ = [
     "all_reduce_matmul_ref",
     "matmul_all_reduce",
     "matmul_all_reduce_chunked",
+    "matmul_all_reduce_matmul",
+    "matmul_all_reduce_matmul_ref",
     "matmul_all_reduce_ref",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_chunked",

@@ -18,7 +18,9 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
-from overlap.ops import OverlapConfig, check_errors, matmul_all_reduce, matmul_reduce_scatter  # noqa: E402
+from overlap.ops import (Norm, OverlapConfig, check_errors, matmul_all_reduce, matmul_all_reduce_matmul,  # noqa: E402
+                         matmul_reduce_scatter)
+from overlap.ops import boundary as bd  # noqa: E402
 from overlap.ops import matmul_reduce as mr  # noqa: E402
 
 
@@ -29,6 +31,66 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 def shared(*shape: int, seed: int, dev: torch.device, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator(device=dev).manual_seed(seed)
     return torch.randn(*shape, generator=g, device=dev, dtype=dtype) * scale
+
+
+def check_boundary(world: int, rank: int, dev: torch.device) -> tuple[int, float]:
+    """matmul_all_reduce_matmul: h = all_reduce(a @ b) + residual, c = norm(h) @ b_next,
+    against one unsharded reference (A [M, K], W [N, K], W2 [N2, N] the same on every rank):
+    chunkings, norms, dtypes, the default config; then captured and replayed with new inputs."""
+    calls, worst = 0, 0.0
+
+    def case(m: int, n: int, k: int, n2: int, dt: torch.dtype, seed: int, kind: str | None) -> tuple:
+        ks, n2s = k // world, n2 // world
+        a_full = shared(m, k, seed=seed, dev=dev, dtype=dt)
+        w = shared(n, k, seed=seed + 1, dev=dev, dtype=dt, scale=k ** -0.5)
+        w2 = shared(n2, n, seed=seed + 2, dev=dev, dtype=dt, scale=n ** -0.5)
+        res = shared(m, n, seed=seed + 3, dev=dev, dtype=dt)
+        nw = shared(n, seed=seed + 4, dev=dev, dtype=dt, scale=0.2) + 1
+        nb = shared(n, seed=seed + 5, dev=dev, dtype=dt) if kind == "layernorm" else None
+        a = a_full[:, rank * ks:(rank + 1) * ks].contiguous()
+        b = w[:, rank * ks:(rank + 1) * ks].t()
+        b2 = w2[rank * n2s:(rank + 1) * n2s].t()
+        h = (a_full.double() @ w.double().t() + res.double())
+        if kind == "layernorm":
+            y = torch.nn.functional.layer_norm(h, (n,), nw.double(), nb.double())
+        elif kind == "rmsnorm":
+            y = torch.nn.functional.rms_norm(h, (n,), nw.double())
+        else:
+            y = h
+        norm = None if kind is None else Norm(kind, nw, nb)
+        return a, b, b2, res, norm, y @ b2.double(), h
+
+    for (m, n, k, n2, dt, chunks, kind) in ((1024, 512, 256, 768, torch.bfloat16, 1, "layernorm"),
+                                            (2048, 768, 512, 1024, torch.float16, 2, "rmsnorm"),
+                                            (1000 * world, 384, 384, 512, torch.bfloat16, 3, None),
+                                            (4096, 1024, 2048, 2048, torch.bfloat16, 4, "layernorm"),
+                                            (4096, 1024, 1024, 1024, torch.bfloat16, 0, "layernorm")):
+        cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync") if chunks else None  # 0: the default
+        for it in range(3):
+            a, b, b2, res, norm, c_want, h_want = case(m, n, k, n2, dt, 300 * it + m + n2, kind)
+            c, h = matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm, config=cfg)
+            errs = (rel(c, c_want), rel(h, h_want))
+            assert max(errs) < 2e-2, (m, n, k, n2, chunks, kind, it, errs)
+            calls += 1
+    m, n, k, n2 = 2048, 1024, 1024, 1024
+    cfg = OverlapConfig(chunks=2, nccl_ctas=8)
+    ins = list(case(m, n, k, n2, torch.bfloat16, 11, "layernorm")[:5])
+    matmul_all_reduce_matmul(*ins[:3], residual=ins[3], norm=ins[4], config=cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        oc, oh = matmul_all_reduce_matmul(*ins[:3], residual=ins[3], norm=ins[4], config=cfg)
+    for i in range(50):
+        new = case(m, n, k, n2, torch.bfloat16, 20 + i, "layernorm")
+        for t, u in zip(ins[:4], new[:4]):
+            t.copy_(u)
+        ins[4].weight.copy_(new[4].weight)
+        ins[4].bias.copy_(new[4].bias)
+        g.replay()
+        errs = (rel(oc, new[5]), rel(oh, new[6]))
+        worst = max(worst, *errs)
+        assert max(errs) < 2e-2, ("replay", i, errs)
+    return calls, worst
 
 
 def main() -> None:
@@ -107,12 +169,14 @@ def main() -> None:
         got = op(a, b)
         want = full[rank * (m // world):(rank + 1) * (m // world)] if op is matmul_reduce_scatter else full
         assert rel(got, want) < 2e-2, (best, rel(got, want))
+    bcalls, bworst = check_boundary(world, rank, dev)
     check_errors()
     assert mr.stats["fused"] >= calls, mr.stats
+    assert bd.stats["fused"] >= bcalls, bd.stats
     tdist.barrier()
     if rank == 0:
         print(f"PASS producer world={world} {ctx.launch.launcher} calls={calls} replays=100 worst={worst:.1e} "
-              f"stats={mr.stats}", flush=True)
+              f"stats={mr.stats}; boundary calls={bcalls} replays=50 worst={bworst:.1e} stats={bd.stats}", flush=True)
     dist.shutdown()
 
 

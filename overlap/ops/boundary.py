@@ -1,0 +1,219 @@
+"""The non-sequence-parallel block boundary as one overlapped pipeline:
+
+    h = all_reduce(a @ b) (+ residual);  c = norm(h) @ b_next
+
+That is a row-parallel GEMM (fc2, attn.proj) -> all-reduce -> residual add -> LayerNorm /
+RMSNorm -> the next layer's column-parallel GEMM (fc1, qkv), with both halves overlapped:
+
+    caller stream  | producer GEMM (tiles post chunk counters) | consumer GEMM (tiles wait chunk flags) |
+    comm stream    |   wait count c0 | AR c0 | wait count c1 | AR c1 | ...
+    aux stream     |                 | add+norm c0, flag f0 |          | add+norm c1, flag f1 |
+
+The producer half is ``matmul_all_reduce``'s (each chunk's NCCL all-reduce starts as the
+GEMM tiles that write its rows are stored: ``cuStreamWaitValue32`` on the chunk's
+counter, no SM); the consumer half is ``all_reduce_matmul``'s (each chunk's tiles start
+as its rows are reduced, added and normed). Both use the same row chunks, so a chunk
+flows from the first GEMM to the second without waiting for the whole all-reduce. The
+consumer grid is queued behind the producer grid on the caller's stream: the two never
+compete for SMs, and the consumer's first chunks are usually ready when it starts.
+
+NCCL transport only (``transport="p2p"`` raises, as for ``matmul_all_reduce``). One
+``OverlapConfig`` serves both halves (chunks, NCCL CTAs, SM margin, the GEMM config of
+both GEMMs, the consumer's give-back grid and split tail); ``fold_norm`` does not apply
+(the norm runs on the aux stream). No tuner yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .. import flags as _flags
+from ..observe import gpu_range
+from . import all_reduce as _ar
+from . import matmul_reduce as _mr
+from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
+                       dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
+                       report_errors, resolve_group, warn_once)
+
+__all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "stats"]
+
+OP = "matmul_all_reduce_matmul"
+stats: dict[str, int] = {"fused": 0, "reference": 0}
+"""How many calls took each path."""
+
+
+def _check(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
+           norm: Any) -> None:
+    _mr._check_inputs(OP, a, b, residual)
+    n = b.shape[1]
+    if b_next.dim() != 2 or b_next.shape[0] != n:
+        raise ValueError(f"{OP}: b_next must be [N, N2] with N={n} (b's columns), got {tuple(b_next.shape)}")
+    if b_next.dtype != a.dtype or b_next.device != a.device:
+        raise TypeError(f"{OP}: b_next is {b_next.dtype} on {b_next.device}; a is {a.dtype} on {a.device}")
+    if b_next.numel() == 0:
+        raise ValueError(f"{OP}: empty operand: b_next {tuple(b_next.shape)}")
+    if norm is not None:
+        if not isinstance(norm, _ar.Norm):
+            raise TypeError(f"{OP}: norm must be overlap.ops.Norm or None, got {type(norm).__name__}")
+        for name, t in (("weight", norm.weight), ("bias", norm.bias)):
+            if t is not None and (tuple(t.shape) != (n,) or t.device != a.device):
+                raise ValueError(f"{OP}: norm {name} must be [N] = [{n}] on {a.device}, got {tuple(t.shape)} "
+                                 f"on {t.device}")
+
+
+def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
+                                 residual: torch.Tensor | None = None,
+                                 norm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain reference: ``torch.matmul``, one all-reduce, the residual add, the norm,
+    ``torch.matmul``. Returns ``(c, h)``."""
+    _check(a, b, b_next, residual, norm)
+    h = _mr.matmul_all_reduce_ref(a, b, group=group, residual=residual)
+    y = norm.apply(h) if norm is not None else h
+    stats["reference"] += 1
+    return y @ b_next, h
+
+
+def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
+                             residual: torch.Tensor | None = None, norm: Any = None,
+                             config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = all_reduce(a @ b) (+ residual)``, ``c = norm(h) @ b_next``, both GEMMs overlapped
+    with the all-reduce chunk by chunk. Returns ``(c, h)``.
+
+    ==========  ==========  ==================================================
+    tensor      shape       meaning
+    ==========  ==========  ==================================================
+    a           [M, K/R]    this rank's columns of the input
+    b           [K/R, N]    this rank's rows of the weight (any nn.Linear layout)
+    b_next      [N, N2]     the next layer's weight shard (any nn.Linear layout)
+    residual    [M, N]      optional, added to the sum
+    norm        Norm        optional LayerNorm / RMSNorm over N, before b_next
+    returns     c [M, N2], h [M, N] (the new residual stream)
+    ==========  ==========  ==================================================
+
+    fp16 and bf16 on CUDA take the pipeline (NCCL transport); other inputs take the
+    reference with a one-time warning."""
+    refuse_grad(OP, a, b, b_next, residual, *(() if norm is None else (norm.weight, norm.bias)))
+    _check(a, b, b_next, residual, norm)
+    group = resolve_group(group)
+    m, k = a.shape
+    n, n2 = b.shape[1], b_next.shape[1]
+
+    def ref() -> tuple[torch.Tensor, torch.Tensor]:
+        return matmul_all_reduce_matmul_ref(a, b, b_next, group=group, residual=residual, norm=norm)
+
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16):
+        warn_once(f"{OP}-ref-{a.device.type}-{a.dtype}",
+                  f"{OP}: no tile-flag path for {a.dtype} on {a.device.type}; running the reference "
+                  "(matmul, all-reduce, add, norm, matmul)")
+        agree_on_reference(group, OP, ("M", "K/R", "N", "N2", "dtype", "residual", "norm"),
+                           (m, k, n, n2, dtype_code(a.dtype), int(residual is not None), _ar._norm_code(norm)),
+                           a.device)
+        return observed(OP, (m, n2, n), "reference", "no GPU" if not a.is_cuda else f"dtype {a.dtype}",
+                        a.device, ref)
+    esize = a.element_size()
+    for name, v in (("K/R", k), ("N", n), ("N2", n2)):
+        if (v * esize) % 16:
+            raise ValueError(f"{OP}: {name}={v} must be a multiple of {16 // esize} for {a.dtype} "
+                             "(16-byte rows for TMA)")
+    from ..kernels.tile_gemm import check_b, check_tma
+
+    check_b(b)
+    check_b(b_next)
+    check_tma("a", a.contiguous())
+    if capturing() and get_runtime_if_made(group, a.device) is None:
+        raise OverlapCaptureError(f"{OP}: call it once outside the CUDA graph capture first")
+    rt = get_runtime(group, a.device)
+    cfg = config or OverlapConfig()
+    if cfg.transport == "p2p":
+        raise ValueError(f"{OP}: the peer-copy transport is not built for this op; use transport='nccl' (or None)")
+    chunks = cfg.chunks or _mr._default_chunks(m)
+    cfg = dataclasses.replace(cfg, chunks=chunks, transport="nccl")
+    # the NCCL calls' sizes come from (M, N) and the chunks: ranks must agree or peers hang
+    check_agree(rt, OP, ("M", "K/R", "N", "N2", "dtype", "residual", "norm", "chunks"),
+                (m, k, n, n2, dtype_code(a.dtype), int(residual is not None), _ar._norm_code(norm), chunks),
+                rows_at=0)
+    sig = (m, k, n, n2, a.dtype, b.stride(), b_next.stride(), residual is not None,
+           None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), cfg)
+    rt.require_warm(OP, sig)
+    why = "config given" if config is not None else "default config"
+    res, nrm = _ar._contiguous(None if residual is None else residual.contiguous(), norm)
+    return rt.mark_warm(OP, sig, observed(OP, (m, n2, n), f"nccl x{chunks}", why, a.device, _fused, rt,
+                                          a.contiguous(), b, b_next, res, nrm, cfg))
+
+
+def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
+           norm: Any, cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    from ..kernels.add_norm import launch_add_norm
+
+    m, k = a.shape
+    n, n2 = b.shape[1], b_next.shape[1]
+    p1 = _mr._plan(rt, "matmul_all_reduce", m, n, k, cfg)
+    p2 = _ar._plan(rt, m, n2, n, cfg)
+    if tuple(p1.cmap.chunk_rows) != tuple(p2.chunk_rows):  # both split M the same way (split_rows)
+        raise RuntimeError(f"{OP}: the producer's chunks {p1.cmap.chunk_rows} and the consumer's "
+                           f"{p2.chunk_rows} differ")
+    comm = rt.comm(p1.nccl_ctas)
+    err = rt.err(OP)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
+    prologue = residual is not None or norm is not None
+    chunks = len(p1.cmap.chunk_rows)
+    with rt.order.lock:
+        # the producer's dispatch counter and per-chunk counts; the consumer's counters and
+        # per-chunk flags: zeroed below on the caller's stream (``_runtime.LocalWords``)
+        w1 = rt.local_words(OP + ".producer", 1, chunks)
+        w2 = rt.local_words(OP + ".consumer", p2.counters, chunks)
+        c1 = a.new_empty((p1.cmap.c_rows, n))  # the partial products, all-reduced in place
+        h = a.new_empty((m, n))
+        y = torch.empty_like(h) if norm is not None else h
+        c = a.new_empty((m, n2))
+        cur = torch.cuda.current_stream(a.device)
+        cs, ns = rt.comm_stream, rt.aux_stream
+        rt.order.begin(cur)
+        _flags.stream_zero(cur, w1.buf, w1.buf.numel())
+        _flags.stream_zero(cur, w2.buf, w2.buf.numel())
+        if prologue:
+            rt.fork(cur, cs, ns)
+        else:
+            rt.fork(cur, cs)
+        try:
+            gp1 = gemm_plan(p1.launches, a, b, c1, p1.table, flags=w1.flags, err=err.word, timeout_ns=1,
+                            counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True)
+            with gpu_range("gemm", "producer"):
+                gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=p1.grid)
+            for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
+                with gpu_range("comm", "chunk", ci):
+                    _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
+                    comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
+                if prologue:
+                    ev = torch.cuda.Event()
+                    ev.record(cs)
+                    ns.wait_event(ev)
+                    with on_stream(ns, cur), gpu_range("aux", "add+norm", ci):
+                        launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                        eps=norm.eps if norm else 1e-5, y=y)
+                        _flags.stream_write_value(ns, w2.flags, ci, 1)
+                else:
+                    _flags.stream_write_value(cs, w2.flags, ci, 1)
+            gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
+                            counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
+            descs = gp2.operands(y, b_next)
+            with gpu_range("gemm", "consumer"):
+                gp2.launch(descs, c, epoch=1, grid=p2.grid)  # behind the producer grid on this stream
+            if p2.give_back_grid:
+                with on_stream(ns if prologue else cs, cur), gpu_range("giveback", "grid"):
+                    gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
+        finally:
+            # also after an exception: the side streams' work is ordered before the next
+            # call's zeroing (joined: no record_stream needed, Runtime.join)
+            if prologue:
+                rt.join(cur, cs, ns)
+            else:
+                rt.join(cur, cs)
+            rt.order.end(cur)
+        report_errors(err, cfg.check)
+    stats["fused"] += 1
+    return c, h
