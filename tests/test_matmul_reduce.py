@@ -90,3 +90,19 @@ for world, m, n, k, chunks, scatter in ((2, 80, 40, 32, 2, True), (3, 96, 24, 16
             assert ((got - want).norm() / want.norm()).item() < 2e-3, (world, seg)
 print("PASS producer_gemm")
 '''
+
+
+@pytest.mark.parametrize("m", [128, 1000, 2048, 4096 + 64, 16384])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8])
+def test_boundary_halves_chunk_alike(m: int, chunks: int) -> None:
+    """matmul_all_reduce_matmul hands each chunk from the producer half (the all-reduce's
+    chunk map) to the consumer half (all_reduce_matmul's row chunks): the two must cut M
+    into the same row ranges, whatever the GEMM configs."""
+    from overlap.ops import matmul_reduce as mr
+    from overlap.policies import row_chunk_segments
+
+    cmap = mr.reduce_scatter_layout(1, m, chunks, mr.CHUNK_ALIGN, scatter=False)
+    sizes, segs = row_chunk_segments(m, chunks, mr.CHUNK_ALIGN)
+    assert tuple(sizes) == cmap.chunk_rows
+    assert [s.a_row for s in segs] == list(cmap.chunk_starts)
+    assert sum(sizes) == m
