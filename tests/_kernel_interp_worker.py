@@ -1151,5 +1151,156 @@ def scenario_late_peer_new_m() -> None:
     print("PASS late_peer_new_m")
 
 
+
+class _NcclStandIn:
+    """A stand-in for the runtime of an NCCL-transport op at world size 1, for the ops'
+    ``_fused`` host side with kernels interpreted. The interpreter runs a grid to its end
+    at launch, so stream order is program order: a stream wait on a chunk's counter
+    asserts that the counter is complete (every tile of the chunk posted), and the
+    collectives copy (one rank)."""
+
+    class Stream:
+        def wait_event(self, ev):
+            pass
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+    class Comm:
+        def __init__(self, log):
+            self.log = log
+
+        def all_reduce(self, send, recv, stream=None):
+            self.log.append(("all_reduce", send.shape[0]))
+            if recv.data_ptr() != send.data_ptr():
+                recv.copy_(send)
+
+        def reduce_scatter(self, send, recv, stream=None):
+            self.log.append(("reduce_scatter", send.shape[0]))
+            recv.copy_(send)
+
+    class Order:
+        def __init__(self):
+            import threading
+
+            self.lock = threading.RLock()
+
+        def begin(self, cur):
+            pass
+
+        end = begin
+
+    world, rank, ranks, device, num_sms, group = 1, 0, (0,), torch.device("cpu"), 12, None
+
+    def __init__(self):
+        from overlap.ops._runtime import LocalWords
+
+        self.comm_stream, self.aux_stream = self.Stream(), self.Stream()
+        self.order, self._local, self.errs, self.log, self.waits = self.Order(), LocalWords(self.device), {}, [], []
+
+    def local_words(self, name, n_counters, n_flags):
+        return self._local.get(name, n_counters, n_flags)
+
+    def comm(self, max_ctas):
+        return self.Comm(self.log)
+
+    def err(self, name):
+        return self.errs.setdefault(name, ErrorWord("cpu", what=name))
+
+    def fork(self, *streams):
+        pass
+
+    join = fork
+
+    def patched(self):
+        import contextlib
+        from unittest import mock
+
+        from overlap import flags as fl
+
+        def wait_value(stream, flags, idx, value):
+            self.waits.append((idx, value))
+            assert int(flags[idx]) >= value, f"the comm stream would wait on counter {idx}: {int(flags[idx])} < {value}"
+
+        def write_value(stream, flags, idx, value):
+            flags[idx] = value
+
+        def zero(stream, t, n):
+            t[:n] = 0
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a: self.Stream()))
+        stack.enter_context(mock.patch.object(torch.cuda, "set_stream", lambda s: None))
+        stack.enter_context(mock.patch.object(torch.cuda, "Event", self.Event))
+        stack.enter_context(mock.patch.object(fl, "stream_write_value", write_value))
+        stack.enter_context(mock.patch.object(fl, "stream_zero", zero))
+        stack.enter_context(mock.patch.object(fl, "stream_wait_value", wait_value))
+        return stack
+
+
+def scenario_nccl_pipeline() -> None:
+    """The NCCL transport's host side, kernels interpreted, at world size 1: the producer
+    ops (``matmul_reduce_scatter`` / ``matmul_all_reduce``, per-chunk counters the comm
+    stream waits on) and the block boundary (``matmul_all_reduce_matmul``: the producer's
+    counters, each chunk all-reduced, added and normed, its flag, the consumer's tiles),
+    with new inputs every call, 1-4 chunks, residual and LayerNorm / RMSNorm or none, both
+    B layouts, the consumer's split tail and give-back grid: outputs against torch, one
+    wait per chunk for that chunk's tile count, one collective per chunk."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import boundary as bd
+    from overlap.ops import matmul_reduce as mr
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(5)
+    m, n, k, n2 = 300, 48, 64, 32  # row chunks of 128 (the ops' alignment)
+    with rt.patched():
+        for chunks, kind, with_res, layout, give_back, split in (
+                (1, None, False, "wt", True, 0), (3, "layernorm", True, "wt", True, 0),
+                (2, "rmsnorm", False, "kn", False, 0), (3, "layernorm", True, "kn", True, 2),
+                (3, None, True, "wt", True, 0)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
+            sizes = mr.reduce_scatter_layout(1, m, chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+            w1 = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            w2 = (torch.randn(n2, n, generator=g) / n ** 0.5).half()
+            b = w1.t() if layout == "wt" else w1.t().contiguous()
+            b2 = w2.t() if layout == "wt" else w2.t().contiguous()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(n, generator=g) + 0.5).half(),
+                            torch.randn(n, generator=g).half() if kind == "layernorm" else None)
+            for it in range(2):  # new inputs; plans and words reused
+                a = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, n, generator=g).half() if with_res else None
+                want = a.float() @ w1.float().t()
+                # the producer ops
+                del rt.log[:], rt.waits[:]
+                got = mr._fused(rt, "matmul_reduce_scatter", a, b, None, cfg)
+                assert _rel(got, want) < TOL[torch.float16], ("mmrs", chunks, it)
+                got = mr._fused(rt, "matmul_all_reduce", a, b, res, cfg)
+                want_h = want + (res.float() if res is not None else 0)
+                assert _rel(got, want_h) < TOL[torch.float16], ("mmar", chunks, it)
+                counts = mr._plan(rt, "matmul_all_reduce", m, n, k, cfg).counts
+                tiles = [-(-r // cfg.gemm.block_m) * -(-n // cfg.gemm.block_n) for r in sizes]
+                assert list(counts) == tiles, (counts, tiles)
+                assert [v for _, v in rt.waits] == tiles * 2 and rt.log == [("reduce_scatter", r) for r in sizes] + \
+                    [("all_reduce", r) for r in sizes], (rt.waits, rt.log)
+                # the boundary
+                del rt.log[:], rt.waits[:]
+                c, h = bd._fused(rt, a, b, b2, res, norm, cfg)
+                y = want_h if norm is None else (torch.nn.functional.layer_norm(want_h, (n,), norm.weight.float(),
+                                                                                 norm.bias.float())
+                                                 if kind == "layernorm" else
+                                                 torch.nn.functional.rms_norm(want_h, (n,), norm.weight.float()))
+                assert _rel(h, want_h) < TOL[torch.float16], ("boundary h", chunks, kind, it)
+                assert _rel(c, y @ w2.float().t()) < 5e-3, ("boundary c", chunks, kind, it, _rel(c, y @ w2.float().t()))
+                assert [v for _, v in rt.waits] == tiles and rt.log == [("all_reduce", r) for r in sizes], \
+                    (rt.waits, rt.log)
+                p2 = bd._ar._plan(rt, m, n2, n, cfg)
+                words = rt.local_words(bd.OP + ".consumer", p2.counters, chunks)
+                assert words.flags[:chunks].tolist() == [1] * chunks, words  # every chunk's flag posted once
+    print("PASS nccl_pipeline")
+
 if __name__ == "__main__":
     globals()["scenario_" + sys.argv[1]]()
