@@ -287,7 +287,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
     if reduce_op != "sum" or not _shapes.simple(a, b, scatter_dim):
         return _shapes.matmul_reduce_scatter(
             lambda rows, b0: matmul_reduce_scatter(rows, b0, group=group, config=config),
-            a, b, scatter_dim=scatter_dim, reduce_op=reduce_op)
+            a, b, scatter_dim=scatter_dim, reduce_op=reduce_op,
+            world=None if _compiling() else _world_size(_group_name(group)))
     if _compiling():
         return _matmul_reduce_scatter_op(a, b, _group_name(group), config_id(config))
     if (a.requires_grad or b.requires_grad) and _grad_enabled():
@@ -317,7 +318,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
                       config: OverlapConfig | None = None) -> torch.Tensor:
     """``all_reduce(a @ b) (+ residual)``: ``overlap.ops.matmul_all_reduce``, traceable by torch.compile.
     ``a`` [..., K], ``residual`` [..., N]."""
-    if a.dim() != 2:
+    if a.dim() != 2 or not isinstance(b, torch.Tensor):
         return _shapes.matmul_all_reduce(
             lambda rows, b0, res: matmul_all_reduce(rows, b0, group=group, residual=res, config=config),
             a, b, residual=residual)

@@ -31,16 +31,19 @@ def norm_dim(op: str, dim: int, nd: int, what: str, last_ok: bool = False) -> in
     """``dim`` in ``[0, nd)``; ValueError for one out of range, or the feature dim."""
     if not -nd <= dim < nd:
         raise ValueError(f"{op}: {what}={dim} is out of range for an input with {nd} dims")
-    dim %= nd
-    if dim == nd - 1 and not last_ok:
+    d = dim % nd
+    if d == nd - 1 and not last_ok:
         raise ValueError(f"{op}: {what}={dim} is the feature (last) dim; any other dim can be "
                          f"{'gathered' if what == 'gather_dim' else 'scattered'}")
-    return dim
+    return d
 
 
-def weights(op: str, b: Any, k: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], bool]:
-    """(the weights as a list, whether a list was given); ValueError for bad ones."""
+def weights(op: str, b: Any, k: int, dtype: torch.dtype, many_ok: bool = True) -> tuple[list[torch.Tensor], bool]:
+    """(the weights as a list, whether a list was given); ValueError for bad ones, and for a
+    list where the op takes one weight (``many_ok=False``)."""
     many = isinstance(b, (list, tuple))
+    if many and not many_ok:
+        raise ValueError(f"{op}: b must be one weight [K, N]; a list of weights is taken by the gather ops")
     bs = list(b) if many else [b]
     if not bs:
         raise ValueError(f"{op}: an empty list of weights")
@@ -93,21 +96,29 @@ def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: 
 
 
 def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatter_dim: int,
-                          reduce_op: str) -> torch.Tensor:
+                          reduce_op: str, world: int | None = None) -> torch.Tensor:
+    """``fused(rows, b)`` is the 2-D op. ``world``, when the caller knows it (eager calls),
+    lets a scattered dim the ranks do not divide raise before any work."""
     op = "matmul_reduce_scatter"
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     if a.dim() < 2:
         raise ValueError(f"{op}: a must have at least 2 dims [..., K], got {tuple(a.shape)}")
     d = norm_dim(op, scatter_dim, a.dim(), "scatter_dim")
-    weights(op, b, a.shape[-1], a.dtype)
+    weights(op, b, a.shape[-1], a.dtype, many_ok=False)
+
+    def check(world: int) -> None:
+        if a.shape[d] % world:
+            # each rank's block of rows would cut through the scattered dim: the same error on every rank
+            raise ValueError(f"{op}: dim {d} of a {tuple(a.shape)} ({a.shape[d]}) is not a multiple of the "
+                             f"{world} ranks")
+
+    if world is not None:
+        check(world)
     rows, lead = to_rows(a, d)
     y = fused(rows, b)  # raises unless the rows divide by the ranks
     world = rows.shape[0] // y.shape[0]
-    if lead[0] % world:
-        # each rank's block of rows would cut through the scattered dim: the same error on every rank
-        raise ValueError(f"{op}: dim {d} of a {tuple(a.shape)} ({a.shape[d]}) is not a multiple of the "
-                         f"{world} ranks")
+    check(world)  # (traced calls: after the call, the same on every rank)
     if reduce_op == "avg":
         y = y / world
     y = from_rows(y, (lead[0] // world, *lead[1:]), d)
@@ -149,7 +160,7 @@ def all_reduce_matmul(fused: Any, x_partial: torch.Tensor, b: Any, *, residual: 
 def matmul_all_reduce(fused: Any, a: torch.Tensor, b: torch.Tensor, *, residual: torch.Tensor | None) -> torch.Tensor:
     op = "matmul_all_reduce"
     a2, lead = flat(op, a, "a")
-    weights(op, b, a2.shape[1], a2.dtype)
+    weights(op, b, a2.shape[1], a2.dtype, many_ok=False)
     c = fused(a2, b, like_rows(op, residual, lead, "residual"))
     return c.view(*lead, c.shape[-1])
 

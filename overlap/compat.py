@@ -21,10 +21,10 @@ module registers, under the ``overlap`` namespace, with torch's schemas and the
 The values, shapes and strides are those of torch's fallbacks (checked by
 tests/test_compat.py). They run ``overlap.all_gather_matmul`` and
 ``overlap.matmul_reduce_scatter`` (tile-flag overlap on CUDA in fp16 / bf16, the
-reference elsewhere); a gather along the last dim (torch's column gather) takes the
-reference (all-gather, concatenate, matmul), with a one-time warning. Like torch's
-ops they have no backward: outputs do not require grad. Any process group works: no
-symmetric memory is needed.
+reference elsewhere); the last dim (torch's column gather, or a scatter of the output's
+columns) takes the reference, with a one-time warning. Like torch's ops they have no
+backward; an input that requires grad raises (torch's warn and drop the gradient). Any
+process group works: no symmetric memory is needed.
 """
 
 from __future__ import annotations
@@ -68,16 +68,14 @@ def _world(group_name: str) -> int:
     return tdist.get_world_size(_group(group_name))
 
 
-def _check_ag(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int) -> int:
+def _check_ag(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: str) -> int:
     op = "fused_all_gather_matmul"
     if A.dim() < 2:
         raise ValueError(f"{op}: A_shard must have at least 2 dims [..., K], got {tuple(A.shape)}")
     d = _shapes.norm_dim(op, gather_dim, A.dim(), "gather_dim", last_ok=True)
     k = A.shape[-1]
     if d == A.dim() - 1:  # column gather: B's rows are the gathered features
-        if not Bs:
-            raise ValueError(f"{op}: an empty list of weights")
-        return d
+        k *= _world(group_name)
     _shapes.weights(op, list(Bs), k, A.dtype)
     return d
 
@@ -98,7 +96,7 @@ def _ag_last(A: torch.Tensor, Bs: list[torch.Tensor], group_name: str) -> tuple[
 
 def _ag_impl(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: str, *,
              return_A: bool = True) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
-    d = _check_ag(A, Bs, gather_dim)
+    d = _check_ag(A, Bs, gather_dim, group_name)
     with torch.no_grad():
         if d == A.dim() - 1:
             a_mm, outs = _ag_last(A, list(Bs), group_name)
@@ -111,7 +109,7 @@ def _ag_impl(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_nam
 
 def _ag_meta(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_name: str, *,
              return_A: bool = True) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
-    d = _check_ag(A, Bs, gather_dim)
+    d = _check_ag(A, Bs, gather_dim, group_name)
     world = _world(group_name)
     if d == A.dim() - 1:
         a_mm = A.new_empty((*A.shape[:-1], world * A.shape[-1]))
@@ -124,20 +122,32 @@ def _ag_meta(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_nam
 
 # ---- fused_matmul_reduce_scatter --------------------------------------------------------
 
-def _rs_impl(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
-    with torch.no_grad():
-        return _lib_ops.matmul_reduce_scatter(A, B, group=_group(group_name), scatter_dim=scatter_dim,
-                                              reduce_op=reduce_op)
-
-
-def _rs_meta(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
+def _rs_check(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int) -> tuple[str, int]:
     op = "fused_matmul_reduce_scatter"
+    reduce_op = reduce_op.lower()  # as torch's op
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     if A.dim() < 2:
         raise ValueError(f"{op}: A must have at least 2 dims [..., K], got {tuple(A.shape)}")
-    d = _shapes.norm_dim(op, scatter_dim, A.dim(), "scatter_dim")
-    _shapes.weights(op, B, A.shape[-1], A.dtype)
+    d = _shapes.norm_dim(op, scatter_dim, A.dim(), "scatter_dim", last_ok=True)
+    _shapes.weights(op, B, A.shape[-1], A.dtype, many_ok=False)
+    return reduce_op, d
+
+
+def _rs_impl(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
+    reduce_op, d = _rs_check(A, B, reduce_op, scatter_dim)
+    with torch.no_grad():
+        if d == A.dim() - 1:  # a scatter of the output's columns: the reference
+            from torch.distributed import _functional_collectives as funcol
+
+            warn_once("compat-rs-last", "overlap.compat.fused_matmul_reduce_scatter: scatter_dim is the last dim; "
+                      "no overlapped path for a column scatter, running the reference (matmul, reduce-scatter)")
+            return funcol.wait_tensor(funcol.reduce_scatter_tensor(A @ B, reduce_op, d, _group(group_name)))
+        return _lib_ops.matmul_reduce_scatter(A, B, group=_group(group_name), scatter_dim=d, reduce_op=reduce_op)
+
+
+def _rs_meta(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int, group_name: str) -> torch.Tensor:
+    _, d = _rs_check(A, B, reduce_op, scatter_dim)
     shape = [*A.shape[:-1], B.shape[1]]
     shape[d] //= _world(group_name)
     return A.new_empty(shape)
@@ -163,6 +173,20 @@ for _key in ("CPU", "CUDA"):
     _lib.impl("fused_matmul_reduce_scatter", _rs_impl, _key)
     _lib.impl("fused_all_gather_scaled_matmul", _ag_scaled, _key)
     _lib.impl("fused_scaled_matmul_reduce_scatter", _rs_scaled, _key)
+def _no_backward_for(name: str) -> None:
+    def setup_context(ctx: Any, inputs: Any, *rest: Any, **kw: Any) -> None:  # (keyword-only inputs, output)
+        raise RuntimeError(f"overlap.compat.{name}: an input requires grad, and the op has no backward (as "
+                           f"torch.ops.symm_mem.{name}); call it under torch.no_grad(), or let torch.compile "
+                           "place it after autograd (enable_inductor_async_tp)")
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(f"overlap.compat.{name} has no backward")
+
+    torch.library.register_autograd(f"overlap::{name}", backward, setup_context=setup_context, lib=_lib)
+
+
+for _name in _OPS[:2]:
+    _no_backward_for(_name)
 _lib.impl("fused_all_gather_matmul", _ag_meta, "Meta")
 _lib.impl("fused_matmul_reduce_scatter", _rs_meta, "Meta")
 _lib.impl("fused_all_gather_scaled_matmul", _ag_scaled, "Meta")
@@ -227,9 +251,17 @@ def enable_inductor_async_tp(group: Any = None) -> None:
         warnings.simplefilter("ignore", FutureWarning)  # deprecated in recent torch, still the gate
         symm.enable_symm_mem_for_group(group.group_name)
     inductor_config._micro_pipeline_tp = True
+    cls = _retarget_class()
     cur = inductor_config.post_grad_custom_post_pass
-    if not isinstance(cur, _retarget_class()):
-        inductor_config.post_grad_custom_post_pass = _retarget_class()(cur)
+    passes = list(cur) if isinstance(cur, (list, tuple)) else ([] if cur is None else [cur])
+    if any(isinstance(p, cls) for p in passes):
+        return
+    try:
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes  # noqa: F401 (a torch that runs lists)
+    except ImportError:  # a single pass only: ours calls the one there first
+        inductor_config.post_grad_custom_post_pass = cls(cur)
+        return
+    inductor_config.post_grad_custom_post_pass = [*passes, cls()]
 
 
 _RETARGET: Any = None
@@ -251,7 +283,8 @@ def _retarget_class() -> Any:
             if self.prev is not None:
                 self.prev(graph)
             sm, ov = torch.ops.symm_mem, torch.ops.overlap
-            table = {getattr(sm, n).default: getattr(ov, n).default for n in _OPS}
+            # the unscaled two; FP8 nodes stay torch's (ours would raise)
+            table = {getattr(sm, n).default: getattr(ov, n).default for n in _OPS[:2]}
             for node in list(graph.nodes):
                 if node.op == "call_function" and node.target in table:
                     with graph.inserting_before(node):
@@ -261,9 +294,13 @@ def _retarget_class() -> Any:
                     graph.erase_node(node)
 
         def uuid(self) -> Any:
-            # Inductor's graph cache keys on it (a pass without one bypasses the cache)
-            prev = self.prev.uuid() if isinstance(self.prev, CustomGraphPass) else None
-            return (get_hash_for_files((__file__,)), prev)
+            # Inductor's graph cache keys on it; a chained pass without a key of its own
+            # makes the whole pass unkeyed (None: Inductor bypasses its cache, as for that pass)
+            if self.prev is None:
+                return get_hash_for_files((__file__,))
+            if isinstance(self.prev, CustomGraphPass) and self.prev.uuid() is not None:
+                return (get_hash_for_files((__file__,)), self.prev.uuid())
+            return None
 
     _RETARGET = Retarget
     return Retarget

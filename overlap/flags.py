@@ -341,6 +341,6 @@ class ErrorWord:
         return self.word.tolist()
 
     def clear(self) -> None:
-        self.word[:6].zero_()  # slots 6-7: the mirror's address
+        self.word[:P.ERR_HOST_LO].zero_()  # the host slots hold the mirror's address
         self._host.zero_()
         self._event = None

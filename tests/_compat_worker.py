@@ -104,12 +104,12 @@ def check_all_gather(dtype: torch.dtype, name: str) -> None:
 
 def check_reduce_scatter(dtype: torch.dtype, name: str) -> None:
     cases = [((8 * WS, 6, 32), 0), ((8, 4 * WS, 32), 1), ((2, 3, 2 * WS, 32), 2), ((4 * WS, 32), 0),
-             ((8, 4 * WS, 32), -2)]
+             ((8, 4 * WS, 32), -2), ((8, 6, 32), 2)]  # the last: a scatter of the output's columns (N)
     for call, (shape, sd) in enumerate(cases):
         for op in ("sum", "avg"):
             base = 1000 + 10 * call + 100 * list(TOL).index(dtype) + (op == "avg")
             parts = [full(shape, dtype, base + r) for r in range(WS)]  # every rank's A
-            b_full = full((shape[-1] * WS, 16), dtype, base + 50)
+            b_full = full((shape[-1] * WS, 16 * WS), dtype, base + 50)
             a, b = parts[RANK], shard(b_full, 0)
             what = f"fused_matmul_reduce_scatter {dtype} shape {shape} scatter_dim {sd} {op}"
             got = compat.fused_matmul_reduce_scatter(a, b, op, sd, name)
@@ -122,8 +122,11 @@ def check_reduce_scatter(dtype: torch.dtype, name: str) -> None:
             if op == "avg":
                 total = total / WS
             close(got, shard(total.to(dtype), sd), f"{what}: against the full product", strides=False)
-            got2 = overlap.matmul_reduce_scatter(a, b, scatter_dim=sd, reduce_op=op)
-            close(got2, ref, f"{what}: overlap.matmul_reduce_scatter")
+            if sd % len(shape) != len(shape) - 1:  # the top-level op scatters any dim but the features
+                got2 = overlap.matmul_reduce_scatter(a, b, scatter_dim=sd, reduce_op=op)
+                close(got2, ref, f"{what}: overlap.matmul_reduce_scatter")
+            else:
+                close(compat.fused_matmul_reduce_scatter(a, b, op.upper(), sd, name), ref, f"{what}: {op.upper()}")
 
 
 def check_all_reduce_lists(dtype: torch.dtype) -> None:
@@ -192,8 +195,14 @@ def check_bad(name: str) -> None:
     raises(lambda: compat.fused_all_gather_matmul(a, [], 0, name), ValueError, "empty list")
     raises(lambda: compat.fused_all_gather_matmul(a, [b, b.t()], 0, name), ValueError, "b[1] has 4 rows")
     raises(lambda: compat.fused_matmul_reduce_scatter(a, b, "max", 0, name), ValueError, "reduce_op")
-    raises(lambda: compat.fused_matmul_reduce_scatter(a, b, "sum", 1, name), ValueError, "feature (last) dim")
-    raises(lambda: overlap.all_gather_matmul(a, b, gather_dim=-1), ValueError, "feature (last) dim")
+    raises(lambda: compat.fused_matmul_reduce_scatter(a, b, "sum", 2, name), ValueError, "out of range")
+    raises(lambda: overlap.matmul_reduce_scatter(a, b, scatter_dim=1), ValueError, "feature (last) dim")
+    raises(lambda: overlap.all_gather_matmul(a, b, gather_dim=-1), ValueError, "gather_dim=-1 is the feature")
+    raises(lambda: compat.fused_all_gather_matmul(a, [b], -1, name), ValueError, f"has 8 rows, the input's last dim "
+                                                                                f"is K={8 * WS}")
+    raises(lambda: overlap.matmul_reduce_scatter(a, [b]), ValueError, "one weight")
+    raises(lambda: overlap.matmul_all_reduce(a, [b]), ValueError, "one weight")
+    raises(lambda: overlap.matmul_all_reduce_matmul(a, [b], b.t()), ValueError, "b must be a 2-D tensor")
     raises(lambda: overlap.all_gather_matmul(a.view(1, 4, 8), [b, b.half()]), ValueError, "b[1] is torch.float16")
     raises(lambda: overlap.all_reduce_matmul(a, [b], residual=a[:2]), ValueError, "does not match")
     raises(lambda: compat.fused_all_gather_scaled_matmul(a, [b], a, [b], 0, name, [None], [None], [None], [False]),
@@ -207,6 +216,10 @@ def check_bad(name: str) -> None:
     with torch.enable_grad():
         w = b.clone().requires_grad_()
         raises(lambda: overlap.all_gather_matmul(a.view(1, 4, 8), [b, w]), RuntimeError, "no backward")
+        # torch's ops warn and drop the gradient; ours refuse
+        raises(lambda: compat.fused_all_gather_matmul(a, [w], 0, name), RuntimeError, "no backward")
+        a_rows = full((4 * WS, 8), torch.float32, 7003)  # rows the ranks divide: the op runs, then refuses
+        raises(lambda: compat.fused_matmul_reduce_scatter(a_rows, w, "sum", 0, name), RuntimeError, "no backward")
 
 
 def main() -> None:

@@ -30,7 +30,23 @@ def main() -> None:
     dt = torch.bfloat16 if cuda else torch.float32
     if not tdist.is_nccl_available():
         tdist.is_nccl_available = lambda: True  # the pass's gate; nothing here uses NCCL
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Count(CustomGraphPass):  # a pass the user had set: kept, beside ours
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return "count-v1"
+
+    config.post_grad_custom_post_pass = Count()
     compat.enable_inductor_async_tp(group)
+    compat.enable_inductor_async_tp(group)  # twice: installed once
+    got = config.post_grad_custom_post_pass
+    passes = list(got) if isinstance(got, (list, tuple)) else [got, getattr(got, "prev", None)]
+    assert [type(p).__name__ for p in passes] in (["Count", "Retarget"], ["Retarget", "Count"]), passes
+    assert all(p.uuid() for p in passes), "a keyed pass: Inductor's graph cache stays on"
     g = torch.Generator().manual_seed(1)
     t, k, n = 64, 128, 64
     w1 = (torch.randn(k, n, generator=g) / k ** 0.5).to(dev, dt)

@@ -17,6 +17,8 @@ def test_slots_are_a_permutation() -> None:
     assert sorted(cols) == list(range(P.TABLE_COLS))
     errs = [P.ERR_CODE, P.ERR_RANK, P.ERR_FLAG, P.ERR_EXPECTED, P.ERR_SEEN, P.ERR_TILE, P.ERR_HOST_LO, P.ERR_HOST_HI]
     assert sorted(errs) == list(range(P.ERR_WORDS)) and P.ERR_HOST_HI == P.ERR_HOST_LO + 1
+    # the host clears the record's fields (the slots before the mirror's address) in one go
+    assert max(P.ERR_CODE, P.ERR_RANK, P.ERR_FLAG, P.ERR_EXPECTED, P.ERR_SEEN, P.ERR_TILE) < P.ERR_HOST_LO
     assert len({0, P.ERR_TIMEOUT, P.ERR_AHEAD, P.ERR_DISAGREE}) == 4
 
 

@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 from .. import observe as _observe
+from .. import protocol as _p
+
+_ERR_CODE = tl.constexpr(_p.ERR_CODE)  # the error record's code slot (overlap/protocol.py)
 
 __all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
            "NORM_KINDS", "stats_segment"]
@@ -340,7 +343,7 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         r1 = tl.load(starts_ptr + c + 1)
         ok = 1
         # the same in every warp: the row blocks' pass holds barriers
-        if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+        if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
             ok = 0
         for s in range(WORLD - 1):
             if ok != 0:

@@ -74,6 +74,7 @@ _COL_N_TILE = tl.constexpr(_p.COL_N_TILE)
 _COL_WAIT = tl.constexpr(_p.COL_WAIT)
 _COL_WAIT_MULT = tl.constexpr(_p.COL_WAIT_MULT)
 _COL_POST = tl.constexpr(_p.COL_POST)
+_ERR_CODE = tl.constexpr(_p.ERR_CODE)
 _ERR_RANK = tl.constexpr(_p.ERR_RANK)
 _ERR_FLAG = tl.constexpr(_p.ERR_FLAG)
 _ERR_EXPECTED = tl.constexpr(_p.ERR_EXPECTED)
@@ -229,7 +230,7 @@ def _poll(flags_ptr, idx):
 def _record(err_ptr, code, rank, idx, expected, seen, t):
     """Record a failed wait in the error word: [code, rank, flag index, expected, seen,
     tile]. The first failure wins; later ones only stop."""
-    prev = tl.atomic_cas(err_ptr, 0, code, sem="relaxed", scope="gpu")
+    prev = tl.atomic_cas(err_ptr + _ERR_CODE, 0, code, sem="relaxed", scope="gpu")
     if prev == 0:
         tl.store(err_ptr + _ERR_RANK, rank)
         tl.store(err_ptr + _ERR_FLAG, idx)
@@ -251,7 +252,7 @@ def _record(err_ptr, code, rank, idx, expected, seen, t):
             tl.store(hp + _ERR_EXPECTED, expected)
             tl.store(hp + _ERR_SEEN, seen)
             tl.store(hp + _ERR_TILE, t)
-            tl.atomic_xchg(hp, code, sem="release", scope="sys")
+            tl.atomic_xchg(hp + _ERR_CODE, code, sem="release", scope="sys")
 
 
 @triton.jit
@@ -303,7 +304,7 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
             late = spins > max_spins
         # another tile timed out: stop waiting too, so the whole grid exits. The same
         # decision in every warp: the next poll's broadcast holds a barrier
-        other = tl.load(err_ptr, volatile=True)
+        other = tl.load(err_ptr + _ERR_CODE, volatile=True)
         aborted = _cta_any((late | (other != 0)).to(tl.int32), FENCE_ASYNC)
     ok = ((seen - expected) >= 0).to(tl.int32)
     code = _ERR_TIMEOUT
@@ -371,7 +372,7 @@ def tile_gemm_kernel(
             w_idx = tl.load(row + _COL_WAIT)
             w_mult = tl.load(row + _COL_WAIT_MULT)
             # (the same in every warp: the K loop's pipeline holds barriers)
-            if _cta_any((tl.load(err_ptr, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+            if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
                 ok = 0
             elif w_idx >= 0:
                 if K_WAIT == 0:  # else the K loop waits, group by group (TileSync)

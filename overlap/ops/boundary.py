@@ -47,6 +47,9 @@ stats: dict[str, int] = {"fused": 0, "reference": 0}
 
 def _check(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
            norm: Any) -> None:
+    for name, t in (("a", a), ("b", b), ("b_next", b_next)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{OP}: {name} must be a 2-D tensor, got {type(t).__name__}")
     _mr._check_inputs(OP, a, b, residual)
     n = b.shape[1]
     if b_next.dim() != 2 or b_next.shape[0] != n:
