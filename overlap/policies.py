@@ -34,6 +34,7 @@ __all__ = [
     "Segment",
     "build_tile_table",
     "table_tensor",
+    "upload",
     "row_bucket",
     "split_rows",
     "split_tail",
@@ -137,10 +138,30 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
 def table_tensor(table: Any, device: Any) -> Any:
     """A tile table (list of rows or numpy array) as the int32 device tensor the GEMM reads."""
     import numpy as np
+
+    return upload(np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS), device)
+
+
+def upload(arr: Any, device: Any) -> Any:
+    """A numpy array (or list) as a tensor on ``device``, queued on the current stream
+    without making the host wait for the stream's earlier work.
+
+    A copy from pageable host memory does make it wait (CUDA synchronizes the stream before
+    a pageable host-to-device copy): a plan built on the hot path, as a server whose M
+    changes every call builds one per call, would then hold the host until the GPU had
+    run everything queued before, and the calls would run serialized. The array goes
+    through a pinned block of PyTorch's caching host allocator instead, which keeps the
+    block until the copy has run."""
+    import numpy as np
     import torch
 
-    arr = np.ascontiguousarray(np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS))
-    return torch.from_numpy(arr).to(device)
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return t.to(dev)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(dev, non_blocking=True)
 
 
 def split_tail(table: list[list[int]], tiles: int, parts: int) -> tuple[list[list[int]], int | None]:

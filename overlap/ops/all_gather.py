@@ -36,7 +36,7 @@ import torch
 from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, row_bucket,
-                        split_tail, table_tensor, tail_parts)
+                        split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
                        call_sig, keep_for_capture, capturing, check_agree, observed, post_sig, serial_phases,
                        confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
@@ -164,7 +164,7 @@ def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
         if capturing():
             raise OverlapCaptureError("all_gather_matmul: the gathered rows' permutation for this shape is not "
                                       "cached (evicted, or never run); call it once outside the capture first")
-        perm = _perms[key] = torch.tensor(layout.gathered_to_natural(), device=gathered.device)
+        perm = _perms[key] = upload(torch.tensor(layout.gathered_to_natural()).numpy(), gathered.device)
     return gathered.index_select(0, keep_for_capture(perm))
 
 

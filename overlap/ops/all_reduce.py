@@ -58,7 +58,7 @@ import torch
 from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (Segment, build_tile_table, push_slot, row_bucket, row_chunk_segments, split_rows,
-                        split_tail, table_tensor, tail_parts)
+                        split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime,
                        get_runtime_if_made, on_stream, refuse_grad,
@@ -418,7 +418,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             acc = [0]
             for r in sizes:
                 acc.append(acc[-1] + r)
-            starts = torch.tensor(acc, dtype=torch.int32, device=rt.device)
+            starts = upload(torch.tensor(acc, dtype=torch.int32).numpy(), rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
                   1 + (tail if split else 0), shared, two)

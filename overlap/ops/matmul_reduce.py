@@ -47,7 +47,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import Segment, build_tile_table, split_rows
+from ..policies import Segment, build_tile_table, split_rows, table_tensor
 from ..protocol import COL_POST
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
@@ -331,7 +331,7 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
         if grid < 1:
             raise ValueError(f"{op}: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"margin {margin}")
-        table = torch.tensor(rows, dtype=torch.int32, device=rt.device)
+        table = table_tensor(rows, rt.device)
         p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm)
         if len(_plans) >= _MAX_PLANS:
             _plans.pop(next(iter(_plans)))
