@@ -19,7 +19,7 @@ module registers, under the ``overlap`` namespace, with torch's schemas and the
         torch's FP8 signatures; they raise NotImplementedError (no FP8 path yet)
 
 The values, shapes and strides are those of torch's fallbacks (checked by
-tests/test_compat.py). They run ``overlap.all_gather_matmul`` and
+tests/ops/test_compat.py). They run ``overlap.all_gather_matmul`` and
 ``overlap.matmul_reduce_scatter`` (tile-flag overlap on CUDA in fp16 / bf16, the
 reference elsewhere); the last dim (torch's column gather, or a scatter of the output's
 columns) takes the reference, with a one-time warning. Like torch's ops they have no

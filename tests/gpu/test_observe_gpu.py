@@ -213,11 +213,11 @@ def test_profiling_off_adds_no_host_time_to_an_op_call() -> None:
     """What observe adds to a tile-flag call with profiling off, on this GPU's host: the
     ops' wrapper (``observed`` around the body, on a CUDA device: the timer check too) and
     the chain's two ``gpu_range``s, against the same with observe's calls patched out,
-    under ``tests.test_observe.ADDED_US_BOUND``. Timed around a no-op body: the whole
+    under ``tests.observe.test_observe.ADDED_US_BOUND``. Timed around a no-op body: the whole
     mlp_chain call (printed, for scale) costs about 450 us of host time here, whose spread
     from run to run (15 us measured between the two halves of one run) hides a microsecond."""
     from overlap.ops import _runtime, chain
-    from tests.test_observe import ADDED_US_BOUND, host_us_off_and_bare
+    from tests.observe.test_observe import ADDED_US_BOUND, host_us_off_and_bare
 
     dev = torch.device("cuda")
     shape = (256, 512, 1024, 512)

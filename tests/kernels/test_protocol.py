@@ -1,5 +1,5 @@
 """overlap.protocol: the tile table's columns and the error record as the host builds and
-reads them (the kernels read the same constants; tests/_kernel_interp_worker.py runs them)."""
+reads them (the kernels read the same constants; the interpreted kernel tests run them)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,11 @@ posts under the Triton interpreter."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from overlap.ops.matmul_reduce import producer_table, reduce_scatter_layout
-from tests._procs import REPO, run_cmd, run_ranks
+from tests._interp import interpreted
+from tests._procs import REPO, run_ranks
 
 
 @pytest.mark.parametrize("world,m,chunks", [(1, 256, 1), (2, 600, 2), (4, 1024, 3), (8, 8192, 4)])
@@ -56,40 +58,36 @@ def test_producer_ops_gloo(world_size: int) -> None:
         assert p.returncode == 0 and f"PASS matmul_reduce rank={p.rank}" in p.out, p
 
 
+@interpreted
 def test_producer_gemm_interpreted() -> None:
-    pytest.importorskip("triton")
-    r = run_cmd(["python", "-c", _INTERP], timeout_s=240, env={"TRITON_INTERPRET": "1"})
-    assert r.returncode == 0 and "PASS producer_gemm" in r.out, r
+    """The producer GEMM under the interpreter: tiles in the chunk map's order, every tile
+    posting its chunk's counter once (the counts the comm stream waits for), each
+    segment's rows where the map puts them; new inputs per call."""
+    from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
+    from overlap.ops.matmul_reduce import producer_table, reduce_scatter_layout
 
-
-_INTERP = r'''
-import sys, torch
-sys.path.insert(0, ".")
-from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
-from overlap.ops.matmul_reduce import producer_table, reduce_scatter_layout
-cfg = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
-g = torch.Generator().manual_seed(3)
-for world, m, n, k, chunks, scatter in ((2, 80, 40, 32, 2, True), (3, 96, 24, 16, 3, True), (1, 50, 32, 48, 2, False)):
-    for call in range(2):  # new inputs, the counters zeroed per call as the op does
-        a = torch.randn(m, k, generator=g, dtype=torch.float16)
-        w = torch.randn(n, k, generator=g, dtype=torch.float16)
-        cmap = reduce_scatter_layout(world, m, chunks, 16, scatter)
-        rows, counts = producer_table(cmap, n, cfg.block_m, cfg.block_n)
-        table = torch.tensor(rows, dtype=torch.int32)
-        flags = torch.zeros(len(counts), dtype=torch.int32)
-        counter = torch.zeros(4, dtype=torch.int32)
-        err = torch.zeros(8, dtype=torch.int32)
-        c = torch.full((m, n), float("nan"), dtype=torch.float16)
-        launch_tile_gemm(a, w.t(), c, table, flags=flags, err=err, epoch=1, grid=3, config=cfg, post=True,
-                         counter=counter[0:1])
-        assert flags.tolist() == counts, (flags.tolist(), counts)
-        ref = a.double() @ w.double().t()
-        for seg, ch in cmap.segments:
-            got = c[seg.c_row:seg.c_row + seg.rows].double()
-            want = ref[seg.a_row:seg.a_row + seg.rows]
-            assert ((got - want).norm() / want.norm()).item() < 2e-3, (world, seg)
-print("PASS producer_gemm")
-'''
+    cfg = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
+    g = torch.Generator().manual_seed(3)
+    for world, m, n, k, chunks, scatter in ((2, 80, 40, 32, 2, True), (3, 96, 24, 16, 3, True),
+                                            (1, 50, 32, 48, 2, False)):
+        for call in range(2):  # new inputs, the counters zeroed per call as the op does
+            a = torch.randn(m, k, generator=g, dtype=torch.float16)
+            w = torch.randn(n, k, generator=g, dtype=torch.float16)
+            cmap = reduce_scatter_layout(world, m, chunks, 16, scatter)
+            rows, counts = producer_table(cmap, n, cfg.block_m, cfg.block_n)
+            table = torch.tensor(rows, dtype=torch.int32)
+            flags = torch.zeros(len(counts), dtype=torch.int32)
+            counter = torch.zeros(4, dtype=torch.int32)
+            err = torch.zeros(8, dtype=torch.int32)
+            c = torch.full((m, n), float("nan"), dtype=torch.float16)
+            launch_tile_gemm(a, w.t(), c, table, flags=flags, err=err, epoch=1, grid=3, config=cfg, post=True,
+                             counter=counter[0:1])
+            assert flags.tolist() == counts, (flags.tolist(), counts)
+            ref = a.double() @ w.double().t()
+            for seg, ch in cmap.segments:
+                got = c[seg.c_row:seg.c_row + seg.rows].double()
+                want = ref[seg.a_row:seg.a_row + seg.rows]
+                assert ((got - want).norm() / want.norm()).item() < 2e-3, (world, seg)
 
 
 @pytest.mark.parametrize("m", [128, 1000, 2048, 4096 + 64, 16384])

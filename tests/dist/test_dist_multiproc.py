@@ -13,7 +13,7 @@ import pytest
 
 from tests._procs import Proc, run_ranks
 
-WORKER = Path(__file__).with_name("_dist_worker.py")
+WORKER = Path(__file__).resolve().parent.parent / "_dist_worker.py"
 
 
 def _all_pass(results: list[Proc], tag: str) -> None:

@@ -1,6 +1,6 @@
 """Host-side checks of the folded norm: what fold_norm and the reduce kernel's plan refuse,
 and the fold kernel's column blocks (the kernels themselves run under the interpreter in
-test_kernels_interp.py, scenario norm_fold)."""
+tests/kernels/test_norm_interp.py::test_norm_fold)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,426 @@
+"""The ops' host side with their kernels interpreted, on stand-in runtimes: the peer-copy
+transport's pushes, reduce and signatures, a late peer with a new M every call, and the
+NCCL transport's producer ops and block boundary.
+
+Each test runs in a child process with TRITON_INTERPRET=1 (``tests._interp``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests._interp import interpreted
+from tests.kernels._interp_common import (CFG, CFG32, ErrorWord, FlagTimeoutError, GemmConfig, TOL, _NcclStandIn, _StandIn, _rel, _table, _torch_norm, all_gather_push_layout, launch_tile_gemm, split_tail)
+
+
+@interpreted
+def test_push_layout() -> None:
+    """The p2p all-gather: peers' chunks land in natural row order, each with its
+    own flag (sender * chunks + c); with one sender's last chunk missing, only
+    those rows stay unwritten and the timeout names that flag."""
+    g = torch.Generator().manual_seed(11)
+    world, ms, k, n = 3, 37, 32, 24
+    for rank in range(world):
+        for chunks in (1, 3):
+            full = torch.randn(world * ms, k, generator=g, dtype=torch.float32)
+            w = torch.randn(n, k, generator=g, dtype=torch.float32)
+            lay = all_gather_push_layout(world, rank, ms, chunks, CFG.block_m)
+            assert lay.gathered_to_natural() == list(range(world * ms))
+            nch = len(lay.chunk_rows)
+            peer_late = (rank + 1) % world
+            for missing in (False, True):
+                buf = torch.zeros_like(full)
+                flags = torch.full((world * nch,), 6, dtype=torch.int32)  # the previous call's epoch
+                for r in range(world):
+                    if r == rank:
+                        continue
+                    for c, (start, rows) in enumerate(zip(lay.chunk_starts, lay.chunk_rows)):
+                        if missing and r == peer_late and c == nch - 1:
+                            continue  # this push never lands
+                        buf[r * ms + start: r * ms + start + rows] = full[r * ms + start: r * ms + start + rows]
+                        flags[r * nch + c] = 7
+                ew = ErrorWord("cpu", what="push")
+                c_out = torch.full((world * ms, n), float("nan"))
+                launch_tile_gemm(full[rank * ms:(rank + 1) * ms].clone(), w.t(), c_out, _table(lay.segments, n),
+                                 a2=buf, flags=flags, err=ew.word, epoch=7, rank=rank, grid=1 if missing else 4,
+                                 config=CFG, wait=True, max_spins=100)
+                ref = full.double() @ w.double().t()
+                if not missing:
+                    ew.check()
+                    assert _rel(c_out, ref) < 1e-5, (rank, chunks)
+                    continue
+                start, rows = lay.chunk_starts[-1], lay.chunk_rows[-1]
+                lo, hi = peer_late * ms + start, peer_late * ms + start + rows
+                assert torch.isnan(c_out[lo:hi]).all(), "a tile of a missing push wrote"
+                # rows scheduled before the missing chunk's tiles were computed
+                assert _rel(c_out[rank * ms:(rank + 1) * ms], ref[rank * ms:(rank + 1) * ms]) < 1e-5
+                try:
+                    ew.check()
+                except FlagTimeoutError as e:
+                    assert (e.flag_idx, e.expected, e.seen) == (peer_late * nch + nch - 1, 7, 6), e
+                else:
+                    raise AssertionError("timeout not reported")
+
+
+
+@interpreted
+def test_p2p_all_reduce_op() -> None:
+    """The p2p all-reduce op's host side (``_fused_p2p``) on a stand-in runtime, its
+    kernels interpreted: rank 0 of 2, the peer's pushes already landed (its partial in
+    the receive slot, its flags at the call's epoch), streams and pushes recorded only.
+    Calls with changing inputs over both call parities, with and without residual,
+    LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off,
+    the reduce kernel beside the GEMM (its short column blocks), the last chunk's
+    tiles split along K or not: c and h match torch, and each call
+    queues one push per chunk of the local partial."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_reduce as ar
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 300, 48, 64  # row chunks of 128 (the op's alignment), 128, 44
+    with rt.patched():
+        calls = 0
+        for kind, with_res, fold, layout, give_back, split in (
+                (None, False, False, "wt", True, 0), ("layernorm", True, False, "wt", True, 0),
+                ("layernorm", True, True, "wt", True, 0), ("layernorm", True, True, "kn", False, 0),
+                ("rmsnorm", False, True, "wt", True, 0), (None, True, False, "kn", True, 4),
+                ("layernorm", True, True, "wt", True, 2), ("layernorm", True, False, "wt", "shared", 0),
+                ("layernorm", True, True, "kn", "shared", 2)):
+            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=fold, give_back=give_back is True, check="sync",
+                                transport="p2p", gemm=CFG32 if split else CFG, split_tail=split,
+                                reduce_shared=give_back == "shared")
+            if give_back == "shared":  # the GEMM on every SM, the reduce kernel's 2 programs beside it
+                p = ar._plan(rt, m, n, k, cfg, "p2p")
+                assert (p.grid, p.give_back_grid, p.reduce_programs) == (12, 0, 2), p
+                try:  # one reduce program per SM at most
+                    ar._plan(rt, m, n, k, OverlapConfig(reduce_ctas=13, reduce_shared=True), "p2p")
+                except ValueError as e:
+                    assert "one reduce program per SM" in str(e), e
+                else:
+                    raise AssertionError("13 shared reduce programs on 12 SMs accepted")
+                try:  # the small reduce programs fit beside the plain GEMM's only
+                    ar._plan(rt, m, n, k, OverlapConfig(reduce_ctas=2, reduce_shared=True,
+                                                        gemm=GemmConfig(warp_specialize=True)), "p2p")
+                except ValueError as e:
+                    assert "warp-specialized" in str(e), e
+                else:
+                    raise AssertionError("reduce_shared with a warp-specialized GEMM accepted")
+            if split:  # the last chunk's 2 x 3 tiles, in 2 K pieces each on the 12 SMs
+                assert ar._plan(rt, m, n, k, cfg, "p2p").split == (ar._plan(rt, m, n, k, cfg, "p2p").table.shape[0]
+                                                                   - 12, 2)
+            lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            b = lin.t() if layout == "wt" else lin.t().contiguous()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+            for it in range(3):  # both call parities, then the first again: plans reused
+                x = torch.randn(m, k, generator=g).half()
+                peer = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
+                before = len(rt.pushes)
+                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                pushes = rt.pushes[before:]
+                assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in pushes] == \
+                    [(0, 128 * k * 2), (128 * k * 2, 128 * k * 2), (256 * k * 2, 44 * k * 2)], pushes
+                h_ref = (x.float() + peer.float()).half()
+                if res is not None:
+                    h_ref = (h_ref.float() + res.float()).half()
+                assert torch.equal(h, h_ref), (kind, fold, it)
+                y = h_ref.float()
+                if norm is not None:
+                    y = _torch_norm(h_ref, kind, norm.weight, norm.bias, norm.eps).half().float()
+                ref = y.double() @ b.double()
+                assert _rel(c, ref) < 1e-2, (kind, with_res, fold, layout, it, _rel(c, ref))
+                calls += 1
+    assert ar.stats["p2p"] >= calls, ar.stats
+    with rt.patched():
+        # two-shot: rank 0 reduces rows 0..255 (2 chunks), rank 1 rows 256..299 (the peer's
+        # reduced rows, and their statistics, land in the gather buffer)
+        for kind, with_res, mode, split in ((None, False, True, 0), ("layernorm", True, True, 2),
+                                            ("rmsnorm", True, "shared", 0), (None, True, False, 4)):
+            cfg = OverlapConfig(chunks=3, reduce_ctas=2, fold_norm=kind is not None, give_back=mode is True,
+                                reduce_shared=mode == "shared", two_shot=True, check="sync", transport="p2p",
+                                gemm=CFG32 if split else CFG, split_tail=split)
+            p = ar._plan(rt, m, n, k, cfg, "p2p")
+            assert p.two_shot.rows == (256, 44) and p.chunk_rows == (128, 128), p
+            b = ((torch.randn(n, k, generator=g) / k ** 0.5).half()).t()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+            blk = rt.block("all_reduce_matmul.two_shot", 0)
+            for it in range(3):
+                x = torch.randn(m, k, generator=g).half()
+                peer = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                h_ref = (x.float() + peer.float()).half()
+                if res is not None:
+                    h_ref = (h_ref.float() + res.float()).half()
+                blk.tensor(0, 0, (1, 256, k), torch.float16)[0].copy_(peer[:256])  # peer's partial of my rows
+                blk.tensor(0, 0, (m, k), torch.float16)[256:].copy_(h_ref[256:])  # peer's reduced rows
+                if norm is not None:
+                    hf = h_ref[256:].float()
+                    mean = hf.mean(1) if kind == "layernorm" else torch.zeros(hf.shape[0])
+                    rstd = torch.rsqrt((hf - mean[:, None]).pow(2).mean(1) + norm.eps)
+                    blk.tensor(0, 0, (m, 2), torch.float32)[256:].copy_(torch.stack([rstd, mean * rstd], 1))
+                before, cbefore = len(rt.pushes), len(rt.copies)
+                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                assert torch.equal(h, h_ref), (kind, mode, it)
+                y = h_ref.float() if norm is None else _torch_norm(h_ref, kind, norm.weight, norm.bias,
+                                                                   norm.eps).half().float()
+                assert _rel(c, y.double() @ b.double()) < 1e-2, (kind, mode, it, _rel(c, y.double() @ b.double()))
+                # my partial of the peer's rows goes out (one chunk of 44 rows); my 2 reduced
+                # chunks (and their statistics with a norm) go back
+                assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in rt.pushes[before:]] == \
+                    [(256 * k * 2, 44 * k * 2)], rt.pushes[before:]
+                copies = rt.copies[cbefore:]
+                want = [(h.data_ptr() + r0 * k * 2, 128 * k * 2) for r0 in (0, 128)]
+                assert [(src, nb) for _, src, nb in copies if nb == 128 * k * 2] == want, copies
+                assert len(copies) == (4 if norm is not None else 2), copies
+        try:
+            ar._fused_p2p(rt, x, b, None, Norm("rmsnorm", torch.ones(k).half()),
+                          OverlapConfig(two_shot=True, transport="p2p", gemm=CFG))
+        except ValueError as e:
+            assert "fold_norm" in str(e), e
+        else:
+            raise AssertionError("two_shot with an unfolded norm accepted")
+
+
+
+@interpreted
+def test_p2p_all_gather_op() -> None:
+    """The p2p all-gather op's host side on the stand-in runtime, kernels interpreted:
+    rank 0 of 2 with the peer's shard landed in its rows of the gathered buffer; over
+    both call parities, both B layouts, one and two chunks, ``return_gathered``, the
+    tiles after the last full wave split along K or not: C is the gathered A times B,
+    the gathered copy holds both shards, and each call queues one push per chunk of
+    the local shard."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(4)
+    ms, n, k = 150, 40, 48
+    with rt.patched():
+        calls = 0
+        for chunks, layout, ret, split in ((1, "wt", False, 0), (2, "kn", True, 0), (2, "wt", True, 0),
+                                           (1, "kn", False, 8), (2, "wt", True, 2)):
+            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG32 if split else CFG,
+                                split_tail=split)
+            if split:  # 5 + 5 row tiles x 3 column tiles: 30 % 12 = 6 left, in 2 pieces each
+                p = ag._plan(rt, ms, n, k, cfg, "p2p")
+                assert p.split == (p.table.shape[0] - 12, 2), p.split
+            lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            b = lin.t() if layout == "wt" else lin.t().contiguous()
+            for it in range(3):
+                a = torch.randn(ms, k, generator=g).half()
+                peer = torch.randn(ms, k, generator=g).half()
+                rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+                before = len(rt.pushes)
+                out = ag._fused_p2p(rt, a, b, ret, cfg)
+                c, gathered = out if ret else (out, None)
+                pushes = rt.pushes[before:]
+                assert sum(nb for _, _, nb, _, _ in pushes) == ms * k * 2 and len(pushes) == chunks, pushes
+                assert min(src for _, src, _, _, _ in pushes) == a.data_ptr(), pushes
+                full = torch.cat([a, peer])
+                assert _rel(c, full.double() @ b.double()) < 1e-2, (chunks, layout, it)
+                if ret:
+                    assert torch.equal(gathered, full), "the gathered copy differs"
+                calls += 1
+    assert ag.stats["p2p"] >= calls, ag.stats
+
+
+
+@interpreted
+def test_p2p_disagree() -> None:
+    """The peer-copy ops' signature check on the stand-in runtime, kernels interpreted:
+    the peer's signature words for this call differ from this rank's (the ranks disagree
+    on the call although the host's check was cached): the all-gather's GEMM and the
+    all-reduce's reduce kernel record it, the call raises RanksDisagreeError naming the
+    signatures, and the next call, the ranks agreeing again, is correct."""
+    from dataclasses import replace
+
+    from overlap.flags import RanksDisagreeError
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+    from overlap.ops import all_reduce as ar
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(9)
+    ms, n, k = 64, 32, 48
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", gemm=CFG)
+    lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    with rt.patched():
+        for disagree in (False, True, False, True, False):
+            rt.disagree = disagree
+            a = torch.randn(ms, k, generator=g).half()
+            peer = torch.randn(ms, k, generator=g).half()
+            rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+            try:
+                c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+            except RanksDisagreeError as e:
+                assert disagree and "disagree" in str(e) and e.rank == 0, e
+                assert e.flag_idx % rt.STRIDE >= rt.STRIDE - 2, e.flag_idx
+            else:
+                assert not disagree, "a peer's other signature was not caught (all-gather)"
+                assert _rel(c, torch.cat([a, peer]).double() @ lin.t().double()) < 1e-2
+            x = torch.randn(ms, k, generator=g).half()
+            xp = torch.randn(ms, k, generator=g).half()
+            rt.recv("all_reduce_matmul", (1, ms, k), torch.float16)[0].copy_(xp)
+            try:
+                c2, h = ar._fused_p2p(rt, x, lin.t(), None, None, replace(cfg, reduce_ctas=4))
+            except RanksDisagreeError as e:
+                assert disagree and "disagree" in str(e), e
+            else:
+                assert not disagree, "a peer's other signature was not caught (all-reduce)"
+                assert _rel(h, x.double() + xp.double()) < 1e-2
+
+
+
+@interpreted
+def test_late_peer_new_m() -> None:
+    """A peer that arrives late, and M that changes every call, on the p2p all-gather op's
+    host side (stand-in runtime, kernels interpreted). Each call's peer rows and flags
+    land 1.5 s after the call starts (past the old 500 ms default bound), from another
+    thread, while this rank's GEMM waits: with default settings every call is correct and
+    raises nothing, and the bound the op hands its kernels is the process groups' timeout
+    (minutes; the interpreter itself bounds a wait by its spins, not by time). The M/R of
+    the calls changes every call within two buckets: the shared buffer is asked for the
+    bucket's size (``row_bucket``), so it grows once per bucket, not once per M."""
+    import threading
+    import time
+    from unittest import mock
+
+    from overlap import flags as fl
+    from overlap.ops import OverlapConfig
+    from overlap.ops import _runtime as rtm
+    from overlap.ops import all_gather as ag
+    from overlap.policies import row_bucket
+
+    os.environ.pop("OVERLAP_WAIT_TIMEOUT_MS", None)
+    default_ms = fl.default_timeout_ms()
+    assert default_ms >= 60_000, default_ms
+
+    class LateFlags(_StandIn.Flags):
+        def next_epoch(self):  # the peer's flags land later, from the thread below
+            self.epoch += 1
+            return self.epoch
+
+    rt = _StandIn()
+    rt.Flags = LateFlags
+    asked = []
+    block = rt.block
+
+    def sized_block(name, nbytes):
+        if nbytes:  # (not the test's own ``recv``)
+            asked.append(nbytes)
+        return block(name, nbytes)
+
+    rt.block = sized_block
+    bounds = []
+    real_plan = rtm.gemm_plan
+
+    def gemm_plan(*a, **kw):
+        bounds.append(kw["timeout_ns"])
+        return real_plan(*a, **kw)
+
+    g = torch.Generator().manual_seed(11)
+    n, k = 32, 48
+    cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", gemm=CFG)
+    lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    with rt.patched(), mock.patch.object(ag, "gemm_plan", gemm_plan):
+        for ms in (40, 100, 77, 130, 200, 150):
+            a = torch.randn(ms, k, generator=g).half()
+            peer = torch.randn(ms, k, generator=g).half()
+            recv = rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)
+            recv[ms:].fill_(float("nan"))  # not landed yet
+            f = rt.flags("all_gather_matmul", 1)
+
+            def land(epoch=f.epoch + 1, recv=recv, peer=peer, ms=ms, f=f):
+                time.sleep(1.5)
+                recv[ms:].copy_(peer)
+                words = torch.arange(f.local.numel())
+                chunk_words = (words % rt.STRIDE) < rt.STRIDE - 2  # not the signature words
+                f.local[chunk_words] = epoch
+
+            th = threading.Thread(target=land)
+            t0 = time.monotonic()
+            th.start()
+            c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+            th.join()
+            assert time.monotonic() - t0 >= 1.5
+            assert _rel(c, torch.cat([a, peer]).double() @ lin.t().double()) < 1e-2, ms
+    assert bounds and all(b == int(default_ms * 1e6) for b in bounds), bounds
+    row_bytes = k * 2
+    assert asked == [2 * (-(-2 * row_bucket(ms) * row_bytes // 1024) * 1024) for ms in (40, 100, 77, 130, 200, 150)]
+    assert len(set(asked)) == 2, asked  # two buckets (128, 256 rows), six M
+
+
+
+@interpreted
+def test_nccl_pipeline() -> None:
+    """The NCCL transport's host side, kernels interpreted, at world size 1: the producer
+    ops (``matmul_reduce_scatter`` / ``matmul_all_reduce``, per-chunk counters the comm
+    stream waits on) and the block boundary (``matmul_all_reduce_matmul``: the producer's
+    counters, each chunk all-reduced, added and normed, its flag, the consumer's tiles),
+    with new inputs every call, 1-4 chunks, residual and LayerNorm / RMSNorm or none, both
+    B layouts, the consumer's split tail and give-back grid: outputs against torch, one
+    wait per chunk for that chunk's tile count, one collective per chunk."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import boundary as bd
+    from overlap.ops import matmul_reduce as mr
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(5)
+    m, n, k, n2 = 300, 48, 64, 32  # row chunks of 128 (the ops' alignment)
+    with rt.patched():
+        for chunks, kind, with_res, layout, give_back, split in (
+                (1, None, False, "wt", True, 0), (3, "layernorm", True, "wt", True, 0),
+                (2, "rmsnorm", False, "kn", False, 0), (3, "layernorm", True, "kn", True, 2),
+                (3, None, True, "wt", True, 0)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
+            sizes = mr.reduce_scatter_layout(1, m, chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+            w1 = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            w2 = (torch.randn(n2, n, generator=g) / n ** 0.5).half()
+            b = w1.t() if layout == "wt" else w1.t().contiguous()
+            b2 = w2.t() if layout == "wt" else w2.t().contiguous()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(n, generator=g) + 0.5).half(),
+                            torch.randn(n, generator=g).half() if kind == "layernorm" else None)
+            for it in range(2):  # new inputs; plans and words reused
+                a = torch.randn(m, k, generator=g).half()
+                res = torch.randn(m, n, generator=g).half() if with_res else None
+                want = a.float() @ w1.float().t()
+                # the producer ops
+                del rt.log[:], rt.waits[:]
+                got = mr._fused(rt, "matmul_reduce_scatter", a, b, None, cfg)
+                assert _rel(got, want) < TOL[torch.float16], ("mmrs", chunks, it)
+                got = mr._fused(rt, "matmul_all_reduce", a, b, res, cfg)
+                want_h = want + (res.float() if res is not None else 0)
+                assert _rel(got, want_h) < TOL[torch.float16], ("mmar", chunks, it)
+                counts = mr._plan(rt, "matmul_all_reduce", m, n, k, cfg).counts
+                tiles = [-(-r // cfg.gemm.block_m) * -(-n // cfg.gemm.block_n) for r in sizes]
+                assert list(counts) == tiles, (counts, tiles)
+                assert [v for _, v in rt.waits] == tiles * 2 and rt.log == [("reduce_scatter", r) for r in sizes] + \
+                    [("all_reduce", r) for r in sizes], (rt.waits, rt.log)
+                # the boundary
+                del rt.log[:], rt.waits[:]
+                c, h = bd._fused(rt, a, b, b2, res, norm, cfg)
+                y = want_h if norm is None else (torch.nn.functional.layer_norm(want_h, (n,), norm.weight.float(),
+                                                                                 norm.bias.float())
+                                                 if kind == "layernorm" else
+                                                 torch.nn.functional.rms_norm(want_h, (n,), norm.weight.float()))
+                assert _rel(h, want_h) < TOL[torch.float16], ("boundary h", chunks, kind, it)
+                assert _rel(c, y @ w2.float().t()) < 5e-3, ("boundary c", chunks, kind, it, _rel(c, y @ w2.float().t()))
+                assert [v for _, v in rt.waits] == tiles and rt.log == [("all_reduce", r) for r in sizes], \
+                    (rt.waits, rt.log)
+                p2 = bd._ar._plan(rt, m, n2, n, cfg)
+                words = rt.local_words(bd.OP + ".consumer", p2.counters, chunks)
+                assert words.flags[:chunks].tolist() == [1] * chunks, words  # every chunk's flag posted once
+
