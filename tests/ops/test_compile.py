@@ -309,3 +309,13 @@ def test_import_loads_no_cuda_module() -> None:
             "or m.startswith(('cuda.bindings', 'torch._dynamo'))]; assert not bad, bad[:5]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_baselines_module_holds_every_baseline() -> None:
+    """overlap.ops.baselines: every *_ref, *_chunked and stream-sync baseline of overlap.ops,
+    the same objects."""
+    import overlap.ops.baselines as baselines
+
+    want = {n for n in overlap.ops.__all__ if n.endswith(("_ref", "_chunked", "_stream_sync"))}
+    assert set(baselines.__all__) == want, set(baselines.__all__) ^ want
+    assert all(getattr(baselines, n) is getattr(overlap.ops, n) for n in want)
