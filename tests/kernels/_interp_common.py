@@ -146,11 +146,13 @@ def _torch_norm(h, kind, w, b, eps):
 
 
 class _NcclStandIn:
-    """A stand-in for the runtime of an NCCL-transport op at world size 1, for the ops'
-    ``_fused`` host side with kernels interpreted. The interpreter runs a grid to its end
-    at launch, so stream order is program order: a stream wait on a chunk's counter
-    asserts that the counter is complete (every tile of the chunk posted), and the
-    collectives copy (one rank)."""
+    """A stand-in for the runtime of an NCCL-transport op, for the ops' ``_fused`` host side
+    with kernels interpreted. The interpreter runs a grid to its end at launch, so stream
+    order is program order: a stream wait on a chunk's counter asserts that the counter is
+    complete (every tile of the chunk posted). At world size 1 the collectives copy. As
+    rank 0 of 2 (``_NcclStandIn(world=2)``) the all-gather and all-reduce take the peer's
+    rows from ``peer`` (its shard, or its partial sums), found by the rows' offset in
+    ``base`` (the tensor the op slices its sends from)."""
 
     class Stream:
         def wait_event(self, ev):
@@ -161,13 +163,27 @@ class _NcclStandIn:
             pass
 
     class Comm:
-        def __init__(self, log):
-            self.log = log
+        def __init__(self, rt):
+            self.rt, self.log = rt, rt.log
+
+        def _peer_rows(self, send):
+            base = self.rt.base
+            start = (send.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
+            return self.rt.peer[start:start + send.shape[0]]
 
         def all_reduce(self, send, recv, stream=None):
             self.log.append(("all_reduce", send.shape[0]))
-            if recv.data_ptr() != send.data_ptr():
+            if self.rt.world == 2:
+                recv.copy_((send.float() + self._peer_rows(send).float()).to(recv.dtype))
+            elif recv.data_ptr() != send.data_ptr():
                 recv.copy_(send)
+
+        def all_gather(self, send, recv, stream=None):
+            self.log.append(("all_gather", send.shape[0]))
+            rows = send.shape[0]
+            recv[:rows].copy_(send)
+            if self.rt.world == 2:
+                recv[rows:].copy_(self._peer_rows(send))
 
         def reduce_scatter(self, send, recv, stream=None):
             self.log.append(("reduce_scatter", send.shape[0]))
@@ -184,10 +200,13 @@ class _NcclStandIn:
 
         end = begin
 
-    world, rank, ranks, device, num_sms, group = 1, 0, (0,), torch.device("cpu"), 12, None
+    rank, device, num_sms, group = 0, torch.device("cpu"), 12, None
 
-    def __init__(self):
+    def __init__(self, world=1):
         from overlap.ops._runtime import LocalWords
+
+        self.world, self.ranks = world, tuple(range(world))
+        self.peer = self.base = None
 
         self.comm_stream, self.aux_stream = self.Stream(), self.Stream()
         self.order, self._local, self.errs, self.log, self.waits = self.Order(), LocalWords(self.device), {}, [], []
@@ -196,7 +215,10 @@ class _NcclStandIn:
         return self._local.get(name, n_counters, n_flags)
 
     def comm(self, max_ctas):
-        return self.Comm(self.log)
+        return self.Comm(self)
+
+    def p2p(self):
+        return None
 
     def err(self, name):
         return self.errs.setdefault(name, ErrorWord("cpu", what=name))

@@ -424,3 +424,58 @@ def test_nccl_pipeline() -> None:
                 words = rt.local_words(bd.OP + ".consumer", p2.counters, chunks)
                 assert words.flags[:chunks].tolist() == [1] * chunks, words  # every chunk's flag posted once
 
+
+
+@interpreted
+def test_nccl_consumer_ops() -> None:
+    """The consumer ops' NCCL-transport host side (``all_gather_matmul``'s and
+    ``all_reduce_matmul``'s ``_fused``) with kernels interpreted, as rank 0 of 2 on a
+    stand-in runtime: the peer's shard (or partial sums) arrives through the stand-in's
+    collectives, chunk by chunk. New inputs every call, 1-3 chunks, both B layouts, the
+    give-back grid, a split tail, return_gathered; residual and LayerNorm / RMSNorm or
+    none: outputs against torch, one collective per chunk, every chunk flag posted."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_gather as ag
+    from overlap.ops import all_reduce as ar
+    from overlap.ops import matmul_reduce as mr
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(7)
+    ms, m, n, k = 150, 300, 48, 64  # all-gather: 150 rows per rank; all-reduce: 300 rows
+    with rt.patched():
+        for chunks, kind, with_res, layout, give_back, split in (
+                (1, None, False, "wt", True, 0), (2, "layernorm", True, "wt", True, 0),
+                (3, "rmsnorm", False, "kn", False, 0), (2, "layernorm", True, "kn", True, 2)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
+            lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+            b = lin.t() if layout == "wt" else lin.t().contiguous()
+            norm = None
+            if kind:
+                norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                            torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+            for it in range(2):
+                # all-gather -> GEMM: this rank's rows first, then the peer's
+                a = torch.randn(ms, k, generator=g).half()
+                rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+                del rt.log[:]
+                c, gathered = ag._fused(rt, a, b, True, cfg)
+                full = torch.cat([a, rt.peer])
+                assert torch.equal(gathered, full), ("gathered", chunks, it)
+                assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("agmm", chunks, it)
+                sizes = mr.split_rows(ms, chunks, mr.CHUNK_ALIGN)
+                assert rt.log == [("all_gather", r) for r in sizes], rt.log
+                # all-reduce (+ residual, norm) -> GEMM
+                x = torch.randn(m, k, generator=g).half()
+                rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                del rt.log[:]
+                c, h = ar._fused(rt, x, b, res, norm, cfg)
+                h_want = (x.float() + rt.peer.float()).half().float() + (res.float() if res is not None else 0)
+                assert _rel(h, h_want) < TOL[torch.float16], ("armm h", chunks, kind, it)
+                y = h_want if norm is None else (
+                    torch.nn.functional.layer_norm(h_want, (k,), norm.weight.float(), norm.bias.float())
+                    if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
+                assert _rel(c, y @ lin.float().t()) < 5e-3, ("armm c", chunks, kind, it)
+                sizes = mr.split_rows(m, chunks, mr.CHUNK_ALIGN)
+                assert rt.log == [("all_reduce", r) for r in sizes], rt.log
