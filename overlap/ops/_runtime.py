@@ -28,7 +28,7 @@ from .. import flags as _flags
 from .. import observe as _observe
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
-           "report_errors", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
+           "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
            "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
 
 _lock = threading.Lock()
@@ -1121,6 +1121,59 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
                                        counter=counter, **kw)
     # a captured launch reads the plan's table and split workspace on every replay: never freed
     return keep_for_capture(gp)
+
+
+class fused_call:
+    """The frame of one fused call on the NCCL transport, the same for every op:
+
+        with fused_call(rt, err, cfg.check, (cs, ns), (name, counters, flags), ...) as (cur, words):
+            ...allocate the outputs, queue the grids on cur and the collectives on the side streams...
+
+    On entry, under the device's order lock: ``cur`` (the caller's stream) ordered after the
+    previous call (``DeviceOrder``); each ``(name, counters, flags)`` of the call's local
+    words (``Runtime.local_words``) zeroed on ``cur``; the side streams forked from ``cur``
+    after that, so every launch and flag post comes after the zeroing. On exit, an
+    exception too: the side streams joined back into ``cur`` (their work is ordered
+    before the next call's zeroing) and the order released. Then, without an exception,
+    the error word reported as ``check`` says, still under the lock (a cleared report's
+    zeroing is queued on ``cur``, which the next call is ordered after)."""
+
+    __slots__ = ("rt", "err", "check", "side", "specs", "cur")
+
+    def __init__(self, rt: "Runtime", err: _flags.ErrorWord, check: str, side: tuple, *specs: tuple) -> None:
+        self.rt, self.err, self.check, self.side, self.specs = rt, err, check, side, specs
+
+    def __enter__(self) -> tuple[Any, list[Any]]:
+        rt = self.rt
+        rt.order.lock.acquire()
+        try:
+            words = [rt.local_words(*spec) for spec in self.specs]
+            self.cur = cur = torch.cuda.current_stream(rt.device)
+            rt.order.begin(cur)
+        except BaseException:
+            rt.order.lock.release()
+            raise
+        try:
+            for w in words:
+                _flags.stream_zero(cur, w.buf, w.buf.numel())
+            rt.fork(cur, *self.side)
+        except BaseException:
+            rt.order.end(cur)
+            rt.order.lock.release()
+            raise
+        return cur, words
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        rt = self.rt
+        try:
+            try:
+                rt.join(self.cur, *self.side)
+            finally:
+                rt.order.end(self.cur)
+            if exc_type is None:
+                report_errors(self.err, self.check)
+        finally:
+            rt.order.lock.release()
 
 
 def report_errors(err: _flags.ErrorWord, check: str) -> None:

@@ -39,9 +39,9 @@ from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layo
                         split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
                        call_sig, keep_for_capture, capturing, check_agree, observed, post_sig, serial_phases,
-                       confirm_best, dtype_code, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
-                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
-                       warn_once, ws_variants)
+                       confirm_best, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made,
+                       on_stream, refuse_grad, report_errors, resolve_group, run_p2p, split_variants,
+                       time_candidates, time_ms, tuning_bound, warn_once, ws_variants)
 
 __all__ = [
     "all_gather_matmul",
@@ -340,42 +340,26 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
-    with rt.order.lock:
-        # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed
-        # below on the caller's stream: no epoch (``_runtime.LocalWords``)
-        w = rt.local_words("all_gather_matmul", p.counters, p.flag_count)
+    cs = rt.comm_stream
+    # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed on the
+    # caller's stream before the comm stream forks: no epoch (``_runtime.LocalWords``)
+    with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters, p.flag_count)) as (cur, (w,)):
         gathered = a_shard.new_empty((world * ms, k))
         c = a_shard.new_empty((world * ms, n))
-        cur = torch.cuda.current_stream(a_shard.device)
-        cs = rt.comm_stream
-        rt.order.begin(cur)
-        # zeroed before the comm stream forks, so both launches (main grid here,
-        # give-back grid on the comm stream) and the flag posts come after it
-        _flags.stream_zero(cur, w.buf, w.buf.numel())
-        rt.fork(cur, cs)
-        try:
-            for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-                with gpu_range("comm", "chunk", c_idx):
-                    comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
-                                    stream=cs)
-                    _flags.stream_write_value(cs, w.flags, c_idx, 1)
-            gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
-                           timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
-                           split=p.split)
-            descs = gp.operands(a_shard, b, gathered)
-            with gpu_range("gemm", "grid"):
-                gp.launch(descs, c, epoch=1, grid=p.grid)
-            if p.give_back_grid:
-                with on_stream(cs, cur), gpu_range("giveback", "grid"):
-                    gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
-        finally:
-            # also after an exception: the comm stream's work is ordered before the
-            # next call's zeroing (and no record_stream is needed: Runtime.join)
-            rt.join(cur, cs)
-            rt.order.end(cur)
-        # under the lock: clearing a reported error queues its zeroing on this stream,
-        # which the next call (any thread, any stream) is ordered after
-        report_errors(err, cfg.check)
+        for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+            with gpu_range("comm", "chunk", c_idx):
+                comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
+                                stream=cs)
+                _flags.stream_write_value(cs, w.flags, c_idx, 1)
+        gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
+                       timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
+                       split=p.split)
+        descs = gp.operands(a_shard, b, gathered)
+        with gpu_range("gemm", "grid"):
+            gp.launch(descs, c, epoch=1, grid=p.grid)
+        if p.give_back_grid:
+            with on_stream(cs, cur), gpu_range("giveback", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
     stats["fused"] += 1
     if return_gathered:
         return c, _natural(gathered, p.layout)

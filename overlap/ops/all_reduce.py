@@ -59,11 +59,11 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (Segment, build_tile_table, push_slot, row_bucket, row_chunk_segments, split_rows,
                         split_tail, table_tensor, tail_parts, upload)
-from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code, gemm_plan, get_runtime,
-                       get_runtime_if_made, on_stream, refuse_grad,
-                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms, tuning_bound,
-                       warn_once)
+from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing,
+                       check_agree, call_sig, confirm_best, observed, post_sig, serial_phases, dtype_code,
+                       fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad,
+                       report_errors, resolve_group, run_p2p, split_variants, time_candidates, time_ms,
+                       tuning_bound, warn_once)
 
 __all__ = [
     "Norm",
@@ -557,58 +557,40 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     residual, norm = _contiguous(residual, norm)
     prologue = residual is not None or norm is not None
-    with rt.order.lock:
-        # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed
-        # below on the caller's stream: no epoch (``_runtime.LocalWords``)
-        w = rt.local_words("all_reduce_matmul", p.counters, len(p.chunk_rows))
+    cs, ns = rt.comm_stream, rt.aux_stream
+    # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed on the
+    # caller's stream before the side streams fork: no epoch (``_runtime.LocalWords``)
+    with fused_call(rt, err, cfg.check, (cs, ns) if prologue else (cs,),
+                    ("all_reduce_matmul", p.counters, len(p.chunk_rows))) as (cur, (w,)):
         h = torch.empty_like(x)
         y = torch.empty_like(x) if norm is not None else h
         c = x.new_empty((m, n))
-        cur = torch.cuda.current_stream(x.device)
-        cs, ns = rt.comm_stream, rt.aux_stream
-        rt.order.begin(cur)
-        # zeroed before the side streams fork from this one
-        _flags.stream_zero(cur, w.buf, w.buf.numel())
-        if prologue:
-            rt.fork(cur, cs, ns)
-        else:
-            rt.fork(cur, cs)
-        try:
-            start = 0
-            for c_idx, rows in enumerate(p.chunk_rows):
-                with gpu_range("comm", "chunk", c_idx):
-                    comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
-                if prologue:
-                    ev = torch.cuda.Event()
-                    ev.record(cs)
-                    ns.wait_event(ev)
-                    with on_stream(ns, cur), gpu_range("aux", "add+norm", c_idx):
-                        launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
-                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                        eps=norm.eps if norm else 1e-5, y=y)
-                        _flags.stream_write_value(ns, w.flags, c_idx, 1)
-                else:
-                    _flags.stream_write_value(cs, w.flags, c_idx, 1)
-                start += rows
-            gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
-                           counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
-            descs = gp.operands(y, b)
-            with gpu_range("gemm", "grid"):
-                gp.launch(descs, c, epoch=1, grid=p.grid)
-            last = ns if prologue else cs
-            if p.give_back_grid:
-                # queued behind the last chunk: NCCL's SMs are free by then
-                with on_stream(last, cur), gpu_range("giveback", "grid"):
-                    gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
-        finally:
-            # also after an exception: the side streams' work is ordered before the next
-            # call's zeroing (joined: no record_stream needed, Runtime.join)
+        start = 0
+        for c_idx, rows in enumerate(p.chunk_rows):
+            with gpu_range("comm", "chunk", c_idx):
+                comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
             if prologue:
-                rt.join(cur, cs, ns)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                ns.wait_event(ev)
+                with on_stream(ns, cur), gpu_range("aux", "add+norm", c_idx):
+                    launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                                    weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                    eps=norm.eps if norm else 1e-5, y=y)
+                    _flags.stream_write_value(ns, w.flags, c_idx, 1)
             else:
-                rt.join(cur, cs)
-            rt.order.end(cur)
-        report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's
+                _flags.stream_write_value(cs, w.flags, c_idx, 1)
+            start += rows
+        gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
+                       counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
+        descs = gp.operands(y, b)
+        with gpu_range("gemm", "grid"):
+            gp.launch(descs, c, epoch=1, grid=p.grid)
+        last = ns if prologue else cs
+        if p.give_back_grid:
+            # queued behind the last chunk: NCCL's SMs are free by then
+            with on_stream(last, cur), gpu_range("giveback", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
     stats["fused"] += 1
     return c, h
 

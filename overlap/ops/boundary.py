@@ -35,8 +35,8 @@ from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
-                       report_errors, resolve_group, warn_once)
+                       dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
+                       refuse_grad, report_errors, resolve_group, warn_once)
 
 __all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "stats"]
 
@@ -163,60 +163,41 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     prologue = residual is not None or norm is not None
     chunks = len(p1.cmap.chunk_rows)
-    with rt.order.lock:
-        # the producer's dispatch counter and per-chunk counts; the consumer's counters and
-        # per-chunk flags: zeroed below on the caller's stream (``_runtime.LocalWords``)
-        w1 = rt.local_words(OP + ".producer", 1, chunks)
-        w2 = rt.local_words(OP + ".consumer", p2.counters, chunks)
+    cs, ns = rt.comm_stream, rt.aux_stream
+    # the producer's dispatch counter and per-chunk counts; the consumer's counters and
+    # per-chunk flags: zeroed on the caller's stream before the side streams fork
+    with fused_call(rt, err, cfg.check, (cs, ns) if prologue else (cs,), (OP + ".producer", 1, chunks),
+                    (OP + ".consumer", p2.counters, chunks)) as (cur, (w1, w2)):
         c1 = a.new_empty((p1.cmap.c_rows, n))  # the partial products, all-reduced in place
         h = a.new_empty((m, n))
         y = torch.empty_like(h) if norm is not None else h
         c = a.new_empty((m, n2))
-        cur = torch.cuda.current_stream(a.device)
-        cs, ns = rt.comm_stream, rt.aux_stream
-        rt.order.begin(cur)
-        _flags.stream_zero(cur, w1.buf, w1.buf.numel())
-        _flags.stream_zero(cur, w2.buf, w2.buf.numel())
-        if prologue:
-            rt.fork(cur, cs, ns)
-        else:
-            rt.fork(cur, cs)
-        try:
-            gp1 = gemm_plan(p1.launches, a, b, c1, p1.table, flags=w1.flags, err=err.word, timeout_ns=1,
-                            counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True)
-            with gpu_range("gemm", "producer"):
-                gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=p1.grid)
-            for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
-                with gpu_range("comm", "chunk", ci):
-                    _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
-                    comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
-                if prologue:
-                    ev = torch.cuda.Event()
-                    ev.record(cs)
-                    ns.wait_event(ev)
-                    with on_stream(ns, cur), gpu_range("aux", "add+norm", ci):
-                        launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
-                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                        eps=norm.eps if norm else 1e-5, y=y)
-                        _flags.stream_write_value(ns, w2.flags, ci, 1)
-                else:
-                    _flags.stream_write_value(cs, w2.flags, ci, 1)
-            gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
-                            counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
-            descs = gp2.operands(y, b_next)
-            with gpu_range("gemm", "consumer"):
-                gp2.launch(descs, c, epoch=1, grid=p2.grid)  # behind the producer grid on this stream
-            if p2.give_back_grid:
-                with on_stream(ns if prologue else cs, cur), gpu_range("giveback", "grid"):
-                    gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
-        finally:
-            # also after an exception: the side streams' work is ordered before the next
-            # call's zeroing (joined: no record_stream needed, Runtime.join)
+        gp1 = gemm_plan(p1.launches, a, b, c1, p1.table, flags=w1.flags, err=err.word, timeout_ns=1,
+                        counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True)
+        with gpu_range("gemm", "producer"):
+            gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=p1.grid)
+        for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
+            with gpu_range("comm", "chunk", ci):
+                _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
+                comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
             if prologue:
-                rt.join(cur, cs, ns)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                ns.wait_event(ev)
+                with on_stream(ns, cur), gpu_range("aux", "add+norm", ci):
+                    launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                                    weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                    eps=norm.eps if norm else 1e-5, y=y)
+                    _flags.stream_write_value(ns, w2.flags, ci, 1)
             else:
-                rt.join(cur, cs)
-            rt.order.end(cur)
-        report_errors(err, cfg.check)
+                _flags.stream_write_value(cs, w2.flags, ci, 1)
+        gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
+                        counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
+        descs = gp2.operands(y, b_next)
+        with gpu_range("gemm", "consumer"):
+            gp2.launch(descs, c, epoch=1, grid=p2.grid)  # behind the producer grid on this stream
+        if p2.give_back_grid:
+            with on_stream(ns if prologue else cs, cur), gpu_range("giveback", "grid"):
+                gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
     stats["fused"] += 1
     return c, h

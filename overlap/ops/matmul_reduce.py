@@ -50,8 +50,8 @@ from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, split_rows, table_tensor
 from ..protocol import COL_POST
 from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       dtype_code, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad,
-                       report_errors, resolve_group, serial_phases, warn_once)
+                       dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
+                       refuse_grad, report_errors, resolve_group, serial_phases, warn_once)
 
 __all__ = [
     "matmul_reduce_scatter",
@@ -349,39 +349,27 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
     err = rt.err(op)
     chunks = len(p.cmap.chunk_rows)
     world = rt.world
-    with rt.order.lock:
-        # the dispatch counter, then a counter per chunk; zeroed below on the caller's stream
-        w = rt.local_words(op, 1, chunks)
+    cs = rt.comm_stream
+    # the dispatch counter, then a counter per chunk, zeroed on the caller's stream
+    with fused_call(rt, err, cfg.check, (cs,), (op, 1, chunks)) as (cur, (w,)):
         c = a.new_empty((p.cmap.c_rows, n))
         out = a.new_empty((m // world, n)) if scatter else c
-        cur = torch.cuda.current_stream(a.device)
-        cs = rt.comm_stream
-        rt.order.begin(cur)
-        _flags.stream_zero(cur, w.buf, w.buf.numel())
-        rt.fork(cur, cs)
-        try:
-            gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1, counter=w.counters,
-                           rank=rt.rank, config=p.gemm, post=True)
-            with gpu_range("gemm", "grid"):
-                gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid)
-            for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):
-                with gpu_range("comm", "chunk", ci):
-                    # every tile of the chunk stored (each posted once, with release)
-                    _flags.stream_wait_value(cs, w.flags, ci, p.counts[ci])
-                    if scatter:
-                        comm.reduce_scatter(c[world * start: world * (start + rows)], out[start:start + rows],
-                                            stream=cs)
-                    else:
-                        comm.all_reduce(c[start:start + rows], c[start:start + rows], stream=cs)
-                        if residual is not None:
-                            with on_stream(cs, cur):
-                                c[start:start + rows] += residual[start:start + rows]
-        finally:
-            # also after an exception: the comm stream's work is ordered before the next
-            # call's zeroing (and no record_stream is needed: Runtime.join)
-            rt.join(cur, cs)
-            rt.order.end(cur)
-        report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's
+        gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1, counter=w.counters,
+                       rank=rt.rank, config=p.gemm, post=True)
+        with gpu_range("gemm", "grid"):
+            gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid)
+        for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):
+            with gpu_range("comm", "chunk", ci):
+                # every tile of the chunk stored (each posted once, with release)
+                _flags.stream_wait_value(cs, w.flags, ci, p.counts[ci])
+                if scatter:
+                    comm.reduce_scatter(c[world * start: world * (start + rows)], out[start:start + rows],
+                                        stream=cs)
+                else:
+                    comm.all_reduce(c[start:start + rows], c[start:start + rows], stream=cs)
+                    if residual is not None:
+                        with on_stream(cs, cur):
+                            c[start:start + rows] += residual[start:start + rows]
     stats["fused"] += 1
     return out
 

@@ -58,3 +58,77 @@ def test_p2p_call_waits_for_the_last_call_only_on_another_stream() -> None:
     assert log[-1] == ("wait", "comm", "done")
     rt.p2p_end("op", b)
     assert log[-1] == ("record", "done", "b") and rt._p2p_done["op"][1] == b
+
+
+def test_fused_call_frame(monkeypatch) -> None:  # noqa: ANN001
+    """fused_call: the words zeroed on the caller's stream before the side streams fork; on
+    exit (an exception too) joined and the order released; the error word reported only
+    after a call that did not raise; the lock released either way."""
+    import threading
+
+    import torch
+
+    from overlap import flags as fl
+    from overlap.ops import _runtime
+
+    log: list = []
+
+    class Words:
+        def __init__(self, name: str) -> None:
+            self.name, self.buf = name, torch.ones(4, dtype=torch.int32)
+
+    class Order:
+        lock = threading.RLock()
+
+        def begin(self, cur: object) -> None:
+            log.append("begin")
+
+        def end(self, cur: object) -> None:
+            log.append("end")
+
+    class Rt:
+        device, order = torch.device("cpu"), Order()
+
+        def local_words(self, name: str, counters: int, flags: int) -> Words:
+            log.append(f"words {name}")
+            return Words(name)
+
+        def fork(self, cur: object, *side: object) -> None:
+            log.append(f"fork {len(side)}")
+
+        def join(self, cur: object, *side: object) -> None:
+            log.append(f"join {len(side)}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "cur")
+    monkeypatch.setattr(fl, "stream_zero", lambda s, t, n: (log.append(f"zero {s}"), t.zero_()))
+    monkeypatch.setattr(_runtime, "report_errors", lambda err, check: log.append(f"report {check}"))
+    def free(lock: threading.RLock) -> bool:  # another thread can take it (an RLock is reentrant here)
+        got: list = []
+
+        def take() -> None:
+            got.append(lock.acquire(blocking=False))
+            if got[0]:
+                lock.release()
+
+        th = threading.Thread(target=take)
+        th.start()
+        th.join()
+        return got[0]
+
+    rt = Rt()
+    with _runtime.fused_call(rt, "err", "sync", ("cs", "ns"), ("a", 1, 2), ("b", 4, 3)) as (cur, (wa, wb)):
+        assert cur == "cur" and (wa.name, wb.name) == ("a", "b")
+        assert int(wa.buf.sum()) == 0 == int(wb.buf.sum())
+        log.append("body")
+    assert log == ["words a", "words b", "begin", "zero cur", "zero cur", "fork 2", "body", "join 2", "end",
+                   "report sync"], log
+    assert free(Order.lock)
+    del log[:]
+    try:
+        with _runtime.fused_call(rt, "err", "sync", ("cs",), ("a", 1, 2)):
+            log.append("body")
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert log == ["words a", "begin", "zero cur", "fork 1", "body", "join 1", "end"], log  # no report
+    assert free(Order.lock)
