@@ -84,12 +84,13 @@ def _check_ag(A: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int, group_na
 
 def _ag_last(A: torch.Tensor, Bs: list[torch.Tensor], group_name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The column gather: A_mm = cat(all_gather(A), dim=-1), then matmuls (the reference)."""
-    from torch.distributed import _functional_collectives as funcol
+    from .ops._runtime import all_gather_single
 
     warn_once("compat-ag-last", "overlap.compat.fused_all_gather_matmul: gather_dim is the last dim; no "
               "overlapped path for a column gather, running the reference (all-gather, concatenate, matmul)")
     world = _world(group_name)
-    g = funcol.wait_tensor(funcol.all_gather_tensor(A.contiguous(), 0, _group(group_name)))
+    g = A.new_empty((world * A.shape[0], *A.shape[1:]))
+    all_gather_single(g, A.contiguous(), group=_group(group_name))
     a_mm = torch.cat(g.chunk(world), dim=-1)
     return a_mm, [a_mm @ b for b in Bs]
 
@@ -142,7 +143,8 @@ def _rs_impl(A: torch.Tensor, B: torch.Tensor, reduce_op: str, scatter_dim: int,
 
             warn_once("compat-rs-last", "overlap.compat.fused_matmul_reduce_scatter: scatter_dim is the last dim; "
                       "no overlapped path for a column scatter, running the reference (matmul, reduce-scatter)")
-            return funcol.wait_tensor(funcol.reduce_scatter_tensor(A @ B, reduce_op, d, _group(group_name)))
+            rs = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # (deprecated)
+            return funcol.wait_tensor(rs(A @ B, reduce_op, d, _group(group_name)))
         return _lib_ops.matmul_reduce_scatter(A, B, group=_group(group_name), scatter_dim=d, reduce_op=reduce_op)
 
 

@@ -237,6 +237,8 @@ def main() -> None:
             symm.enable_symm_mem_for_group(name)
     warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
     warnings.filterwarnings("ignore", message=".*no overlapped path.*")
+    # the library makes no deprecated torch call (docs/guarantees.md); torch's own fallbacks may
+    warnings.filterwarnings("error", category=FutureWarning, module="overlap")
     with torch.no_grad():
         dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float32, torch.bfloat16, torch.float16)
         for dt in dtypes:

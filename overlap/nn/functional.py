@@ -88,7 +88,8 @@ def _all_gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
     if _compiling():
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_gather_tensor(x.contiguous(), 0, group)
+        ag = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # (deprecated in 2.13)
+        return ag(x.contiguous(), 0, group)
     x = x.contiguous()
     out = x.new_empty((tdist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     _all_gather_single(out, x, group=group)
