@@ -545,10 +545,29 @@ def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch
     return residual, norm
 
 
-def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
-           cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, start: int, rows: int,
+                residual: torch.Tensor | None, norm: Norm | None, flags: torch.Tensor, idx: int) -> None:
+    """Rows [start, start + rows) of ``h`` were reduced on the comm stream ``cs``: add the
+    residual and write ``norm(h)`` to ``y`` on the aux stream ``ns`` behind them, then post
+    flag ``idx`` there; without a prologue (``ns`` None) post it on ``cs`` right away. The
+    NCCL consumer half of ``all_reduce_matmul`` and of the block boundary."""
     from ..kernels.add_norm import launch_add_norm
 
+    if ns is None:
+        _flags.stream_write_value(cs, flags, idx, 1)
+        return
+    ev = torch.cuda.Event()
+    ev.record(cs)
+    ns.wait_event(ev)
+    with on_stream(ns, cur), gpu_range("aux", "add+norm", idx):
+        launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
+                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                        eps=norm.eps if norm else 1e-5, y=y)
+        _flags.stream_write_value(ns, flags, idx, 1)
+
+
+def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
+           cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n = b.shape[1]
     p = _plan(rt, m, n, k, cfg)
@@ -569,17 +588,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         for c_idx, rows in enumerate(p.chunk_rows):
             with gpu_range("comm", "chunk", c_idx):
                 comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
-            if prologue:
-                ev = torch.cuda.Event()
-                ev.record(cs)
-                ns.wait_event(ev)
-                with on_stream(ns, cur), gpu_range("aux", "add+norm", c_idx):
-                    launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
-                                    weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                    eps=norm.eps if norm else 1e-5, y=y)
-                    _flags.stream_write_value(ns, w.flags, c_idx, 1)
-            else:
-                _flags.stream_write_value(cs, w.flags, c_idx, 1)
+            chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w.flags, c_idx)
             start += rows
         gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
                        counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)

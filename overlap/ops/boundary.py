@@ -149,8 +149,6 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
 
 def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
            norm: Any, cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    from ..kernels.add_norm import launch_add_norm
-
     m, k = a.shape
     n, n2 = b.shape[1], b_next.shape[1]
     p1 = _mr._plan(rt, "matmul_all_reduce", m, n, k, cfg)
@@ -180,17 +178,7 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
             with gpu_range("comm", "chunk", ci):
                 _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
                 comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
-            if prologue:
-                ev = torch.cuda.Event()
-                ev.record(cs)
-                ns.wait_event(ev)
-                with on_stream(ns, cur), gpu_range("aux", "add+norm", ci):
-                    launch_add_norm(h, start, rows, residual=residual, norm=norm.kind if norm else None,
-                                    weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                    eps=norm.eps if norm else 1e-5, y=y)
-                    _flags.stream_write_value(ns, w2.flags, ci, 1)
-            else:
-                _flags.stream_write_value(cs, w2.flags, ci, 1)
+            _ar.chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w2.flags, ci)
         gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
                         counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
         descs = gp2.operands(y, b_next)
