@@ -78,7 +78,9 @@ def check_all_gather(dtype: torch.dtype, name: str) -> None:
         what = f"fused_all_gather_matmul {dtype} shape {shape} gather_dim {gd}"
         a_got, outs = compat.fused_all_gather_matmul(a_shard, bs, gd, name)
         a_ref, outs_ref = torch_ag(a_shard, bs, gd % len(shape), name)  # torch's: dims >= 0
-        close(a_got, a_ref, f"{what}: A")
+        # at one rank torch's fallback hands back a view whose strides follow from flatten's
+        # view rules on a size-1 dim; the library returns the layout of every world size
+        close(a_got, a_ref, f"{what}: A", strides=WS > 1)
         close(a_got, a_full, f"{what}: A against the full input", strides=False)
         if DEV.type == "cuda" and WS > 1:  # torch's own op (symmetric memory), where it runs
             a_t, outs_t = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, gd % len(shape), name)
@@ -97,7 +99,7 @@ def check_all_gather(dtype: torch.dtype, name: str) -> None:
             close(c, outs_ref[1], f"{what}: overlap.all_gather_matmul")
             cs, g = overlap.all_gather_matmul(a_shard, bs, gather_dim=gd, return_gathered=True)
             assert isinstance(cs, list) and len(cs) == 3
-            close(g, a_ref, f"{what}: overlap.all_gather_matmul gathered")
+            close(g, a_ref, f"{what}: overlap.all_gather_matmul gathered", strides=WS > 1)
             for i in range(3):
                 close(cs[i], outs_ref[i], f"{what}: overlap.all_gather_matmul out {i}")
 
@@ -198,8 +200,9 @@ def check_bad(name: str) -> None:
     raises(lambda: compat.fused_matmul_reduce_scatter(a, b, "sum", 2, name), ValueError, "out of range")
     raises(lambda: overlap.matmul_reduce_scatter(a, b, scatter_dim=1), ValueError, "feature (last) dim")
     raises(lambda: overlap.all_gather_matmul(a, b, gather_dim=-1), ValueError, "gather_dim=-1 is the feature")
-    raises(lambda: compat.fused_all_gather_matmul(a, [b], -1, name), ValueError, f"has 8 rows, the input's last dim "
-                                                                                f"is K={8 * WS}")
+    if WS > 1:  # a column gather multiplies K by the ranks (at one rank, 8 rows fit)
+        raises(lambda: compat.fused_all_gather_matmul(a, [b], -1, name), ValueError,
+               f"has 8 rows, the input's last dim is K={8 * WS}")
     raises(lambda: overlap.matmul_reduce_scatter(a, [b]), ValueError, "one weight")
     raises(lambda: overlap.matmul_all_reduce(a, [b]), ValueError, "one weight")
     raises(lambda: overlap.matmul_all_reduce_matmul(a, [b], b.t()), ValueError, "b must be a 2-D tensor")

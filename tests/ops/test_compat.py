@@ -9,7 +9,7 @@ import pytest
 from tests._procs import REPO, run_ranks
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_compat_gloo(world_size: int) -> None:
     procs = run_ranks(REPO / "tests" / "_compat_worker.py", world_size, timeout_s=300)
     for p in procs:
