@@ -109,27 +109,34 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
     if n <= 0 or block_m <= 0 or block_n <= 0 or group_m <= 0:
         raise ValueError("n, block_m, block_n, group_m must be positive")
     n_tiles = _cdiv(n, block_n)
-    parts = []
-    for seg in segments:
-        m_tiles = _cdiv(seg.rows, block_m)
-        pm = np.arange(m_tiles, dtype=np.int64)
-        # (group, column tile, row tile) order: groups of group_m row tiles, each sweeping
-        # every column tile with the row tile fastest
-        grp, pn_g, pm_g = np.broadcast_arrays(pm // group_m, np.arange(n_tiles)[:, None], pm)
-        order = np.lexsort((pm_g.ravel(), pn_g.ravel(), grp.ravel()))
-        pmv, pnv = pm_g.ravel()[order], pn_g.ravel()[order]
-        off = pmv * block_m
-        t = np.empty((pmv.size, P.TABLE_COLS), dtype=np.int64)
-        t[:, P.COL_A_ROW] = seg.a_row + off
-        t[:, P.COL_A_SRC] = seg.a_src
-        t[:, P.COL_C_ROW] = seg.c_row + off
-        t[:, P.COL_C_ROWS] = np.minimum(block_m, seg.rows - off)
-        t[:, P.COL_N_TILE] = pnv
-        t[:, P.COL_WAIT] = seg.wait_idx
-        t[:, P.COL_WAIT_MULT] = seg.wait_mult
-        t[:, P.COL_POST] = NO_FLAG if seg.post_base == NO_FLAG else seg.post_base + pmv
-        parts.append(t)
-    table = np.concatenate(parts) if parts else np.zeros((0, P.TABLE_COLS), dtype=np.int64)
+    # every segment's fields as columns: the tiles of all segments are made in one pass (a
+    # chain's table has one segment per row block: a pass per segment cost ~30 us each)
+    seg = np.array([(g.a_src, g.a_row, g.c_row, g.rows, g.wait_idx, g.wait_mult, g.post_base) for g in segments],
+                   dtype=np.int64).reshape(-1, 7)
+    m_tiles = -(-seg[:, 3] // block_m)
+    counts = m_tiles * n_tiles
+    total = int(counts.sum())
+    sid = np.repeat(np.arange(len(seg)), counts)  # each tile's segment
+    local = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    mt = m_tiles[sid]
+    # (group, column tile, row tile) order inside a segment: groups of group_m row tiles,
+    # each sweeping every column tile with the row tile fastest; the last group may be short
+    grp = local // (group_m * n_tiles)
+    within = local - grp * group_m * n_tiles
+    gsize = np.minimum(group_m, mt - grp * group_m)
+    pnv = within // gsize
+    pmv = grp * group_m + within % gsize
+    off = pmv * block_m
+    sv = seg[sid]
+    table = np.empty((total, P.TABLE_COLS), dtype=np.int64)
+    table[:, P.COL_A_ROW] = sv[:, 1] + off
+    table[:, P.COL_A_SRC] = sv[:, 0]
+    table[:, P.COL_C_ROW] = sv[:, 2] + off
+    table[:, P.COL_C_ROWS] = np.minimum(block_m, sv[:, 3] - off)
+    table[:, P.COL_N_TILE] = pnv
+    table[:, P.COL_WAIT] = sv[:, 4]
+    table[:, P.COL_WAIT_MULT] = sv[:, 5]
+    table[:, P.COL_POST] = np.where(sv[:, 6] == NO_FLAG, NO_FLAG, sv[:, 6] + pmv)
     if array:
         return table.astype(np.int32)
     return table.tolist()
@@ -353,6 +360,22 @@ def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], li
     return sizes, segs
 
 
+def _row_blocks(m: int, n: int, block_m: int, block_n: int, *, wait: "RowSync | TileSync | None" = None,
+                post: bool = False) -> Any:
+    """``build_tile_table(row_block_segments(m, block_m, wait=wait, post=post), n, block_m,
+    block_n, array=True)`` without a segment per row block: one segment swept a row block
+    at a time (``group_m=1``), the per-block wait filled in after (the chain builds these
+    per new M; 128 segment objects cost most of a millisecond)."""
+    t = build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m, post_base=0 if post else NO_FLAG)], n,
+                         block_m, block_n, group_m=1, array=True)
+    if wait is not None:
+        first, mult = wait.wait(1)
+        step = first - wait.wait(0)[0]  # flags per row block (both policies: affine in the block)
+        t[:, P.COL_WAIT] = wait.wait(0)[0] + (t[:, P.COL_A_ROW] // block_m) * step
+        t[:, P.COL_WAIT_MULT] = mult
+    return t
+
+
 def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int,
                          cons_block_n: int, *, array: bool = False) -> tuple[Any, Any]:
     """Tile tables of a producer GEMM [m, f] feeding a consumer GEMM [m, f] x [f, n]
@@ -361,10 +384,9 @@ def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int
     of row block i waits for flags[i] >= epoch * (producer N tiles). ``array``: numpy
     tables (``build_tile_table``)."""
     n_prod = _cdiv(f, prod_block_n)
-    prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n, array=array)
-    cons = build_tile_table(row_block_segments(m, block_m, wait=RowSync(n_prod)), n, block_m, cons_block_n,
-                            array=array)
-    return prod, cons
+    prod = _row_blocks(m, f, block_m, prod_block_n, post=True)
+    cons = _row_blocks(m, n, block_m, cons_block_n, wait=RowSync(n_prod))
+    return (prod, cons) if array else (prod.tolist(), cons.tolist())
 
 
 @dataclass(frozen=True)
@@ -408,11 +430,11 @@ def tilesync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: in
     tables (``build_tile_table``)."""
     n_prod = _cdiv(f, prod_block_n)
     pol = TileSync(n_prod, prod_block_n, cons_block_k)
-    prod = build_tile_table(row_block_segments(m, block_m, post=True), f, block_m, prod_block_n, array=True)
+    prod = _row_blocks(m, f, block_m, prod_block_n, post=True)
     # post per tile (``TileSync.post``), not per row block
     prod[:, P.COL_POST] = prod[:, P.COL_POST] * n_prod + prod[:, P.COL_N_TILE]
-    cons = build_tile_table(row_block_segments(m, block_m, wait=pol), n, block_m, cons_block_n, array=array)
-    return (prod if array else prod.tolist()), cons, pol
+    cons = _row_blocks(m, n, block_m, cons_block_n, wait=pol)
+    return (prod, cons, pol) if array else (prod.tolist(), cons.tolist(), pol)
 
 
 def flatten(rows: Iterable[Iterable[int]]) -> list[int]:

@@ -42,7 +42,7 @@ def _ms(fn, iters: int = 10, reps: int = 5) -> float:
 
 def gemm_rows(dev: torch.device) -> list[dict]:
     from overlap.kernels.tile_gemm import DEFAULT_CONFIG, launch_tile_gemm
-    from overlap.policies import Segment, build_tile_table, table_tensor
+    from overlap.policies import Segment, build_tile_table
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
@@ -51,8 +51,8 @@ def gemm_rows(dev: torch.device) -> list[dict]:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
         cfg = DEFAULT_CONFIG
-        table = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m,
-                                              cfg.block_n), dev)
+        table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m,
+                                              cfg.block_n), dtype=torch.int32, device=dev)
         c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
         for layout, b in (("w.t()", w.t()), ("row-major", w.t().contiguous())):
             launch_tile_gemm(a, b, c, table, grid=sms, config=cfg)

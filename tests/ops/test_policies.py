@@ -41,6 +41,66 @@ def test_table_covers_every_output_element_once() -> None:
     assert all(v == 1 for row in seen for v in row)
 
 
+def _loop_table(segments: list, n: int, bm: int, bn: int, gm: int) -> list[list[int]]:
+    """The tile table as its definition reads, one tile at a time."""
+    from overlap import protocol as P
+
+    out = []
+    for s in segments:
+        mt = -(-s.rows // bm)
+        for g0 in range(0, mt, gm):
+            for pn in range(-(-n // bn)):
+                for pm in range(g0, min(g0 + gm, mt)):
+                    r = [0] * P.TABLE_COLS
+                    r[P.COL_A_ROW], r[P.COL_A_SRC], r[P.COL_C_ROW] = s.a_row + pm * bm, s.a_src, s.c_row + pm * bm
+                    r[P.COL_C_ROWS], r[P.COL_N_TILE] = min(bm, s.rows - pm * bm), pn
+                    r[P.COL_WAIT], r[P.COL_WAIT_MULT] = s.wait_idx, s.wait_mult
+                    r[P.COL_POST] = NO_FLAG if s.post_base == NO_FLAG else s.post_base + pm
+                    out.append(r)
+    return out
+
+
+def test_table_matches_the_tile_by_tile_definition() -> None:
+    """The vectorized builder (all segments in one numpy pass) against a loop over tiles:
+    random segments, short last groups and tiles, list and array forms."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(0)
+    for _ in range(200):
+        segs = [Segment(a_src=rng.randint(0, 1), a_row=rng.randint(0, 999), c_row=rng.randint(0, 999),
+                        rows=rng.randint(1, 1500), wait_idx=rng.choice([NO_FLAG, rng.randint(0, 9)]),
+                        wait_mult=rng.randint(1, 4), post_base=rng.choice([NO_FLAG, rng.randint(0, 50)]))
+                for _ in range(rng.randint(0, 5))]
+        n, bm, bn, gm = rng.randint(1, 2000), rng.choice([16, 64, 128]), rng.choice([32, 128, 256]), rng.randint(1, 9)
+        want = _loop_table(segs, n, bm, bn, gm)
+        assert build_tile_table(segs, n, bm, bn, gm) == want
+        arr = build_tile_table(segs, n, bm, bn, gm, array=True)
+        assert arr.dtype == np.int32 and arr.shape == (len(want), 8) and arr.tolist() == want
+
+
+@pytest.mark.parametrize("m", [1, 100, 128, 129, 1000, 8191])
+def test_chain_tables_are_the_row_block_segments_tables(m: int) -> None:
+    """The chain's tables, built without a segment per row block, equal the tables of
+    ``row_block_segments`` (RowSync and TileSync, the per-tile posts of TileSync)."""
+    from overlap import protocol as P
+    from overlap.policies import TileSync, rowsync_chain_tables, tilesync_chain_tables
+
+    for f, n, bm, pbn, cbn, cbk in ((8192, 4096, 128, 256, 128, 64), (300, 200, 64, 64, 32, 32)):
+        n_prod = -(-f // pbn)
+        prod = build_tile_table(row_block_segments(m, bm, post=True), f, bm, pbn, array=True)
+        cons = build_tile_table(row_block_segments(m, bm, wait=RowSync(n_prod)), n, bm, cbn, array=True)
+        got = rowsync_chain_tables(m, f, n, bm, pbn, cbn, array=True)
+        assert (got[0] == prod).all() and (got[1] == cons).all()
+        assert rowsync_chain_tables(m, f, n, bm, pbn, cbn) == (prod.tolist(), cons.tolist())
+        pol = TileSync(n_prod, pbn, cbk)
+        prod[:, P.COL_POST] = prod[:, P.COL_POST] * n_prod + prod[:, P.COL_N_TILE]
+        cons = build_tile_table(row_block_segments(m, bm, wait=pol), n, bm, cbn, array=True)
+        tp, tc, tpol = tilesync_chain_tables(m, f, n, bm, pbn, cbn, cbk, array=True)
+        assert (tp == prod).all() and (tc == cons).all() and tpol == pol
+
+
 def test_table_order_is_segment_order_then_grouped() -> None:
     segs = [Segment(a_src=0, a_row=0, c_row=0, rows=256), Segment(a_src=0, a_row=256, c_row=256, rows=128, wait_idx=0)]
     t = build_tile_table(segs, 256, 64, 128, group_m=2)
