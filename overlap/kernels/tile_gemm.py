@@ -693,11 +693,14 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
          counter: Any) -> tuple:
     """Everything Triton specializes on: the constexprs, the dtypes, the specialized
-    integers (N, K, C's strides) and the descriptors' shapes and strides."""
+    integers (N, K, C's strides), and more: B's shape and the row strides. Not the row
+    counts of A and A2: a descriptor is specialized on its dtype and block shape only
+    (``tensordesc<bf16[128, 64]>``; its shape and strides are launch-time values), so a
+    new M finds the kernel launched for another M instead of taking Triton's binding path."""
     a2 = a2 if a2 is not None else a
     return (tuple(meta.values()), a.dtype, a2.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
             err.dtype, counter.dtype, c.shape[1], a.shape[1], c.stride(0), c.stride(1),
-            a.shape[0], a.stride(0), a2.shape[0], a2.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+            a.stride(0), a2.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
 
 
 class TileGemmPlan:

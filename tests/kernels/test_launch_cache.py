@@ -237,3 +237,32 @@ def test_prepared_launch_refused_by_the_launcher_falls_back():
         pl.launch(1, (a, a, 2))
     pl.launch(1, (a, a, 2))
     assert [e[0] for e in fn.log] == ["jit", "jit", "jit"] and not lc.enabled
+
+
+def test_a_new_row_count_keeps_the_tile_gemm_key():
+    """Triton specializes a tensor descriptor on its dtype and block shape only, so the
+    tile GEMM's launch key leaves the row counts of A and A2 out (a new M reuses the
+    compiled kernel); everything else it is keyed on still changes it."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, _key, _meta
+
+    specs = set()
+    for m in (1, 16, 17, 8191):
+        t = torch.empty(m, 64, dtype=torch.bfloat16)
+        specs.add(native_specialize_impl(BaseBackend, TensorDescriptor(t, t.shape, t.stride(), [128, 64]),
+                                         False, True, True)[0])
+    assert len(specs) == 1, specs  # what the key relies on
+
+    def key(m: int, k: int = 64, n: int = 128) -> tuple:
+        a, a2 = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(2 * m, k, dtype=torch.bfloat16)
+        b, c = torch.empty(k, n, dtype=torch.bfloat16), torch.empty(2 * m, n, dtype=torch.bfloat16)
+        t = torch.empty(4, 8, dtype=torch.int32)
+        meta = _meta(DEFAULT_CONFIG, a, a2, True, True, False, None, False, None, None, 0)
+        return _key(meta, a, a2, b, c, t, t, t, t)
+
+    assert key(7) == key(4096) == key(1)
+    assert key(7, k=128) != key(7) and key(7, n=256) != key(7)
