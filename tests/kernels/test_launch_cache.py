@@ -149,11 +149,11 @@ def test_cache_is_bounded():
 
 def test_real_kernels_have_constexprs_last():
     pytest.importorskip("triton")
-    from overlap.kernels.add_norm import _reduce_launcher
+    from overlap.kernels.add_norm import _add_norm_launcher, _reduce_launcher
     from overlap.kernels.tile_gemm import _launcher
     from overlap.kernels.words import _launcher as _words_launcher
 
-    for lc in (_launcher, _reduce_launcher, _words_launcher):
+    for lc in (_launcher, _reduce_launcher, _words_launcher, _add_norm_launcher):
         assert lc.enabled and lc.const_names, lc.fn
 
 
