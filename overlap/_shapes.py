@@ -14,10 +14,12 @@ _symmetric_memory``): an all-gather output is a view of a T-major tensor (as
 ``torch.matmul(A, B).movedim(0, gather_dim)`` there), a reduce-scatter output is
 contiguous (as ``reduce_scatter_tensor`` along a dim there).
 
-Several weights on one gather: the first weight's GEMM is the fused one (its tiles start
-as the chunks land); the others read the gathered rows that call returns, with
-``torch.matmul``, after it. The input is gathered once. (One grid whose tiles of every
-weight wait on the same chunk flags, interleaved, is not built: docs/ops/compat.md.)
+Several weights on one gather (or all-reduce): the GEMM of the weight with the most
+columns (the longest, the first of equals) is the fused one, its tiles starting as the
+chunks land, so the communication hides behind the longest of the GEMMs; the others read
+the gathered (reduced, normed) rows that call returns, with ``torch.matmul``, after it. The
+input is gathered once; the outputs come back in the weights' order. (One grid whose tiles
+of every weight wait on the same chunk flags, interleaved, is not built: docs/ops/compat.md.)
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def weights(op: str, b: Any, k: int, dtype: torch.dtype, many_ok: bool = True) -
     return bs, many
 
 
+def longest(bs: list[torch.Tensor]) -> int:
+    """The weight whose GEMM the communication hides behind: the most columns, the first of
+    equals."""
+    return max(range(len(bs)), key=lambda i: (bs[i].shape[1], -i))
+
+
 def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``x`` [..., K] with ``dim`` moved first, as rows [prod(lead), K]; and ``lead``."""
     if dim:
@@ -83,9 +91,10 @@ def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: 
     bs, many = weights(op, b, a_shard.shape[-1], a_shard.dtype)
     rows, lead = to_rows(a_shard, d)
     need_g = return_gathered or len(bs) > 1
-    out = fused(rows, bs[0], need_g)
+    first = longest(bs)
+    out = fused(rows, bs[first], need_g)
     c0, g = out if need_g else (out, None)
-    cs = [c0] + [g @ w for w in bs[1:]]
+    cs = [c0 if i == first else g @ w for i, w in enumerate(bs)]
     world = c0.shape[0] // rows.shape[0]
     lead_out = (world * lead[0], *lead[1:])
     cs = [from_rows(c, lead_out, d) for c in cs]
@@ -147,10 +156,11 @@ def all_reduce_matmul(fused: Any, x_partial: torch.Tensor, b: Any, *, residual: 
     op = "all_reduce_matmul"
     x2, lead = flat(op, x_partial, "x_partial")
     bs, many = weights(op, b, x2.shape[1], x2.dtype)
-    c0, h = fused(x2, bs[0], like_rows(op, residual, lead, "residual"))
+    first = longest(bs)
+    c0, h = fused(x2, bs[first], like_rows(op, residual, lead, "residual"))
     if len(bs) > 1:
         y = norm.apply(h) if norm is not None else h
-        cs = [c0] + [y @ w for w in bs[1:]]
+        cs = [c0 if i == first else y @ w for i, w in enumerate(bs)]
     else:
         cs = [c0]
     cs = [c.view(*lead, c.shape[-1]) for c in cs]
