@@ -1,6 +1,7 @@
 """Per-group state the overlapped ops share: communicators, streams, flags, SM budget.
 
-One ``Runtime`` per (group ranks, device). It owns
+One ``Runtime`` per (group ranks, device), and one per device for single-GPU work (the
+chain: ``local_runtime``, world 1, no group). It owns
 
 * the library's NCCL communicators over the group, one per CTA cap (capped ones
   for the overlapped path; an uncapped one for the chunked stream baseline),
@@ -8,6 +9,9 @@ One ``Runtime`` per (group ranks, device). It owns
   scheduled ahead of queued GEMM work) and a high-priority auxiliary stream
   (per-chunk prologues such as the all-reduce op's residual add and norm),
 * flag arrays and an error word per op,
+* every per-shape cache of the ops (``Runtime.cache``: plans, tuned configs, row
+  permutations, the ranks' agreement keys, the chain's tables), so that
+  ``overlap.dist.shutdown`` (``reset_runtimes``) drops them with the communicators,
 
 and knows the SM count, from which the GEMM grid is sized so that NCCL's CTAs
 always find free SMs (a persistent grid over every SM, spinning on flags that
@@ -27,13 +31,14 @@ import torch
 from .. import flags as _flags
 from .. import observe as _observe
 
-__all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
+__all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
            "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
-_warned: set[str] = set()
+"""By (group ranks, device index); the local runtimes by (None, device index)."""
+_warned: set[str] = set()  # process-global: a warning is once per process, whatever shutdowns come between
 
 
 class LRU(OrderedDict):
@@ -75,7 +80,7 @@ class LRU(OrderedDict):
         self[key] = True
 
 
-_kept_for_capture: list[Any] = []
+_kept_for_capture: list[Any] = []  # process-global: a graph outlives shutdown and holds these addresses
 
 
 def keep_for_capture(obj: Any) -> Any:
@@ -140,7 +145,7 @@ class DeviceOrder:
         return self._stream
 
 
-_orders: dict[int, DeviceOrder] = {}
+_orders: dict[int, DeviceOrder] = {}  # process-global: one order per device over every runtime, across re-inits
 _orders_lock = threading.Lock()  # not _lock: get_runtime holds that while a Runtime asks for its order
 
 
@@ -154,7 +159,8 @@ def device_order(device: torch.device) -> DeviceOrder:
 
 
 _error_words: list[_flags.ErrorWord] = []
-"""Every error word an op made, for ``check_errors``."""
+"""Every error word an op made, for ``check_errors``. Process-global, not dropped with
+its runtime: a captured graph writes into the word for as long as it lives."""
 
 
 def register_error_word(err: _flags.ErrorWord) -> _flags.ErrorWord:
@@ -374,6 +380,19 @@ class Runtime:
         self._p2p_why: str | None = None  # None: not decided yet
         self._p2p_done: dict[str, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}
         self._events: dict[Any, torch.cuda.Event] = {}  # fork / join, reused (see fork)
+        self._caches: dict[str, LRU] = {}
+
+    def cache(self, name: str, cap: int) -> LRU:
+        """The runtime's per-shape cache ``name``, an ``LRU`` of at most ``cap`` entries,
+        made on first use. The ops keep every per-shape cache here (plans, tuned configs,
+        permutations, agreement keys), so each goes with its runtime: a new ``init`` after
+        ``overlap.dist.shutdown`` starts with none of them."""
+        c = self._caches.get(name)
+        if c is None:
+            c = self._caches.setdefault(name, LRU(cap))  # two threads making it get one
+        if c.cap != cap:
+            raise ValueError(f"cache {name!r} holds {c.cap} entries, asked for with cap={cap}")
+        return c
 
     def fork(self, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
         """Make ``streams`` wait for the work queued on ``cur`` so far (one reused event;
@@ -491,7 +510,8 @@ class Runtime:
         if name not in self._errs:
             if capturing():
                 raise OverlapCaptureError(f"{name}: call it once outside the CUDA graph capture first")
-            self._errs[name] = register_error_word(_flags.ErrorWord(self.device, what=f"{name} (rank {self.rank})"))
+            what = name if self.group is None else f"{name} (rank {self.rank})"  # a local runtime has no rank
+            self._errs[name] = register_error_word(_flags.ErrorWord(self.device, what=what))
         return self._errs[name]
 
     def require_warm(self, op: str, sig: tuple) -> None:
@@ -677,6 +697,7 @@ def get_runtime_if_made(group: Any, device: torch.device) -> Runtime | None:
 
 
 def get_runtime(group: Any, device: torch.device) -> Runtime:
+    """The runtime of ``group`` (resolved: a process group) on ``device``, made on first use."""
     # hot path: the group object seen before (its ranks cannot change)
     hit = _by_group.get((id(group), device.index))
     if hit is not None and hit[0] is group:
@@ -690,6 +711,24 @@ def get_runtime(group: Any, device: torch.device) -> Runtime:
             _runtimes[key] = rt
         _by_group[(id(group), device.index)] = (group, rt)
         return rt
+
+
+def local_runtime_if_made(device: torch.device) -> Runtime | None:
+    """The runtime ``local_runtime`` would return, or None where none was made yet."""
+    return _runtimes.get((None, device.index))
+
+
+def local_runtime(device: torch.device) -> Runtime:
+    """The runtime of single-GPU work on ``device`` (the chain): world 1, no process group.
+    Making it is not collective (streams, the SM count, the device's order); it never asks
+    for a communicator or peer memory, the only collective parts of a runtime."""
+    rt = _runtimes.get((None, device.index))
+    if rt is None:
+        with _lock:
+            rt = _runtimes.get((None, device.index))
+            if rt is None:
+                rt = _runtimes[(None, device.index)] = Runtime(None, (0,), 0, device)
+    return rt
 
 
 class on_stream:
@@ -781,28 +820,30 @@ def reset(group: Any = None) -> None:
 
 
 def reset_runtimes() -> None:
-    """Forget every runtime and the ranks' agreements; ``dist.shutdown`` calls this before
-    it destroys the communicators the runtimes hold, so ops after a new ``init`` build
-    fresh ones and check the ranks again. Bounded: where the ops' work has not ended
-    within ``shutdown_timeout_s`` (a peer died mid-call), the runtime's NCCL
+    """Forget every runtime, and with them everything the ops keep per group and device:
+    plans, tuned configs, the ranks' agreements, the chain's state. ``dist.shutdown`` calls
+    this before it destroys the communicators the runtimes hold, so ops after a new
+    ``init`` build fresh ones and check the ranks again. Bounded: where the ops' work has
+    not ended within ``shutdown_timeout_s`` (a peer died mid-call), the runtime's NCCL
     communicators are aborted (which ends their kernels) and its peer memory is left
-    mapped rather than freed under a running kernel."""
+    mapped rather than freed under a running kernel. What a CUDA graph captured stays
+    (``keep_for_capture``, the captured words, the error words)."""
     with _lock:
         for rt in _runtimes.values():
             try:
                 if rt.device.type != "cuda" or _drain(rt, shutdown_timeout_s()):
                     rt.close()
-                    continue
-                warnings.warn(f"overlap: rank {rt.rank} of group {rt.ranks}: the ops' work did not end within "
-                              f"{shutdown_timeout_s():.0f} s; aborting the library's NCCL communicators",
-                              stacklevel=3)
-                for comm in rt._comms.values():
-                    comm.abort()
+                else:
+                    warnings.warn(f"overlap: rank {rt.rank} of group {rt.ranks}: the ops' work did not end within "
+                                  f"{shutdown_timeout_s():.0f} s; aborting the library's NCCL communicators",
+                                  stacklevel=3)
+                    for comm in rt._comms.values():
+                        comm.abort()
+                rt._caches.clear()  # gone also for whoever still holds the runtime
             except Exception:  # noqa: BLE001 - teardown is best effort
                 pass
         _runtimes.clear()
         _by_group.clear()
-        _agreed.clear()
 
 
 def _register() -> None:
@@ -828,8 +869,8 @@ def resolve_group(group: Any) -> Any:
     return tdist.group.WORLD
 
 
-_agreed = LRU(1024)
-"""Agreement keys checked so far (``check_agree``)."""
+AGREED_CAP = 1024
+"""Agreement keys a runtime remembers (``check_agree``)."""
 
 
 def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...],
@@ -852,8 +893,9 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         kv = values[:rows_at] + (-row_bucket(values[rows_at]),) + values[rows_at + 1:]
     else:
         kv = values
-    key = (rt.ranks, op, names, kv)
-    if _agreed.get(key) and (not every_call_checked() or capturing()):
+    key = (op, names, kv)
+    agreed = rt.cache("agreed", AGREED_CAP)
+    if agreed.get(key) and (not every_call_checked() or capturing()):
         return
     if capturing():
         raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
@@ -863,7 +905,7 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         bad = [i for i, v in enumerate(vals) if v != vals[0]]
         raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
                          f"group ranks {bad} differ from group rank 0)")
-    _agreed.add(key)
+    agreed.add(key)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:

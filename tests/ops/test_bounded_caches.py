@@ -20,6 +20,7 @@ from overlap.ops import all_reduce as ar
 from overlap.ops import chain as ch
 from overlap.policies import all_gather_layout, build_tile_table, row_bucket
 from tests._procs import free_port
+from tests.ops._cpu_runtime import cpu_runtime
 
 
 @pytest.fixture
@@ -58,8 +59,7 @@ def test_agreement_checked_once_per_bucket(group: Any, monkeypatch: pytest.Monke
         return real(grp, world, values, device)
 
     monkeypatch.setattr(rtm, "gather_ints", counting)
-    monkeypatch.setattr(rtm, "_agreed", rtm.LRU(1024))
-    rt = _rt(group)
+    rt = cpu_runtime(group)
     rng = random.Random(0)
     ms = [rng.randint(1, 16384) for _ in range(1000)]
     for m in ms:
@@ -92,7 +92,7 @@ def test_plans_and_tables_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(st.tables) <= st.tables.cap == 64
     again = ag._plan(rt, 300, 256, 128, cfg)
     assert again is not first and torch.equal(again.table, first.table)
-    for cache in (ag._tuned, ar._tuned, ch._tuned, ag._perms, rtm._agreed):
+    for cache in (ag._tuned, ar._tuned, ch._tuned, ag._perms, cpu_runtime().cache("agreed", rtm.AGREED_CAP)):
         assert isinstance(cache, rtm.LRU), cache
     assert isinstance(first.launches, rtm.LRU) and first.launches.cap == 16
 
