@@ -102,8 +102,9 @@ def main() -> None:
         for label, ms in (("fixed M", fixed_ms), ("random M", rand_ms)):
             _run(ms[:3], make)  # warm: compile the kernels (not what is measured)
             r = _run(ms, make)
+            rt, local = _runtime.get_runtime(_runtime.resolve_group(None), dev), chmod._runtime(dev)
             r.update(case=name, m=label,
-                     plans=len(agmod._plans) + len(armod._plans) + sum(len(s.tables) for s in chmod._states.values()))
+                     plans=len(agmod._plans(rt)) + len(armod._plans(rt)) + len(chmod._tables_of(local)))
             rows.append(r)
     if ctx.is_main:
         print(f"{'case':32s} {'M':9s} {'host ms mean':>12s} {'p50':>7s} {'p99':>7s} {'max':>8s} "

@@ -147,24 +147,27 @@ def all_gather_matmul_chunked(a_shard: torch.Tensor, b: torch.Tensor, *, group: 
     gathered.record_stream(rt.comm_stream)
     stats["chunked"] += 1
     if return_gathered:
-        return c, _natural(gathered, layout)
+        return c, _natural(rt, gathered, layout)
     return c
 
 
-_perms: LRU = LRU(16)
+def _perms(rt: Runtime) -> LRU:
+    """The gathered rows' permutations on ``rt`` by layout, the 16 most recently used."""
+    return rt.cache("all_gather_matmul.perms", 16)
 
 
-def _natural(gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
+def _natural(rt: Runtime, gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
     if len(layout.chunk_rows) == 1:
         return gathered
-    # the permutation is a Python loop over M rows: build it once per layout and device
-    key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows, gathered.device)
-    perm = _perms.get(key)
+    # the permutation is a Python loop over M rows: build it once per layout (on rt's device)
+    key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows)
+    perms = _perms(rt)
+    perm = perms.get(key)
     if perm is None:
         if capturing():
             raise OverlapCaptureError("all_gather_matmul: the gathered rows' permutation for this shape is not "
                                       "cached (evicted, or never run); call it once outside the capture first")
-        perm = _perms[key] = upload(torch.tensor(layout.gathered_to_natural()).numpy(), gathered.device)
+        perm = perms[key] = upload(torch.tensor(layout.gathered_to_natural()).numpy(), gathered.device)
     return gathered.index_select(0, keep_for_capture(perm))
 
 
@@ -190,12 +193,21 @@ class _Plan:
     the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
-_plans: LRU = LRU(64)
-"""Plans by shape and config, the 64 most recently used (a new M costs a new plan: its
-tile table, built with numpy and uploaded, well under a millisecond at 2048 tiles)."""
+def _plans(rt: Runtime) -> LRU:
+    """Plans on ``rt`` by shape and config, the 64 most recently used (a new M costs a new
+    plan: its tile table, built with numpy and uploaded, well under a millisecond at 2048
+    tiles)."""
+    return rt.cache("all_gather_matmul.plans", 64)
+
+
+def _tuned(rt: Runtime) -> LRU:
+    """The tuner's picks on ``rt`` (``tune_all_gather_matmul``) by shape and dtype, the 256
+    most recently used."""
+    return rt.cache("all_gather_matmul.tuned", 256)
+
+
 CHUNK_ALIGN = 128
 """Chunks are multiples of this many rows (except the last), independent of the GEMM config."""
-_tuned: LRU = LRU(256)
 
 
 def _default_chunks(ms: int) -> int:
@@ -211,9 +223,9 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
     chunks = cfg.chunks or _default_chunks(ms)
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     margin = cfg.margin(transport)
-    key = (rt.ranks, rt.device.index, transport, ms, n, k, chunks, nccl_ctas, margin, cfg.give_back, gemm,
-           cfg.split_tail)
-    p = _plans.get(key)
+    key = (transport, ms, n, k, chunks, nccl_ctas, margin, cfg.give_back, gemm, cfg.split_tail)
+    plans = _plans(rt)
+    p = plans.get(key)
     if p is None:
         if capturing():  # evicted since its eager call: building it uploads a table (not capturable)
             raise OverlapCaptureError(f"all_gather_matmul: the plan for M/R={ms}, N={n}, K={k} is not cached "
@@ -246,7 +258,7 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
         split = (split_start, parts) if split_start is not None else None
         table = table_tensor(rows, rt.device)
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0))
-        _plans[key] = p
+        plans[key] = p
     return p
 
 
@@ -295,7 +307,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     rt = get_runtime(group, a_shard.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     given = config is not None
-    tuned = _tuned.get((rt.ranks, ms, n, k, a_shard.dtype)) if config is None else None
+    tuned = _tuned(rt).get((ms, n, k, a_shard.dtype)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     transport = rt.transport(config) if config is not None else "nccl"
@@ -362,7 +374,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
                 gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
     stats["fused"] += 1
     if return_gathered:
-        return c, _natural(gathered, p.layout)
+        return c, _natural(rt, gathered, p.layout)
     return c
 
 
@@ -497,7 +509,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
 
     best_t, best = confirm_best(rt, rt.err("all_gather_matmul"), results, fn_for, iters, group,
                                 describe=label if verbose else None, keep=("sequential",))
-    _tuned[(rt.ranks, ms, n, k, a_shard.dtype)] = best
+    _tuned(rt)[(ms, n, k, a_shard.dtype)] = best
     from .. import observe
 
     observe.record_tuning("all_gather_matmul", (ms * rt.world, n, k),

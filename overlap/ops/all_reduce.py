@@ -263,10 +263,19 @@ class _Plan:
     the p2p transport, per call parity the shared buffer's view and the push list."""
 
 
-_plans: LRU = LRU(64)
-"""Plans by shape and config, the 64 most recently used (a new M costs a new plan: its
-tile table, built with numpy and uploaded, well under a millisecond at 2048 tiles)."""
-_tuned: LRU = LRU(256)
+def _plans(rt: Runtime) -> LRU:
+    """Plans on ``rt`` by shape and config, the 64 most recently used (a new M costs a new
+    plan: its tile table, built with numpy and uploaded, well under a millisecond at 2048
+    tiles)."""
+    return rt.cache("all_reduce_matmul.plans", 64)
+
+
+def _tuned(rt: Runtime) -> LRU:
+    """The tuner's picks on ``rt`` (``tune_all_reduce_matmul``, ``_tune_key``), the 256 most
+    recently used."""
+    return rt.cache("all_reduce_matmul.tuned", 256)
+
+
 CHUNK_ALIGN = 128
 """Row chunks are multiples of this (except the last), independent of the GEMM config."""
 
@@ -373,9 +382,10 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
     shared = bool(reduce_ctas and cfg.reduce_shared)
     two = _two_shot_layout(rt.world, rt.rank, m, chunks) if reduce_ctas and cfg.two_shot else None
     margin = cfg.margin(transport)
-    key = (rt.ranks, rt.device.index, transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back,
-           gemm, cfg.split_tail, shared, two is not None)
-    p = _plans.get(key)
+    key = (transport, m, n, k, chunks, nccl_ctas, reduce_ctas, margin, cfg.give_back, gemm, cfg.split_tail, shared,
+           two is not None)
+    plans = _plans(rt)
+    p = plans.get(key)
     if p is None:
         if capturing():  # evicted since its eager call: building it uploads a table (not capturable)
             raise OverlapCaptureError(f"all_reduce_matmul: the plan for M={m}, N={n}, K={k} is not cached "
@@ -422,12 +432,12 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             ready = _flags.FlagArray(len(sizes), rt.device)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
                   1 + (tail if split else 0), shared, two)
-        _plans[key] = p
+        plans[key] = p
     return p
 
 
-def _tune_key(rt: Runtime, x: torch.Tensor, n: int, residual: Any, norm: Norm | None) -> tuple:
-    return (rt.ranks, x.shape[0], n, x.shape[1], x.dtype, residual is not None, norm.kind if norm else None)
+def _tune_key(x: torch.Tensor, n: int, residual: Any, norm: Norm | None) -> tuple:
+    return (x.shape[0], n, x.shape[1], x.dtype, residual is not None, norm.kind if norm else None)
 
 
 def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
@@ -479,7 +489,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     rt = get_runtime(group, x_partial.device)
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     given = config is not None
-    tuned = _tuned.get(_tune_key(rt, x_partial, n, residual, norm)) if config is None else None
+    tuned = _tuned(rt).get(_tune_key(x_partial, n, residual, norm)) if config is None else None
     if config is None and not isinstance(tuned, str):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     if config is not None:
@@ -989,7 +999,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
 
     best_t, best = confirm_best(rt, rt.err("all_reduce_matmul"), results, fn_for, iters, group,
                                 describe=label if verbose else None, keep=("sequential",))
-    _tuned[_tune_key(rt, x, n, residual, norm)] = best
+    _tuned(rt)[_tune_key(x, n, residual, norm)] = best
     from .. import observe
 
     observe.record_tuning("all_reduce_matmul", (m, n, k),

@@ -57,17 +57,16 @@ so TileSync gains little over RowSync here; both are measured in the benchmarks.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ._runtime import (LRU, LocalWords, OverlapCaptureError, capturing, device_order, env_sm_margin, keep_for_capture,
-                       observed,
-                       on_stream, refuse_grad, register_error_word, report_errors, serial_phases, warn_once)
+from ._runtime import (LRU, OverlapCaptureError, Runtime, capturing, env_sm_margin, keep_for_capture,
+                       local_runtime, local_runtime_if_made, observed, on_stream, refuse_grad, report_errors,
+                       serial_phases, warn_once)
 
 __all__ = ["ChainConfig", "mlp_chain", "mlp_chain_stream_sync", "mlp_chain_ref", "tune_mlp_chain", "stats"]
 
@@ -120,43 +119,36 @@ class ChainConfig:
                              f"block_n ({p.block_n})")
 
 
-@dataclass
-class _State:
-    device: torch.device
-    num_sms: int
-    prod_stream: torch.cuda.Stream
-    err: _flags.ErrorWord
-    words: LocalWords
-    tables: LRU = field(default_factory=lambda: LRU(64))
-    """Tile tables by shape and config, the 64 most recently used (a new M builds new ones)."""
-    seen: LRU = field(default_factory=lambda: LRU(4096))
-    """Call signatures run eagerly (compiled, tables built), the 4096 most recent: what a
-    capture may run."""
+OP = "mlp_chain"
 
 
-_lock = threading.Lock()
-_states: dict[int, _State] = {}
-_tuned: LRU = LRU(256)
+def _runtime(device: torch.device) -> Runtime:
+    """The chain's state on ``device``: the device's local runtime (``_runtime.local_runtime``).
+    The producer runs on its high-priority aux stream; its error word, local flag words and
+    eager signatures (``Runtime.seen``) are the op's ``OP``; its tables and tuned configs are
+    caches of it (``_tables_of``, ``_tuned``). ``overlap.dist.shutdown`` drops it all."""
+    rt = local_runtime_if_made(device)
+    if rt is None:
+        if capturing():
+            raise OverlapCaptureError("mlp_chain: call it once outside the CUDA graph capture first")
+        rt = local_runtime(device)
+    return rt
+
+
+def _tables_of(rt: Runtime) -> LRU:
+    """Tile tables on ``rt`` by shape and config, the 64 most recently used (a new M builds new ones)."""
+    return rt.cache("mlp_chain.tables", 64)
+
+
+def _tuned(rt: Runtime) -> LRU:
+    """The tuner's picks on ``rt`` (``tune_mlp_chain``, ``_tune_key``), the 256 most recently used."""
+    return rt.cache("mlp_chain.tuned", 256)
 
 
 def _tune_key(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> tuple:
     from ..kernels.tile_gemm import b_operand
 
-    return (x.device.index, tuple(x.shape), w1.shape[1], w2.shape[1], x.dtype, b_operand(w1)[1],
-            b_operand(w2)[1], activation)
-
-
-def _state(device: torch.device) -> _State:
-    with _lock:
-        st = _states.get(device.index)
-        if st is None:
-            if capturing():
-                raise OverlapCaptureError("mlp_chain: call it once outside the CUDA graph capture first")
-            props = torch.cuda.get_device_properties(device)
-            st = _State(device, int(props.multi_processor_count), torch.cuda.Stream(device=device, priority=-1),
-                        register_error_word(_flags.ErrorWord(device, what="mlp_chain")), LocalWords(device))
-            _states[device.index] = st
-        return st
+    return (tuple(x.shape), w1.shape[1], w2.shape[1], x.dtype, b_operand(w1)[1], b_operand(w2)[1], activation)
 
 
 def _check_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> None:
@@ -188,7 +180,7 @@ def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
     return mid @ w2
 
 
-def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+def _tables(rt: Runtime, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """Producer and consumer tables, the number of flags they share, the count a
     wait needs (``mult``: producer tiles per row block under RowSync, 1 under TileSync)
     and the consumer's ``k_wait``. A call zeroes the flags first, so a flag holds that
@@ -198,7 +190,8 @@ def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
     key = (m, f, n, pc, cc, cfg.sync)
-    t = st.tables.get(key)
+    tables = _tables_of(rt)
+    t = tables.get(key)
     if t is None:
         if capturing():
             raise OverlapCaptureError(f"mlp_chain: M={m}, F={f}, N={n} with this config has not run outside a CUDA "
@@ -210,9 +203,9 @@ def _tables(st: _State, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torch
         else:
             prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, array=True)
             n_flags, mult, k_wait = -(-m // pc.block_m), -(-f // pc.block_n), 0
-        t = (table_tensor(prod, st.device), table_tensor(cons, st.device),
+        t = (table_tensor(prod, rt.device), table_tensor(cons, rt.device),
              n_flags + 1, mult, k_wait)  # + the producer's start flag
-        st.tables[key] = t
+        tables[key] = t
     # a captured call's kernels read these tables on every replay: never freed
     return keep_for_capture(t)
 
@@ -246,11 +239,11 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     if not _takes_fast_path(x):
         return mlp_chain_ref(x, w1, w2, activation=activation)
     _validate_cuda(x, w1, w2)
-    cfg = config or _tuned.get(_tune_key(x, w1, w2, activation)) or ChainConfig()
-    st = _state(x.device)
+    rt = _runtime(x.device)
+    cfg = config or _tuned(rt).get(_tune_key(x, w1, w2, activation)) or ChainConfig()
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    prod, cons, _, _, _ = _tables(st, m, f, n, cfg)
+    prod, cons, _, _, _ = _tables(rt, m, f, n, cfg)
     pc = cfg.producer or _default_gemm()
     mid = x.new_empty((m, f))
     y = x.new_empty((m, n))
@@ -259,11 +252,11 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     tm = serial_phases("mlp_chain", (m, x.shape[1], f, n), "stream-sync", x.device)
     if tm:
         tm.start("comm")
-    launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms, config=pc, activation=activation)
+    launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms, config=pc, activation=activation)
     if tm:
         tm.stop("comm")
         tm.start("gemm")
-    launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms, config=cfg.consumer or pc)
+    launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms, config=cfg.consumer or pc)
     if tm:
         tm.stop("gemm")
         tm.commit()
@@ -305,7 +298,8 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), "reference", why, x.device,
                         lambda: mlp_chain_ref(x, w1, w2, activation=activation))
     _validate_cuda(x, w1, w2)
-    tuned = None if config is not None else _tuned.get(_tune_key(x, w1, w2, activation))
+    rt = _runtime(x.device)
+    tuned = None if config is not None else _tuned(rt).get(_tune_key(x, w1, w2, activation))
     cfg = config or tuned or ChainConfig()
     if sync is not None and sync != cfg.sync:
         cfg = dataclasses.replace(cfg, sync=sync)
@@ -316,56 +310,56 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
                   "running the chain without its start gate")
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), f"tile-flag {cfg.sync}", why,
-                    x.device, _fused, x, w1, w2, activation, cfg, consumer_first, _producer_delay_cycles)
+                    x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first, _producer_delay_cycles)
 
 
-def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None, cfg: ChainConfig,
-           consumer_first: bool, _producer_delay_cycles: int) -> torch.Tensor:
+def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None,
+           cfg: ChainConfig, consumer_first: bool, _producer_delay_cycles: int) -> torch.Tensor:
     from ..kernels.tile_gemm import launch_tile_gemm
 
-    st = _state(x.device)
     # SMs left free for other work on the GPU (OVERLAP_SM_MARGIN: e.g. data-parallel NCCL)
     margin = env_sm_margin() or 0
-    if cfg.reserve_sms + margin >= st.num_sms:
+    if cfg.reserve_sms + margin >= rt.num_sms:
         raise ValueError(f"reserve_sms={cfg.reserve_sms} and OVERLAP_SM_MARGIN={margin} leave no SM for the "
-                         f"consumer ({st.num_sms} SMs)")
+                         f"consumer ({rt.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
     sig = (m, x.shape[1], f, n, x.dtype, w1.stride(), w2.stride(), activation, cfg, consumer_first)
-    if capturing() and sig not in st.seen:
+    if capturing() and (OP, sig) not in rt.seen:
         raise OverlapCaptureError(f"mlp_chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                                   f"({x.dtype}) with this config has not run outside a CUDA graph capture yet; call "
                                   "it once with the same shapes, layouts and config before capturing it (that call "
                                   "compiles its kernels and builds its tables)")
-    prod, cons, n_flags, mult, k_wait = _tables(st, m, f, n, cfg)
+    prod, cons, n_flags, mult, k_wait = _tables(rt, m, f, n, cfg)
+    err = rt.err(OP)  # made by the first eager call (a signature seen above ran one)
     pc = cfg.producer or _default_gemm()
     cc = cfg.consumer or pc
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms()) * 1e6)
-    order = device_order(x.device)
+    order = rt.order
     with order.lock:
         # counters at words 0 and 4 (16 bytes apart: Triton specializes pointers on
         # 16-byte alignment), then the flags; all zeroed by this call first
-        w = st.words.get("mlp_chain", 8, n_flags)
+        w = rt.local_words(OP, 8, n_flags)
         mid = x.new_empty((m, f))
         y = x.new_empty((m, n))
         cur = torch.cuda.current_stream(x.device)
-        ps = st.prod_stream
+        ps = rt.aux_stream  # the producer's: high priority, so its programs take the SMs first
         order.begin(cur)
         _flags.stream_zero(cur, w.buf, w.buf.numel())
         ps.wait_stream(cur)  # the producer must not wait on the consumer
-        common = dict(flags=w.flags, err=st.err.word, epoch=1, timeout_ns=timeout_ns)
+        common = dict(flags=w.flags, err=err.word, epoch=1, timeout_ns=timeout_ns)
         start_idx = n_flags - 1
 
         def producer() -> None:
             with on_stream(ps, cur):
                 if _producer_delay_cycles:
                     torch.cuda._sleep(int(_producer_delay_cycles))
-                launch_tile_gemm(x, w1, mid, prod, grid=st.num_sms - margin, config=pc, activation=activation,
+                launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms - margin, config=pc, activation=activation,
                                  post=True,
                                  counter=w.counters[0:1], start_flag=start_idx, **common)
 
         def consumer() -> None:
-            launch_tile_gemm(mid, w2, y, cons, grid=st.num_sms - cfg.reserve_sms - margin, config=cc, wait=True,
+            launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms - cfg.reserve_sms - margin, config=cc, wait=True,
                              counter=w.counters[4:5], k_wait=k_wait, **common)
 
         try:
@@ -389,8 +383,8 @@ def _fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str 
             # (the caching allocator reuses x, w1 and mid only after this wait on cur)
             cur.wait_stream(ps)
             order.end(cur)
-        st.seen.add(sig)
-        report_errors(st.err, cfg.check)  # under the lock, as all_gather_matmul's
+        rt.seen.add((OP, sig))
+        report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's
     stats["fused"] += 1
     return y
 
@@ -417,7 +411,7 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
         cfg = ChainConfig(producer=pc, consumer=cc, check="none")
         ms = _time(lambda: mlp_chain(x, w1, w2, activation=activation, config=cfg))
         try:
-            _state(x.device).err.check(block=True)
+            _runtime(x.device).err(OP).check(block=True)
         except _flags.FlagTimeoutError as e:  # a pair that timed out is skipped, not fatal
             warn_once(f"chain-tune-timeout-{bm}", f"tune_mlp_chain: BLOCK_M {bm} timed out ({e}); skipped")
             continue
@@ -427,5 +421,5 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
             best, best_ms = ChainConfig(producer=pc, consumer=cc), ms
     if best is None:
         raise RuntimeError(f"tune_mlp_chain: every config timed out for {m}x{k}x{f}x{n}")
-    _tuned[_tune_key(x, w1, w2, activation)] = best
+    _tuned(_runtime(x.device))[_tune_key(x, w1, w2, activation)] = best
     return best

@@ -49,7 +49,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, split_rows, table_tensor
 from ..protocol import COL_POST
-from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
+from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
                        refuse_grad, report_errors, resolve_group, serial_phases, warn_once)
 
@@ -165,8 +165,9 @@ def _chunked(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, chunks: int,
 
         compute  | mm c0 | mm c1 | ...
         comm             | RS/AR c0 (wait e0) | RS/AR c1 (wait e1) |
+
+    ``group``: resolved (``resolve_group``) by the caller.
     """
-    group = resolve_group(group)
     rt = get_runtime(group, a.device)
     comm = rt.comm(None)
     world = rt.world
@@ -210,9 +211,10 @@ def matmul_reduce_scatter_chunked(a: torch.Tensor, b: torch.Tensor, *, group: An
                                   chunks: int = 2) -> torch.Tensor:
     """Chunked stream-overlap baseline of ``matmul_reduce_scatter`` (see ``_chunked``)."""
     _check_inputs("matmul_reduce_scatter", a, b)
+    group = resolve_group(group)
     if not a.is_cuda:
         return matmul_reduce_scatter_ref(a, b, group=group)
-    if a.shape[0] % _world(resolve_group(group)):
+    if a.shape[0] % _world(group):
         raise ValueError(f"matmul_reduce_scatter: M={a.shape[0]} is not a multiple of the ranks")
     return _chunked("matmul_reduce_scatter", a, b, group, chunks, None)
 
@@ -221,6 +223,7 @@ def matmul_all_reduce_chunked(a: torch.Tensor, b: torch.Tensor, *, group: Any = 
                               residual: torch.Tensor | None = None, chunks: int = 2) -> torch.Tensor:
     """Chunked stream-overlap baseline of ``matmul_all_reduce`` (see ``_chunked``)."""
     _check_inputs("matmul_all_reduce", a, b, residual)
+    group = resolve_group(group)
     if not a.is_cuda:
         return matmul_all_reduce_ref(a, b, group=group, residual=residual)
     return _chunked("matmul_all_reduce", a, b, group, chunks, residual)
@@ -297,13 +300,18 @@ class _Plan:
     grid: int
     nccl_ctas: int
     gemm: Any
-    launches: dict = field(default_factory=dict)
+    launches: LRU = field(default_factory=lambda: LRU(16))
+    """Made on first use: launch plans of the call's GEMM (``_runtime.gemm_plan``)."""
 
 
-_plans: dict[tuple, _Plan] = {}
-_MAX_PLANS = 256
-_tuned: dict[tuple, OverlapConfig | str] = {}
-_MAX_TUNED = 1024
+def _plans(rt: Runtime) -> LRU:
+    """Plans of both ops on ``rt`` by op, shape and config, the 64 most recently used."""
+    return rt.cache("matmul_reduce.plans", 64)
+
+
+def _tuned(rt: Runtime) -> LRU:
+    """The tuners' picks on ``rt`` by op, shape, dtype and residual, the 256 most recently used."""
+    return rt.cache("matmul_reduce.tuned", 256)
 
 
 def _default_chunks(rows: int) -> int:
@@ -319,8 +327,9 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
     chunks = cfg.chunks or _default_chunks(m // rt.world if scatter else m)
     nccl_ctas = cfg.nccl_ctas or 16
     margin = cfg.margin("nccl")
-    key = (op, rt.ranks, rt.device.index, m, n, k, chunks, nccl_ctas, margin, gemm)
-    p = _plans.get(key)
+    key = (op, m, n, k, chunks, nccl_ctas, margin, gemm)
+    plans = _plans(rt)
+    p = plans.get(key)
     if p is None:
         if capturing():
             raise OverlapCaptureError(f"{op}: M={m}, N={n}, K={k} with this config has not run outside a CUDA "
@@ -333,9 +342,7 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
                              f"margin {margin}")
         table = table_tensor(rows, rt.device)
         p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.pop(next(iter(_plans)))
-        _plans[key] = p
+        plans[key] = p
     return p
 
 
@@ -380,8 +387,8 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
 
 def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.Tensor | None,
          config: OverlapConfig | None, ref: Any) -> torch.Tensor:
+    """One call of ``op``; ``group`` resolved (``resolve_group``) by the caller, ``ref`` its reference."""
     refuse_grad(op, a, b, residual)
-    group = resolve_group(group)
     m, k = a.shape
     n = b.shape[1]
     scatter = op == "matmul_reduce_scatter"
@@ -406,7 +413,7 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
     rt = get_runtime(group, a.device)
     tuned = None
     if config is None:
-        tuned = _tuned.get((op, tuple(rt.ranks), m, n, k, a.dtype, residual is not None))
+        tuned = _tuned(rt).get((op, m, n, k, a.dtype, residual is not None))
     sequential = isinstance(tuned, str)  # the tuner's pick: the sequential reference
     cfg = config or (None if sequential else tuned) or OverlapConfig()
     if cfg.transport == "p2p":
@@ -448,6 +455,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
     multiple of R.
     """
     _check_inputs("matmul_reduce_scatter", a, b)
+    group = resolve_group(group)
     return _run("matmul_reduce_scatter", a, b, group, None, config,
                 lambda: matmul_reduce_scatter_ref(a, b, group=group))
 
@@ -468,6 +476,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
     As ``matmul_reduce_scatter`` for paths and config.
     """
     _check_inputs("matmul_all_reduce", a, b, residual)
+    group = resolve_group(group)
     return _run("matmul_all_reduce", a, b, group, residual, config,
                 lambda: matmul_all_reduce_ref(a, b, group=group, residual=residual))
 
@@ -522,9 +531,7 @@ def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch
 
     _, best = confirm_best(rt, rt.err(op), results, fn_for, iters, group, describe=describe if verbose else None,
                            keep=("sequential",))
-    if len(_tuned) >= _MAX_TUNED:
-        _tuned.pop(next(iter(_tuned)))
-    _tuned[(op, tuple(rt.ranks), m, n, k, a.dtype, residual is not None)] = best
+    _tuned(rt)[(op, m, n, k, a.dtype, residual is not None)] = best
     from .. import observe
 
     observe.record_tuning(op, (m, n, k), [(describe(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],

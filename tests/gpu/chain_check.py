@@ -81,7 +81,7 @@ def main() -> None:
         if it % 50 == 0 or it == 299:
             assert torch.equal(y, chmod.mlp_chain_stream_sync(xi, w1, w2)), f"epoch {it}"
     torch.cuda.synchronize()
-    chmod._state(dev).err.check(block=True)
+    chmod._runtime(dev).err(chmod.OP).check(block=True)
     # after the first call of each kernel and policy, every launch reuses the compiled
     # kernel (an argument Triton would specialize differently, e.g. an unaligned
     # pointer, sends every launch through Triton's slower path)

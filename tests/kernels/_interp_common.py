@@ -10,6 +10,7 @@ import torch
 from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa: F401
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_workspace  # noqa: F401
 from overlap.kernels.add_norm import ReducePlan, launch_add_norm, launch_reduce_norm  # noqa: F401
+from overlap.ops._runtime import Runtime
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: F401
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,
                               rowsync_chain_tables, split_tail, tilesync_chain_tables)
@@ -67,7 +68,10 @@ class _StandIn:
 
     STRIDE = 512  # overlap._p2p.flag_stride(2)
 
+    cache = Runtime.cache  # the ops' plans and tuned configs live on their runtime
+
     def __init__(self):
+        self._caches = {}
         self.blocks, self.fl, self.errs, self.counters, self.pushes = {}, {}, {}, {}, []
         self.disagree = False  # the peer's signature words differ from this rank's
         self.comm_stream, self.aux_stream, self.copy_stream = self.Stream(), self.Stream(), self.Stream()
@@ -202,9 +206,12 @@ class _NcclStandIn:
 
     rank, device, num_sms, group = 0, torch.device("cpu"), 12, None
 
+    cache = Runtime.cache  # the ops' plans and tuned configs live on their runtime
+
     def __init__(self, world=1):
         from overlap.ops._runtime import LocalWords
 
+        self._caches = {}
         self.world, self.ranks = world, tuple(range(world))
         self.peer = self.base = None
 

@@ -18,6 +18,7 @@ from overlap.ops import _runtime as rtm
 from overlap.ops import all_gather as ag
 from overlap.ops import all_reduce as ar
 from overlap.ops import chain as ch
+from overlap.ops import matmul_reduce as mr
 from overlap.policies import all_gather_layout, build_tile_table, row_bucket
 from tests._procs import free_port
 from tests.ops._cpu_runtime import cpu_runtime
@@ -28,10 +29,6 @@ def group() -> Any:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield tdist.group.WORLD
     tdist.destroy_process_group()
-
-
-def _rt(group: Any = None) -> Any:
-    return SimpleNamespace(group=group, ranks=(0,), rank=0, world=1, device=torch.device("cpu"), num_sms=132)
 
 
 def test_lru_keeps_the_most_recent() -> None:
@@ -73,13 +70,11 @@ def test_agreement_checked_once_per_bucket(group: Any, monkeypatch: pytest.Monke
     assert len(gathers) == len(buckets) + 2
 
 
-def test_plans_and_tables_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """200 random M through the all-gather's and all-reduce's plans and the chain's tables:
-    each cache holds at most its cap, and a plan made again after eviction is the same."""
-    monkeypatch.setattr(ag, "_plans", rtm.LRU(ag._plans.cap))
-    monkeypatch.setattr(ar, "_plans", rtm.LRU(ar._plans.cap))
-    rt = _rt()
-    st = ch._State(torch.device("cpu"), 132, None, None, None)  # _tables reads the device and its caches
+def test_plans_and_tables_bounded() -> None:
+    """200 random M through the all-gather's, all-reduce's and GEMM -> reduce ops' plans and
+    the chain's tables: each cache holds at most its cap, and a plan made again after
+    eviction is the same."""
+    rt = cpu_runtime()  # the chain's runtime is another (local) one; its caches are the same kind
     cfg = OverlapConfig(chunks=2)
     rng = random.Random(1)
     first = ag._plan(rt, 300, 256, 128, cfg)
@@ -87,14 +82,17 @@ def test_plans_and_tables_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         m = rng.randint(1, 4096)
         ag._plan(rt, m, 256, 128, cfg)
         ar._plan(rt, m, 256, 128, cfg)
-        ch._tables(st, m, 512, 256, ch.ChainConfig())
-    assert len(ag._plans) <= ag._plans.cap == 64 and len(ar._plans) <= ar._plans.cap == 64
-    assert len(st.tables) <= st.tables.cap == 64
+        mr._plan(rt, "matmul_all_reduce", m, 256, 128, cfg)
+        ch._tables(rt, m, 512, 256, ch.ChainConfig())
+    for plans in (ag._plans(rt), ar._plans(rt), mr._plans(rt), ch._tables_of(rt)):
+        assert len(plans) == plans.cap == 64
     again = ag._plan(rt, 300, 256, 128, cfg)
     assert again is not first and torch.equal(again.table, first.table)
-    for cache in (ag._tuned, ar._tuned, ch._tuned, ag._perms, cpu_runtime().cache("agreed", rtm.AGREED_CAP)):
-        assert isinstance(cache, rtm.LRU), cache
-    assert isinstance(first.launches, rtm.LRU) and first.launches.cap == 16
+    for cache, cap in ((ag._tuned(rt), 256), (ar._tuned(rt), 256), (mr._tuned(rt), 256), (ch._tuned(rt), 256),
+                       (ag._perms(rt), 16), (rt.cache("agreed", rtm.AGREED_CAP), 1024)):
+        assert isinstance(cache, rtm.LRU) and cache.cap == cap, cache
+    for plan in (first, mr._plan(rt, "matmul_all_reduce", 300, 256, 128, cfg)):
+        assert isinstance(plan.launches, rtm.LRU) and plan.launches.cap == 16
 
 
 def test_seen_signatures_bounded() -> None:
