@@ -64,7 +64,11 @@ def weights(op: str, b: Any, k: int, dtype: torch.dtype, many_ok: bool = True) -
 def longest(bs: list[torch.Tensor]) -> int:
     """The weight whose GEMM the communication hides behind: the most columns, the first of
     equals."""
-    return max(range(len(bs)), key=lambda i: (bs[i].shape[1], -i))
+    best = 0
+    for i in range(1, len(bs)):  # a loop, not max(key=): torch.compile traces this
+        if bs[i].shape[1] > bs[best].shape[1]:
+            best = i
+    return best
 
 
 def to_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...]]:
