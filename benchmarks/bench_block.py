@@ -181,7 +181,7 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         one(i)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)  # NCCL: a device tensor
     tdist.all_reduce(med, op=tdist.ReduceOp.MAX, group=group)  # the slowest rank's median
     out = {"mode": mode, "ms_per_step": med.item(), "tokens_per_s": args.batch * args.seq / med.item() * 1e3,
            "first_step_s": first_s}
