@@ -461,8 +461,15 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     only): time the two fastest configs again with the tiles after their GEMM's last
     full wave split along K (``OverlapConfig.split_tail`` 2 and 8). ``ws_pass`` (the same
     default): then the two fastest so far again with the GEMM's K loop warp-specialized
-    (``GemmConfig.warp_specialize``), where Triton and the GPU support it."""
+    (``GemmConfig.warp_specialize``), where Triton and the GPU support it. Inputs with no
+    tile-flag path (CPU, fp32, K or N not 16-byte rows) return ``"sequential"`` untimed,
+    as the other tuners do."""
+    _check_inputs(a_shard, b)
     group = _group(group)
+    esize = a_shard.element_size()
+    if (not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16)
+            or (a_shard.shape[1] * esize) % 16 or (b.shape[1] * esize) % 16):
+        return "sequential"  # no tile-flag path for these inputs: nothing to tune
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
     n = b.shape[1]

@@ -145,3 +145,19 @@ def test_local_runtime_is_not_collective(monkeypatch: pytest.MonkeyPatch) -> Non
     assert (rt.group, rt.world, rt.rank) == (None, 1, 0)
     assert rt.p2p() is None and "one rank" in rt.p2p_why
     assert rt.err(ch.OP).what == "mlp_chain"
+
+
+def test_every_tuner_returns_sequential_without_a_tile_flag_path(single: None) -> None:
+    """CPU or fp32 inputs: each collective op's tuner answers "sequential" untimed, as the
+    op itself takes the reference there (no runtime is asked for)."""
+    from overlap.ops import tune_all_gather_matmul, tune_all_reduce_matmul
+    from overlap.ops.matmul_reduce import tune_matmul_all_reduce, tune_matmul_reduce_scatter
+
+    dist.init(timeout_s=10)
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    assert tune_all_gather_matmul(a, b) == "sequential"
+    assert tune_all_reduce_matmul(a, b) == "sequential"
+    assert tune_matmul_reduce_scatter(a, b) == "sequential"
+    assert tune_matmul_all_reduce(a, b) == "sequential"
+    with pytest.raises(ValueError, match="K mismatch"):
+        tune_all_gather_matmul(a, b.t())
