@@ -45,6 +45,7 @@ from ._library import (all_gather_matmul, all_reduce_matmul, matmul_all_reduce, 
                        matmul_reduce_scatter, mlp_chain)
 from .ops import (ChainConfig, Norm, OverlapConfig, reset, tune_all_gather_matmul, tune_all_reduce_matmul,
                   tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
+from .ops import tune_matmul_all_reduce_matmul
 
 # ---- what ran ---------------------------------------------------------------------------
 # overlap.profile(True) (or OVERLAP_PROFILE=1) turns on NVTX ranges and CUDA-event phase
@@ -77,6 +78,7 @@ __all__ += [
     "tune_all_reduce_matmul",
     "tune_matmul_reduce_scatter",
     "tune_matmul_all_reduce",
+    "tune_matmul_all_reduce_matmul",
     "tune_mlp_chain",
     "reset",
     "OverlapConfig",

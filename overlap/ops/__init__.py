@@ -18,7 +18,7 @@ from .matmul_reduce import (
     tune_matmul_all_reduce,
     tune_matmul_reduce_scatter,
 )
-from .boundary import matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref
+from .boundary import matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref, tune_matmul_all_reduce_matmul
 from .all_reduce import (
     Norm,
     all_reduce_matmul,
@@ -54,6 +54,7 @@ __all__ = [
     "tune_all_gather_matmul",
     "tune_all_reduce_matmul",
     "tune_matmul_all_reduce",
+    "tune_matmul_all_reduce_matmul",
     "tune_matmul_reduce_scatter",
     "tune_mlp_chain",
 ]

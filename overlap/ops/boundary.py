@@ -20,7 +20,8 @@ compete for SMs, and the consumer's first chunks are usually ready when it start
 NCCL transport only (``transport="p2p"`` raises, as for ``matmul_all_reduce``). One
 ``OverlapConfig`` serves both halves (chunks, NCCL CTAs, SM margin, the GEMM config of
 both GEMMs, the consumer's give-back grid and split tail); ``fold_norm`` does not apply
-(the norm runs on the aux stream). No tuner yet.
+(the norm runs on the aux stream). ``tune_matmul_all_reduce_matmul`` times chunk counts and
+NCCL CTA caps against the sequential reference and caches the pick per shape.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
-from ._runtime import (OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
-                       refuse_grad, report_errors, resolve_group, warn_once)
+from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing,
+                       check_agree, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed,
+                       on_stream, refuse_grad, resolve_group, warn_once)
 
-__all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "stats"]
+__all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "tune_matmul_all_reduce_matmul", "stats"]
 
 OP = "matmul_all_reduce_matmul"
 stats: dict[str, int] = {"fused": 0, "reference": 0}
@@ -129,19 +130,24 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     if capturing() and get_runtime_if_made(group, a.device) is None:
         raise OverlapCaptureError(f"{OP}: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a.device)
-    cfg = config or OverlapConfig()
+    tuned = _tuned(rt).get(_tune_key(a, b, b_next, residual, norm)) if config is None else None
+    sequential = isinstance(tuned, str)  # the tuner's pick: the sequential reference
+    cfg = config or (None if sequential else tuned) or OverlapConfig()
     if cfg.transport == "p2p":
         raise ValueError(f"{OP}: the peer-copy transport is not built for this op; use transport='nccl' (or None)")
-    chunks = cfg.chunks or _mr._default_chunks(m)
-    cfg = dataclasses.replace(cfg, chunks=chunks, transport="nccl")
-    # the NCCL calls' sizes come from (M, N) and the chunks: ranks must agree or peers hang
+    chunks = 0 if sequential else (cfg.chunks or _mr._default_chunks(m))
+    # the NCCL calls' sizes come from (M, N) and the chunks (0: the sequential path): ranks
+    # must agree or peers hang
     check_agree(rt, OP, ("M", "K/R", "N", "N2", "dtype", "residual", "norm", "chunks"),
                 (m, k, n, n2, dtype_code(a.dtype), int(residual is not None), _ar._norm_code(norm), chunks),
                 rows_at=0)
+    if sequential:
+        return observed(OP, (m, n2, n), "sequential", "tuner pick", a.device, ref)
+    cfg = dataclasses.replace(cfg, chunks=chunks, transport="nccl")
     sig = (m, k, n, n2, a.dtype, b.stride(), b_next.stride(), residual is not None,
            None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), cfg)
     rt.require_warm(OP, sig)
-    why = "config given" if config is not None else "default config"
+    why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     res, nrm = _ar._contiguous(None if residual is None else residual.contiguous(), norm)
     return rt.mark_warm(OP, sig, observed(OP, (m, n2, n), f"nccl x{chunks}", why, a.device, _fused, rt,
                                           a.contiguous(), b, b_next, res, nrm, cfg))
@@ -189,3 +195,79 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
                 gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
     stats["fused"] += 1
     return c, h
+
+
+def _tuned(rt: Runtime) -> LRU:
+    """The tuner's picks on ``rt`` by shape, layouts, dtype, residual and norm, the 256 most
+    recently used."""
+    return rt.cache("boundary.tuned", 256)
+
+
+def _tune_key(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
+              norm: Any) -> tuple:
+    return (tuple(a.shape), b.shape[1], b_next.shape[1], a.dtype, b.stride(), b_next.stride(),
+            residual is not None, _ar._norm_code(norm))
+
+
+def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
+                                  residual: torch.Tensor | None = None, norm: Any = None,
+                                  candidates: list[OverlapConfig] | None = None, iters: int = 10,
+                                  verbose: bool = False) -> OverlapConfig | str:
+    """Time the pipeline's configs (chunks x NCCL CTA caps, or ``candidates``) against the
+    sequential reference (matmul, all-reduce, add, norm, matmul), collectively (every rank
+    calls it with the same shapes); cache the fastest for this shape, which
+    ``matmul_all_reduce_matmul`` then takes when called without a config. Returns the
+    ``OverlapConfig`` or ``"sequential"`` (the op then runs the reference for this shape,
+    warning once). Inputs with no tile-flag path return ``"sequential"`` untimed."""
+    from ._runtime import confirm_best, time_candidates, time_ms
+
+    _check(a, b, b_next, residual, norm)
+    group = resolve_group(group)
+    m, k = a.shape
+    n, n2 = b.shape[1], b_next.shape[1]
+    esize = a.element_size()
+    if (not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16)
+            or any((v * esize) % 16 for v in (k, n, n2))):
+        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+    rt = get_runtime(group, a.device)
+    a = a.contiguous()
+    res, nrm = _ar._contiguous(None if residual is None else residual.contiguous(), norm)
+
+    def ref() -> Any:
+        return matmul_all_reduce_matmul_ref(a, b, b_next, group=group, residual=residual, norm=norm)
+
+    if candidates is None:
+        candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (2, 4, 8) for ct in (8, 16)]
+    candidates = [dataclasses.replace(c, chunks=c.chunks or _mr._default_chunks(m), transport="nccl")
+                  for c in candidates]
+    results: list[tuple[float, Any]] = [(time_ms(ref, iters, group), "sequential")]
+
+    def run(cand: OverlapConfig) -> Any:
+        return _fused(rt, a, b, b_next, res, nrm, cand)
+
+    def describe(cand: Any) -> str:
+        if isinstance(cand, str):
+            return f"  tune {OP} {m}x{n}x{k}->{n2}: {cand}"
+        return f"  tune {OP} {m}x{n}x{k}->{n2}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
+
+    if verbose and rt.rank == 0:
+        print(f"{describe('sequential')}: {results[0][0]:.3f} ms", flush=True)
+    results += time_candidates(rt, rt.err(OP), candidates, run, iters, group, describe if verbose else None)
+
+    def fn_for(choice: Any) -> Any:
+        if choice == "sequential":
+            return ref
+        quiet = dataclasses.replace(choice, check="none")
+        return lambda: run(quiet)
+
+    _, best = confirm_best(rt, rt.err(OP), results, fn_for, iters, group, describe=describe if verbose else None,
+                           keep=("sequential",))
+    _tuned(rt)[_tune_key(a, b, b_next, residual, norm)] = best
+    from .. import observe
+
+    observe.record_tuning(OP, (m, n2, n), [(describe(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],
+                          describe(best).strip())
+    if best == "sequential":
+        warn_once(f"{OP}-seq-{m}-{n}-{k}-{n2}", f"{OP}: overlap does not pay for M={m}, K/R={k}, N={n}, N2={n2} "
+                  "(the sequential reference was fastest); running it for this shape")
+    return best

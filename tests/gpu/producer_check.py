@@ -90,6 +90,20 @@ def check_boundary(world: int, rank: int, dev: torch.device) -> tuple[int, float
         errs = (rel(oc, new[5]), rel(oh, new[6]))
         worst = max(worst, *errs)
         assert max(errs) < 2e-2, ("replay", i, errs)
+    # the tuner: whatever it picks (a config, or the sequential reference), a later call
+    # without a config takes it; inputs change every call
+    from overlap.ops import tune_matmul_all_reduce_matmul
+
+    m, n, k, n2 = 4096, 1024, 1024, 2048
+    a, b, b2, res, norm = case(m, n, k, n2, torch.bfloat16, 77, "layernorm")[:5]
+    best = tune_matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm, iters=3)
+    assert best == "sequential" or isinstance(best, OverlapConfig), best
+    for it in range(3):
+        a, b, b2, res, norm, c_want, h_want = case(m, n, k, n2, torch.bfloat16, 500 + it, "layernorm")
+        c, h = matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm)
+        errs = (rel(c, c_want), rel(h, h_want))
+        assert max(errs) < 2e-2, ("tuned", best, it, errs)
+        calls += best != "sequential"  # the fused calls the stats must count
     return calls, worst
 
 
