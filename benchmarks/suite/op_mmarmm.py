@@ -6,7 +6,8 @@ Shapes M x N x K: a [M, K] (K per rank), b [K, N], b_next [N, N2] with N2 = 4N /
 shard after fc2's output; M x N x K of fc2). Variants: sequential reference (cuBLAS, NCCL
 all-reduce, add + LayerNorm, cuBLAS), the two ops one after the other
 (``matmul_all_reduce`` with the residual, then LayerNorm and cuBLAS), the pipeline (both
-GEMMs overlapped with the all-reduce, chunk by chunk). Parts: the all-reduce alone and
+GEMMs overlapped with the all-reduce, chunk by chunk; tuned first on CUDA:
+``tune_matmul_all_reduce_matmul``, which may pick the sequential reference). Parts: the all-reduce alone and
 the two cuBLAS GEMMs alone.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .oputil import library_comm, raise_kernel_errors
+from .oputil import describe_config, library_comm, raise_kernel_errors
 from .spec import Case, Env, OpSpec, Shape, Variant, mnk
 
 SHAPES = {
@@ -43,10 +44,13 @@ def setup(shape: Shape, env: Env) -> Case:
         h = matmul_all_reduce(a, b, group=g, residual=res)
         return ln.apply(h) @ b2, h
 
-    lib = Variant("library (pipeline)", fn=lambda: matmul_all_reduce_matmul(a, b, b2, group=g, residual=res, norm=ln),
+    lib = Variant("library (pipeline, tuned)", fn=lambda: matmul_all_reduce_matmul(a, b, b2, group=g, residual=res, norm=ln),
                   role="library", synced=True, note=None if env.on_gpu else "CPU: no tile-flag path, runs the reference")
     if env.on_gpu:
         lib.counter = lambda: bd.stats["fused"]
+        if env.tune:
+            lib.prepare = lambda: describe_config(bd.tune_matmul_all_reduce_matmul(
+                a, b, b2, group=g, residual=res, norm=ln, verbose=env.verbose))
         comm = library_comm(env)
         c = a @ b
         parts: dict[str, Any] = {"comm": lambda: comm.all_reduce(c, c), "gemm": lambda: (a @ b, c @ b2)}
