@@ -43,8 +43,8 @@ __all__ = [
 from . import ops
 from ._library import (all_gather_matmul, all_reduce_matmul, matmul_all_reduce, matmul_all_reduce_matmul,
                        matmul_reduce_scatter, mlp_chain)
-from .ops import (ChainConfig, Norm, OverlapConfig, reset, tune_all_gather_matmul, tune_all_reduce_matmul,
-                  tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
+from .ops import (ChainConfig, NcclTransport, Norm, OverlapConfig, PeerCopyTransport, reset, tune_all_gather_matmul,
+                  tune_all_reduce_matmul, tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
 from .ops import tune_matmul_all_reduce_matmul
 
 # ---- what ran ---------------------------------------------------------------------------
@@ -82,6 +82,8 @@ __all__ += [
     "tune_mlp_chain",
     "reset",
     "OverlapConfig",
+    "NcclTransport",
+    "PeerCopyTransport",
     "ChainConfig",
     "Norm",
     "check_errors",

@@ -1,6 +1,6 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
-from ._runtime import OverlapCaptureError, OverlapConfig, check_errors, reset
+from ._runtime import NcclTransport, OverlapCaptureError, OverlapConfig, PeerCopyTransport, check_errors, reset
 from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
@@ -29,11 +29,13 @@ from .all_reduce import (
 
 __all__ = [
     "ChainConfig",
+    "NcclTransport",
     "OverlapCaptureError",
     "check_errors",
     "reset",
     "Norm",
     "OverlapConfig",
+    "PeerCopyTransport",
     "all_gather_matmul",
     "all_gather_matmul_chunked",
     "all_gather_matmul_ref",

@@ -24,14 +24,14 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from .. import flags as _flags
 from .. import observe as _observe
 
-__all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "warn_once", "resolve_group", "check_agree", "time_ms",
+__all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
            "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
 
@@ -191,15 +191,89 @@ def warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
+def _check_range(name: str, v: int | None, lo: int, hi: int) -> None:
+    if v is not None and not (lo <= v <= hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NcclTransport:
+    """The NCCL transport and its options, for ``OverlapConfig(transport=NcclTransport(...))``
+    (the same config as ``transport="nccl"`` with ``nccl_ctas``): rows move in chunked NCCL
+    collectives on the library's communicator, whose CTAs hold SMs."""
+
+    name: ClassVar[str] = "nccl"
+    ctas: int | None = None
+    """Cap on NCCL's CTAs for the op's communicator (``OverlapConfig.nccl_ctas``; its
+    bandwidth grows with them; each is an SM the GEMM does not get: docs/design.md, the SM
+    budget); ``None``: 16."""
+
+    def __post_init__(self) -> None:
+        _check_range("NcclTransport.ctas", self.ctas, 1, 64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerCopyTransport:
+    """The peer-copy transport and its options, for
+    ``OverlapConfig(transport=PeerCopyTransport(...))`` (the same config as
+    ``transport="p2p"`` with the flat fields of the same names): copy-engine pushes into
+    peer memory on one node (``overlap._p2p``; no SM). The options are the all-reduce's;
+    the all-gather takes none."""
+
+    name: ClassVar[str] = "p2p"
+    reduce_ctas: int | None = None
+    """SMs left to the kernel that sums the pushed partials (and adds the residual and
+    norms) chunk by chunk, one program each; with ``reduce_shared`` the number of reduce
+    programs. ``None``: 16."""
+    reduce_shared: bool = False
+    """The reduce kernel runs in small programs (4 warps, short column blocks, few
+    registers) *beside* the GEMM's programs on the same SMs, instead of on SMs of its own:
+    the GEMM grid covers every SM and no give-back grid runs; ``reduce_ctas`` then counts
+    the reduce programs. A GEMM program leaves room on its SM for one such program
+    (registers and shared memory), so they are resident whichever is dispatched first. Not
+    with a warp-specialized GEMM (``GemmConfig.warp_specialize``: ValueError)."""
+    two_shot: bool = False
+    """Reduce-scatter, then all-gather (instead of every rank summing all rows): each
+    rank's reduce kernel sums the 1/R of the rows it owns and pushes each reduced chunk
+    back to every peer. With a norm it needs ``fold_norm``; the residual must be the same
+    on every rank (``OverlapConfig.two_shot`` has the details)."""
+    fold_norm: bool = False
+    """With a norm: fold it into the GEMM instead of writing the normed rows (the reduce
+    kernel writes each row's statistics, B is replaced by diag(norm weight) B once per
+    call, the GEMM's epilogue applies the rest). Ignored without a norm."""
+
+    def __post_init__(self) -> None:
+        _check_range("PeerCopyTransport.reduce_ctas", self.reduce_ctas, 1, 1024)
+
+
+# each typed transport's options: (its field, OverlapConfig's flat field of the same meaning)
+_TRANSPORT_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {
+    NcclTransport: (("ctas", "nccl_ctas"),),
+    PeerCopyTransport: (("reduce_ctas", "reduce_ctas"), ("reduce_shared", "reduce_shared"),
+                        ("two_shot", "two_shot"), ("fold_norm", "fold_norm")),
+}
+_FLAT_DEFAULTS = {"nccl_ctas": None, "reduce_ctas": None, "reduce_shared": False, "two_shot": False,
+                  "fold_norm": False}
+
+
 @dataclass(frozen=True, kw_only=True)
 class OverlapConfig:
-    """How an overlapped op runs; fields left ``None`` come from the tuner or defaults."""
+    """How an overlapped op runs; fields left ``None`` come from the tuner or defaults.
+
+    A transport's options can be given with it, typed: ``transport=NcclTransport(ctas=8)``
+    or ``transport=PeerCopyTransport(reduce_ctas=24, fold_norm=True)``. Construction turns
+    them into the flat fields (``transport="nccl"``, ``nccl_ctas=8``), so the two spellings
+    make equal configs; ``transport_options`` gives the typed form back. Fields that only
+    one transport reads are refused with the other one (ValueError); with ``transport=None``
+    (chosen at call time) both transports' fields may be set, each read where its
+    transport is chosen."""
 
     chunks: int | None = None
     """NCCL calls the collective is cut into (each followed by a flag post)."""
     nccl_ctas: int | None = None
-    """Cap on NCCL's CTAs for the op's communicator (its bandwidth grows with them; each is
-    an SM the GEMM does not get: docs/design.md, the SM budget)."""
+    """NCCL transport: cap on NCCL's CTAs for the op's communicator (its bandwidth grows
+    with them; each is an SM the GEMM does not get: docs/design.md, the SM budget);
+    ``None``: 16. ``NcclTransport.ctas``; not with ``transport="p2p"`` (ValueError)."""
     sm_margin: int | None = None
     """SMs left idle beyond NCCL's CTAs (or the reduce kernel's programs); ``None``:
     ``OVERLAP_SM_MARGIN`` (``env_sm_margin``) where set, else 4 on the NCCL transport and 0
@@ -216,14 +290,17 @@ class OverlapConfig:
     """Bound of one tile's flag wait; ``None``: ``overlap.flags.default_timeout_ms(group)``
     (``OVERLAP_WAIT_TIMEOUT_MS``, else the process groups' timeout: minutes, so that a rank
     arriving seconds late is waited for)."""
-    transport: str | None = None
+    transport: str | NcclTransport | PeerCopyTransport | None = None
     """How rows move between GPUs: "nccl" (chunked NCCL collectives on the
     library's communicator; their CTAs hold SMs) or "p2p" (copy-engine pushes into
     peer memory on one node, ``overlap._p2p``; no SM). ``None``: "p2p" where the
-    group's ranks can map each other's memory (``OVERLAP_TRANSPORT`` overrides)."""
+    group's ranks can map each other's memory (``OVERLAP_TRANSPORT`` overrides).
+    A ``NcclTransport`` or ``PeerCopyTransport`` gives the transport with its options;
+    after construction this field is always the name ("nccl", "p2p") or ``None``."""
     reduce_ctas: int | None = None
     """p2p all-reduce: SMs left to the kernel that sums the pushed partials (and adds
-    the residual and norms) chunk by chunk, one program each; ``None``: 16."""
+    the residual and norms) chunk by chunk, one program each; ``None``: 16.
+    ``PeerCopyTransport.reduce_ctas``; not with ``transport="nccl"`` (ValueError)."""
     reduce_shared: bool = False
     """p2p all-reduce: the reduce kernel runs in small programs (4 warps, short column
     blocks, few registers) *beside* the GEMM's programs on the same SMs, instead of on
@@ -231,7 +308,8 @@ class OverlapConfig:
     ``reduce_ctas`` then counts the reduce programs. A GEMM program leaves room on its
     SM for one such program (registers and shared memory), so they are resident
     whichever is dispatched first. Not with a warp-specialized GEMM
-    (``GemmConfig.warp_specialize``: ValueError)."""
+    (``GemmConfig.warp_specialize``: ValueError, at construction where the transport is
+    "p2p", else when the call picks it: ``check_for``). Not with ``transport="nccl"``."""
     two_shot: bool = False
     """p2p all-reduce: reduce-scatter, then all-gather (instead of every rank summing all
     rows). Each rank's reduce kernel sums only the rows it owns (1/R of them, pushed to it
@@ -239,9 +317,10 @@ class OverlapConfig:
     row statistics) back to every peer as soon as it is ready; the GEMM reads its own rows
     from h and the peers' from the shared buffer. The same bytes cross the links as in the
     one-shot push; the reduce kernel does 1/R of the work. With a norm it needs
-    ``fold_norm`` (the GEMM must read h, not normed rows). The residual is added by the
-    rank that reduces a row, so it must be the same on every rank (the replicated residual
-    stream of tensor parallelism is)."""
+    ``fold_norm`` (the GEMM must read h, not normed rows; ValueError at the call). The
+    residual is added by the rank that reduces a row, so it must be the same on every rank
+    (the replicated residual stream of tensor parallelism is). Not with
+    ``transport="nccl"``."""
     split_tail: int = 0
     """Split the GEMM's tail tiles along K into at most this many pieces (0 or 1: none):
     on the all-reduce op the tiles of the last row chunk, which all become ready at once
@@ -255,28 +334,73 @@ class OverlapConfig:
     diag(norm weight) B once per call (``overlap.kernels.norm_fold``), and the GEMM
     applies the rest in its epilogue. The reduce kernel then moves the bytes of the
     no-norm case plus the residual, at the cost of one pass over B per call.
-    Ignored without a norm and on the NCCL transport."""
+    Ignored without a norm, and where ``transport=None`` resolves to NCCL; not with
+    ``transport="nccl"``."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
     (raise on a later call once the copy of the error word has landed), 'none'."""
 
     def __post_init__(self) -> None:
+        typed = self.transport
+        if isinstance(typed, (NcclTransport, PeerCopyTransport)):
+            # the typed form into the flat fields: equal (and hashing equal) to the flat spelling
+            for tf, ff in _TRANSPORT_FIELDS[type(typed)]:
+                mine, flat = getattr(typed, tf), getattr(self, ff)
+                if flat != _FLAT_DEFAULTS[ff] and flat != mine:
+                    raise ValueError(f"transport={typed!r} and {ff}={flat!r} disagree: give the "
+                                     f"{typed.name} transport's options in {type(typed).__name__} only")
+                if mine != _FLAT_DEFAULTS[ff]:
+                    object.__setattr__(self, ff, mine)
+            object.__setattr__(self, "transport", typed.name)
         if self.chunks is not None and self.chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {self.chunks}")
-        if self.nccl_ctas is not None and not (1 <= self.nccl_ctas <= 64):
-            raise ValueError(f"nccl_ctas must be in [1, 64], got {self.nccl_ctas}")
+        _check_range("nccl_ctas", self.nccl_ctas, 1, 64)
         if self.sm_margin is not None and self.sm_margin < 0:
             raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
         if self.transport not in (None, "nccl", "p2p"):
-            raise ValueError(f"transport must be 'nccl', 'p2p' or None, got {self.transport!r}")
+            raise ValueError("transport must be 'nccl', 'p2p', NcclTransport(...), PeerCopyTransport(...) or None, "
+                             f"got {self.transport!r}")
         if not (0 <= self.split_tail <= 64):
             raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
-        if self.reduce_ctas is not None and not (1 <= self.reduce_ctas <= 1024):
-            raise ValueError(f"reduce_ctas must be in [1, 1024], got {self.reduce_ctas}")
+        _check_range("reduce_ctas", self.reduce_ctas, 1, 1024)
         if self.check not in ("sync", "async", "none"):
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
+        if self.transport is not None:  # else each transport's rules apply where the call picks it
+            self.check_for(self.transport)
+
+    def check_for(self, transport: str) -> None:
+        """Raise ValueError where a field set here cannot apply on ``transport`` ("nccl" or
+        "p2p"), or where fields of that transport conflict whatever the call's inputs.
+        Construction runs it for a given transport; an op runs it when the call picks the
+        transport of a config that left it ``None`` (there the other transport's fields are
+        ignored, not refused)."""
+        if transport == "nccl" and self.transport == "nccl":
+            wrong = [f for f in ("reduce_ctas", "reduce_shared", "two_shot", "fold_norm")
+                     if getattr(self, f) != _FLAT_DEFAULTS[f]]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)}: peer-copy transport options (PeerCopyTransport), "
+                                 "not read on transport='nccl'; leave them unset, or transport=None to "
+                                 "let the call choose")
+        if transport == "p2p":
+            if self.transport == "p2p" and self.nccl_ctas is not None:
+                raise ValueError("nccl_ctas: an NCCL transport option (NcclTransport.ctas), not read on "
+                                 "transport='p2p'; leave it unset, or transport=None to let the call choose")
+            if self.reduce_shared and getattr(self.gemm, "warp_specialize", False):
+                # the small reduce programs are sized to fit beside the plain GEMM's; a GEMM
+                # program that filled its SM would leave them queued behind tiles that wait on them
+                raise ValueError("reduce_shared runs the reduce programs beside the GEMM's; not with a "
+                                 "warp-specialized GEMM (GemmConfig.warp_specialize)")
+
+    @property
+    def transport_options(self) -> NcclTransport | PeerCopyTransport | None:
+        """The transport with its options, typed (``NcclTransport`` or
+        ``PeerCopyTransport``), or ``None`` where the call chooses the transport."""
+        if self.transport is None:
+            return None
+        cls = NcclTransport if self.transport == "nccl" else PeerCopyTransport
+        return cls(**{tf: getattr(self, ff) for tf, ff in _TRANSPORT_FIELDS[cls]})
 
     def margin(self, transport: str) -> int:
         """``sm_margin`` resolved for ``transport``."""

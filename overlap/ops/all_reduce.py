@@ -393,11 +393,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
         if shared and reduce_ctas > rt.num_sms:
             raise ValueError(f"reduce_shared: at most one reduce program per SM ({rt.num_sms}), "
                              f"got reduce_ctas={reduce_ctas}")
-        if shared and gemm.warp_specialize:
-            # the small reduce programs are sized to fit beside the plain GEMM's; a GEMM
-            # program that filled its SM would leave them queued behind tiles that wait on them
-            raise ValueError("reduce_shared runs the reduce programs beside the GEMM's; not with a "
-                             "warp-specialized GEMM (GemmConfig.warp_specialize)")
+        # the config's rules for this transport (reduce_shared with a warp-specialized GEMM):
+        # checked at construction where the config names the transport, here where the call chose it
+        cfg.check_for(transport)
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
         if two is not None:
             # this rank's own row chunks (reduced here), then the peers' (gathered)

@@ -21,7 +21,7 @@ from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
-from overlap.ops._runtime import OverlapConfig  # noqa: E402
+from overlap.ops._runtime import NcclTransport, OverlapConfig  # noqa: E402
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -49,7 +49,8 @@ def main() -> None:
         if warp_specialize_supported():  # the GEMM's K loop warp-specialized
             variants += [("nccl", True, 0, True), ("p2p", True, 8, True)]
         for transport, give_back, split, ws in variants:
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back, check="sync", transport=transport,
+            cfg = OverlapConfig(chunks=chunks, give_back=give_back, check="sync",
+                                transport=NcclTransport(ctas=8) if transport == "nccl" else "p2p",
                                 split_tail=split, gemm=GemmConfig(warp_specialize=True) if ws else None)
             for it in range(6):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + ms + chunks)
@@ -76,7 +77,7 @@ def main() -> None:
     # many epochs on one shape, inputs changing every call, both transports (p2p:
     # the shared buffer's two halves are reused every other call, with no handshake)
     for transport in ("nccl", "p2p"):
-        cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async", transport=transport)
+        cfg = OverlapConfig(chunks=2, check="async", transport=NcclTransport(ctas=8) if transport == "nccl" else "p2p")
         for it in range(200):
             a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16) * (1 + rank + it)
             c = agmod.all_gather_matmul(a, torch.eye(256, device=dev, dtype=torch.bfloat16), config=cfg)

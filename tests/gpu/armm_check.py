@@ -21,7 +21,7 @@ from overlap import dist  # noqa: E402
 from overlap.ops import Norm  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
-from overlap.ops._runtime import OverlapConfig  # noqa: E402
+from overlap.ops._runtime import NcclTransport, OverlapConfig, PeerCopyTransport  # noqa: E402
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -62,10 +62,12 @@ def main() -> None:
         for transport, give_back, fold, split, ws in variants:
             if give_back == "two" and kind and not fold:
                 continue  # two-shot with a norm folds it
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, give_back=give_back in (True, "two"), check="sync",
-                                transport=transport, reduce_ctas=64 if give_back == "shared" else 8, fold_norm=fold,
-                                split_tail=split, reduce_shared=give_back == "shared", two_shot=give_back == "two",
-                                gemm=GemmConfig(warp_specialize=True) if ws else None)
+            # each transport with its own options (the typed form)
+            opts = (NcclTransport(ctas=8) if transport == "nccl" else
+                    PeerCopyTransport(reduce_ctas=64 if give_back == "shared" else 8, fold_norm=fold,
+                                      reduce_shared=give_back == "shared", two_shot=give_back == "two"))
+            cfg = OverlapConfig(chunks=chunks, give_back=give_back in (True, "two"), check="sync", transport=opts,
+                                split_tail=split, gemm=GemmConfig(warp_specialize=True) if ws else None)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(10_000 * rank + 100 * it + m + chunks)
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
@@ -112,7 +114,7 @@ def main() -> None:
     # many epochs on one shape, inputs changing every call; identity B: c == norm(h) exactly
     eye = torch.eye(256, device=dev, dtype=torch.bfloat16)
     for transport in ("nccl", "p2p"):
-        cfg = OverlapConfig(chunks=2, nccl_ctas=8, check="async", transport=transport)
+        cfg = OverlapConfig(chunks=2, check="async", transport=NcclTransport(ctas=8) if transport == "nccl" else "p2p")
         for it in range(200):
             x = torch.full((256, 256), float(it % 17 + rank), device=dev, dtype=torch.bfloat16)
             x[it % 256] += 1

@@ -273,8 +273,8 @@ def test_requires_grad_raises_compiled(world1: Any, op: str, call: Any, shapes: 
 
 def test_top_level_names() -> None:
     want = {"all_gather_matmul", "all_reduce_matmul", "mlp_chain", "tune_all_gather_matmul",
-            "tune_all_reduce_matmul", "tune_mlp_chain", "OverlapConfig", "ChainConfig", "Norm", "check_errors",
-            "dist", "init", "shutdown", "get_context"}
+            "tune_all_reduce_matmul", "tune_mlp_chain", "OverlapConfig", "NcclTransport", "PeerCopyTransport",
+            "ChainConfig", "Norm", "check_errors", "dist", "init", "shutdown", "get_context"}
     assert want <= set(overlap.__all__), want - set(overlap.__all__)
     for name in overlap.__all__:
         assert hasattr(overlap, name), name
@@ -293,7 +293,7 @@ def test_top_level_names() -> None:
                          "matmul_reduce_scatter": {"scatter_dim": 0, "reduce_op": "sum"}}.get(op, {}), (op, extra)
         assert wrapper.__doc__.strip().startswith("``"), "the meaning in one line of plain code"
     for name in ("tune_all_gather_matmul", "tune_all_reduce_matmul", "tune_mlp_chain", "OverlapConfig",
-                 "ChainConfig", "Norm"):
+                 "NcclTransport", "PeerCopyTransport", "ChainConfig", "Norm"):
         assert getattr(overlap, name) is getattr(overlap.ops, name), name
     assert callable(overlap.check_errors)
     if hasattr(overlap.ops, "check_errors"):

@@ -1,0 +1,103 @@
+"""OverlapConfig's typed transports (NcclTransport, PeerCopyTransport) and its cross-field
+rules at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from overlap import NcclTransport, OverlapConfig, PeerCopyTransport
+from overlap import _library
+from overlap.kernels.tile_gemm import GemmConfig
+
+WS = GemmConfig(warp_specialize=True)
+
+
+def test_typed_transport_equals_flat() -> None:
+    pairs = [
+        (OverlapConfig(transport=NcclTransport(ctas=8), chunks=2),
+         OverlapConfig(transport="nccl", nccl_ctas=8, chunks=2)),
+        (OverlapConfig(transport=NcclTransport()), OverlapConfig(transport="nccl")),
+        (OverlapConfig(transport=PeerCopyTransport(reduce_ctas=24, fold_norm=True), chunks=8, give_back=False),
+         OverlapConfig(transport="p2p", reduce_ctas=24, fold_norm=True, chunks=8, give_back=False)),
+        (OverlapConfig(transport=PeerCopyTransport(reduce_ctas=66, reduce_shared=True, two_shot=True)),
+         OverlapConfig(transport="p2p", reduce_ctas=66, reduce_shared=True, two_shot=True)),
+        (OverlapConfig(transport=PeerCopyTransport()), OverlapConfig(transport="p2p")),
+    ]
+    for typed, flat in pairs:
+        assert typed == flat and hash(typed) == hash(flat), (typed, flat)
+        assert typed.transport in ("nccl", "p2p")  # the ops read the name
+        assert _library.config_id(typed) == _library.config_id(flat)
+        assert {typed: 1}[flat] == 1
+    # the same option given both ways, with one value: accepted
+    assert OverlapConfig(transport=NcclTransport(ctas=8), nccl_ctas=8) == OverlapConfig(transport="nccl", nccl_ctas=8)
+    # a normalized config goes through dataclasses.replace as any other
+    cfg = OverlapConfig(transport=NcclTransport(ctas=8))
+    assert dataclasses.replace(cfg, chunks=4) == OverlapConfig(transport="nccl", nccl_ctas=8, chunks=4)
+
+
+def test_transport_options() -> None:
+    assert OverlapConfig().transport_options is None
+    assert OverlapConfig(nccl_ctas=8, reduce_ctas=24).transport_options is None  # chosen by the call
+    assert OverlapConfig(transport="nccl", nccl_ctas=8).transport_options == NcclTransport(ctas=8)
+    assert OverlapConfig(transport="p2p", reduce_ctas=24, two_shot=True).transport_options == \
+        PeerCopyTransport(reduce_ctas=24, two_shot=True)
+    for cfg in (OverlapConfig(transport="nccl", chunks=2, nccl_ctas=16, sm_margin=24),
+                OverlapConfig(transport="p2p", chunks=4, reduce_ctas=66, reduce_shared=True, fold_norm=True)):
+        assert dataclasses.replace(cfg, transport=cfg.transport_options) == cfg  # round trip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        NcclTransport(ctas=8).ctas = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        NcclTransport(8)  # type: ignore[misc]  # keyword-only
+
+
+@pytest.mark.parametrize("kw,match", [
+    # peer-copy options on the NCCL transport
+    (dict(transport="nccl", reduce_ctas=16), "reduce_ctas: peer-copy"),
+    (dict(transport="nccl", reduce_shared=True), "reduce_shared: peer-copy"),
+    (dict(transport="nccl", two_shot=True), "two_shot: peer-copy"),
+    (dict(transport="nccl", fold_norm=True), "fold_norm: peer-copy"),
+    (dict(transport=NcclTransport(ctas=8), reduce_ctas=16), "reduce_ctas: peer-copy"),
+    # the NCCL option on the peer-copy transport
+    (dict(transport="p2p", nccl_ctas=8), "nccl_ctas: an NCCL"),
+    (dict(transport=PeerCopyTransport(), nccl_ctas=8), "nccl_ctas: an NCCL"),
+    # a typed transport and a flat field of it that disagree
+    (dict(transport=NcclTransport(ctas=8), nccl_ctas=4), "disagree"),
+    (dict(transport=PeerCopyTransport(reduce_ctas=16), reduce_ctas=24), "disagree"),
+    (dict(transport=PeerCopyTransport(reduce_shared=False), reduce_shared=True), "disagree"),
+    # the reduce programs beside a warp-specialized GEMM
+    (dict(transport="p2p", reduce_shared=True, gemm=WS), "warp-specialized"),
+    (dict(transport=PeerCopyTransport(reduce_shared=True), gemm=WS), "warp-specialized"),
+    # the typed options' own ranges
+    (dict(transport="nccl", nccl_ctas=65), r"nccl_ctas must be in \[1, 64\]"),
+])
+def test_cross_field_rules_raise_at_construction(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OverlapConfig(**kw)
+
+
+def test_typed_options_check_their_ranges() -> None:
+    for bad in (lambda: NcclTransport(ctas=0), lambda: NcclTransport(ctas=65),
+                lambda: PeerCopyTransport(reduce_ctas=0), lambda: PeerCopyTransport(reduce_ctas=2000)):
+        with pytest.raises(ValueError, match="must be in"):
+            bad()
+
+
+def test_transport_chosen_at_call_time_keeps_both_transports_fields() -> None:
+    # transport=None: each field applies where its transport is picked
+    cfg = OverlapConfig(chunks=2, nccl_ctas=8, reduce_ctas=16, reduce_shared=True, fold_norm=True, two_shot=True)
+    cfg.check_for("nccl")
+    cfg.check_for("p2p")
+    # a warp-specialized GEMM with reduce_shared: constructed, refused when the call picks p2p
+    ws = OverlapConfig(reduce_shared=True, gemm=WS)
+    ws.check_for("nccl")
+    with pytest.raises(ValueError, match="warp-specialized"):
+        ws.check_for("p2p")
+    # the flat spellings the tuners and tests use stay accepted
+    OverlapConfig(chunks=2, nccl_ctas=16, sm_margin=24, transport="nccl")
+    OverlapConfig(chunks=8, reduce_ctas=24, give_back=False, transport="p2p")
+    OverlapConfig(chunks=4, reduce_ctas=16, two_shot=True, fold_norm=True, reduce_shared=True, transport="p2p")
+    OverlapConfig(transport="nccl", gemm=WS, split_tail=8)
+    OverlapConfig(transport="p2p", gemm=WS, split_tail=8)
+
