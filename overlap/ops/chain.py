@@ -265,8 +265,7 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
 
 
 def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
-              config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
-              _producer_delay_cycles: int = 0) -> torch.Tensor:
+              config: ChainConfig | None = None, sync: str | None = None) -> torch.Tensor:
     """``act(x @ w1) @ w2`` on one GPU, the fc2 tiles of a row block starting as
     soon as that row block of fc1 is stored (RowSync), or each K group of an fc2
     tile as soon as the one fc1 tile it reads is stored (TileSync).
@@ -282,11 +281,17 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
 
     fp16 / bf16 on CUDA take the tile-flag path; other inputs run
     ``mlp_chain_ref`` with a one-time warning. ``sync`` ("row" or "tile")
-    overrides the config's (or the tuned config's) policy. ``consumer_first``
-    enqueues the consumer before the producer (the order must not matter; tests use it).
+    overrides the config's (or the tuned config's) policy.
     """
-    from ..kernels.tile_gemm import launch_tile_gemm
+    return _mlp_chain(x, w1, w2, activation=activation, config=config, sync=sync)
 
+
+def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
+               config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
+               producer_delay_cycles: int = 0) -> torch.Tensor:
+    """``mlp_chain`` with its test hooks: ``consumer_first`` enqueues the consumer before
+    the producer (the order must not matter), ``producer_delay_cycles`` holds the producer
+    back on its stream for that many GPU cycles first (``torch.cuda._sleep``)."""
     _check_inputs(x, w1, w2, activation)
     refuse_grad("mlp_chain", x, w1, w2)
     if sync not in (None, "row", "tile"):
@@ -310,11 +315,11 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
                   "running the chain without its start gate")
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), f"tile-flag {cfg.sync}", why,
-                    x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first, _producer_delay_cycles)
+                    x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first, producer_delay_cycles)
 
 
 def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None,
-           cfg: ChainConfig, consumer_first: bool, _producer_delay_cycles: int) -> torch.Tensor:
+           cfg: ChainConfig, consumer_first: bool, producer_delay_cycles: int) -> torch.Tensor:
     from ..kernels.tile_gemm import launch_tile_gemm
 
     # SMs left free for other work on the GPU (OVERLAP_SM_MARGIN: e.g. data-parallel NCCL)
@@ -352,8 +357,8 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
 
         def producer() -> None:
             with on_stream(ps, cur):
-                if _producer_delay_cycles:
-                    torch.cuda._sleep(int(_producer_delay_cycles))
+                if producer_delay_cycles:
+                    torch.cuda._sleep(int(producer_delay_cycles))
                 launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms - margin, config=pc, activation=activation,
                                  post=True,
                                  counter=w.counters[0:1], start_flag=start_idx, **common)

@@ -55,8 +55,8 @@ def main() -> None:
                 b1, b2 = (w1.t(), w2.t()) if layout == "wt" else (w1.t().contiguous(), w2.t().contiguous())
                 # consumer first, producer held back ~10 ms on its stream: consumer programs are
                 # resident and spinning before any producer program starts
-                y = chmod.mlp_chain(x, b1, b2, config=cfg, consumer_first=consumer_first,
-                                    _producer_delay_cycles=20_000_000 if consumer_first else 0)
+                y = chmod._mlp_chain(x, b1, b2, config=cfg, consumer_first=consumer_first,
+                                     producer_delay_cycles=20_000_000 if consumer_first else 0)
                 y_ss = chmod.mlp_chain_stream_sync(x, b1, b2, config=cfg)
                 y_t = chmod.mlp_chain_ref(x, b1, b2)
                 r64 = ref64(x, b1, b2)

@@ -211,7 +211,7 @@ def replay_timeout() -> str:
     def late() -> torch.Tensor:
         # the consumer first (no start gate: with it the consumer would only start
         # once the late producer runs), the producer held back past the bound
-        return chmod.mlp_chain(*ops, config=cfg, consumer_first=True, _producer_delay_cycles=delay)
+        return chmod._mlp_chain(*ops, config=cfg, consumer_first=True, producer_delay_cycles=delay)
 
     late()
     torch.cuda.synchronize()

@@ -25,6 +25,7 @@ from overlap.flags import FlagTimeoutError  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_gather_matmul_ref,  # noqa: E402
                          all_reduce_matmul, all_reduce_matmul_ref, check_errors, mlp_chain, mlp_chain_ref)
 from overlap.ops import _runtime  # noqa: E402
+from overlap.ops.chain import _mlp_chain  # noqa: E402
 
 TOL = 2e-2
 DELAY_S = 3.0
@@ -77,13 +78,13 @@ def main() -> None:
     w1 = torch.randn(2048, 4096, device=dev, dtype=torch.bfloat16) / 45
     w2 = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16) / 64
     mlp_chain(x, w1, w2)
-    mlp_chain(x, w1, w2, consumer_first=True)
+    _mlp_chain(x, w1, w2, consumer_first=True)
     # in order, the consumer's grid is held back by the start gate (a stream wait, no SM);
     # consumer first, its tiles spin in the kernel for the whole delay (the bound matters)
     for first in (False, True):
         x.normal_()
         t0 = time.monotonic()
-        y = mlp_chain(x, w1, w2, consumer_first=first, _producer_delay_cycles=cyc)
+        y = _mlp_chain(x, w1, w2, consumer_first=first, producer_delay_cycles=cyc)
         torch.cuda.synchronize()
         check_errors()
         took = time.monotonic() - t0

@@ -1,12 +1,16 @@
-"""OverlapConfig's typed transports (NcclTransport, PeerCopyTransport) and its cross-field
-rules at construction."""
+"""OverlapConfig's typed transports (NcclTransport, PeerCopyTransport), its cross-field
+rules at construction, and the public ops' signatures without test hooks."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
 
 import pytest
+import torch
 
+import overlap
 from overlap import NcclTransport, OverlapConfig, PeerCopyTransport
 from overlap import _library
 from overlap.kernels.tile_gemm import GemmConfig
@@ -101,3 +105,17 @@ def test_transport_chosen_at_call_time_keeps_both_transports_fields() -> None:
     OverlapConfig(transport="nccl", gemm=WS, split_tail=8)
     OverlapConfig(transport="p2p", gemm=WS, split_tail=8)
 
+
+def test_public_mlp_chain_has_no_test_hooks() -> None:
+    hooks = {"consumer_first", "_producer_delay_cycles", "producer_delay_cycles"}
+    for fn in (overlap.mlp_chain, overlap.ops.mlp_chain):
+        assert not hooks & set(inspect.signature(fn).parameters), (fn, inspect.signature(fn))
+    from overlap.ops import chain
+
+    assert {"consumer_first", "producer_delay_cycles"} <= set(inspect.signature(chain._mlp_chain).parameters)
+    # the private entry runs (here the reference path: no GPU) with its hooks
+    x, w1, w2 = torch.randn(4, 8), torch.randn(8, 6), torch.randn(6, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time "no tile-flag path" warning
+        y = chain._mlp_chain(x, w1, w2, consumer_first=True, producer_delay_cycles=0)
+    torch.testing.assert_close(y, chain.mlp_chain_ref(x, w1, w2))
