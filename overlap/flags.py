@@ -109,7 +109,8 @@ class FlagTimeoutError(RuntimeError):
         self.rank, self.flag_idx, self.expected, self.seen, self.tile = rank, flag_idx, expected, seen, tile
         super().__init__(
             f"{what}: rank {rank} timed out waiting on flag {flag_idx} (chunk/row block): expected >= {expected}, "
-            f"saw {seen} (tile {tile}). A peer did not send, NCCL got no SMs, or the wait bound "
+            f"saw {seen} ({'the stream gate before the GEMM grid' if tile < 0 else f'tile {tile}'}). A peer did not "
+            f"send, NCCL got no SMs, or the wait bound "
             f"(OVERLAP_WAIT_TIMEOUT_MS) is shorter than the skew between ranks."
         )
 
