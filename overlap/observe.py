@@ -187,7 +187,7 @@ def gpu_range(stream: Any, label: str, index: int | None = None) -> Any:
     ``overlap:<stream>:<label>[ <index>]`` (e.g. ``overlap:comm:chunk 3``), which the torch
     profiler also draws over the GPU work launched inside it, on its stream
     (``gpu_user_annotation``), and Nsight Systems projects onto the GPU rows (NVTX).
-    ``stream``: the stream's role ("comm", "gemm", "giveback", "reduce", "aux", "copy")
+    ``stream``: the stream's role ("comm", "gemm", "gate", "giveback", "reduce", "aux", "copy")
     or a stream (then its id). ``index`` is formatted only when the range is made, so
     ``gpu_range("comm", "chunk", c)`` costs nothing when off. No-op as ``op_range``."""
     if not _enabled and not _autograd_profiler._is_profiler_enabled:

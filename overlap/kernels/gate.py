@@ -15,6 +15,7 @@ sees the record and stops at once, so a late peer costs one bound, not two.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import triton
@@ -23,7 +24,7 @@ import triton.language as tl
 from ._launch import CachedLauncher
 from .tile_gemm import _wait, interpreting
 
-__all__ = ["gate_kernel", "launch_gate", "GATE_TILE"]
+__all__ = ["gate_kernel", "launch_gate", "GATE_TILE", "enabled"]
 
 GATE_TILE = -1
 """The tile index a gate's timeout records (``ErrorWord``'s tile slot)."""
@@ -36,6 +37,12 @@ def gate_kernel(flags_ptr, err_ptr, idx, expected, ahead, rank, timeout_ns, max_
 
 
 _launcher = CachedLauncher(gate_kernel)
+
+
+def enabled() -> bool:
+    """Whether the ops put a gate before a grid whose first tiles wait (default on;
+    ``OVERLAP_STREAM_GATE=0`` turns it off, read on every call)."""
+    return os.environ.get("OVERLAP_STREAM_GATE", "1") != "0"
 
 
 def launch_gate(flags: Any, idx: int, expected: int, ahead: int, err: Any, *, rank: int, timeout_ns: int,

@@ -553,6 +553,18 @@ def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch
     return residual, norm
 
 
+def gate(flags: torch.Tensor, err: Any, rank: int, timeout_ns: int) -> None:
+    """Before a grid whose first tiles wait on chunk 0's flag (posted once per call, so
+    expected 1): a one-program bounded wait for that flag on the current stream, so that
+    the grid does not hold its SMs while the first chunk is late (a peer seconds behind);
+    ``overlap.kernels.gate``. Off with ``OVERLAP_STREAM_GATE=0``."""
+    from ..kernels import gate as _gate
+
+    if _gate.enabled():
+        with gpu_range("gate", "chunk", 0):
+            _gate.launch_gate(flags, 0, 1, 3, err.word, rank=rank, timeout_ns=timeout_ns)
+
+
 def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, start: int, rows: int,
                 residual: torch.Tensor | None, norm: Norm | None, flags: torch.Tensor, idx: int) -> None:
     """Rows [start, start + rows) of ``h`` were reduced on the comm stream ``cs``: add the
@@ -601,6 +613,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
         gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
                        counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
         descs = gp.operands(y, b)
+        gate(w.flags, err, rt.rank, timeout_ns)
         with gpu_range("gemm", "grid"):
             gp.launch(descs, c, epoch=1, grid=p.grid)
         last = ns if prologue else cs

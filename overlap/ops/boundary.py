@@ -188,6 +188,7 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
         gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
                         counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
         descs = gp2.operands(y, b_next)
+        _ar.gate(w2.flags, err, rt.rank, timeout_ns)  # the producer grid's SMs stay free while chunk 0 is late
         with gpu_range("gemm", "consumer"):
             gp2.launch(descs, c, epoch=1, grid=p2.grid)  # behind the producer grid on this stream
         if p2.give_back_grid:

@@ -1,6 +1,6 @@
 """Real jobs: a rank or producer seconds late with default settings (one GPU and two),
 and the ops beside a data-parallel all-reduce on torch's communicator (two GPUs). See
-skew_check.py and real_jobs2_check.py."""
+skew_check.py, gate_check.py and real_jobs2_check.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ def test_late_producer_one_gpu() -> None:
     r = run_cmd(["bash", "launch/torchrun.sh", "1", "tests/gpu/skew_check.py"], timeout_s=300)
     assert re.search(r"^PASS skew1 ", r.out, re.M), r.out[-6000:]
     print(re.search(r"^PASS skew1 .*$", r.out, re.M).group(0))
+
+
+@pytest.mark.gpu
+def test_stream_gate_frees_the_gpu_while_a_chunk_is_late() -> None:
+    r = run_cmd(["bash", "launch/torchrun.sh", "1", "tests/gpu/gate_check.py"], timeout_s=300)
+    assert re.search(r"^PASS gate1 ", r.out, re.M), r.out[-6000:]
+    print(re.search(r"^PASS gate1 .*$", r.out, re.M).group(0))
 
 
 @pytest.mark.gpu2
