@@ -25,7 +25,7 @@ def run(cf):
     for it in range(4):
         t0 = time.time()
         try:
-            y = ch.mlp_chain(x, w1, w2, config=cfg, consumer_first=cf, _producer_delay_cycles=20_000_000 if cf else 0)
+            y = ch._mlp_chain(x, w1, w2, config=cfg, consumer_first=cf, producer_delay_cycles=20_000_000 if cf else 0)
             torch.cuda.synchronize(); ok += 1
             print(f"{mode} cf={cf} it={it} ok {1e3*(time.time()-t0):.1f} ms", flush=True)
         except Exception as e:

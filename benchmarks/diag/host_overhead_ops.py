@@ -25,7 +25,8 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
-from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402
+from overlap.ops import (Norm, NcclTransport, OverlapConfig, PeerCopyTransport, all_gather_matmul,  # noqa: E402
+                         all_reduce_matmul)
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -94,7 +95,7 @@ def main() -> None:
     x = torch.randn(512, 1024, device=dev, dtype=torch.bfloat16)
     cases = {}
     for tr in ("nccl", "p2p"):
-        cfg = OverlapConfig(chunks=2, nccl_ctas=16, reduce_ctas=16, transport=tr)
+        cfg = OverlapConfig(chunks=2, transport=NcclTransport(ctas=16) if tr == "nccl" else PeerCopyTransport(reduce_ctas=16))
         cases[f"all_gather_matmul {tr}"] = (lambda cfg=cfg: all_gather_matmul(a, w.t(), config=cfg))
         cases[f"all_reduce_matmul {tr}"] = (lambda cfg=cfg: all_reduce_matmul(x, w.t(), config=cfg))
         cases[f"all_reduce_matmul {tr} +res+ln"] = (

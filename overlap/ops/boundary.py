@@ -143,7 +143,7 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
                 rows_at=0)
     if sequential:
         return observed(OP, (m, n2, n), "sequential", "tuner pick", a.device, ref)
-    cfg = dataclasses.replace(cfg, chunks=chunks, transport="nccl")
+    cfg = _nccl(cfg, chunks)
     sig = (m, k, n, n2, a.dtype, b.stride(), b_next.stride(), residual is not None,
            None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), cfg)
     rt.require_warm(OP, sig)
@@ -198,6 +198,14 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
     return c, h
 
 
+def _nccl(cfg: OverlapConfig, chunks: int) -> OverlapConfig:
+    """``cfg`` on the NCCL transport with ``chunks``: a config with no transport named may
+    carry the peer-copy all-reduce's options (they apply where a call picks that
+    transport); this op has none of them, so they are dropped, not refused."""
+    return dataclasses.replace(cfg, chunks=chunks, transport="nccl", reduce_ctas=None, reduce_shared=False,
+                               two_shot=False, fold_norm=False)
+
+
 def _tuned(rt: Runtime) -> LRU:
     """The tuner's picks on ``rt`` by shape, layouts, dtype, residual and norm, the 256 most
     recently used."""
@@ -239,8 +247,7 @@ def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torc
 
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (2, 4, 8) for ct in (8, 16)]
-    candidates = [dataclasses.replace(c, chunks=c.chunks or _mr._default_chunks(m), transport="nccl")
-                  for c in candidates]
+    candidates = [_nccl(c, c.chunks or _mr._default_chunks(m)) for c in candidates]
     results: list[tuple[float, Any]] = [(time_ms(ref, iters, group), "sequential")]
 
     def run(cand: OverlapConfig) -> Any:

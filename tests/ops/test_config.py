@@ -119,3 +119,16 @@ def test_public_mlp_chain_has_no_test_hooks() -> None:
         warnings.simplefilter("ignore")  # the one-time "no tile-flag path" warning
         y = chain._mlp_chain(x, w1, w2, consumer_first=True, producer_delay_cycles=0)
     torch.testing.assert_close(y, chain.mlp_chain_ref(x, w1, w2))
+
+
+def test_the_block_boundary_drops_peer_copy_options_it_has_no_use_for() -> None:
+    """A config naming no transport may carry the peer-copy all-reduce's options (they
+    apply where a call picks that transport); the boundary runs on NCCL only and drops
+    them, keeping the rest, instead of refusing the config."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops.boundary import _nccl
+
+    cfg = OverlapConfig(fold_norm=True, reduce_ctas=8, two_shot=True, reduce_shared=True, nccl_ctas=12,
+                        split_tail=2)
+    got = _nccl(cfg, 4)
+    assert got == OverlapConfig(chunks=4, transport="nccl", nccl_ctas=12, split_tail=2), got
