@@ -140,7 +140,8 @@ class FlagProtocolError(FlagTimeoutError):
     def __init__(self, what: str, rank: int, flag_idx: int, expected: int, seen: int, tile: int) -> None:
         super().__init__(what, rank, flag_idx, expected, seen, tile)
         self.args = (f"{what}: rank {rank} saw flag {flag_idx} at {seen}, two or more calls ahead of the "
-                     f"expected {expected} (tile {tile}): a peer ran on after an earlier failure and the ranks "
+                     f"expected {expected} ({'the stream gate before the GEMM grid' if tile < 0 else f'tile {tile}'}): "
+                     f"a peer ran on after an earlier failure and the ranks "
                      f"are out of step; the output is not valid",)
 
     def __str__(self) -> str:

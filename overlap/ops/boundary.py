@@ -188,7 +188,7 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
         gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
                         counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
         descs = gp2.operands(y, b_next)
-        _ar.gate(w2.flags, err, rt.rank, timeout_ns)  # the producer grid's SMs stay free while chunk 0 is late
+        _ar.gate(w2.flags, err, rt.rank, timeout_ns)  # the consumer grid is not resident while chunk 0 is late
         with gpu_range("gemm", "consumer"):
             gp2.launch(descs, c, epoch=1, grid=p2.grid)  # behind the producer grid on this stream
         if p2.give_back_grid:
@@ -231,6 +231,9 @@ def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torc
     from ._runtime import confirm_best, time_candidates, time_ms
 
     _check(a, b, b_next, residual, norm)
+    for c in candidates or ():
+        if c.transport == "p2p":
+            raise ValueError(f"{OP}: a candidate on the peer-copy transport ({c}); the op runs on NCCL only")
     group = resolve_group(group)
     m, k = a.shape
     n, n2 = b.shape[1], b_next.shape[1]
@@ -256,7 +259,7 @@ def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torc
     def describe(cand: Any) -> str:
         if isinstance(cand, str):
             return f"  tune {OP} {m}x{n}x{k}->{n2}: {cand}"
-        return f"  tune {OP} {m}x{n}x{k}->{n2}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
+        return f"  tune {OP} {m}x{n}x{k}->{n2}: nccl, {cand.chunks} chunks, {cand.nccl_ctas or 16} ctas"
 
     if verbose and rt.rank == 0:
         print(f"{describe('sequential')}: {results[0][0]:.3f} ms", flush=True)

@@ -164,5 +164,7 @@ def test_every_tuner_returns_sequential_without_a_tile_flag_path(single: None) -
     assert tune_matmul_all_reduce_matmul(a, b, torch.randn(8, 4)) == "sequential"
     with pytest.raises(ValueError, match="b_next"):
         tune_matmul_all_reduce_matmul(a, b, torch.randn(4, 4))
+    with pytest.raises(ValueError, match="peer-copy"):  # the op runs on NCCL only
+        tune_matmul_all_reduce_matmul(a, b, torch.randn(8, 4), candidates=[OverlapConfig(transport="p2p")])
     with pytest.raises(ValueError, match="K mismatch"):
         tune_all_gather_matmul(a, b.t())
