@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import dist  # noqa: E402
 from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402
 from overlap.ops import all_gather as _ag  # noqa: E402
-from overlap.ops import all_reduce as _ar  # noqa: E402
+from overlap.ops import all_reduce_p2p as _arp  # noqa: E402
 from overlap.ops._runtime import get_runtime  # noqa: E402
 
 SLEEP_CYCLES = 60_000_000  # ~30 ms at H200 clocks: longer than queueing the calls takes
@@ -118,7 +118,7 @@ def main() -> None:
                       f"{' folded' if fold else ''}",
                       lambda x=x, w=w, res=res, norm=norm, cfg=cfg, c=None: all_reduce_matmul(
                           x, w.t(), residual=res, norm=norm, config=cfg if c is None else c),
-                      lambda x=x, w=w, res=res, norm=norm, cfg=cfg: _ar._fused_p2p(
+                      lambda x=x, w=w, res=res, norm=norm, cfg=cfg: _arp._fused_p2p(
                           rt, x, w.t(), res, norm, replace(cfg, check="none")),
                       cfg))
     for name, fn, direct, cfg in cases:
@@ -248,7 +248,7 @@ def breakdown(rt, dev, calls: int, rank: int) -> None:
         setattr(obj, name, repl)
 
     steps = [("full op", None),
-             ("- report_errors", lambda: drop(_ar, "report_errors", lambda *a, **k: None)),
+             ("- report_errors", lambda: drop(_arp, "report_errors", lambda *a, **k: None)),
              ("- GEMM launches", lambda: drop(tile_gemm.TileGemmPlan, "launch", lambda *a, **k: None)),
              ("- GEMM operands", lambda: drop(tile_gemm.TileGemmPlan, "operands", lambda *a, **k: None)),
              ("- reduce launch", lambda: drop(__import__("overlap.kernels.add_norm", fromlist=["x"]).ReducePlan,

@@ -76,6 +76,7 @@ def test_p2p_all_reduce_op() -> None:
     queues one push per chunk of the local partial."""
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_reduce as ar
+    from overlap.ops import all_reduce_p2p as arp
 
     rt = _StandIn()
     g = torch.Generator().manual_seed(3)
@@ -122,7 +123,7 @@ def test_p2p_all_reduce_op() -> None:
                 res = torch.randn(m, k, generator=g).half() if with_res else None
                 rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
                 before = len(rt.pushes)
-                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                c, h = arp._fused_p2p(rt, x, b, res, norm, cfg)
                 pushes = rt.pushes[before:]
                 assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in pushes] == \
                     [(0, 128 * k * 2), (128 * k * 2, 128 * k * 2), (256 * k * 2, 44 * k * 2)], pushes
@@ -168,7 +169,7 @@ def test_p2p_all_reduce_op() -> None:
                     rstd = torch.rsqrt((hf - mean[:, None]).pow(2).mean(1) + norm.eps)
                     blk.tensor(0, 0, (m, 2), torch.float32)[256:].copy_(torch.stack([rstd, mean * rstd], 1))
                 before, cbefore = len(rt.pushes), len(rt.copies)
-                c, h = ar._fused_p2p(rt, x, b, res, norm, cfg)
+                c, h = arp._fused_p2p(rt, x, b, res, norm, cfg)
                 assert torch.equal(h, h_ref), (kind, mode, it)
                 y = h_ref.float() if norm is None else _torch_norm(h_ref, kind, norm.weight, norm.bias,
                                                                    norm.eps).half().float()
@@ -182,7 +183,7 @@ def test_p2p_all_reduce_op() -> None:
                 assert [(src, nb) for _, src, nb in copies if nb == 128 * k * 2] == want, copies
                 assert len(copies) == (4 if norm is not None else 2), copies
         try:
-            ar._fused_p2p(rt, x, b, None, Norm("rmsnorm", torch.ones(k).half()),
+            arp._fused_p2p(rt, x, b, None, Norm("rmsnorm", torch.ones(k).half()),
                           OverlapConfig(two_shot=True, transport="p2p", gemm=CFG))
         except ValueError as e:
             assert "fold_norm" in str(e), e
@@ -248,6 +249,7 @@ def test_p2p_disagree() -> None:
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather as ag
     from overlap.ops import all_reduce as ar
+    from overlap.ops import all_reduce_p2p as arp
 
     rt = _StandIn()
     g = torch.Generator().manual_seed(9)
@@ -272,7 +274,7 @@ def test_p2p_disagree() -> None:
             xp = torch.randn(ms, k, generator=g).half()
             rt.recv("all_reduce_matmul", (1, ms, k), torch.float16)[0].copy_(xp)
             try:
-                c2, h = ar._fused_p2p(rt, x, lin.t(), None, None, replace(cfg, reduce_ctas=4))
+                c2, h = arp._fused_p2p(rt, x, lin.t(), None, None, replace(cfg, reduce_ctas=4))
             except RanksDisagreeError as e:
                 assert disagree and "disagree" in str(e), e
             else:

@@ -301,7 +301,7 @@ def test_tail_parts(tail, sms, k_steps, max_parts, want):
 def test_shared_reduce_shape(k, want):
     # the reduce kernel beside the GEMM: 4 warps over at most 4096 elements (few registers)
     pytest.importorskip("torch")
-    from overlap.ops.all_reduce import shared_reduce_shape
+    from overlap.ops.all_reduce_p2p import shared_reduce_shape
 
     s = shared_reduce_shape(k)
     assert (s["block_k"], s["rows"], s["num_warps"]) == (*want, 4)
