@@ -958,7 +958,8 @@ def reset_runtimes() -> None:
                 if rt.device.type != "cuda" or _drain(rt, shutdown_timeout_s()):
                     rt.close()
                 else:
-                    warnings.warn(f"overlap: rank {rt.rank} of group {rt.ranks}: the ops' work did not end within "
+                    who = f"rank {rt.rank} of group {rt.ranks}" if rt.group is not None else f"device {rt.device}"
+                    warnings.warn(f"overlap: {who}: the ops' work did not end within "
                                   f"{shutdown_timeout_s():.0f} s; aborting the library's NCCL communicators",
                                   stacklevel=3)
                     for comm in rt._comms.values():
