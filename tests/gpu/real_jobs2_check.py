@@ -5,7 +5,8 @@ prints ``PASS <name> ...`` on rank 0 or raises; ``ALL PASS real_jobs2`` at the e
              before each call (a GC pause, a checkpoint write): every op on both
              transports returns correct results and raises nothing on either rank. While
              rank 0's op waits, a GEMM on another stream of rank 0 is timed: what the
-             waiting op costs other work on the GPU (printed, not asserted)
+             waiting op costs other work on the GPU (printed, not asserted; the last NCCL
+             round without the stream gate, OVERLAP_STREAM_GATE=0, for comparison)
     ddp      a loop of 100 iterations, inputs changing: a data-parallel all-reduce of a
              large buffer on torch's NCCL communicator and stream (async_op, as DDP's
              gradient buckets), and the ops on a stream of their own at the same time,
@@ -74,26 +75,33 @@ def skew(rank: int, world: int, dev: torch.device) -> str:
                 torch.cuda.synchronize()
                 tdist.barrier()
                 late, pause = rng.randrange(world), rng.uniform(2.0, 5.0)
+                # the last round on NCCL without the stream gate, for the probe's comparison
+                # (the gate is local to a rank: no agreement needed)
+                ungated = tr == "nccl" and it == 2
+                if ungated:
+                    os.environ["OVERLAP_STREAM_GATE"] = "0"
                 t0 = time.monotonic()
                 if rank == late:
                     time.sleep(pause)
                 c = fused(cfg)
                 probe = _time_probe(probe_a, dev) if rank != late else None  # while the op waits
+                os.environ.pop("OVERLAP_STREAM_GATE", None)
                 torch.cuda.synchronize()
                 took = time.monotonic() - t0
                 check_errors()
                 e = rel(c, ref())
                 assert e < TOL, f"{name} {tr} it {it}: rel err {e} after a {pause:.1f} s skew"
                 if rank == 0 and probe is not None:
-                    out.append(f"{name[:6]} {tr} {pause:.1f}s: probe {probe:.1f} ms (alone {alone:.1f})")
+                    out.append(f"{name[:6]} {tr}{' ungated' if ungated else ''} {pause:.1f}s: probe {probe:.1f} ms "
+                               f"(alone {alone:.1f})")
                 del took
     return "; ".join(out)
 
 
 def _time_probe(a: torch.Tensor, dev: torch.device) -> float:
-    """Milliseconds of one 8192^3 GEMM on a stream of its own, queued now."""
+    """Milliseconds of one 8192^3 GEMM on a stream of its own, queued now, beside whatever
+    the current stream has queued (``a`` is ready: made and synchronized before)."""
     s = torch.cuda.Stream(device=dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(s):
         start.record(s)
