@@ -65,6 +65,7 @@ def _ops(dev: torch.device, it: int, m: int = 4096, k: int = 4096, n: int = 2048
 def skew(rank: int, world: int, dev: torch.device) -> str:
     rng = random.Random(7)  # the same draws on every rank: which rank is late, and how long
     probe_a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize()  # the probes read it from a stream of their own
     alone = _time_probe(probe_a, dev)
     out = []
     for tr in TRANSPORTS:
