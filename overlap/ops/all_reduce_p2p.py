@@ -261,8 +261,6 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
 
     rs_part = up((world - 1) * max(two.rows) * row_bytes)
     ag_part = up(m * row_bytes)
-    st_part = up(m * 8)
-    part = rs_part + ag_part + st_part
     # the block sized for the bucket of M (``row_bucket``, as in ``_fused_p2p``): a rank's
     # share of rows is at most M / R + 128 (``split_rows`` in 128-row units), so each half
     # holds this call's parts, whose offsets follow M

@@ -51,7 +51,7 @@ from ..policies import Segment, build_tile_table, split_rows, table_tensor
 from ..protocol import COL_POST
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
                        dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
-                       refuse_grad, report_errors, resolve_group, serial_phases, warn_once)
+                       refuse_grad, resolve_group, serial_phases, warn_once)
 
 __all__ = [
     "matmul_reduce_scatter",
