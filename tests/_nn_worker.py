@@ -64,11 +64,12 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
 
 # ---- column -----------------------------------------------------------------------------
 
-def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overlap: bool, shape: tuple) -> None:
+def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overlap: bool, shape: tuple,
+                 save_gathered: bool | str = "auto") -> None:
     k, n = 8 * S, 4 * WS * S
     ref = linear(k, n, bias, seed=1)
     tp = ColumnParallelLinear.from_linear(ref, sequence_parallel=sp, gather_output=gather_output, overlap=overlap,
-                                          sequence_dim=seq_dim)
+                                          sequence_dim=seq_dim, save_gathered=save_gathered)
     ns = n // WS
     cols = slice(RANK * ns, (RANK + 1) * ns)
     for call in range(3):  # new inputs every call
@@ -82,7 +83,8 @@ def check_column(sp: bool, seq_dim: int, gather_output: bool, bias: bool, overla
         raw: list = []
         x.register_hook(raw.append)  # the gradient as the layer hands it back
         y = tp(x)
-        what = f"column sp={sp} dim={seq_dim} gather={gather_output} bias={bias} overlap={overlap} call {call}"
+        what = (f"column sp={sp} dim={seq_dim} gather={gather_output} bias={bias} overlap={overlap} "
+                f"save_gathered={save_gathered} call {call}")
         if gather_output:
             close(y, y_ref, f"{what}: y")
             (y * g_full).sum().backward()
@@ -149,10 +151,11 @@ def norm_ref(kind: str, k: int, seed: int) -> nn.Module:
 
 
 def check_norm_column(sp: bool, kind: str, with_residual: bool, with_input_bias: bool, overlap: bool,
-                      shape: tuple) -> None:
+                      shape: tuple, save_gathered: bool | str = "auto") -> None:
     k, n = 8 * S, 4 * WS * S
     norm, lin = norm_ref(kind, k, seed=3), linear(k, n, True, seed=4)
-    tp = NormColumnParallelLinear.from_modules(norm, lin, sequence_parallel=sp, overlap=overlap)
+    tp = NormColumnParallelLinear.from_modules(norm, lin, sequence_parallel=sp, overlap=overlap,
+                                               save_gathered=save_gathered)
     ns = n // WS
     cols = slice(RANK * ns, (RANK + 1) * ns)
     for call in range(3):
@@ -169,7 +172,8 @@ def check_norm_column(sp: bool, kind: str, with_residual: bool, with_input_bias:
         r = leaf(rows(res) if sp else res) if with_residual else None
         b = leaf(ib) if with_input_bias else None
         y, h = tp(x, r, input_bias=b)
-        what = f"norm+column {kind} sp={sp} residual={with_residual} input_bias={with_input_bias} call {call}"
+        what = (f"norm+column {kind} sp={sp} residual={with_residual} input_bias={with_input_bias} "
+                f"save_gathered={save_gathered} call {call}")
         close(y, y_ref[..., cols], f"{what}: y")
         close(h, rows(h_ref) if sp else h_ref, f"{what}: h")
         ((y * g_y[..., cols]).sum() + (h * (rows(g_h) if sp else g_h)).sum()).backward()
@@ -198,6 +202,97 @@ def check_norm_backward() -> None:
         got = functional.norm_backward(gn, h.detach(), kind, w.detach(), None if b is None else b.detach(), 1e-5)
         for i, (u, v) in enumerate(zip(got, want)):
             close(u, v, f"norm_backward {kind} bias={has_bias} output {i}")
+
+
+# ---- save_gathered: the weight gradient's input kept, or gathered again -----------------
+
+def _saved_bytes(fn: object) -> int:
+    """Bytes of the tensors autograd keeps from ``fn()``'s forward for its backward."""
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(sizes)
+
+
+def check_save_gathered() -> None:
+    """``all_gather_linear`` with ``save_gathered`` True / False / "auto": outputs and
+    gradients against the unsharded linear (new inputs every call; with and without the
+    input's gradient, with and without the fused path); what it keeps for backward
+    ([M, K] or [M/R, K], measured through ``saved_tensors_hooks``); "auto" following
+    ``regather_plan`` (its rates patched so that the tiny shape picks each side); the
+    backward's order: the gather started before the input gradient's op, waited for after."""
+    k, n, m = 8 * S, 4 * WS * S, 3 * WS
+    ref = linear(k, n, True, seed=13)
+    ns = n // WS
+    cols = slice(RANK * ns, (RANK + 1) * ns)
+    grp = tdist.group.WORLD
+    w, b = leaf(ref.weight[cols]), leaf(ref.bias[cols])
+    for mode in (True, False, "auto"):
+        for need_x, fused in ((True, True), (False, True), (True, False)):
+            for call in range(2):
+                g = gen(800 + call)
+                x_full, g_full = rand(m, k, generator=g), rand(m, n, generator=g)
+                x_ref = leaf(x_full)
+                (ref(x_ref) * g_full).sum().backward()
+                x = rows(x_full).clone().requires_grad_(need_x)
+                y = functional.all_gather_linear(x, w, b, group=grp, fused=fused, save_gathered=mode)
+                what = f"all_gather_linear save_gathered={mode} need_x={need_x} fused={fused} call {call}"
+                close(y, ref(x_full)[..., cols], f"{what}: y")
+                (y * g_full[..., cols]).sum().backward()
+                if need_x:
+                    close(x.grad, rows(x_ref.grad), f"{what}: grad x")
+                close(w.grad, ref.weight.grad[cols], f"{what}: grad w")
+                close(b.grad, ref.bias.grad[cols], f"{what}: grad b")
+                for p in (*ref.parameters(), w, b):
+                    p.grad = None
+    # memory kept for backward: the gathered input [M, K] or the shard [M/R, K] (+ the weight)
+    elt = torch.empty((), dtype=DT).element_size()
+    x = rand(m // WS, k, generator=gen(900)).requires_grad_()
+    kept = {mode: _saved_bytes(lambda: functional.all_gather_linear(x, w, b, group=grp, save_gathered=mode))
+            for mode in (True, False)}
+    assert kept[True] - kept[False] == (m - m // WS) * k * elt, (kept, m, k)
+    assert kept[True] - kept[False] == functional.regather_plan(m, ns, k, WS, DT).saved_bytes
+    # "auto" follows the rule: at these rates the tiny shape keeps; patched, it regathers
+    plan = functional.regather_plan(m, ns, k, WS, DT)
+    assert not plan.regather and kept[True] == _saved_bytes(
+        lambda: functional.all_gather_linear(x, w, b, group=grp, save_gathered="auto")), (plan, kept)
+    rates = functional.GEMM_FLOPS_PER_S, functional.GEMM_FLOPS_PER_S_FP32, functional.COLLECTIVE_FIXED_S
+    functional.GEMM_FLOPS_PER_S = functional.GEMM_FLOPS_PER_S_FP32 = 1e3  # GEMMs "slow": gather behind them
+    functional.COLLECTIVE_FIXED_S = 0.0
+    try:
+        assert functional.regather_plan(m, ns, k, WS, DT).regather == (WS > 1)
+        got = _saved_bytes(lambda: functional.all_gather_linear(x, w, b, group=grp, save_gathered="auto"))
+        assert got == kept[WS == 1], (got, kept)
+    finally:
+        functional.GEMM_FLOPS_PER_S, functional.GEMM_FLOPS_PER_S_FP32, functional.COLLECTIVE_FIXED_S = rates
+    # the backward's order: gather started, input gradient's GEMM -> reduce-scatter, gather waited for
+    order: list[str] = []
+    wrapped = {name: getattr(functional, name) for name in ("_start_gather_rows", "_mm_rs", "_finish_gather")}
+
+    def spy(name: str) -> object:
+        def call(*a: object, **kw: object) -> object:
+            order.append(name)
+            return wrapped[name](*a, **kw)
+        return call
+
+    for name in wrapped:
+        setattr(functional, name, spy(name))
+    try:
+        for mode, want in ((False, ["_start_gather_rows", "_mm_rs", "_finish_gather"]), (True, ["_mm_rs"])):
+            order.clear()
+            functional.all_gather_linear(x, w, b, group=grp, save_gathered=mode).sum().backward()
+            assert order == want, f"rank {RANK}: save_gathered={mode}: backward ran {order}, want {want}"
+    finally:
+        for name, fn in wrapped.items():
+            setattr(functional, name, fn)
+    if RANK == 0:
+        print(f"saved for backward per layer (M={m}, K={k}, R={WS}, {str(DT)[6:]}): save_gathered=True "
+              f"{kept[True]} B, False {kept[False]} B (weight {w.numel() * elt} B in both)", flush=True)
 
 
 # ---- overlap=True vs overlap=False ------------------------------------------------------
@@ -356,6 +451,11 @@ def check_bad_arguments() -> None:
         (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True, input_is_parallel=False), "input_is_parallel"),
         (lambda: RowParallelLinear(4 * WS, 8, sequence_parallel=True, reduce_output=False), "reduce_output"),
         (lambda: NormColumnParallelLinear(8, 4 * WS, norm="batchnorm"), "norm"),
+        (lambda: ColumnParallelLinear(8, 4 * WS, sequence_parallel=True, save_gathered="sometimes"), "save_gathered"),
+        (lambda: ColumnParallelLinear(8, 4 * WS, save_gathered=1), "save_gathered"),
+        (lambda: NormColumnParallelLinear(8, 4 * WS, sequence_parallel=True, save_gathered=None), "save_gathered"),
+        (lambda: functional.all_gather_linear(rand(2, 8, generator=gen(0)), rand(4, 8, generator=gen(1)),
+                                              group=tdist.group.WORLD, save_gathered="never"), "save_gathered"),
         (lambda: parallelize(TinyGPT(), plan={"*nothing": "column"}), "matched no module"),
         (lambda: parallelize(TinyGPT(), plan={"*fc1": "diagonal"}), "kinds"),
         (lambda: parallelize(TinyGPT(), plan={"*ln_1": "sequence_norm"}), "sequence_parallel"),
@@ -378,14 +478,17 @@ def check_bad_arguments() -> None:
 # ---- torch.compile ----------------------------------------------------------------------
 
 def check_compiled() -> None:
-    """Column (sequence-parallel), row (sequence-parallel and not) and norm + column under
-    torch.compile(fullgraph=True, backend="aot_eager"): outputs and gradients equal eager's,
-    inputs new every call, and the graphs hold the library's custom ops."""
+    """Column (sequence-parallel, the gathered input kept and gathered again), row
+    (sequence-parallel and not) and norm + column under torch.compile(fullgraph=True,
+    backend="aot_eager"): outputs and gradients equal eager's, inputs new every call, the
+    graphs hold the library's custom ops, and the regather's wait comes after the input
+    gradient's GEMM -> reduce-scatter in the backward graph."""
     k, n = 8 * S, 4 * WS * S
     torch.manual_seed(11)
     col, row, norm = nn.Linear(k, n).to(DEV, DT), nn.Linear(n, k).to(DEV, DT), norm_ref("layernorm", k, seed=12)
     layers = nn.ModuleDict({
         "c": ColumnParallelLinear.from_linear(col, sequence_parallel=True),
+        "c4": ColumnParallelLinear.from_linear(col, sequence_parallel=True, save_gathered=False),
         "r": RowParallelLinear.from_linear(row, sequence_parallel=True),
         "c2": ColumnParallelLinear.from_linear(col),
         "r2": RowParallelLinear.from_linear(row, reduce_output=False),
@@ -394,13 +497,14 @@ def check_compiled() -> None:
     })
 
     def step(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-        y = layers["r"](torch.relu(layers["c"](x)))  # (M/R, K): sequence parallel
+        y = layers["r"](torch.relu(layers["c"](x)) + layers["c4"](x).square())  # (M/R, K): sequence parallel
         full = functional.gather_from_region(y, group=layers["c"].group, dim=0)  # (M, K)
         p = layers["r2"](torch.relu(layers["c2"](full)))  # partial sums
         z, h = layers["nc"](p, res, input_bias=layers["r2"].bias)
         return (layers["r3"](z).square().sum() + h.sum()) / 10
 
     targets: dict[str, list[str]] = {"forward": [], "backward": []}
+    graphs: dict[str, list[torch.fx.Graph]] = {"forward": [], "backward": []}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         from torch._dynamo.backends.common import aot_autograd
@@ -409,6 +513,7 @@ def check_compiled() -> None:
         def keep(which: str) -> object:
             def compiler(g: torch.fx.GraphModule, _: list) -> object:
                 targets[which].extend(str(nd.target) for nd in g.graph.nodes if nd.op == "call_function")
+                graphs[which].append(g.graph)
                 return make_boxed_func(g.forward)
             return compiler
 
@@ -434,6 +539,17 @@ def check_compiled() -> None:
                        ("backward", ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))):
         for op in ops:
             assert f"overlap.{op}.default" in targets[which], (which, op, sorted(set(targets[which])))
+    # c4's regather: started before an input gradient's reduce-scatter op, waited for after it
+    overlapped = 0
+    for gr in graphs["backward"]:
+        nodes = list(gr.nodes)
+        for i, nd in enumerate(nodes):
+            if str(nd.target) != "_c10d_functional.all_gather_into_tensor.default":
+                continue
+            j = next(j for j, u in enumerate(nodes) if str(u.target) == "_c10d_functional.wait_tensor.default"
+                     and u.args[0] is nd)
+            overlapped += any(str(u.target) == "overlap.matmul_reduce_scatter.default" for u in nodes[i + 1:j])
+    assert overlapped == 1, f"rank {RANK}: {overlapped} all-gathers in the backward graph span a reduce-scatter op"
 
 
 def main(device: str = "cpu", dtype: str = "float32", scale: int = 1, compile_too: bool = False) -> None:
@@ -457,7 +573,11 @@ def main(device: str = "cpu", dtype: str = "float32", scale: int = 1, compile_to
         check_column(True, 0, False, True, ov, (2 * WS, 3))
         check_row(True, 0, True, True, ov, (2 * WS, 3))
     check_column(False, 0, True, True, True, (5,))
-    check_column(True, 0, False, True, True, (3 * WS,))  # 2-D
+    for mode in (True, False, "auto"):
+        check_column(True, 0, False, True, True, (3 * WS,), save_gathered=mode)  # 2-D
+    for mode in (True, False):  # "auto" (the default) above
+        check_norm_column(True, "rmsnorm", True, False, True, (2 * WS, 3), save_gathered=mode)
+    check_save_gathered()
     check_column(True, 1, False, False, True, (2, 2 * WS))  # batch-first, sequence dim 1
     check_row(False, 0, False, True, True, (5,))
     check_row(True, 0, True, False, True, (3 * WS,))

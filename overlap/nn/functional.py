@@ -29,11 +29,17 @@ torch.distributed collective and ``torch.matmul``): the tests' reference.
 Under ``torch.compile`` the forward and backward call the library's custom ops
 (``torch.ops.overlap.*``), which Dynamo traces whole; the edge collectives use
 ``torch.distributed._functional_collectives`` there.
+
+``all_gather_linear``'s weight gradient reads the gathered input: ``save_gathered`` keeps
+it from forward (memory) or all-gathers the shard again in backward behind the input
+gradient's GEMM (time, hidden where the GEMM is longer); ``"auto"`` picks per shape by
+``regather_plan``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, Union
 
 import torch
 
@@ -53,6 +59,12 @@ __all__ = [
     "gather_from_region",
     "scatter_to_region",
     "norm_backward",
+    "regather_plan",
+    "RegatherPlan",
+    "LINK_BYTES_PER_S",
+    "GEMM_FLOPS_PER_S",
+    "GEMM_FLOPS_PER_S_FP32",
+    "COLLECTIVE_FIXED_S",
 ]
 
 _compiling = torch.compiler.is_compiling
@@ -96,6 +108,32 @@ def _all_gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+def _start_gather_rows(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+    """Start ``torch.cat(all_gather(x), dim=0)`` ([M/R, K] -> [M, K]) and return at once;
+    ``_finish_gather`` gives the result. Eager: ``async_op=True`` on the group's torch
+    communicator (NCCL: torch's own stream, which waits for the current stream's work so
+    far; the output is allocated on the current stream, and ``work.wait()`` makes the
+    current stream, not the host, wait for the gather). Compiled: the functional
+    collective with its ``wait_tensor`` left for later, where the result is used."""
+    import torch.distributed as tdist
+
+    x = x.contiguous()
+    if _compiling():
+        return torch.ops._c10d_functional.all_gather_into_tensor(x, tdist.get_world_size(group),
+                                                                 group.group_name), None
+    out = x.new_empty((tdist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    fn = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor  # (deprecated in 2.13)
+    return out, fn(out, x, group=group, async_op=True)
+
+
+def _finish_gather(pending: tuple[torch.Tensor, Any]) -> torch.Tensor:
+    out, work = pending
+    if work is None:
+        return torch.ops._c10d_functional.wait_tensor(out)
+    work.wait()
+    return out
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``sum over ranks of x`` on a plain collective (a new tensor; x is not modified)."""
     import torch.distributed as tdist
@@ -117,6 +155,84 @@ def _rank_world(group: Any) -> tuple[int, int]:
 
 def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
     return grad.sum(0).to(bias.dtype) if bias is not None and needed else None
+
+
+# ---- the weight gradient's input: kept from forward, or all-gathered again --------------
+
+SaveGathered = Union[bool, Literal["auto"]]
+
+LINK_BYTES_PER_S = 210e9
+"""Bytes per second a rank receives in an NCCL all-gather (NCCL-tests bus bandwidth): 204-235
+GB/s measured through torch at 2 ranks on 2x H200 NV18, M x K of 8192 x 8192 to 16384 x 8192
+in bf16 (``benchmarks/results/2026-11-30_2xH200_d172e09``, the "busbw" column of
+``benchmarks/RESULTS.md``'s all-gather table)."""
+
+GEMM_FLOPS_PER_S = 680e12
+"""cuBLAS bf16 / fp16 on one H200: 677-686 TFLOP/s at 8192 x {14336, 18432, 24576} x
+{8192, 12288} (the "cuBLAS GEMM" column, same folder), 740-770 at the smaller comm-heavy
+shapes; the lower figure, so the rule errs toward keeping the gathered input."""
+
+GEMM_FLOPS_PER_S_FP32 = 46e12
+"""fp32 GEMMs (torch's default: no TF32): ``GEMM_FLOPS_PER_S`` scaled by the H200
+datasheet's FP32 / BF16-dense ratio (67 / 989); not measured here."""
+
+COLLECTIVE_FIXED_S = 20e-6
+"""The fixed cost of one more collective, whatever its size: about one torch call's host
+time on the GPU machines (14-28 us per small ``torch.mm``, the run contexts of
+``benchmarks/RESULTS.md``). Below it the gather of a small input is not worth its launch."""
+
+
+@dataclass(frozen=True)
+class RegatherPlan:
+    """What ``regather_plan`` decided for one ``all_gather_linear`` and why (seconds, bytes)."""
+
+    regather: bool
+    """True: keep the shard, all-gather it again in backward behind the input gradient's GEMM."""
+    gather_s: float
+    """The extra all-gather of [M, K]: ``COLLECTIVE_FIXED_S + (R-1)/R * bytes(M, K) / LINK_BYTES_PER_S``."""
+    reduce_scatter_s: float
+    """The input gradient's own reduce-scatter, on the same links at the same time: ``(R-1)/R * bytes(M, K) / LINK``."""
+    gemm_s: float
+    """The input gradient's GEMM ``grad [M, N/R] @ w_shard [N/R, K]``: ``2 M (N/R) K / GEMM rate``."""
+    saved_bytes: int
+    """Activation memory kept from forward to backward less per layer by regathering: bytes of [M, K] - [M/R, K]."""
+
+
+def regather_plan(m: int, n_shard: int, k: int, world: int, dtype: torch.dtype) -> RegatherPlan:
+    """Keep the gathered input [M, K] for the weight gradient, or gather it again? Pure:
+    depends on the shape only, so every rank of the group decides the same.
+
+    Rule: gather again when both transfers of the backward, the new all-gather and the
+    input gradient's reduce-scatter (the same bytes over the same links), fit under the
+    input gradient's GEMM: ``gather_s + reduce_scatter_s <= gemm_s``; keep it otherwise
+    (and at one rank). With the module's rates the byte terms cancel M and K, so at 2 ranks
+    in bf16 the rule is about ``N/R >= 3300`` (plus the fixed cost for small M x K): every
+    GPT-size column layer regathers; narrow layers keep. The rates are module constants,
+    read at each call.
+
+    ========  ======================================================
+    arg       meaning
+    ========  ======================================================
+    m         M, rows after the gather (every rank's tokens)
+    n_shard   N/R, this rank's output features
+    k         K, input features
+    world     R, the group's size
+    dtype     the input's dtype (its size; bf16/fp16 or fp32 rate)
+    ========  ======================================================
+    """
+    elt = dtype.itemsize
+    moved = (world - 1) / world * m * k * elt  # bytes a rank receives, all-gather or reduce-scatter
+    rate = GEMM_FLOPS_PER_S if elt <= 2 else GEMM_FLOPS_PER_S_FP32
+    gather_s = COLLECTIVE_FIXED_S + moved / LINK_BYTES_PER_S
+    rs_s = moved / LINK_BYTES_PER_S
+    gemm_s = 2.0 * m * n_shard * k / rate
+    saved = (m - m // world) * k * elt if world > 1 else 0
+    return RegatherPlan(world > 1 and gather_s + rs_s <= gemm_s, gather_s, rs_s, gemm_s, saved)
+
+
+def _check_save_gathered(save_gathered: Any) -> None:
+    if not (isinstance(save_gathered, bool) or save_gathered == "auto"):
+        raise ValueError(f"save_gathered must be True, False or 'auto', got {save_gathered!r}")
 
 
 # ---- sequence-parallel column / row -----------------------------------------------------
@@ -145,10 +261,19 @@ class _AllGatherLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with torch.no_grad():
             grad_y = grad_y.contiguous()  # [M, N/R]
+            # save_gathered=False: the gather of the kept shard starts first, on torch's
+            # communicator, and runs behind the input gradient's GEMM -> reduce-scatter:
+            #
+            #   torch's NCCL stream | AG(x_shard) -> gathered [M, K] |
+            #   current stream      | GEMM grad @ w -> RS (the op's own comm) |wait| grad^T @ gathered |
+            #
+            # Every rank issues the two in the same order, and the GEMM's tiles wait on
+            # nothing, so the two communicators' kernels cannot wait on each other in a circle.
+            pending = _start_gather_rows(saved, ctx.group) if need_w and not ctx.save_gathered else None
             if need_x:
                 grad_x = _mm_rs(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M/R, K]
             if need_w:
-                gathered = saved if ctx.save_gathered else _all_gather_rows(saved, ctx.group)  # [M, K]
+                gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
                 grad_w = grad_y.t() @ gathered  # [N/R, K]
             if ctx.has_bias and need_b:
                 grad_b = grad_y.sum(0)  # [N/R]
@@ -187,7 +312,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 def all_gather_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *,
                       group: Any, fused: bool = True, config: Any = None,
-                      save_gathered: bool = True) -> torch.Tensor:
+                      save_gathered: SaveGathered = "auto") -> torch.Tensor:
     """``all_gather(x_shard, dim=0) @ w_shard.t() + bias``: a sequence-parallel column-parallel linear.
 
     forward: all-gather -> GEMM (``all_gather_matmul``); backward: GEMM -> reduce-scatter
@@ -202,10 +327,20 @@ def all_gather_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.
     returns     [M, N/R]   every token, this rank's output features
     ==========  =========  ===================================================
 
-    ``save_gathered=True`` keeps the gathered input [M, K] from forward to backward for the
-    weight gradient (memory for time: no second all-gather); False keeps only ``x_shard``
-    and all-gathers it again in backward.
+    ``save_gathered``: True keeps the gathered input [M, K] from forward to backward for
+    the weight gradient (memory: no second all-gather); False keeps only ``x_shard``
+    [M/R, K] and all-gathers it again in backward, started before the input gradient's
+    GEMM -> reduce-scatter and waited for after it (hidden where that GEMM is longer);
+    "auto" (default) is False where ``regather_plan(M, N/R, K, R, dtype).regather``.
+    Anything else raises ``ValueError``.
     """
+    _check_save_gathered(save_gathered)
+    if save_gathered == "auto":
+        import torch.distributed as tdist
+
+        world = tdist.get_world_size(group)
+        save_gathered = not regather_plan(world * x_shard.shape[0], w_shard.shape[0], x_shard.shape[1], world,
+                                          x_shard.dtype).regather
     return _AllGatherLinear.apply(x_shard, w_shard, bias, group, fused, config, save_gathered)
 
 

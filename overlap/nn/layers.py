@@ -115,17 +115,20 @@ class ColumnParallelLinear(nn.Module):
 
     Autograd pairs (``overlap.nn.functional``): ``copy_linear`` (forward local GEMM,
     backward GEMM -> all-reduce), or with ``sequence_parallel`` ``all_gather_linear``
-    (forward all-gather -> GEMM, backward GEMM -> reduce-scatter). ``save_gathered=False``
-    keeps the input shard instead of the gathered input for the weight gradient.
+    (forward all-gather -> GEMM, backward GEMM -> reduce-scatter). ``save_gathered``
+    (sequence parallel): True keeps the gathered input for the weight gradient, False keeps
+    the input shard and all-gathers it again in backward behind the input gradient's GEMM,
+    "auto" (default) picks per shape (``overlap.nn.functional.regather_plan``).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, group: Any = None,
                  sequence_parallel: bool = False, gather_output: bool = False, config: Any = None,
                  overlap: bool = True, device: Any = None, dtype: torch.dtype | None = None,
-                 save_gathered: bool = True, sequence_dim: int = 0) -> None:
+                 save_gathered: F.SaveGathered = "auto", sequence_dim: int = 0) -> None:
         super().__init__()
         self.group, self.tp_size, self.tp_rank = _group_info(group)
         _divisible("out_features", out_features, self.tp_size)
+        F._check_save_gathered(save_gathered)
         if sequence_parallel and gather_output:
             raise ValueError("gather_output=True with sequence_parallel=True: a sequence-parallel column layer's "
                              "output feeds a row-parallel layer, split by features")
@@ -167,7 +170,8 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}, "
-                f"gather_output={self.gather_output}, overlap={self.overlap}")
+                f"gather_output={self.gather_output}, overlap={self.overlap}"
+                + (f", save_gathered={self.save_gathered}" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -282,16 +286,17 @@ class NormColumnParallelLinear(nn.Module):
     backward GEMM -> all-reduce, then the norm's backward). Sequence-parallel: the add and
     the norm on this rank's tokens (torch ops; the norm's parameters through
     ``copy_to_region``, whose backward sums every rank's part), then ``all_gather_linear``.
-    ``norm``: "layernorm" or "rmsnorm".
+    ``norm``: "layernorm" or "rmsnorm". ``save_gathered``: as ``ColumnParallelLinear``'s.
     """
 
     def __init__(self, in_features: int, out_features: int, *, norm: str = "layernorm", eps: float = 1e-5,
                  norm_bias: bool = True, bias: bool = True, group: Any = None, sequence_parallel: bool = False,
                  config: Any = None, overlap: bool = True, device: Any = None, dtype: torch.dtype | None = None,
-                 save_gathered: bool = True, sequence_dim: int = 0) -> None:
+                 save_gathered: F.SaveGathered = "auto", sequence_dim: int = 0) -> None:
         super().__init__()
         self.group, self.tp_size, self.tp_rank = _group_info(group)
         _divisible("out_features", out_features, self.tp_size)
+        F._check_save_gathered(save_gathered)
         if norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {norm!r}")
         if norm == "rmsnorm" and norm_bias:
@@ -360,4 +365,5 @@ class NormColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "
                 f"norm={self.norm_kind}, bias={self.bias is not None}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")
+                f"sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + (f", save_gathered={self.save_gathered}" if self.sequence_parallel else ""))
