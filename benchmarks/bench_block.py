@@ -3,10 +3,14 @@ path and against torch.compile's async tensor parallelism. Modes:
 
     plain            eager ``overlap.nn`` layers with ``overlap=False``: NCCL + cuBLAS
                      (Megatron's schedule)
-    library          eager ``overlap.nn`` layers (``overlap.parallelize``)
-    library-regather as ``library``, sequence parallel: the weight gradient all-gathers
-                     its input again in backward instead of keeping it from forward
-                     (``save_gathered=False``: less memory, one more all-gather)
+    library          eager ``overlap.nn`` layers (``overlap.parallelize``); sequence
+                     parallel, the column layers' ``save_gathered`` is ``--save-gathered``
+                     (default "auto", the layers' own: ``regather_plan`` per shape)
+    library-save     as ``library``, sequence parallel, ``save_gathered=True``: the weight
+                     gradient's gathered input kept from forward
+    library-regather as ``library``, sequence parallel, ``save_gathered=False``: the input
+                     all-gathered again in backward, behind the input gradient's GEMM ->
+                     reduce-scatter (less memory, one more all-gather, hidden or not)
     compiled         torch.compile without async TP (sequence parallel only, below)
     compiled-torch   Inductor's async-TP pass (``_micro_pipeline_tp``), torch's symm_mem ops
     compiled-overlap the same pass, its fused nodes retargeted to overlap's ops
@@ -21,11 +25,13 @@ reduce-scatter, forward and backward; it has nothing to fuse without sequence
 parallelism (an all-reduce), so the compiled modes run only with ``--sp``.
 
 Per mode: ms per step (median over steps, slowest rank), tokens per second, peak memory,
-and for the compiled modes which fused ops Inductor's generated code calls (a pass that
-did not fire shows).
+for the eager modes the activation memory (MiB) autograd keeps from forward to backward (one
+step through ``saved_tensors_hooks``, distinct storages), and for the compiled modes
+which fused ops Inductor's generated code calls (a pass that did not fire shows). With
+``--sp``, what ``regather_plan`` picks for the block's column layers is printed and saved.
 
     bash launch/torchrun.sh 2 benchmarks/bench_block.py --sp [--batch 1 --seq 4096 --embd 8192 --heads 64]
-        [--modes plain,library,...] [--steps 20] [--out DIR]
+        [--modes plain,library,...] [--save-gathered true|false|auto] [--steps 20] [--out DIR]
 
 Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
 on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
@@ -53,7 +59,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.context import run_context  # noqa: E402
 from overlap import dist  # noqa: E402
 
-MODES = ("plain", "library", "library-regather", "compiled", "compiled-torch", "compiled-overlap")
+MODES = ("plain", "library", "library-save", "library-regather", "compiled", "compiled-torch", "compiled-overlap")
+SAVE_GATHERED = {"true": True, "false": False, "auto": "auto"}
+
+
+def _save_gathered(mode: str, args: argparse.Namespace) -> bool | str:
+    """The column layers' ``save_gathered`` in an eager mode."""
+    return {"library-save": True, "library-regather": False}.get(mode, SAVE_GATHERED[args.save_gathered])
 
 
 class Block(torch.nn.Module):
@@ -126,11 +138,38 @@ def _eager_block(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> to
     blk = GPTBlock(cfg).to(env["dev"], env["dt"])
     plan = {**DEFAULT_PLAN, "*ln_1": "sequence_norm", "*ln_2": "sequence_norm"} if args.sp else None
     blk = parallelize(blk, env["group"], plan, sequence_parallel=args.sp, overlap=mode != "plain")
-    if mode == "library-regather":
-        for m in blk.modules():
-            if hasattr(m, "save_gathered"):
-                m.save_gathered = False
+    for m in blk.modules():
+        if hasattr(m, "save_gathered"):
+            m.save_gathered = _save_gathered(mode, args)
     return blk
+
+
+def _saved_bytes(one: Any) -> int:
+    """Bytes of the distinct storages autograd keeps from one step's forward for its backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        one(0)
+    return sum(seen.values())
+
+
+def _regather_plans(args: argparse.Namespace, world: int, dt: torch.dtype) -> list[dict[str, Any]]:
+    """What ``save_gathered="auto"`` picks for the block's sequence-parallel column layers."""
+    from overlap.nn.functional import regather_plan
+
+    m, k = args.batch * args.seq, args.embd
+    out = []
+    for name, n in (("qkv", 3 * k), ("fc1", 4 * k)):
+        p = regather_plan(m, n // world, k, world, dt)
+        out.append({"layer": name, "m": m, "n_shard": n // world, "k": k, "regather": p.regather,
+                    "gather_ms": p.gather_s * 1e3, "reduce_scatter_ms": p.reduce_scatter_s * 1e3,
+                    "gemm_ms": p.gemm_s * 1e3, "saved_mib": p.saved_bytes / 2 ** 20})
+    return out
 
 
 def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +180,7 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
     if compiled and not args.sp:
         return {"mode": mode, "na": "sequence parallel only (--sp): the async-TP pass fuses all-gather and "
                                     "reduce-scatter, not all-reduce"}
-    if mode == "library-regather" and not args.sp:
+    if mode in ("library-save", "library-regather") and not args.sp:
         return {"mode": mode, "na": "sequence parallel only (--sp)"}
     if mode == "compiled-torch" and dev.type != "cuda":
         return {"mode": mode, "na": "torch's symm_mem ops need CUDA"}
@@ -170,6 +209,7 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
     first_s = time.perf_counter() - t0
     for i in range(args.warmup):
         one(i)
+    saved = None if compiled else _saved_bytes(one)
     sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -187,9 +227,12 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
            "first_step_s": first_s}
     if compiled:
         out["fused_calls"] = _fused_calls(codes)
+    else:
+        out["saved_mib"] = saved / 2 ** 20
+        if args.sp:
+            out["save_gathered"] = _save_gathered(mode, args)
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    del step, xs
     return out
 
 
@@ -201,6 +244,8 @@ def main() -> None:
     p.add_argument("--embd", type=int, default=8192)
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--save-gathered", choices=tuple(SAVE_GATHERED), default="auto",
+                   help="sequence parallel: the column layers' save_gathered in the plain and library modes")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None)
@@ -228,22 +273,30 @@ def main() -> None:
     rows = [run_mode(m, args, env) for m in modes]
     if rank == 0:
         doc = {"context": run_context(world), "args": vars(args), "rows": rows}
+        if args.sp:
+            doc["regather_plan"] = _regather_plans(args, world, env["dt"])
         if dev.type != "cuda":
             doc["note"] = "CPU run (gloo, tiny shapes): figures are not GPU figures"
             print(doc["note"])
         print(f"GPT block B={args.batch} T={args.seq} C={args.embd} heads={args.heads}, {world} ranks, "
               f"{'sequence parallel' if args.sp else 'not sequence parallel'}, {str(env['dt'])[6:]}, "
               f"forward + backward per step")
-        print(f"{'mode':17} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'1st step s':>10}  "
-              f"fused calls in the generated code")
+        print(f"{'mode':17} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'saved MiB':>9} {'1st step s':>10}  "
+              f"save_gathered, or fused calls in the generated code")
         for r in rows:
             if "na" in r:
                 print(f"{r['mode']:17} n/a: {r['na']}")
                 continue
             calls = (", ".join(f"{k} x{v}" for k, v in r["fused_calls"].items() if v) or "none"
-                     if "fused_calls" in r else "")
+                     if "fused_calls" in r else str(r.get("save_gathered", "")))
             print(f"{r['mode']:17} {r['ms_per_step']:9.3f} {r['tokens_per_s']:10.0f} "
-                  f"{r.get('peak_gib', float('nan')):9.2f} {r['first_step_s']:10.1f}  {calls}")
+                  f"{r.get('peak_gib', float('nan')):9.2f} {r.get('saved_mib', float('nan')):9.2f} "
+                  f"{r['first_step_s']:10.1f}  {calls}")
+        for q in doc.get("regather_plan", ()):
+            print(f"save_gathered='auto' at {q['layer']} ({q['m']} x {q['n_shard']} x {q['k']}): "
+                  f"{'regather' if q['regather'] else 'save'}; estimated gather {q['gather_ms']:.3f} + "
+                  f"reduce-scatter {q['reduce_scatter_ms']:.3f} ms against GEMM {q['gemm_ms']:.3f} ms, "
+                  f"{q['saved_mib']:.0f} MiB kept less")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             path = os.path.join(args.out, "block_sp.json" if args.sp else "block.json")
