@@ -294,9 +294,13 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                        ROWS: tl.constexpr, BLOCK_K: tl.constexpr, USE_TIMER: tl.constexpr,
                        FENCE_ASYNC: tl.constexpr, EVEN_K: tl.constexpr = False, FOLD: tl.constexpr = False,
                        STREAM: tl.constexpr = False, SEG: tl.constexpr = 0, NSEG_P2: tl.constexpr = 1,
-                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1, SIG: tl.constexpr = False):
+                       MERGE_ROWS: tl.constexpr = 1, Y_ROWS: tl.constexpr = 1, SIG: tl.constexpr = False,
+                       OWN: tl.constexpr = False):
     """Persistent over row chunks in order. For chunk c every program waits until each
-    peer's rows landed (rflags[slot * flag_stride + c] >= epoch), then takes blocks of
+    peer's rows landed (rflags[slot * flag_stride + c] >= epoch) and, with OWN, until
+    this rank's own partial of the chunk is complete (rflags[(WORLD - 1) * flag_stride
+    + c] >= epoch: a GEMM on this device produces x, and a stream posts that flag once
+    the chunk's tiles are stored; the producer ops' peer-copy path), then takes blocks of
     ROWS rows (start_c + pid * ROWS, + G * ROWS, ...): h = the partials summed in
     rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
     to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
@@ -348,6 +352,11 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
         # the same in every warp: the row blocks' pass holds barriers
         if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
             ok = 0
+        if OWN:
+            # this rank's partial (no signature: this rank writes the flag itself)
+            if ok != 0:
+                ok = _wait(rflags_ptr, err_ptr, (WORLD - 1) * flag_stride + c, epoch, epoch + 2, rank, c,
+                           timeout_ns, max_spins, USE_TIMER, FENCE_ASYNC)
         for s in range(WORLD - 1):
             if ok != 0:
                 ok = _wait(rflags_ptr, err_ptr, s * flag_stride + c, epoch, epoch + 2, rank, c, timeout_ns,
@@ -506,7 +515,9 @@ class ReducePlan:
     """``launch_reduce_norm`` checked and keyed once: shapes, dtypes, the flag and error
     tensors, chunking, programs and block shape are fixed; per launch the operands
     (contiguous, of the plan's shapes: the caller's guarantee) and the epoch change.
-    The arguments are ``launch_reduce_norm``'s."""
+    The arguments are ``launch_reduce_norm``'s, and ``own``: each chunk also waits for
+    flag (world - 1) * flag_stride + c of ``rflags`` (this rank's partial of the chunk
+    complete; the producer ops' peer-copy path, whose x a GEMM is still writing)."""
 
     def __init__(self, x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any, rank: int,
                  world: int, programs: int, residual: Any = None, norm: str | None = None, weight: Any = None,
@@ -514,7 +525,7 @@ class ReducePlan:
                  timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
                  block_k: int | None = None, rows: int | None = None, stats: Any = None,
                  stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
-                 sig: bool = False) -> None:
+                 sig: bool = False, own: bool = False) -> None:
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -587,7 +598,10 @@ class ReducePlan:
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
                     EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
                     SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1,
-                    SIG=bool(sig))
+                    SIG=bool(sig), OWN=bool(own))
+        if own and flag_stride * world > rflags.numel():
+            raise ValueError(f"own: the own chunks' flags at {(world - 1) * flag_stride}.. lie past the "
+                             f"{rflags.numel()} flags")
         if sig and flag_stride < n_chunks + 2:
             raise ValueError(f"a signature needs two flags of its own after the {n_chunks} chunks' "
                              f"(flag_stride {flag_stride})")

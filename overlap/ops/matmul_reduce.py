@@ -33,9 +33,17 @@ and the reduce-scatter of that chunk lands rows c0.. of this rank's block of the
 For the all-reduce the chunks are row ranges of C itself, reduced in place.
 
 The counters are local words, zeroed by each call on its stream (``_runtime.LocalWords``):
-a captured call replays correctly, and an exception leaves the next call correct. The
-peer-copy transport (pushes of each chunk to its destination) is not built for these
-ops yet; ``transport="p2p"`` raises.
+a captured call replays correctly, and an exception leaves the next call correct.
+
+On one node, ``transport="p2p"`` (or ``PeerCopyTransport(reduce_ctas=..., reduce_shared=...)``,
+or ``OVERLAP_TRANSPORT=p2p``) moves the chunks with the copy engines instead of NCCL: the
+same GEMM and counters; a copy stream pushes each chunk's rows to its destination behind
+the chunk's count, and a reduce kernel on the destination sums them as they land
+(``matmul_reduce_p2p.py``, where the schedule is drawn). A config that names no transport
+takes NCCL here (unlike the consumer ops, where p2p is the default): the peer-copy path
+has not been timed against it on GPUs yet. Where peer memory is unavailable (one rank,
+several nodes, no peer access) asking for p2p raises ``RuntimeError``, as on the
+all-reduce op; inside a CUDA graph capture a p2p call runs the reference, with a warning.
 """
 
 from __future__ import annotations
@@ -49,9 +57,10 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, split_rows, table_tensor
 from ..protocol import COL_POST
-from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing, check_agree,
-                       dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed, on_stream,
-                       refuse_grad, resolve_group, serial_phases, warn_once)
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+                       agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
+                       get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, run_p2p, serial_phases,
+                       tune_paths, warn_once)
 
 __all__ = [
     "matmul_reduce_scatter",
@@ -66,7 +75,7 @@ __all__ = [
     "tune_matmul_reduce_scatter",
 ]
 
-stats: dict[str, int] = {"fused": 0, "reference": 0, "chunked": 0}
+stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
 CHUNK_ALIGN = 128
@@ -411,29 +420,51 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
     if capturing() and get_runtime_if_made(group, a.device) is None:
         raise OverlapCaptureError(f"{op}: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a.device)
+    rt.p2p()  # collective on the first call, the same on every rank whichever transport follows
     tuned = None
     if config is None:
         tuned = _tuned(rt).get((op, m, n, k, a.dtype, residual is not None))
-    sequential = isinstance(tuned, str)  # the tuner's pick: the sequential reference
+    sequential = isinstance(tuned, Sequential)  # the tuner's pick: the sequential reference
     cfg = config or (None if sequential else tuned) or OverlapConfig()
-    if cfg.transport == "p2p":
-        raise ValueError(f"{op}: the peer-copy transport is not built for this op yet; use transport='nccl' "
-                         "(or None)")
+    transport = "nccl" if sequential else _transport(rt, cfg)
     if scatter and m % rt.world:
         raise ValueError(f"{op}: M={m} is not a multiple of the {rt.world} ranks")
     chunks = 0 if sequential else (cfg.chunks or _default_chunks(m // rt.world if scatter else m))
-    # the NCCL calls' sizes come from (M, N) and the chunks (0: the sequential path): ranks
-    # must agree or peers hang
-    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks"),
-                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks), rows_at=0)
+    # the NCCL calls' and the pushes' sizes come from (M, N) and the chunks (0: the
+    # sequential path): ranks must agree or peers hang
+    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p"),
+                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks, int(transport == "p2p")),
+                rows_at=0)
     if sequential:
         return observed(op, (m, n, k), "sequential", "tuner pick", a.device, ref)
-    sig = (m, k, n, a.dtype, b.stride(), residual is not None, cfg)
+    if transport == "p2p" and capturing():
+        # the peer-copy transport's flags are written by the peers' copy engines with
+        # epochs the host counts per call (a replay would repeat the captured epoch)
+        warn_once(f"{op}-p2p-capture", f"{op}: the peer-copy transport cannot be captured in a CUDA graph; the "
+                  f"captured call runs the reference; OverlapConfig(transport='nccl') captures the tile-flag path")
+        return observed(op, (m, n, k), "reference", "capture (p2p)", a.device, ref)
+    sig = (m, k, n, a.dtype, b.stride(), residual is not None, cfg, transport)
     rt.require_warm(op, sig)
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
+    res = None if residual is None else residual.contiguous()
+    if transport == "p2p":
+        from . import matmul_reduce_p2p as _peer
+
+        return rt.mark_warm(op, sig, observed(op, (m, n, k), f"p2p x{chunks}", why, a.device, run_p2p, rt, op,
+                                              _peer._fused_p2p, rt, op, a.contiguous(), b, res, cfg))
     return rt.mark_warm(op, sig, observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op,
-                                          a.contiguous(), b, None if residual is None else residual.contiguous(),
-                                          cfg))
+                                          a.contiguous(), b, res, cfg))
+
+
+def _transport(rt: Runtime, cfg: OverlapConfig) -> str:
+    """The call's transport: what ``cfg`` (else ``OVERLAP_TRANSPORT``) asks for, resolved by
+    ``Runtime.transport`` (p2p asked for where peer memory is unavailable: RuntimeError);
+    NCCL where neither names one (the peer-copy path is chosen, not the default, here)."""
+    from ._runtime import _env_transport
+
+    if cfg.transport is None and _env_transport() is None:
+        return "nccl"
+    return rt.transport(cfg)
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
@@ -449,10 +480,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
     returns     [M/R, N]   rows r*M/R .. (r+1)*M/R of the sum over ranks
     ==========  =========  ===================================================
 
-    fp16 and bf16 on CUDA take the tile-flag path (NCCL transport: ``config`` sets
-    chunks, NCCL CTAs, SM margin and the GEMM config); other inputs (a CPU / gloo group,
-    fp32) take ``matmul_reduce_scatter_ref`` with a one-time warning. M must be a
-    multiple of R.
+    fp16 and bf16 on CUDA take the tile-flag path: NCCL (``config`` sets chunks, NCCL
+    CTAs, SM margin and the GEMM config) or, asked for with ``transport="p2p"`` on one
+    node, copy-engine pushes summed by a reduce kernel on ``reduce_ctas`` SMs
+    (``matmul_reduce_p2p``); other inputs (a CPU / gloo group, fp32) take
+    ``matmul_reduce_scatter_ref`` with a one-time warning. M must be a multiple of R.
     """
     _check_inputs("matmul_reduce_scatter", a, b)
     group = resolve_group(group)
@@ -486,16 +518,14 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
 # --------------------------------------------------------------------------
 
 def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.Tensor | None,
-          candidates: list[OverlapConfig] | None, iters: int, verbose: bool) -> OverlapConfig | str:
-    from ._runtime import confirm_best, time_candidates, time_ms
-
+          candidates: list[OverlapConfig] | None, iters: int, verbose: bool) -> Path:
     _check_inputs(op, a, b, residual)
     group = resolve_group(group)
     m, k = a.shape
     n = b.shape[1]
     esize = a.element_size()
     if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or (k * esize) % 16 or (n * esize) % 16:
-        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+        return SEQUENTIAL  # no tile-flag path for these inputs: nothing to tune
     rt = get_runtime(group, a.device)
     a = a.contiguous()
     scatter = op == "matmul_reduce_scatter"
@@ -507,55 +537,32 @@ def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (8, 16, 24)]
-    results: list[tuple[float, Any]] = [(time_ms(ref, iters, group), "sequential")]
 
     def run(cand: OverlapConfig) -> Any:
         return _fused(rt, op, a, b, residual, cand)
 
-    def describe(cand: Any) -> str:
-        if isinstance(cand, str):
-            return f"  tune {op} {m}x{n}x{k}: {cand}"
+    def describe(cand: OverlapConfig) -> str:
         return f"  tune {op} {m}x{n}x{k}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
 
-    if verbose and rt.rank == 0:
-        print(f"{describe('sequential')}: {results[0][0]:.3f} ms", flush=True)
-    results += time_candidates(rt, rt.err(op), candidates, run, iters, group, describe if verbose else None)
-
-    def fn_for(choice: Any) -> Any:
-        if choice == "sequential":
-            return ref
-        from dataclasses import replace
-
-        quiet = replace(choice, check="none")
-        return lambda: run(quiet)
-
-    _, best = confirm_best(rt, rt.err(op), results, fn_for, iters, group, describe=describe if verbose else None,
-                           keep=("sequential",))
-    _tuned(rt)[(op, m, n, k, a.dtype, residual is not None)] = best
-    from .. import observe
-
-    observe.record_tuning(op, (m, n, k), [(describe(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],
-                          describe(best).strip())
-    if best == "sequential":
-        warn_once(f"{op}-seq-{m}-{n}-{k}", f"{op}: overlap does not pay for M={m}, N={n}, K/R={k} (the sequential "
-                  "reference was fastest); running matmul then the collective for this shape")
-    return best
+    return tune_paths(rt, op, (m, n, k), f"{op} {m}x{n}x{k}", ref=ref, candidates=candidates, run=run,
+                      describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
+                      key=(op, m, n, k, a.dtype, residual is not None))
 
 
 def tune_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                                candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                               verbose: bool = False) -> OverlapConfig | str:
+                               verbose: bool = False) -> Path:
     """Time candidate configs (collectively: every rank must call; default 1, 2, 4 chunks
     x 8, 16, 24 NCCL CTAs) and the sequential reference, then the three fastest again in
     interleaved rounds; cache the winner for this shape (later calls without a config use
-    it). Returns the ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs
-    the reference for this shape). Inputs with no tile-flag path return ``"sequential"``
+    it). Returns the ``OverlapConfig`` or ``SEQUENTIAL`` (then the op warns once and runs
+    the reference for this shape). Inputs with no tile-flag path return ``SEQUENTIAL``
     untimed."""
     return _tune("matmul_reduce_scatter", a, b, group, None, candidates, iters, verbose)
 
 
 def tune_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            residual: torch.Tensor | None = None, candidates: list[OverlapConfig] | None = None,
-                           iters: int = 10, verbose: bool = False) -> OverlapConfig | str:
+                           iters: int = 10, verbose: bool = False) -> Path:
     """``tune_matmul_reduce_scatter`` for ``matmul_all_reduce`` (keyed with the residual or not)."""
     return _tune("matmul_all_reduce", a, b, group, residual, candidates, iters, verbose)
