@@ -43,7 +43,8 @@ __all__ = [
 from . import ops
 from ._library import (all_gather_matmul, all_reduce_matmul, matmul_all_reduce, matmul_all_reduce_matmul,
                        matmul_reduce_scatter, mlp_chain)
-from .ops import (ChainConfig, NcclTransport, Norm, OverlapConfig, PeerCopyTransport, reset, tune_all_gather_matmul,
+from .ops import (SEQUENTIAL, ChainConfig, Chunked, NcclTransport, Norm, OverlapConfig, Path, PeerCopyTransport,
+                  Sequential, reset, tune_all_gather_matmul,
                   tune_all_reduce_matmul, tune_matmul_all_reduce, tune_matmul_reduce_scatter, tune_mlp_chain)
 from .ops import tune_matmul_all_reduce_matmul
 
@@ -84,6 +85,10 @@ __all__ += [
     "OverlapConfig",
     "NcclTransport",
     "PeerCopyTransport",
+    "Path",
+    "Sequential",
+    "Chunked",
+    "SEQUENTIAL",
     "ChainConfig",
     "Norm",
     "check_errors",

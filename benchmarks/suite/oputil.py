@@ -18,9 +18,11 @@ _symm_enabled: set[str] = set()
 
 
 def describe_config(best: Any) -> Any:
-    """A tuner's answer for the JSON: "sequential" or the config's main fields."""
-    if isinstance(best, str) or best is None:
+    """A tuner's answer for the JSON: "sequential", "chunked xN" or the config's main fields."""
+    if best is None or isinstance(best, str):
         return best
+    if not hasattr(best, "gemm"):  # Sequential or Chunked: the label the results tables print
+        return str(best)
     fields = ("transport", "chunks", "nccl_ctas", "reduce_ctas", "sm_margin", "give_back")
     out = {f: getattr(best, f) for f in fields if hasattr(best, f)}
     if getattr(best, "fold_norm", False):

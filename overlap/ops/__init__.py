@@ -1,6 +1,7 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
-from ._runtime import NcclTransport, OverlapCaptureError, OverlapConfig, PeerCopyTransport, check_errors, reset
+from ._runtime import (SEQUENTIAL, Chunked, NcclTransport, OverlapCaptureError, OverlapConfig, Path, PeerCopyTransport,
+                       Sequential, check_errors, reset)
 from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
@@ -28,6 +29,10 @@ from .all_reduce import (
 )
 
 __all__ = [
+    "SEQUENTIAL",
+    "Chunked",
+    "Path",
+    "Sequential",
     "ChainConfig",
     "NcclTransport",
     "OverlapCaptureError",

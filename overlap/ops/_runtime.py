@@ -33,7 +33,8 @@ from .. import observe as _observe
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
-           "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset"]
+           "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset",
+           "Sequential", "Chunked", "Path", "SEQUENTIAL", "tune_paths"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -256,6 +257,34 @@ _FLAT_DEFAULTS = {"nccl_ctas": None, "reduce_ctas": None, "reduce_shared": False
                   "fold_norm": False}
 
 
+@dataclass(frozen=True)
+class Sequential:
+    """A tuner's pick that runs the op's reference (``*_ref``): the collective and the GEMM
+    one after the other, for a shape where overlap does not pay. ``str()`` is its label
+    in reports and results: ``"sequential"``."""
+
+    def __str__(self) -> str:
+        return "sequential"
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A tuner's pick that runs the op's chunked stream-overlap baseline (``*_chunked``)
+    in ``chunks`` pieces. ``str()``: ``"chunked x4"``."""
+
+    chunks: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 2:
+            raise ValueError(f"Chunked: chunks must be an int >= 2, got {self.chunks!r}")
+
+    def __str__(self) -> str:
+        return f"chunked x{self.chunks}"
+
+
+SEQUENTIAL = Sequential()
+
+
 @dataclass(frozen=True, kw_only=True)
 class OverlapConfig:
     """How an overlapped op runs; fields left ``None`` come from the tuner or defaults.
@@ -410,6 +439,11 @@ class OverlapConfig:
         if env is not None:
             return env
         return 4 if transport == "nccl" else 0
+
+
+Path = OverlapConfig | Sequential | Chunked
+"""What a tuner picks for a shape, and what an op then runs: the tile-flag path with an
+``OverlapConfig``, the reference (``Sequential``) or the chunked baseline (``Chunked``)."""
 
 
 def env_sm_margin() -> int | None:
@@ -1252,7 +1286,7 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     timer = timer or time_ms
     ordered = sorted(results, key=lambda r: r[0])
     ranked = ordered[:max(1, top)]
-    ranked += [r for r in ordered[max(1, top):] if isinstance(r[1], str) and r[1] in keep]
+    ranked += [r for r in ordered[max(1, top):] if not isinstance(r[1], OverlapConfig) and r[1] in keep]
     if len(ranked) < 2 or rounds < 1:
         return ranked[0]
     times: list[list[float]] = [[] for _ in ranked]
@@ -1269,6 +1303,55 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
             print(f"{describe(choice)}: {t0:.3f} ms, again {med:.3f} ms{'  <- picked' if med == meds[best] else ''}",
                   flush=True)
     return meds[best], ranked[best][1]
+
+
+def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref: Any, candidates: list[OverlapConfig],
+               run: Any, describe: Any, iters: int, group: Any, verbose: bool, cache: Any, key: Any,
+               baselines: dict[Chunked, Any] | None = None, passes: tuple[Any, ...] = ()) -> Path:
+    """The tuners' skeleton (collective: every rank calls it with the same shapes).
+
+    Times the reference ``ref`` (``SEQUENTIAL``) and the ``baselines`` (``{Chunked(n):
+    callable}``), then ``candidates`` through ``run(config)`` (``time_candidates``: a
+    candidate whose waits time out on any rank is dropped), then each of ``passes``
+    (``results -> more candidates``, e.g. ``split_variants``); the fastest three and the
+    reference again in interleaved rounds (``confirm_best``). The pick goes into
+    ``cache[key]`` (the op reads it when called without a config), into the report
+    (``overlap.report()``), and, when it is not a tile-flag config, into a one-time warning.
+    ``describe(config)``: a config's label; ``title``: the shape's, e.g. ``"agmm 8192x..."``."""
+    from dataclasses import replace
+
+    err = rt.err(op)
+    paths: dict[Any, Any] = {SEQUENTIAL: ref, **(baselines or {})}
+
+    def label(choice: Any) -> str:
+        return describe(choice) if isinstance(choice, OverlapConfig) else f"  tune {title}: {choice}"
+
+    shown = label if verbose else None
+    results: list[tuple[float, Any]] = []
+    for path, fn in paths.items():
+        results.append((time_ms(fn, iters, group), path))
+        if verbose and rt.rank == 0:
+            print(f"{label(path)}: {results[-1][0]:.3f} ms", flush=True)
+    t_seq = results[0][0]
+    results += time_candidates(rt, err, candidates, run, iters, group, shown)
+    for more in passes:
+        results += time_candidates(rt, err, more(results), run, iters, group, shown)
+
+    def fn_for(choice: Any) -> Any:
+        if not isinstance(choice, OverlapConfig):
+            return paths[choice]
+        quiet = tuning_bound(replace(choice, check="none"))
+        return lambda: run(quiet)
+
+    best_t, best = confirm_best(rt, err, results, fn_for, iters, group, describe=shown, keep=(SEQUENTIAL,))
+    cache[key] = best
+    _observe.record_tuning(op, shape, [(label(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],
+                           label(best).strip())
+    if not isinstance(best, OverlapConfig):
+        warn_once(f"tuned-{op}-{best}-{key}",
+                  f"{op}: tile-flag overlap does not pay for {title.split(' ', 1)[-1]} ({best} {best_t:.3f} ms was "
+                  f"fastest; sequential {t_seq:.3f} ms); running {best} for this shape")
+    return best
 
 
 def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,

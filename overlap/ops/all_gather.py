@@ -28,7 +28,7 @@ grid covers every SM and there is no give-back launch:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,11 +37,11 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, row_bucket,
                         split_tail, table_tensor, tail_parts, upload)
-from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, all_gather_single,
-                       call_sig, keep_for_capture, capturing, check_agree, observed, post_sig, serial_phases,
-                       confirm_best, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made,
-                       on_stream, refuse_grad, report_errors, resolve_group, run_p2p, split_variants,
-                       time_candidates, time_ms, tuning_bound, warn_once, ws_variants)
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+                       agree_on_reference, all_gather_single, call_sig, keep_for_capture, capturing, check_agree,
+                       observed, post_sig, serial_phases, dtype_code, fused_call, gemm_plan, get_runtime,
+                       get_runtime_if_made, on_stream, refuse_grad, report_errors, resolve_group, run_p2p,
+                       split_variants, tune_paths, warn_once, ws_variants)
 
 __all__ = [
     "all_gather_matmul",
@@ -308,7 +308,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     given = config is not None
     tuned = _tuned(rt).get((ms, n, k, a_shard.dtype)) if config is None else None
-    if config is None and not isinstance(tuned, str):
+    if config is None and not isinstance(tuned, Sequential):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M/R, K) and the chunks (0: the
@@ -453,23 +453,23 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
 def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
                            verbose: bool = False, split_pass: bool | None = None,
-                           ws_pass: bool | None = None) -> OverlapConfig | str:
+                           ws_pass: bool | None = None) -> Path:
     """Time candidate configs (collectively: every rank must call) and the plain
     sequential path; cache the winner for this shape. Returns the winning
-    ``OverlapConfig`` or ``"sequential"`` (then the op warns once and runs the
+    ``OverlapConfig`` or ``SEQUENTIAL`` (then the op warns once and runs the
     reference for this shape). ``split_pass`` (default: with the default candidates
     only): time the two fastest configs again with the tiles after their GEMM's last
     full wave split along K (``OverlapConfig.split_tail`` 2 and 8). ``ws_pass`` (the same
     default): then the two fastest so far again with the GEMM's K loop warp-specialized
     (``GemmConfig.warp_specialize``), where Triton and the GPU support it. Inputs with no
-    tile-flag path (CPU, fp32, K or N not 16-byte rows) return ``"sequential"`` untimed,
+    tile-flag path (CPU, fp32, K or N not 16-byte rows) return ``SEQUENTIAL`` untimed,
     as the other tuners do."""
     _check_inputs(a_shard, b)
     group = _group(group)
     esize = a_shard.element_size()
     if (not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16)
             or (a_shard.shape[1] * esize) % 16 or (b.shape[1] * esize) % 16):
-        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+        return SEQUENTIAL  # no tile-flag path for these inputs: nothing to tune
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
     n = b.shape[1]
@@ -480,12 +480,6 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
                       for ct in (16, 24, 32)]
         if rt.transport(OverlapConfig()) == "p2p":
             candidates = [OverlapConfig(chunks=ch, transport="p2p") for ch in (1, 2, 4, 8)] + candidates
-    results: list[tuple[float, Any]] = []
-    t_seq = time_ms(lambda: all_gather_matmul_ref(a_shard, b, group=group), iters, group)
-    results.append((t_seq, "sequential"))
-    if verbose and rt.rank == 0:
-        print(f"  tune agmm {ms * rt.world}x{n}x{k}: sequential {t_seq:.3f} ms", flush=True)
-
     def run(cand: OverlapConfig) -> Any:
         fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
         return fused(rt, a_shard, b, False, cand)
@@ -496,32 +490,8 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
                 + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else "")
                 + (", warp-specialized GEMM" if getattr(cand.gemm, "warp_specialize", False) else ""))
 
-    results += time_candidates(rt, rt.err("all_gather_matmul"), candidates, run, iters, group,
-                               describe if verbose else None)
-    if split_pass:  # the fastest configs again with their GEMM's tail split along K
-        results += time_candidates(rt, rt.err("all_gather_matmul"), split_variants(results), run, iters, group,
-                                   describe if verbose else None)
-    if ws_pass:  # and the fastest again with a warp-specialized GEMM
-        results += time_candidates(rt, rt.err("all_gather_matmul"), ws_variants(results, rt.device), run, iters, group,
-                                   describe if verbose else None)
-
-    def fn_for(choice: Any) -> Any:
-        if choice == "sequential":
-            return lambda: all_gather_matmul_ref(a_shard, b, group=group)
-        quiet = tuning_bound(replace(choice, check="none"))
-        return lambda: run(quiet)
-
-    def label(choice: Any) -> str:
-        return f"  tune agmm {ms * rt.world}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
-
-    best_t, best = confirm_best(rt, rt.err("all_gather_matmul"), results, fn_for, iters, group,
-                                describe=label if verbose else None, keep=("sequential",))
-    _tuned(rt)[(ms, n, k, a_shard.dtype)] = best
-    from .. import observe
-
-    observe.record_tuning("all_gather_matmul", (ms * rt.world, n, k),
-                          [(label(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])], label(best).strip())
-    if best == "sequential":
-        warn_once(f"agmm-seq-{ms}-{n}-{k}", f"all_gather_matmul: overlap does not pay for M/R={ms}, N={n}, K={k} "
-                  f"(sequential {t_seq:.3f} ms was fastest); running all-gather then matmul for this shape")
-    return best
+    passes = ((split_variants,) if split_pass else ()) + ((lambda r: ws_variants(r, rt.device),) if ws_pass else ())
+    return tune_paths(rt, "all_gather_matmul", (ms * rt.world, n, k), f"agmm {ms * rt.world}x{n}x{k}",
+                      ref=lambda: all_gather_matmul_ref(a_shard, b, group=group), candidates=candidates, run=run,
+                      describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
+                      key=(ms, n, k, a_shard.dtype), passes=passes)

@@ -58,10 +58,10 @@ import torch
 from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import build_tile_table, row_chunk_segments, split_rows, split_tail, table_tensor, tail_parts, upload
-from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing,
-                       check_agree, confirm_best, observed, serial_phases, dtype_code, fused_call, gemm_plan,
-                       get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
-                       split_variants, time_candidates, time_ms, tuning_bound, warn_once)
+from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+                       agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
+                       gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
+                       split_variants, tune_paths, warn_once)
 
 __all__ = [
     "Norm",
@@ -399,12 +399,12 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     rt.p2p()  # collective on the first call, the same on every rank whichever path follows
     given = config is not None
     tuned = _tuned(rt).get(_tune_key(x_partial, n, residual, norm)) if config is None else None
-    if config is None and not isinstance(tuned, str):
+    if config is None and not isinstance(tuned, (Sequential, Chunked)):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     if config is not None:
         chunks = config.chunks or _default_chunks(m)
-    else:  # the tuner's pick: "sequential" (one all-reduce) or "chunked xN"
-        chunks = int(tuned.removeprefix("chunked x")) if tuned.startswith("chunked x") else 1
+    else:  # the tuner's pick: the reference (one all-reduce) or the chunked baseline
+        chunks = tuned.chunks if isinstance(tuned, Chunked) else 1
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
     check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
@@ -415,7 +415,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     def ref() -> tuple[torch.Tensor, torch.Tensor]:
         return all_reduce_matmul_ref(x_partial, b, group=group, residual=residual, norm=norm)
 
-    if tuned == "sequential":
+    if isinstance(tuned, Sequential):
         stats["sequential_by_tuner"] += 1
         return observed("all_reduce_matmul", shape, "sequential", "tuner pick", x_partial.device, ref)
     if capturing() and (config is None or transport == "p2p"):
@@ -543,11 +543,11 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
 def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                            residual: torch.Tensor | None = None, norm: Norm | None = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                           verbose: bool = False, split_pass: bool | None = None) -> OverlapConfig | str:
+                           verbose: bool = False, split_pass: bool | None = None) -> Path:
     """Time candidate configs (collectively: every rank must call), the plain
     sequential path and the chunked stream-overlap path (2 and 4 chunks); cache
     the winner for this shape, residual and norm kind. Returns the winning
-    ``OverlapConfig``, ``"sequential"`` or ``"chunked x2"`` / ``"chunked x4"``;
+    ``OverlapConfig``, ``SEQUENTIAL`` or ``Chunked(2)`` / ``Chunked(4)``;
     for the last three the op warns once and runs that path for this case.
 
     Default candidates: 1, 2, 4 chunks x 16, 24, 32 NCCL CTAs; with a residual
@@ -564,7 +564,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     along K (``OverlapConfig.split_tail`` 2 and 8). A warp-specialized GEMM
     (``GemmConfig.warp_specialize``) is not tried: on the SMs the reduce kernel leaves it
     was no faster in any pair of configs timed with and without it (README). Inputs with
-    no tile-flag path (CPU, fp32, unaligned K or N) return ``"sequential"`` untimed."""
+    no tile-flag path (CPU, fp32, unaligned K or N) return ``SEQUENTIAL`` untimed."""
     _check_inputs(x_partial, b, residual, norm)
     group = resolve_group(group)
     m, k = x_partial.shape
@@ -572,7 +572,7 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
     esize = x_partial.element_size()
     if (not x_partial.is_cuda or x_partial.dtype not in (torch.float16, torch.bfloat16)
             or (k * esize) % 16 or (n * esize) % 16):
-        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+        return SEQUENTIAL  # no tile-flag path for these inputs: nothing to tune
     from ..kernels.tile_gemm import check_b
 
     check_b(b)
@@ -612,18 +612,6 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                               for ch in (4, 8, 16) for rc in ((16, 24) if norm is not None else (8, 16))]
                              if rt.world > 2 else [])
                           + candidates)
-    results: list[tuple[float, Any]] = []
-    paths = {"sequential": lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
-             "chunked x2": lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm,
-                                                             chunks=2),
-             "chunked x4": lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm,
-                                                             chunks=4)}
-    for name, fn in paths.items():
-        t = time_ms(fn, iters, group)
-        results.append((t, name))
-        if verbose and rt.rank == 0:
-            print(f"  tune armm {m}x{n}x{k}: {name} {t:.3f} ms", flush=True)
-    t_seq = results[0][0]
     def run(cand: OverlapConfig) -> Any:
         fused = _peer._fused_p2p if rt.transport(cand) == "p2p" else _fused
         return fused(rt, x, b, residual, norm, cand)
@@ -636,33 +624,14 @@ def tune_all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: A
                 + (f", split tail {cand.split_tail}" if cand.split_tail > 1 else "")
                 + (", warp-specialized GEMM" if getattr(cand.gemm, "warp_specialize", False) else ""))
 
-    results += time_candidates(rt, rt.err("all_reduce_matmul"), candidates, run, iters, group,
-                               describe if verbose else None)
-    if split_pass:  # the fastest configs again with their GEMM's tail split along K
-        results += time_candidates(rt, rt.err("all_reduce_matmul"), split_variants(results), run, iters, group,
-                                   describe if verbose else None)
+    def chunked(c: int) -> Any:
+        return lambda: all_reduce_matmul_chunked(x, b, group=group, residual=residual, norm=norm, chunks=c)
 
-    def fn_for(choice: Any) -> Any:
-        if isinstance(choice, str):
-            return paths[choice]
-        quiet = tuning_bound(replace(choice, check="none"))
-        return lambda: run(quiet)
-
-    def label(choice: Any) -> str:
-        return f"  tune armm {m}x{n}x{k}: {choice}" if isinstance(choice, str) else describe(choice)
-
-    best_t, best = confirm_best(rt, rt.err("all_reduce_matmul"), results, fn_for, iters, group,
-                                describe=label if verbose else None, keep=("sequential",))
-    _tuned(rt)[_tune_key(x, n, residual, norm)] = best
-    from .. import observe
-
-    observe.record_tuning("all_reduce_matmul", (m, n, k),
-                          [(label(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])], label(best).strip())
-    if isinstance(best, str):
-        warn_once(f"armm-{best}-{m}-{n}-{k}-{residual is not None}-{norm.kind if norm else None}",
-                  f"all_reduce_matmul: tile-flag overlap does not pay for M={m}, N={n}, K={k} "
-                  f"({best} {best_t:.3f} ms was fastest; sequential {t_seq:.3f} ms); running {best} for this case")
-    return best
+    return tune_paths(rt, "all_reduce_matmul", (m, n, k), f"armm {m}x{n}x{k}",
+                      ref=lambda: all_reduce_matmul_ref(x, b, group=group, residual=residual, norm=norm),
+                      baselines={Chunked(c): chunked(c) for c in (2, 4)}, candidates=candidates, run=run,
+                      describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
+                      key=_tune_key(x, n, residual, norm), passes=(split_variants,) if split_pass else ())
 
 
 from . import all_reduce_p2p as _peer  # noqa: E402  (it reads this module at call time)

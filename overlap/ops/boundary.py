@@ -35,9 +35,9 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
-from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, agree_on_reference, capturing,
-                       check_agree, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, observed,
-                       on_stream, refuse_grad, resolve_group, warn_once)
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+                       agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
+                       get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
 
 __all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "tune_matmul_all_reduce_matmul", "stats"]
 
@@ -131,7 +131,7 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
         raise OverlapCaptureError(f"{OP}: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a.device)
     tuned = _tuned(rt).get(_tune_key(a, b, b_next, residual, norm)) if config is None else None
-    sequential = isinstance(tuned, str)  # the tuner's pick: the sequential reference
+    sequential = isinstance(tuned, Sequential)  # the tuner's pick: the sequential reference
     cfg = config or (None if sequential else tuned) or OverlapConfig()
     if cfg.transport == "p2p":
         raise ValueError(f"{OP}: the peer-copy transport is not built for this op; use transport='nccl' (or None)")
@@ -221,15 +221,13 @@ def _tune_key(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: 
 def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
                                   residual: torch.Tensor | None = None, norm: Any = None,
                                   candidates: list[OverlapConfig] | None = None, iters: int = 10,
-                                  verbose: bool = False) -> OverlapConfig | str:
+                                  verbose: bool = False) -> Path:
     """Time the pipeline's configs (chunks x NCCL CTA caps, or ``candidates``) against the
     sequential reference (matmul, all-reduce, add, norm, matmul), collectively (every rank
     calls it with the same shapes); cache the fastest for this shape, which
     ``matmul_all_reduce_matmul`` then takes when called without a config. Returns the
-    ``OverlapConfig`` or ``"sequential"`` (the op then runs the reference for this shape,
-    warning once). Inputs with no tile-flag path return ``"sequential"`` untimed."""
-    from ._runtime import confirm_best, time_candidates, time_ms
-
+    ``OverlapConfig`` or ``SEQUENTIAL`` (the op then runs the reference for this shape,
+    warning once). Inputs with no tile-flag path return ``SEQUENTIAL`` untimed."""
     _check(a, b, b_next, residual, norm)
     for c in candidates or ():
         if c.transport == "p2p":
@@ -240,7 +238,7 @@ def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torc
     esize = a.element_size()
     if (not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16)
             or any((v * esize) % 16 for v in (k, n, n2))):
-        return "sequential"  # no tile-flag path for these inputs: nothing to tune
+        return SEQUENTIAL  # no tile-flag path for these inputs: nothing to tune
     rt = get_runtime(group, a.device)
     a = a.contiguous()
     res, nrm = _ar._contiguous(None if residual is None else residual.contiguous(), norm)
@@ -251,34 +249,12 @@ def tune_matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torc
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (2, 4, 8) for ct in (8, 16)]
     candidates = [_nccl(c, c.chunks or _mr._default_chunks(m)) for c in candidates]
-    results: list[tuple[float, Any]] = [(time_ms(ref, iters, group), "sequential")]
-
     def run(cand: OverlapConfig) -> Any:
         return _fused(rt, a, b, b_next, res, nrm, cand)
 
-    def describe(cand: Any) -> str:
-        if isinstance(cand, str):
-            return f"  tune {OP} {m}x{n}x{k}->{n2}: {cand}"
+    def describe(cand: OverlapConfig) -> str:
         return f"  tune {OP} {m}x{n}x{k}->{n2}: nccl, {cand.chunks} chunks, {cand.nccl_ctas or 16} ctas"
 
-    if verbose and rt.rank == 0:
-        print(f"{describe('sequential')}: {results[0][0]:.3f} ms", flush=True)
-    results += time_candidates(rt, rt.err(OP), candidates, run, iters, group, describe if verbose else None)
-
-    def fn_for(choice: Any) -> Any:
-        if choice == "sequential":
-            return ref
-        quiet = dataclasses.replace(choice, check="none")
-        return lambda: run(quiet)
-
-    _, best = confirm_best(rt, rt.err(OP), results, fn_for, iters, group, describe=describe if verbose else None,
-                           keep=("sequential",))
-    _tuned(rt)[_tune_key(a, b, b_next, residual, norm)] = best
-    from .. import observe
-
-    observe.record_tuning(OP, (m, n2, n), [(describe(c).strip(), t) for t, c in sorted(results, key=lambda r: r[0])],
-                          describe(best).strip())
-    if best == "sequential":
-        warn_once(f"{OP}-seq-{m}-{n}-{k}-{n2}", f"{OP}: overlap does not pay for M={m}, K/R={k}, N={n}, N2={n2} "
-                  "(the sequential reference was fastest); running it for this shape")
-    return best
+    return tune_paths(rt, OP, (m, n2, n), f"{OP} {m}x{n}x{k}->{n2}", ref=ref, candidates=candidates, run=run,
+                      describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
+                      key=_tune_key(a, b, b_next, residual, norm))

@@ -18,7 +18,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
-from overlap.ops import (Norm, OverlapConfig, check_errors, matmul_all_reduce, matmul_all_reduce_matmul,  # noqa: E402
+from overlap.ops import (SEQUENTIAL, Norm, OverlapConfig, check_errors, matmul_all_reduce, matmul_all_reduce_matmul,  # noqa: E402
                          matmul_reduce_scatter)
 from overlap.ops import boundary as bd  # noqa: E402
 from overlap.ops import matmul_reduce as mr  # noqa: E402
@@ -97,7 +97,7 @@ def check_boundary(world: int, rank: int, dev: torch.device) -> tuple[int, float
     m, n, k, n2 = 4096, 1024, 1024, 2048
     a, b, b2, res, norm = case(m, n, k, n2, torch.bfloat16, 77, "layernorm")[:5]
     best = tune_matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm, iters=3)
-    assert best == "sequential" or isinstance(best, OverlapConfig), best
+    assert best is SEQUENTIAL or isinstance(best, OverlapConfig), best
     for it in range(3):
         a, b, b2, res, norm, c_want, h_want = case(m, n, k, n2, torch.bfloat16, 500 + it, "layernorm")
         c, h = matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 
 from overlap import dist
-from overlap.ops import OverlapConfig
+from overlap.ops import SEQUENTIAL, OverlapConfig
 from overlap.ops import _runtime as rtm
 from overlap.ops import all_gather as ag
 from overlap.ops import all_reduce as ar
@@ -80,7 +80,7 @@ def test_shutdown_drops_every_cache(single: None, monkeypatch: pytest.MonkeyPatc
     rt = _runtime()
     ag._plan(rt, 300, 256, 128, cfg)
     ag._tuned(rt)[(300, 256, 128, torch.float16)] = cfg
-    ar._tuned(rt)[ar._tune_key(torch.empty(300, 128), 256, None, None)] = "sequential"
+    ar._tuned(rt)[ar._tune_key(torch.empty(300, 128), 256, None, None)] = SEQUENTIAL
     mr._tuned(rt)[("matmul_all_reduce", 300, 256, 128, torch.float16, False)] = cfg
     rtm.check_agree(rt, "op", ("M", "K"), (300, 128), rows_at=0)
     rtm.check_agree(rt, "op", ("M", "K"), (300, 128), rows_at=0)
@@ -148,20 +148,20 @@ def test_local_runtime_is_not_collective(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_every_tuner_returns_sequential_without_a_tile_flag_path(single: None) -> None:
-    """CPU or fp32 inputs: each collective op's tuner answers "sequential" untimed, as the
+    """CPU or fp32 inputs: each collective op's tuner answers SEQUENTIAL untimed, as the
     op itself takes the reference there (no runtime is asked for)."""
     from overlap.ops import tune_all_gather_matmul, tune_all_reduce_matmul
     from overlap.ops.matmul_reduce import tune_matmul_all_reduce, tune_matmul_reduce_scatter
 
     dist.init(timeout_s=10)
     a, b = torch.randn(8, 16), torch.randn(16, 8)
-    assert tune_all_gather_matmul(a, b) == "sequential"
-    assert tune_all_reduce_matmul(a, b) == "sequential"
-    assert tune_matmul_reduce_scatter(a, b) == "sequential"
-    assert tune_matmul_all_reduce(a, b) == "sequential"
+    assert tune_all_gather_matmul(a, b) is SEQUENTIAL
+    assert tune_all_reduce_matmul(a, b) is SEQUENTIAL
+    assert tune_matmul_reduce_scatter(a, b) is SEQUENTIAL
+    assert tune_matmul_all_reduce(a, b) is SEQUENTIAL
     from overlap.ops import tune_matmul_all_reduce_matmul
 
-    assert tune_matmul_all_reduce_matmul(a, b, torch.randn(8, 4)) == "sequential"
+    assert tune_matmul_all_reduce_matmul(a, b, torch.randn(8, 4)) is SEQUENTIAL
     with pytest.raises(ValueError, match="b_next"):
         tune_matmul_all_reduce_matmul(a, b, torch.randn(4, 4))
     with pytest.raises(ValueError, match="peer-copy"):  # the op runs on NCCL only

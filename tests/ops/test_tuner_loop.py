@@ -168,3 +168,60 @@ def test_warp_specialize_supported_rule(gpu: bool, version: str, cc: int, interp
     monkeypatch.setattr(tile_gemm.triton, "__version__", version)
     monkeypatch.setattr(tile_gemm, "interpreting", lambda: interp)
     assert tile_gemm.warp_specialize_supported() is want
+
+
+def _fake_timing(monkeypatch: pytest.MonkeyPatch, ms: dict[Any, float]) -> list[Any]:
+    """``time_ms`` replaced: each callable returns its path's key, timed as ``ms[key]``."""
+    from overlap.ops import _runtime
+
+    calls: list[Any] = []
+
+    def timer(fn: Any, iters: int, grp: Any, batches: int = 3) -> float:
+        key = fn()
+        calls.append(key)
+        return ms[key]
+
+    monkeypatch.setattr(_runtime, "time_ms", timer)
+    return calls
+
+
+@pytest.mark.parametrize("fastest", ["sequential", "chunked", "config"])
+def test_tune_paths_picks_caches_and_reports(group: Any, monkeypatch: pytest.MonkeyPatch, fastest: str) -> None:
+    """The tuners' skeleton: the reference, the baselines and the configs are timed, the
+    fastest (after the interleaved rounds) is returned as a Path and cached under the
+    key; a pick that is not a config warns once and is named by its label in the report."""
+    from overlap import observe
+    from overlap.ops import SEQUENTIAL, Chunked, Sequential
+    from overlap.ops._runtime import tune_paths
+
+    rt = types.SimpleNamespace(device=torch.device("cpu"), rank=0, err=lambda op: _Err())
+    cands = [OverlapConfig(chunks=c) for c in (2, 4)]
+    ms = {"seq": 3.0, "ch2": 2.5, 2: 2.8, 4: 2.9}
+    ms[{"sequential": "seq", "chunked": "ch2", "config": 4}[fastest]] = 1.0
+    calls = _fake_timing(monkeypatch, ms)
+    cache: dict[Any, Any] = {}
+    observe.reset_report()
+    kw = dict(ref=lambda: "seq", baselines={Chunked(2): lambda: "ch2"}, candidates=cands,
+              run=lambda cand: cand.chunks, describe=lambda c: f"  tune t 8x8x8: {c.chunks} chunks", iters=3,
+              group=group, verbose=False, cache=cache, key=("k",))
+    if fastest == "config":
+        best = tune_paths(rt, "op", (8, 8, 8), "t 8x8x8", **kw)
+        assert isinstance(best, OverlapConfig) and best.chunks == 4 and best.check == "async"
+    else:
+        with pytest.warns(UserWarning, match="does not pay"):
+            best = tune_paths(rt, "op", (8, 8, 8), "t 8x8x8", **kw)
+        assert best == (SEQUENTIAL if fastest == "sequential" else Chunked(2))
+        assert isinstance(best, Sequential) is (fastest == "sequential")
+    assert cache == {("k",): best}
+    assert set(calls) == {"seq", "ch2", 2, 4}  # every path and config timed
+    picked = f"t 8x8x8: {best.chunks} chunks" if fastest == "config" else f"t 8x8x8: {best}"
+    assert f"tuner picked tune {picked} from" in str(observe.report())
+
+
+def test_chunked_path_rejects_fewer_than_two_chunks() -> None:
+    from overlap.ops import Chunked
+
+    assert str(Chunked(4)) == "chunked x4" and Chunked(4) == Chunked(4) and hash(Chunked(4)) == hash(Chunked(4))
+    for bad in (1, 0, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="chunks"):
+            Chunked(bad)
