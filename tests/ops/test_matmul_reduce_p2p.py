@@ -152,6 +152,7 @@ class _World:
         self.kernel_lock = threading.Lock()
         self.barrier = threading.Barrier(world)
         self.outs: dict[int, torch.Tensor] = {}  # each rank's last reduce kernel's output
+        self.lost: set[tuple[int, int]] = set()  # (flags address, index): stream flag writes that never land
 
     def block(self, name: str, nbytes: int) -> list[torch.Tensor]:
         with self.lock:
@@ -269,7 +270,8 @@ def _patched(world: _World) -> ExitStack:
         assert int(flags[idx]) >= value, f"the copy stream would wait on counter {idx}: {int(flags[idx])} < {value}"
 
     def write_value(stream: Any, flags: torch.Tensor, idx: int, value: int) -> None:
-        flags[idx] = value
+        if (flags.data_ptr(), idx) not in world.lost:
+            flags[idx] = value
 
     def zero(stream: Any, t: torch.Tensor, n: int) -> None:
         t[:n] = 0
@@ -409,6 +411,8 @@ def test_p2p_producer_failures() -> None:
       chunk's flag and the call raises FlagTimeoutError naming rank 0, the flag (rank 1's
       slot, the chunk), the call's epoch expected and the last call's seen; rank 0's other
       chunks and rank 1's output are right;
+    - rank 0's own flag of chunk 1 is not written (its copy stream never got there): its
+      reduce kernel waits for it, times out naming it, and reads no partial before it;
     - the ranks disagree on the residual: both raise RanksDisagreeError;
     - both ranks fail before their first push (a GEMM launch that raises): the epoch is
       taken back on both;
@@ -455,6 +459,19 @@ def test_p2p_producer_failures() -> None:
         want = full + res.double()
         assert _rel(world.outs[0][:512], want[:512]) < TOL16, "chunks before the lost one"
         assert isinstance(outs[1], torch.Tensor) and _rel(outs[1], want) < TOL16
+        good()
+        # rank 0's local partial of chunk 1 never said complete
+        seed[0] += 1
+        shards, res, full = _case(2, m, n, k, seed[0], "wt", True)
+        sf0 = rts[0].heap.flags(op, 1)
+        own = mrp.push_layout(2, 0, m, 3, False).own_flag(1)
+        world.lost = {(sf0.local.data_ptr(), own)}
+        outs = _both(rts, lambda r: _call(rts[r], op, *shards[r], res, one))
+        world.lost = set()
+        assert isinstance(outs[0], FlagTimeoutError) and isinstance(outs[1], torch.Tensor), outs
+        assert _rel(outs[1], full + res.double()) < TOL16
+        assert (outs[0].flag_idx, outs[0].expected, outs[0].seen) == (own, sf0.epoch, sf0.epoch - 1), str(outs[0])
+        assert own == stride + 1
         good()
         # ranks that disagree (rank 1 passes no residual)
         seed[0] += 1
