@@ -537,11 +537,21 @@ def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (8, 16, 24)]
+        if rt.transport(OverlapConfig()) == "p2p":  # peer memory: the copy-engine pushes too
+            candidates += [OverlapConfig(chunks=ch, reduce_ctas=rc, transport="p2p") for ch in (2, 4, 8)
+                           for rc in (8, 16)]
 
     def run(cand: OverlapConfig) -> Any:
+        if _transport(rt, cand) == "p2p":
+            from . import matmul_reduce_p2p as _peer
+
+            res = None if residual is None else residual.contiguous()
+            return run_p2p(rt, op, _peer._fused_p2p, rt, op, a, b, res, cand)
         return _fused(rt, op, a, b, residual, cand)
 
     def describe(cand: OverlapConfig) -> str:
+        if cand.transport == "p2p":
+            return f"  tune {op} {m}x{n}x{k}: p2p, {cand.chunks} chunks, reduce {cand.reduce_ctas}"
         return f"  tune {op} {m}x{n}x{k}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
 
     return tune_paths(rt, op, (m, n, k), f"{op} {m}x{n}x{k}", ref=ref, candidates=candidates, run=run,
@@ -553,7 +563,8 @@ def tune_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any =
                                candidates: list[OverlapConfig] | None = None, iters: int = 10,
                                verbose: bool = False) -> Path:
     """Time candidate configs (collectively: every rank must call; default 1, 2, 4 chunks
-    x 8, 16, 24 NCCL CTAs) and the sequential reference, then the three fastest again in
+    x 8, 16, 24 NCCL CTAs, and where peer memory is available the peer-copy transport in
+    2, 4, 8 chunks x 8, 16 reduce SMs) and the sequential reference, then the three fastest again in
     interleaved rounds; cache the winner for this shape (later calls without a config use
     it). Returns the ``OverlapConfig`` or ``SEQUENTIAL`` (then the op warns once and runs
     the reference for this shape). Inputs with no tile-flag path return ``SEQUENTIAL``
