@@ -169,8 +169,8 @@ in bf16 (``benchmarks/results/2026-11-30_2xH200_d172e09``, the "busbw" column of
 
 GEMM_FLOPS_PER_S = 680e12
 """cuBLAS bf16 / fp16 on one H200: 677-686 TFLOP/s at 8192 x {14336, 18432, 24576} x
-{8192, 12288} (the "cuBLAS GEMM" column, same folder), 740-770 at the smaller comm-heavy
-shapes; the lower figure, so the rule errs toward keeping the gathered input."""
+{8192, 12288} (the "cuBLAS GEMM" column, same folder), the GPT layers' kind of shape; the
+smaller comm-heavy shapes ran 740-770."""
 
 GEMM_FLOPS_PER_S_FP32 = 46e12
 """fp32 GEMMs (torch's default: no TF32): ``GEMM_FLOPS_PER_S`` scaled by the H200
@@ -206,7 +206,8 @@ def regather_plan(m: int, n_shard: int, k: int, world: int, dtype: torch.dtype) 
     input gradient's reduce-scatter (the same bytes over the same links), fit under the
     input gradient's GEMM: ``gather_s + reduce_scatter_s <= gemm_s``; keep it otherwise
     (and at one rank). With the module's rates the byte terms cancel M and K, so at 2 ranks
-    in bf16 the rule is about ``N/R >= 3300`` (plus the fixed cost for small M x K): every
+    in bf16 the rule is ``N/R >= GEMM rate / link rate`` (about 3240), plus the fixed cost for
+    small M x K: every
     GPT-size column layer regathers; narrow layers keep. The rates are module constants,
     read at each call.
 

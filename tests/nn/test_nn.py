@@ -48,7 +48,7 @@ def test_import_stays_light() -> None:
 
 # the GPT block shapes of benchmarks/bench_block.py at TP 2, bf16: (hidden, tokens) -> the
 # column layers qkv [3C/R rows] and fc1 [4C/R]; every one regathers (N/R of 12288 and more
-# is far above the rule's ~3300 at these rates)
+# is far above the rule's ~3240 at these rates)
 _GPT = [(c, t, n) for c in (8192, 12288) for t in (4096, 8192) for n in (3 * c, 4 * c)]
 
 
