@@ -206,10 +206,9 @@ def regather_plan(m: int, n_shard: int, k: int, world: int, dtype: torch.dtype) 
     input gradient's reduce-scatter (the same bytes over the same links), fit under the
     input gradient's GEMM: ``gather_s + reduce_scatter_s <= gemm_s``; keep it otherwise
     (and at one rank). With the module's rates the byte terms cancel M and K, so at 2 ranks
-    in bf16 the rule is ``N/R >= GEMM rate / link rate`` (about 3240), plus the fixed cost for
-    small M x K: every
-    GPT-size column layer regathers; narrow layers keep. The rates are module constants,
-    read at each call.
+    in bf16 the rule is ``N/R >= GEMM rate / link rate`` (about 3240), plus the fixed cost
+    for small M x K: every GPT-size column layer regathers; narrow layers keep. The rates
+    are module constants, read at each call.
 
     ========  ======================================================
     arg       meaning
