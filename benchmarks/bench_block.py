@@ -82,7 +82,11 @@ class Block(torch.nn.Module):
         self.to(dev, dt)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_gather_tensor(x, 1, self.group)
+        # along dim 1 as funcol.all_gather_tensor(x, 1, group) does it (gather dim 0, then
+        # chunk + cat, the form the async-TP pass matches), spelled out: torch 2.11's Dynamo
+        # refuses to trace the helper that function calls for a dim other than 0
+        g = funcol.all_gather_tensor(x.contiguous(), 0, self.group)  # [R * B, T/R, C]
+        return torch.cat(torch.chunk(g, self.world, dim=0), dim=1)  # [B, T, C]
 
     def _scatter(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.reduce_scatter_tensor(x, "sum", 1, self.group)
