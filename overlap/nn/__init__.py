@@ -9,8 +9,9 @@
 """
 
 from . import functional
-from .functional import (all_gather_linear, all_reduce_norm_linear, copy_linear, copy_to_region,
-                         gather_from_region, linear_all_reduce, linear_reduce_scatter, scatter_to_region)
+from .functional import (RegatherPlan, all_gather_linear, all_reduce_norm_linear, copy_linear, copy_to_region,
+                         gather_from_region, linear_all_reduce, linear_reduce_scatter, regather_plan,
+                         scatter_to_region)
 from .layers import ColumnParallelLinear, NormColumnParallelLinear, RowParallelLinear
 from .parallelize import DEFAULT_PLAN, SEQUENCE_PARALLEL_PLAN, SequenceParallelNorm, parallelize
 
@@ -31,4 +32,6 @@ __all__ = [
     "copy_to_region",
     "gather_from_region",
     "scatter_to_region",
+    "regather_plan",
+    "RegatherPlan",
 ]
