@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul  # noqa: E402
-from overlap.ops import all_gather as _ag  # noqa: E402
+from overlap.ops import all_gather_p2p as _agp  # noqa: E402
 from overlap.ops import all_reduce_p2p as _arp  # noqa: E402
 from overlap.ops._runtime import get_runtime  # noqa: E402
 
@@ -102,7 +102,7 @@ def main() -> None:
         cfg = OverlapConfig(chunks=1 if m == 8192 else 2, transport="p2p")
         cases.append((f"agmm {m}x{n}x{k} {cfg.chunks} chunks",
                       lambda a=a, w=w, cfg=cfg, c=None: all_gather_matmul(a, w.t(), config=cfg if c is None else c),
-                      lambda a=a, w=w, cfg=cfg: _ag._fused_p2p(rt, a, w.t(), False, replace(cfg, check="none")),
+                      lambda a=a, w=w, cfg=cfg: _agp._fused_p2p(rt, a, w.t(), False, replace(cfg, check="none")),
                       cfg))
     for m, n, k, ln, fold in ((8192, 1024, 8192, False, False), (8192, 1024, 8192, True, False),
                               (8192, 1024, 8192, True, True), (16384, 2048, 8192, False, False)):

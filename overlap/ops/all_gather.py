@@ -24,6 +24,9 @@ grid covers every SM and there is no give-back launch:
 
     copy stream  | push c0 -> peers |W| push c1 -> peers |W|      (copy engines; W = peer flag write)
     GEMM grid    | local-shard tiles | peer c0 tiles (wait) | peer c1 tiles (wait) |   (all SMs)
+
+This module holds the op's front, its reference and chunked baseline, the plans, the NCCL
+transport and the tuner; the peer-copy transport is in ``all_gather_p2p.py``.
 """
 
 from __future__ import annotations
@@ -35,13 +38,12 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, row_bucket,
-                        split_tail, table_tensor, tail_parts, upload)
+from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
+                        table_tensor, tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
-                       agree_on_reference, all_gather_single, call_sig, keep_for_capture, capturing, check_agree,
-                       observed, post_sig, serial_phases, dtype_code, fused_call, gemm_plan, get_runtime,
-                       get_runtime_if_made, on_stream, refuse_grad, report_errors, resolve_group, run_p2p,
-                       split_variants, tune_paths, warn_once, ws_variants)
+                       agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
+                       serial_phases, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream,
+                       refuse_grad, resolve_group, run_p2p, split_variants, tune_paths, warn_once, ws_variants)
 
 __all__ = [
     "all_gather_matmul",
@@ -336,7 +338,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
         return rt.mark_warm("all_gather_matmul", sig, observed(
-            "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _fused_p2p, rt,
+            "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p, rt,
             a_shard.contiguous(), b, return_gathered, config))
     return rt.mark_warm("all_gather_matmul", sig, observed(
         "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b, return_gathered,
@@ -378,74 +380,6 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     return c
 
 
-def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
-               cfg: OverlapConfig) -> Any:
-    from .._p2p import flag_stride
-
-    ms, k = a_shard.shape
-    n = b.shape[1]
-    world, rank = rt.world, rt.rank
-    heap = rt.p2p()
-    p = _plan(rt, ms, n, k, cfg, "p2p")
-    stride = flag_stride(world)
-    row_bytes = k * a_shard.element_size()
-    # sized for the bucket of M/R (``row_bucket``): a new M of a bucket seen before grows
-    # nothing, so it needs no collective (growing is one) and no host agreement check
-    half = -(-world * row_bucket(ms) * row_bytes // 1024) * 1024
-    # two halves, used by call parity (see overlap._p2p on why no handshake is needed);
-    # a grown block keeps that: every rank grows at the same call, after a barrier
-    blk = heap.block("all_gather_matmul", 2 * half)
-    sf = heap.flags("all_gather_matmul", p.flag_count)
-    err = rt.err("all_gather_matmul")
-    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
-    c = a_shard.new_empty((world * ms, n))
-    # the epoch last, just before the first work is queued: a call that fails before
-    # it must not leave this rank's count ahead of its peers'
-    epoch = sf.next_epoch()
-    # this parity's gathered view and push list, made once per plan, block and dtype
-    ck = ("p2p", epoch % 2, a_shard.dtype)
-    st = p.launches.get(ck)
-    if st is None or st[0] is not blk:
-        off = (epoch % 2) * (blk.nbytes // 2)
-        pushes = []
-        for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
-            for step in range(1, world):
-                peer = (rank + step) % world
-                pushes.append((blk.ptrs[peer] + off + (rank * ms + start) * row_bytes, start * row_bytes,
-                               rows * row_bytes, sf.peer(peer), rank * stride + c_idx))
-        st = p.launches[ck] = (blk, blk.tensor(rank, off, (world * ms, k), a_shard.dtype), pushes)
-    gathered = st[1]
-    cur = torch.cuda.current_stream(a_shard.device)
-    sig = call_sig("all_gather_matmul", (ms, k, n, dtype_code(a_shard.dtype), len(p.layout.chunk_rows)))
-    post_sig(cur, [(sf.peer((rank + step) % world), rank * stride) for step in range(1, world)], epoch, stride, sig)
-    rt.p2p_begin("all_gather_matmul", cur)
-    src = a_shard.data_ptr()
-    with gpu_range("comm", "pushes"):
-        for dst, src_off, nbytes, peer_flags, idx in st[2]:
-            rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
-    counter = None
-    if p.split:
-        # split tiles count their pieces; their tiles are handed out by a dispatch counter
-        counter = rt.counter("all_gather_matmul", p.counters)
-        _flags.stream_zero(cur, counter, p.counters)
-    gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
-                   timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,
-                   sig_stride=stride)
-    with gpu_range("gemm", "grid"):
-        gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid, sig=sig)
-    rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
-    out_g = None
-    if return_gathered:
-        # the shared buffer is overwritten two calls later: hand out a copy
-        out_g = gathered.clone()
-        out_g[rank * ms:(rank + 1) * ms].copy_(a_shard)
-    rt.p2p_end("all_gather_matmul", cur)
-    report_errors(err, cfg.check)
-    stats["fused"] += 1
-    stats["p2p"] += 1
-    return (c, out_g) if return_gathered else c
-
-
 # --------------------------------------------------------------------------
 # tuner
 # --------------------------------------------------------------------------
@@ -481,7 +415,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
         if rt.transport(OverlapConfig()) == "p2p":
             candidates = [OverlapConfig(chunks=ch, transport="p2p") for ch in (1, 2, 4, 8)] + candidates
     def run(cand: OverlapConfig) -> Any:
-        fused = _fused_p2p if rt.transport(cand) == "p2p" else _fused
+        fused = _peer._fused_p2p if rt.transport(cand) == "p2p" else _fused
         return fused(rt, a_shard, b, False, cand)
 
     def describe(cand: OverlapConfig) -> str:
@@ -495,3 +429,6 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
                       ref=lambda: all_gather_matmul_ref(a_shard, b, group=group), candidates=candidates, run=run,
                       describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
                       key=(ms, n, k, a_shard.dtype), passes=passes)
+
+
+from . import all_gather_p2p as _peer  # noqa: E402  (it reads this module at call time)

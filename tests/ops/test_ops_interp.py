@@ -11,7 +11,7 @@ import os
 import torch
 
 from tests._interp import interpreted
-from tests.kernels._interp_common import (CFG, CFG32, ErrorWord, FlagTimeoutError, GemmConfig, TOL, _NcclStandIn, _StandIn, _rel, _table, _torch_norm, all_gather_push_layout, launch_tile_gemm, split_tail)
+from tests.kernels._interp_common import (CFG, CFG32, ErrorWord, FlagTimeoutError, GemmConfig, TOL, _NcclStandIn, _StandIn, _rel, _table, _torch_norm, all_gather_push_layout, launch_tile_gemm)
 
 
 @interpreted
@@ -202,6 +202,7 @@ def test_p2p_all_gather_op() -> None:
     the local shard."""
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather as ag
+    from overlap.ops import all_gather_p2p as agp
 
     rt = _StandIn()
     g = torch.Generator().manual_seed(4)
@@ -222,7 +223,7 @@ def test_p2p_all_gather_op() -> None:
                 peer = torch.randn(ms, k, generator=g).half()
                 rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
                 before = len(rt.pushes)
-                out = ag._fused_p2p(rt, a, b, ret, cfg)
+                out = agp._fused_p2p(rt, a, b, ret, cfg)
                 c, gathered = out if ret else (out, None)
                 pushes = rt.pushes[before:]
                 assert sum(nb for _, _, nb, _, _ in pushes) == ms * k * 2 and len(pushes) == chunks, pushes
@@ -247,8 +248,7 @@ def test_p2p_disagree() -> None:
 
     from overlap.flags import RanksDisagreeError
     from overlap.ops import OverlapConfig
-    from overlap.ops import all_gather as ag
-    from overlap.ops import all_reduce as ar
+    from overlap.ops import all_gather_p2p as agp
     from overlap.ops import all_reduce_p2p as arp
 
     rt = _StandIn()
@@ -263,7 +263,7 @@ def test_p2p_disagree() -> None:
             peer = torch.randn(ms, k, generator=g).half()
             rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
             try:
-                c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+                c = agp._fused_p2p(rt, a, lin.t(), False, cfg)
             except RanksDisagreeError as e:
                 assert disagree and "disagree" in str(e) and e.rank == 0, e
                 assert e.flag_idx % rt.STRIDE >= rt.STRIDE - 2, e.flag_idx
@@ -300,7 +300,7 @@ def test_late_peer_new_m() -> None:
     from overlap import flags as fl
     from overlap.ops import OverlapConfig
     from overlap.ops import _runtime as rtm
-    from overlap.ops import all_gather as ag
+    from overlap.ops import all_gather_p2p as agp
     from overlap.policies import row_bucket
 
     os.environ.pop("OVERLAP_WAIT_TIMEOUT_MS", None)
@@ -334,7 +334,7 @@ def test_late_peer_new_m() -> None:
     n, k = 32, 48
     cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", gemm=CFG)
     lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
-    with rt.patched(), mock.patch.object(ag, "gemm_plan", gemm_plan):
+    with rt.patched(), mock.patch.object(agp, "gemm_plan", gemm_plan):
         for ms in (40, 100, 77, 130, 200, 150):
             a = torch.randn(ms, k, generator=g).half()
             peer = torch.randn(ms, k, generator=g).half()
@@ -352,7 +352,7 @@ def test_late_peer_new_m() -> None:
             th = threading.Thread(target=land)
             t0 = time.monotonic()
             th.start()
-            c = ag._fused_p2p(rt, a, lin.t(), False, cfg)
+            c = agp._fused_p2p(rt, a, lin.t(), False, cfg)
             th.join()
             assert time.monotonic() - t0 >= 1.5
             assert _rel(c, torch.cat([a, peer]).double() @ lin.t().double()) < 1e-2, ms
