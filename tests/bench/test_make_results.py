@@ -121,3 +121,43 @@ def test_short_tuned() -> None:
 def test_committed_results_md_is_up_to_date() -> None:
     """RESULTS.md and the README block are generated: regenerate after adding a run."""
     assert mr.main(["--check"]) == 0, "run: python benchmarks/make_results.py"
+
+
+def _sweep(date: str, geomean: float, speed: float) -> dict:
+    row = {"model": "llama3-8b", "tp": 2, "layer": "qkv", "m": 16384, "n": 6144, "k": 4096, "b_layout": "nk",
+           "dtype": "bfloat16", "cublas_ms": 1.0225, "tile_ms": 1.0225 / speed, "speed_vs_cublas": speed,
+           "config": "128x256x64 s4 w8 ws g8"}
+    return {"context": {"date": date, "commit": "eeeeeee", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130",
+                        "triton": "3.6.0"},
+            "summary": {"shapes": 1, "geomean": geomean, "min": speed, "max": speed, "under_min_target": [],
+                        "targets": {"geomean": 0.97, "min": 0.93}, "tune_s_median": 0.1, "tune_s_max": 0.2},
+            "rows": [row]}
+
+
+def _chain(date: str) -> dict:
+    ms = {f"{v} {mode}": 1.0 for v in ("torch", "stream-sync", "row", "tile", "fc1", "fc2")
+          for mode in ("eager", "graph")}
+    ms.update({"torch graph": 0.5, "stream-sync graph": 0.6, "row graph": 0.55, "tile graph": 0.7})
+    row = {"model": "gpt3-175b", "tp": 8, "m": 512, "k": 12288, "f": 6144, "ms": ms, "fc1_plus_fc2_ms": 0.58,
+           "flag_over_sync_graph": 0.6 / 0.55, "flag_over_torch_graph": 0.5 / 0.55, "flag_over_sync_eager": 1.0,
+           "flag_over_torch_eager": 1.0, "fc1_waves": 0.73, "fc2_waves": 2.91}
+    return {"context": {"date": date, "commit": "fffffff", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130",
+                        "triton": "3.6.0"}, "rows": [row]}
+
+
+def test_one_gpu_sections_from_the_newest_json(tree) -> None:
+    """The GEMM sweep and the chain's graph table come from the newest JSON of each (by date)."""
+    res = tree / "results"
+    for folder, name, doc in (("2026-11-01_1xH200_old", "gemm_sweep.json", _sweep("2026-11-01", 0.9, 0.81)),
+                              ("2026-12-01_1xH200_new/sweep", "gemm_sweep.json", _sweep("2026-12-01", 0.95, 0.962)),
+                              ("2026-12-02_1xH200_chain", "chain_graph.json", _chain("2026-12-02"))):
+        os.makedirs(res / folder, exist_ok=True)
+        (res / folder / name).write_text(json.dumps(doc))
+    assert mr.main(_args(tree)) == 0
+    text = (tree / "RESULTS.md").read_text()
+    sweep = text.split("## Tile GEMM against cuBLAS, one GPU")[1].split("## MLP chain, eager")[0]
+    assert "geo-mean 0.950x cuBLAS (target 0.97)" in sweep and "`results/2026-12-01_1xH200_new/sweep/gemm_sweep.json`" in sweep
+    assert "| 16384 | 6144 | 4096 | nk | bfloat16 | llama3-8b qkv 2 | 1.022 | 1.063 | 0.962 |" in sweep
+    assert "0.81" not in sweep  # the older sweep is not shown
+    chain = text.split("## MLP chain, eager and as a CUDA graph, one GPU")[1]
+    assert "| gpt3-175b | 8 | 512 | 12288 | 6144 | 0.500 | 0.600 | 0.550 | 0.700 | 0.580 | 1.091x | 0.909x |" in chain
