@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from overlap.kernels.add_norm import launch_reduce_norm  # noqa: E402
+from overlap.kernels.add_norm import ReduceShape, launch_reduce_norm  # noqa: E402
 
 
 def main() -> None:
@@ -88,10 +88,11 @@ def main() -> None:
                                        weight=w if ln and not folded else None,
                                        bias=bias if ln and not folded else None,
                                        y=y if ln and not folded else None, stats=stats if folded else None,
-                                       num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
-                                       segment=segment if ln else None,
-                                       y_rows=(2 if name.endswith("y2x") else 1) * (rows or _default_rows(k, bk))
-                                       if ln and not folded and segment is None else None)
+                                       shape=ReduceShape(
+                                           num_warps=nw, rows=rows, block_k=bk, stream_loads=stream,
+                                           segment=segment if ln else None,
+                                           y_rows=(2 if name.endswith("y2x") else 1) * (rows or _default_rows(k, bk))
+                                           if ln and not folded and segment is None else None))
 
                 label = (f"{name:16s} block {str(shape or 'default'):15s} {'streamed' if stream else 'cached  '}"
                          f"{' residual offset' if r_t is res_off else ''}")

@@ -40,7 +40,7 @@ def main() -> None:
     from benchmarks.suite.timing import Timer
     from overlap import dist
     from overlap._p2p import memcpy_async
-    from overlap.kernels.add_norm import launch_reduce_norm
+    from overlap.kernels.add_norm import ReduceShape, launch_reduce_norm
     from overlap.ops._runtime import get_runtime
 
     dist.init()
@@ -139,7 +139,8 @@ def main() -> None:
                         x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, epoch=1, rank=rank,
                         world=world, programs=24, residual=resid if ln else None,
                         norm="layernorm" if ln else None, weight=w if ln else None,
-                        bias=bias if ln else None, y=y if ln else None, rows=rows, block_k=bk, num_warps=nw))
+                        bias=bias if ln else None, y=y if ln else None,
+                        shape=ReduceShape(rows=rows, block_k=bk, num_warps=nw)))
     got = timer.time_interleaved(fns, on_error)
     esz = x.element_size()
     for name, ms in got.items():

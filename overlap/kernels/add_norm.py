@@ -20,6 +20,7 @@ few MB. Weight and bias must be contiguous.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import triton
@@ -30,7 +31,7 @@ from .. import protocol as _p
 
 _ERR_CODE = tl.constexpr(_p.ERR_CODE)  # the error record's code slot (overlap/protocol.py)
 
-__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan",
+__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan", "ReduceShape",
            "NORM_KINDS", "stats_segment"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
@@ -476,14 +477,35 @@ def reduce_block_shape(K: int, block_k: int | None = None, split: bool = False) 
     return block_k, rows, 16 if block_k * rows > 8192 else 8
 
 
+@dataclass(frozen=True)
+class ReduceShape:
+    """How the reduce kernel blocks its rows; a field left None takes the default for K.
+    The ops pass one only for the reduce programs that share SMs with the GEMM
+    (``all_reduce_p2p.shared_reduce_shape``); the benchmarks of the kernel sweep them.
+
+    ``block_k``, ``rows``, ``num_warps``: the block (``reduce_block_shape``).
+    ``segment``: with a norm, the width of the segments the statistics are summed over
+    before they are merged (the kernel's SEG); None picks ``stats_segment(K, rows *
+    block_k, num_warps)``, 0 takes the whole-row statistics (and, writing y, normalizes a
+    row block whole in registers where it fits). ``y_rows``: writing y from segments, the
+    rows of a block of the output pass (a power-of-two multiple of ``rows``; None: twice
+    ``rows`` where the block is exactly K columns, else ``rows``). ``stream_loads``: the
+    partials and the residual are loaded past L1 (read once)."""
+
+    block_k: int | None = None
+    rows: int | None = None
+    num_warps: int | None = None
+    segment: int | None = None
+    y_rows: int | None = None
+    stream_loads: bool = False
+
+
 def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any,
                        epoch: int, rank: int, world: int, programs: int, residual: Any = None,
                        norm: str | None = None, weight: Any = None, bias: Any = None, eps: float = 1e-5,
                        y: Any = None, flag_stride: int | None = None,
                        timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
-                       num_warps: int | None = None, block_k: int | None = None, rows: int | None = None,
-                       stats: Any = None, stream_loads: bool = False, segment: int | None = None,
-                       y_rows: int | None = None) -> None:
+                       stats: Any = None, shape: ReduceShape | None = None) -> None:
     """Launch ``reduce_norm_kernel`` with ``programs`` programs on the current stream.
 
     ``x``, ``h``, ``residual``, ``y``: contiguous [M, K]; ``recv``: contiguous
@@ -494,20 +516,12 @@ def launch_reduce_norm(x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, r
     kernel posts to; ``err``: the error word shared with the consumer GEMM.
     ``stats``: contiguous fp32 [M, 2] instead of ``y`` (a norm folded into the
     consumer GEMM: each row's rstd and mean * rstd; weight and bias are then unused).
-    ``stream_loads``: the partials and the residual are loaded past L1 (read once).
-    ``segment``: with a norm, the width of the segments the statistics are summed
-    over before they are merged (the kernel's SEG); None picks ``stats_segment(K,
-    rows * block_k, num_warps)``, 0 takes the whole-row statistics (and, writing y,
-    normalizes a row block whole in registers where it fits). ``y_rows``: writing y from
-    segments, the rows of a block of the output pass (a power-of-two multiple of
-    ``rows``; None: twice ``rows`` where the block is exactly K columns, else ``rows``).
+    ``shape``: the kernel's blocking (``ReduceShape``; None: the defaults for K).
     An op that launches it call after call keeps a ``ReducePlan`` instead.
     """
     plan = ReducePlan(x, recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank, world=world,
                       programs=programs, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
-                      flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, num_warps=num_warps,
-                      block_k=block_k, rows=rows, stats=stats, stream_loads=stream_loads, segment=segment,
-                      y_rows=y_rows)
+                      flag_stride=flag_stride, timeout_ns=timeout_ns, max_spins=max_spins, stats=stats, shape=shape)
     plan.launch(x, recv, h, epoch=epoch, residual=residual, weight=weight, bias=bias, y=y, stats=stats)
 
 
@@ -522,10 +536,11 @@ class ReducePlan:
     def __init__(self, x: Any, recv: Any, h: Any, *, starts: Any, rflags: Any, ready: Any, err: Any, rank: int,
                  world: int, programs: int, residual: Any = None, norm: str | None = None, weight: Any = None,
                  bias: Any = None, eps: float = 1e-5, y: Any = None, flag_stride: int | None = None,
-                 timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, num_warps: int | None = None,
-                 block_k: int | None = None, rows: int | None = None, stats: Any = None,
-                 stream_loads: bool = False, segment: int | None = None, y_rows: int | None = None,
-                 sig: bool = False, own: bool = False) -> None:
+                 timeout_ns: int = 500_000_000, max_spins: int = 2_000_000, stats: Any = None,
+                 shape: ReduceShape | None = None, sig: bool = False, own: bool = False) -> None:
+        shape = shape or ReduceShape()
+        block_k, rows, num_warps = shape.block_k, shape.rows, shape.num_warps
+        segment, y_rows = shape.segment, shape.y_rows
         if norm not in NORM_KINDS:
             raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
         m, K = x.shape
@@ -596,7 +611,7 @@ class ReducePlan:
         self.programs = max(1, int(programs))
         meta = dict(WORLD=int(world), HAS_RES=residual is not None, NORM=NORM_KINDS[norm], HAS_BIAS=bias is not None,
                     ROWS=rows, BLOCK_K=block_k, USE_TIMER=not interp, FENCE_ASYNC=not interp,
-                    EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(stream_loads) and not interp,
+                    EVEN_K=block_k == K, FOLD=stats is not None, STREAM=bool(shape.stream_loads) and not interp,
                     SEG=seg, NSEG_P2=n_seg_p2, MERGE_ROWS=merge_rows, Y_ROWS=y_rows if uses_y_rows else 1,
                     SIG=bool(sig), OWN=bool(own))
         if own and flag_stride * world > rflags.numel():

@@ -21,6 +21,7 @@ from ._runtime import (OverlapConfig, Runtime, call_sig, dtype_code, gemm_plan, 
                        report_errors)
 
 if TYPE_CHECKING:
+    from ..kernels.add_norm import ReduceShape
     from .all_reduce import Norm, _Plan
 
 REDUCE_PROGRAMS_PER_SM = 1
@@ -97,7 +98,7 @@ def _two_shot_layout(world: int, rank: int, m: int, chunks: int) -> _TwoShot:
                     tuple(tuple(split_rows(r, chunks, _ar.CHUNK_ALIGN)) for r in rows), chunks, stride)
 
 
-def shared_reduce_shape(k: int) -> dict[str, int]:
+def shared_reduce_shape(k: int) -> ReduceShape:
     """The reduce kernel's block shape when its programs share SMs with the GEMM's
     (``OverlapConfig.reduce_shared``): 4 warps over 4096 elements (2 rows of 2048
     columns at K >= 2048). Its registers (48-110 per thread on triton 3.6, sm_90) fit
@@ -107,7 +108,9 @@ def shared_reduce_shape(k: int) -> dict[str, int]:
     rows = max(1, min(8, 4096 // block_k))
     # the written norm's output pass in blocks of the same rows (twice would take more
     # registers than fit beside the GEMM)
-    return dict(block_k=block_k, rows=rows, num_warps=4, y_rows=rows)
+    from ..kernels.add_norm import ReduceShape
+
+    return ReduceShape(block_k=block_k, rows=rows, num_warps=4, y_rows=rows)
 
 
 def _fold(p: _Plan, b: torch.Tensor, norm: Norm, num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +210,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             x, recv, h, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank, world=world,
             programs=p.reduce_programs, residual=residual, norm=norm.kind if norm else None, weight=w, bias=bias,
             eps=norm.eps if norm else 1e-5, y=y_out, flag_stride=stride, timeout_ns=timeout_ns, stats=rowstat,
-            sig=True, **(shared_reduce_shape(k) if p.reduce_shared else {}))
+            sig=True, shape=shared_reduce_shape(k) if p.reduce_shared else None)
     with on_stream(ns, cur), gpu_range("reduce", "kernel"):
         rp.launch(x, recv, h, epoch=epoch, residual=residual, weight=w, bias=bias, y=y_out, stats=rowstat, sig=sig)
     vec = None
@@ -332,7 +335,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
             x_me, rs, h_me, starts=p.starts, rflags=sf.local, ready=ready.flags, err=err.word, rank=rank,
             world=world, programs=p.reduce_programs, residual=res_me, norm=norm.kind if norm else None,
             eps=norm.eps if norm else 1e-5, flag_stride=two.stride, timeout_ns=timeout_ns, stats=st_me, sig=True,
-            **(shared_reduce_shape(k) if p.reduce_shared else {}))
+            shape=shared_reduce_shape(k) if p.reduce_shared else None)
     with on_stream(ns, cur):
         rp.launch(x_me, rs, h_me, epoch=epoch, residual=res_me, stats=st_me, sig=sig)
     # each own chunk, once reduced: its flag for my GEMM, then its rows (and statistics) to every peer

@@ -272,7 +272,7 @@ def _fused_p2p(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual:
         rp = p.launches[rkey] = ReducePlan(
             x, views[1][0], out, starts=p.starts, rflags=sf.local, ready=p.ready.flags, err=err.word, rank=rank,
             world=world, programs=p.programs, residual=residual, flag_stride=lay.stride, timeout_ns=timeout_ns,
-            sig=True, own=True, **(shared_reduce_shape(n) if p.shared else {}))
+            sig=True, own=True, shape=shared_reduce_shape(n) if p.shared else None)
     gp = gemm_plan(p.launches, a, b, c, p.table, flags=words.flags, err=err.word, timeout_ns=1,
                    counter=words.counters, rank=rank, config=p.gemm, post=True)
     descs = gp.operands(a, b)

@@ -81,7 +81,7 @@ def test_reduce_normed_rows(dt_name: str, k: int) -> None:
     whole rows (segment 0), against torch's norm of the same h; h bit for bit."""
     import torch
 
-    from overlap.kernels.add_norm import ReducePlan
+    from overlap.kernels.add_norm import ReducePlan, ReduceShape
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA")
@@ -112,7 +112,7 @@ def test_reduce_normed_rows(dt_name: str, k: int) -> None:
             err = torch.zeros(8, dtype=torch.int32, device=dev)
             plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=err, rank=rank,
                               world=world, programs=5, residual=res, norm=norm, weight=w, bias=b, y=y,
-                              segment=segment)
+                              shape=ReduceShape(segment=segment))
             assert (plan.seg is not None) == (segment is None), (k, segment)
             plan.launch(parts[rank], recv, h, epoch=1, residual=res, weight=w, bias=b, y=y)
             torch.cuda.synchronize()

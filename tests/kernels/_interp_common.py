@@ -9,7 +9,7 @@ import torch
 
 from overlap.flags import ErrorWord, FlagProtocolError, FlagTimeoutError  # noqa: F401
 from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm, split_workspace  # noqa: F401
-from overlap.kernels.add_norm import ReducePlan, launch_add_norm, launch_reduce_norm  # noqa: F401
+from overlap.kernels.add_norm import ReducePlan, ReduceShape, launch_add_norm, launch_reduce_norm  # noqa: F401
 from overlap.ops._runtime import Runtime
 from overlap.policies import (RowSync, Segment, all_gather_layout, all_gather_push_layout,  # noqa: F401
                               build_tile_table, push_slot, row_block_segments, row_chunk_segments,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests._interp import interpreted
-from tests.kernels._interp_common import (CFG, ErrorWord, FlagTimeoutError, ReducePlan, Segment, TOL, _rel, _table, _torch_norm, launch_add_norm, launch_reduce_norm, launch_tile_gemm, push_slot, row_chunk_segments)
+from tests.kernels._interp_common import (CFG, ErrorWord, FlagTimeoutError, ReducePlan, ReduceShape, Segment, TOL, _rel, _table, _torch_norm, launch_add_norm, launch_reduce_norm, launch_tile_gemm, push_slot, row_chunk_segments)
 
 
 @interpreted
@@ -88,7 +88,8 @@ def test_reduce_norm() -> None:
                     launch_reduce_norm(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready,
                                        err=ew.word, epoch=5, rank=rank, world=world, programs=progs,
                                        residual=res, norm=kind, weight=w if kind else None, bias=bias,
-                                       y=y, max_spins=50, block_k=block_k, rows=4, flag_stride=stride)
+                                       y=y, max_spins=50, shape=ReduceShape(block_k=block_k, rows=4),
+                                       flag_stride=stride)
                     assert ready.tolist() == [progs] * chunks, ready  # every program posts every chunk
                     tot = torch.zeros(m, k)
                     for r in range(world):  # rank order, fp32, one rounding: the same bits on every rank
@@ -135,8 +136,8 @@ def test_reduce_norm() -> None:
             plan = ReducePlan(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st3,
                               rflags=torch.ones(3, dtype=torch.int32), ready=ready,
                               err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=3, residual=res,
-                              norm=kind, weight=w, bias=bias, y=y, block_k=block_k, rows=2, segment=seg,
-                              y_rows=y_rows)
+                              norm=kind, weight=w, bias=bias, y=y,
+                              shape=ReduceShape(block_k=block_k, rows=2, segment=seg, y_rows=y_rows))
             assert (plan.seg is None) == (seg_taken == 0) and (plan.row_stats is None) == (seg_taken == 0), (k2, seg)
             plan.launch(parts[0], parts[1].unsqueeze(0).clone(), h, epoch=1, residual=res, weight=w, bias=bias, y=y)
             assert ready.tolist() == [3, 3, 3], ready
@@ -147,7 +148,7 @@ def test_reduce_norm() -> None:
     try:
         ReducePlan(parts[0], parts[1].unsqueeze(0).clone(), h, starts=st3, rflags=torch.ones(3, dtype=torch.int32),
                    ready=ready, err=torch.zeros(8, dtype=torch.int32), rank=0, world=2, programs=2, norm="rmsnorm",
-                   weight=w, y=y, rows=2, y_rows=6)
+                   weight=w, y=y, shape=ReduceShape(rows=2, y_rows=6))
     except ValueError as e:
         assert "y_rows" in str(e), e
     else:
@@ -195,8 +196,8 @@ def test_norm_fold() -> None:
                 ew = ErrorWord("cpu", what="fold")
                 plan = ReducePlan(parts[rank], recv, h, starts=starts, rflags=torch.ones(chunks, dtype=torch.int32),
                                   ready=ready, err=ew.word, rank=rank, world=world, programs=progs,
-                                  residual=res, norm=kind, stats=stats, block_k=block_k, rows=4, eps=eps,
-                                  segment=seg)
+                                  residual=res, norm=kind, stats=stats, eps=eps,
+                                  shape=ReduceShape(block_k=block_k, rows=4, segment=seg))
                 assert (plan.seg is None) == (seg_taken == 0), (k, seg, plan.seg)
                 if seg_taken:
                     assert plan.seg.numel() == 2 * m * (k // seg_taken)
@@ -260,7 +261,8 @@ def test_norm_fold() -> None:
     for bad in (24, 128):
         try:
             ReducePlan(parts[rank], recv, h, starts=starts, rflags=rflags, ready=ready, err=ew.word, rank=rank,
-                       world=world, programs=1, residual=res, norm="layernorm", stats=stats, segment=bad)
+                       world=world, programs=1, residual=res, norm="layernorm", stats=stats,
+                       shape=ReduceShape(segment=bad))
         except ValueError as e:
             assert "segment" in str(e), e
         else:
