@@ -162,9 +162,13 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     list of such weights (one gather; a list of outputs). See ``overlap._shapes``."""
     if not _shapes.simple(a_shard, b, gather_dim):
         _refuse_grad("all_gather_matmul", a_shard, *(b if isinstance(b, (list, tuple)) else [b]))
+        # eager, a list of weights goes to the op whole (one grid over their GEMMs); a compiled
+        # call takes one weight per custom op (the widest fused, the others after it)
+        many = None if _compiling() else (
+            lambda rows, bs, need_g: _ag_impl(rows, bs, group=group, return_gathered=need_g, config=config))
         return _shapes.all_gather_matmul(
             lambda rows, b0, need_g: all_gather_matmul(rows, b0, group=group, return_gathered=need_g, config=config),
-            a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered)
+            a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered, fused_many=many)
     if _compiling():
         c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
         return (c, gathered) if return_gathered else c

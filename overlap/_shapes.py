@@ -14,12 +14,14 @@ _symmetric_memory``): an all-gather output is a view of a T-major tensor (as
 ``torch.matmul(A, B).movedim(0, gather_dim)`` there), a reduce-scatter output is
 contiguous (as ``reduce_scatter_tensor`` along a dim there).
 
-Several weights on one gather (or all-reduce): the GEMM of the weight with the most
-columns (the longest, the first of equals) is the fused one, its tiles starting as the
-chunks land, so the communication hides behind the longest of the GEMMs; the others read
-the gathered (reduced, normed) rows that call returns, with ``torch.matmul``, after it. The
-input is gathered once; the outputs come back in the weights' order. (One grid whose tiles
-of every weight wait on the same chunk flags, interleaved, is not built: docs/ops/compat.md.)
+Several weights on one gather: given ``fused_many`` (eager calls), the 2-D op takes the
+whole list and runs their GEMMs as one grid whose tiles of every weight wait on the same
+chunk flags (or, for lists it does not take, falls back itself: docs/ops/compat.md).
+Without it (a compiled call: the custom op takes one weight), and on the all-reduce op,
+the GEMM of the weight with the most columns (the longest, the first of equals) is the
+fused one, its tiles starting as the chunks land; the others read the gathered (reduced,
+normed) rows that call returns, with ``torch.matmul``, after it. The input is gathered
+once; the outputs come back in the weights' order, each its own tensor.
 """
 
 from __future__ import annotations
@@ -86,20 +88,26 @@ def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
 
 
 def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: int,
-                      return_gathered: bool) -> Any:
-    """``fused(rows, b0, need_gathered)`` is the 2-D op; see the module docstring."""
+                      return_gathered: bool, fused_many: Any = None) -> Any:
+    """``fused(rows, b0, need_gathered)`` is the 2-D op; ``fused_many(rows, bs,
+    need_gathered)``, where given, the 2-D op on a list of weights (returning the list of
+    outputs, and the gathered rows when asked); see the module docstring."""
     op = "all_gather_matmul"
     if a_shard.dim() < 2:
         raise ValueError(f"{op}: a_shard must have at least 2 dims [..., K], got {tuple(a_shard.shape)}")
     d = norm_dim(op, gather_dim, a_shard.dim(), "gather_dim")
     bs, many = weights(op, b, a_shard.shape[-1], a_shard.dtype)
     rows, lead = to_rows(a_shard, d)
-    need_g = return_gathered or len(bs) > 1
-    first = longest(bs)
-    out = fused(rows, bs[first], need_g)
-    c0, g = out if need_g else (out, None)
-    cs = [c0 if i == first else g @ w for i, w in enumerate(bs)]
-    world = c0.shape[0] // rows.shape[0]
+    if len(bs) > 1 and fused_many is not None:
+        out = fused_many(rows, bs, return_gathered)
+        cs, g = out if return_gathered else (out, None)
+    else:
+        need_g = return_gathered or len(bs) > 1
+        first = longest(bs)
+        out = fused(rows, bs[first], need_g)
+        c0, g = out if need_g else (out, None)
+        cs = [c0 if i == first else g @ w for i, w in enumerate(bs)]
+    world = cs[0].shape[0] // rows.shape[0]
     lead_out = (world * lead[0], *lead[1:])
     cs = [from_rows(c, lead_out, d) for c in cs]
     res = cs if many else cs[0]

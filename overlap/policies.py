@@ -33,6 +33,7 @@ from . import protocol as P
 __all__ = [
     "Segment",
     "build_tile_table",
+    "build_multi_tile_table",
     "table_tensor",
     "upload",
     "row_bucket",
@@ -137,6 +138,51 @@ def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n:
     table[:, P.COL_WAIT] = sv[:, 4]
     table[:, P.COL_WAIT_MULT] = sv[:, 5]
     table[:, P.COL_POST] = np.where(sv[:, 6] == NO_FLAG, NO_FLAG, sv[:, 6] + pmv)
+    if array:
+        return table.astype(np.int32)
+    return table.tolist()
+
+
+def build_multi_tile_table(segments: Sequence[Segment], ns: Sequence[int], block_m: int, block_n: int,
+                           group_m: int = 8, *, array: bool = False) -> Any:
+    """One table for the GEMMs of several weights that read the same A rows (Q, K and V;
+    SwiGLU's gate and up), weight w having ``ns[w]`` columns: each tile's weight index
+    sits in ``COL_N_TILE`` above its column tile (``protocol.N_TILE_BITS``).
+
+    Order: the segments in runs of consecutive ones that wait on the same flag (the local
+    rows; one chunk as it lands); for each run, weight 0's tiles, then weight 1's, ...;
+    within a weight, ``build_tile_table``'s order (groups of ``group_m`` row tiles).
+    So the first chunk to land feeds every weight before any tile waits on the next, and
+    a weight's tiles wait on the same flags, with the same multipliers, as in its own
+    table. One weight: ``build_tile_table``'s table, unchanged. Segments may not post
+    (a tile's post would count once per weight)."""
+    import numpy as np
+
+    ns = [int(n) for n in ns]
+    if not ns or min(ns) <= 0:
+        raise ValueError(f"ns must be a non-empty list of positive column counts, got {ns}")
+    if len(ns) == 1:
+        return build_tile_table(segments, ns[0], block_m, block_n, group_m, array=array)
+    if len(ns) > 1 << (31 - P.N_TILE_BITS):
+        raise ValueError(f"at most {1 << (31 - P.N_TILE_BITS)} weights in one table, got {len(ns)}")
+    if any(_cdiv(n, block_n) > P.N_TILE_MASK for n in ns):
+        raise ValueError(f"a weight of {max(ns)} columns has more than {P.N_TILE_MASK} column tiles")
+    if any(g.post_base != NO_FLAG for g in segments):
+        raise ValueError("a table of several weights cannot post: a row block's post would count once per weight")
+    waits = [(g.wait_idx, g.wait_mult) for g in segments]
+    seg_run = np.cumsum([0] + [int(waits[i] != waits[i - 1]) for i in range(1, len(waits))])
+    m_tiles = np.array([_cdiv(g.rows, block_m) for g in segments], dtype=np.int64)
+    tables, runs, weight = [], [], []
+    for w, n in enumerate(ns):
+        t = build_tile_table(segments, n, block_m, block_n, group_m, array=True).astype(np.int64)
+        t[:, P.COL_N_TILE] |= w << P.N_TILE_BITS
+        tables.append(t)
+        runs.append(np.repeat(seg_run, m_tiles * _cdiv(n, block_n)))
+        weight.append(np.full(len(t), w, dtype=np.int64))
+    table = np.concatenate(tables)
+    # by run, then weight; a stable sort keeps each weight's own order inside a run
+    order = np.lexsort((np.concatenate(weight), np.concatenate(runs)))
+    table = table[order]
     if array:
         return table.astype(np.int32)
     return table.tolist()

@@ -74,6 +74,8 @@ _COL_N_TILE = tl.constexpr(_p.COL_N_TILE)
 _COL_WAIT = tl.constexpr(_p.COL_WAIT)
 _COL_WAIT_MULT = tl.constexpr(_p.COL_WAIT_MULT)
 _COL_POST = tl.constexpr(_p.COL_POST)
+_N_TILE_BITS = tl.constexpr(_p.N_TILE_BITS)
+_N_TILE_MASK = tl.constexpr(_p.N_TILE_MASK)
 _ERR_CODE = tl.constexpr(_p.ERR_CODE)
 _ERR_RANK = tl.constexpr(_p.ERR_RANK)
 _ERR_FLAG = tl.constexpr(_p.ERR_FLAG)
@@ -338,6 +340,9 @@ def tile_gemm_kernel(
     sig, sig_stride,
     # strides
     stride_cm, stride_cn,
+    # weights 1..3 reading the same A (NUM_B > 1), each with its own C, N and C row stride; None
+    # past NUM_B - 1, which Triton takes as constexprs: a one-weight kernel has none of them
+    b1_desc, b2_desc, b3_desc, c1_ptr, c2_ptr, c3_ptr, N1, N2, N3, stride_c1m, stride_c2m, stride_c3m,
     # meta
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_A2: tl.constexpr, B_KN: tl.constexpr,
@@ -345,7 +350,7 @@ def tile_gemm_kernel(
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-    SIG: tl.constexpr = False,
+    SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -367,6 +372,33 @@ def tile_gemm_kernel(
         c_row = tl.load(row + _COL_C_ROW)
         c_rows = tl.load(row + _COL_C_ROWS)
         pid_n = tl.load(row + _COL_N_TILE)
+        b_use = b_desc
+        c_use = c_ptr
+        n_use = N
+        scm = stride_cm
+        if NUM_B > 1:
+            # the tile's weight sits above its column tile (protocol.N_TILE_BITS): that
+            # weight's B, C, N and C row stride (constexpr-unrolled; C's column stride is
+            # shared, checked on the host)
+            w_b = pid_n >> _N_TILE_BITS
+            pid_n = pid_n & _N_TILE_MASK
+            if w_b == 1:
+                b_use = b1_desc
+                c_use = c1_ptr
+                n_use = N1
+                scm = stride_c1m
+            if NUM_B > 2:
+                if w_b == 2:
+                    b_use = b2_desc
+                    c_use = c2_ptr
+                    n_use = N2
+                    scm = stride_c2m
+            if NUM_B > 3:
+                if w_b == 3:
+                    b_use = b3_desc
+                    c_use = c3_ptr
+                    n_use = N3
+                    scm = stride_c3m
         ok = 1
         if HAS_WAIT:
             w_idx = tl.load(row + _COL_WAIT)
@@ -403,29 +435,29 @@ def tile_gemm_kernel(
             done = 1
             if HAS_WAIT & (K_WAIT > 0):
                 if w_idx >= 0:
-                    acc, done = _mainloop_tilesync(a_use, b_desc, a_row, off_bn, K, flags_ptr, err_ptr, w_idx,
+                    acc, done = _mainloop_tilesync(a_use, b_use, a_row, off_bn, K, flags_ptr, err_ptr, w_idx,
                                                    epoch * w_mult, (epoch + 2) * w_mult, rank, t, timeout_ns,
                                                    max_spins, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST, K_WAIT,
                                                    USE_TIMER, FENCE_ASYNC)
                 else:
-                    acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN,
+                    acc = _mainloop(a_use, b_use, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN,
                                     UPCAST, WARP_SPEC)
             else:
-                acc = _mainloop(a_use, b_desc, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST,
+                acc = _mainloop(a_use, b_use, a_row, off_bn, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST,
                                 WARP_SPEC)
             if done != 0:
                 cols = off_bn + offs_j
                 stored = 1
                 if SPLIT:
                     if slot >= 0:
-                        stored = _split_finish(acc, ws_ptr, counter_ptr + 1, slot, piece, split_parts, c_ptr,
-                                               c_row, c_rows, cols, N, stride_cm, stride_cn, rowstat_ptr,
+                        stored = _split_finish(acc, ws_ptr, counter_ptr + 1, slot, piece, split_parts, c_use,
+                                               c_row, c_rows, cols, n_use, scm, stride_cn, rowstat_ptr,
                                                colvec_ptr, BLOCK_M, BLOCK_N, NORM_EPI, ACTIVATION, 32)
                     else:
-                        _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn,
+                        _epilogue(acc, c_use, c_row + offs_i, offs_i < c_rows, cols, n_use, scm, stride_cn,
                                   rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
                 else:
-                    _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn,
+                    _epilogue(acc, c_use, c_row + offs_i, offs_i < c_rows, cols, n_use, scm, stride_cn,
                               rowstat_ptr, colvec_ptr, NORM_EPI, ACTIVATION)
                 if HAS_POST:
                     p_idx = tl.load(row + _COL_POST)
@@ -447,7 +479,7 @@ import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from ._launch import CachedLauncher as _CachedLauncher  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
 
 
 def interpreting() -> bool:
@@ -512,6 +544,10 @@ def warp_specialize_supported(device: Any = None) -> bool:
 
 
 ACTIVATIONS = {None: 0, "none": 0, "gelu": 1}
+
+MAX_WEIGHTS = 4
+"""Weights one grid can cover (``NUM_B``: the kernel's B descriptors and C pointers are
+unrolled, one constexpr branch each)."""
 
 
 def b_operand(b: Any) -> tuple[Any, bool]:
@@ -584,7 +620,8 @@ def launch_tile_gemm(
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait, rowstat, colvec)
+    b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait, rowstat, colvec)
+    c = cs[0]
     num_tiles = table.shape[0]
     if num_tiles == 0:
         return
@@ -595,20 +632,22 @@ def launch_tile_gemm(
     cfg = config
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-    b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
+    b_descs = [TensorDescriptor.from_tensor(t, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
+               for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
-                 sig is not None)
-    key = _key(meta, a, a2, b_store, c, table, flags, err, cnt)
+                 sig is not None, len(b_stores))
+    key = _key(meta, a, a2, b_stores, cs, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
     colvec = colvec if colvec is not None else table
     ws = workspace if split is not None else table  # never read: SPLIT is off
-    args = (a_desc, a2_desc, b_desc, c, table, flags, err, cnt, rowstat, colvec, ws,
+    args = (a_desc, a2_desc, b_descs[0], c, table, flags, err, cnt, rowstat, colvec, ws,
             c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-            int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), c.stride(0), c.stride(1))
+            int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), c.stride(0), c.stride(1),
+            *_more_weights(b_descs[1:], cs[1:]))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                     interpret=interp, aligned=(c, table, flags, err, cnt, rowstat, colvec, ws))
+                     interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws))
 
 
 def split_workspace(split: tuple[int, int] | None, num_tiles: int, config: GemmConfig, device: Any) -> Any:
@@ -649,16 +688,61 @@ def _check_split(split: Any, workspace: Any, counter: Any, num_tiles: int, cfg: 
     return start, parts
 
 
-def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
-                  k_wait: int, rowstat: Any = None, colvec: Any = None) -> tuple[Any, bool]:
-    """``launch_tile_gemm``'s argument checks; returns ``b_operand(b)``."""
+def _check_weights(a: Any, b: Any, c: Any) -> tuple[list[Any], bool, list[Any]]:
+    """B and C as lists of one weight each (a list of B gives a list of C, one per weight,
+    at most ``MAX_WEIGHTS``), checked; returns (the weights' ``b_operand`` storages, their
+    shared layout flag, the C's)."""
+    many = isinstance(b, (list, tuple))
+    bs, cs = (list(b), list(c)) if many else ([b], [c])
+    if many != isinstance(c, (list, tuple)) or len(bs) != len(cs) or not bs:
+        raise ValueError("b and c: one tensor each, or lists of the same non-zero length (one C per weight)")
+    if len(bs) > MAX_WEIGHTS:
+        raise ValueError(f"at most {MAX_WEIGHTS} weights in one grid, got {len(bs)}")
     K = a.shape[1]
+    stores = [b_operand(x) for x in bs]
+    for i, ((t, kn), x) in enumerate(zip(stores, bs)):
+        name = f"b[{i}]" if many else "b"
+        if t.shape[0 if kn else 1] != K:
+            raise ValueError(f"K mismatch: a has K={K}, {name} is {tuple(x.shape)}")
+        check_tma(name, t)
+    if len(bs) > 1:
+        if len({kn for _, kn in stores}) != 1:
+            raise ValueError("the weights of one grid must share a B layout: all row-major [K, N] or all "
+                             "transposed views (w.t()) of [N, K] weights; got "
+                             f"{['[K, N]' if kn else 'w.t()' for _, kn in stores]}")
+        if len({t.dtype for t, _ in stores} | {a.dtype}) != 1 or len({x.dtype for x in cs}) != 1:
+            raise ValueError(f"the weights of one grid share A's dtype and their C's one dtype; got A {a.dtype}, "
+                             f"B {[t.dtype for t, _ in stores]}, C {[x.dtype for x in cs]}")
+        for i, (x, (t, kn)) in enumerate(zip(cs, stores)):
+            if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != t.shape[1 if kn else 0]:
+                raise ValueError(f"c[{i}] must be [*, N] with unit column stride, N that of b[{i}]; got "
+                                 f"{tuple(x.shape)} with strides {x.stride()}")
+    return [t for t, _ in stores], stores[0][1], cs
+
+
+def _more_weights(b_descs: Sequence[Any], cs: Sequence[Any]) -> tuple:
+    """The kernel's arguments for weights 1.. (``NUM_B`` > 1): three B descriptors, three C
+    pointers, three N and three C row strides, None past the last weight (Triton takes a None
+    as a constexpr: nothing of it is in the compiled kernel)."""
+    pad = [None] * (MAX_WEIGHTS - 1 - len(b_descs))
+    return (*b_descs, *pad, *cs, *pad, *[x.shape[1] for x in cs], *pad, *[x.stride(0) for x in cs], *pad)
+
+
+_NO_MORE = (None,) * (4 * (MAX_WEIGHTS - 1))
+"""``_more_weights`` of one weight."""
+
+
+def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start_flag: Any, flags: Any, err: Any,
+                  k_wait: int, rowstat: Any = None, colvec: Any = None,
+                  norm_epi: bool = False) -> tuple[list[Any], bool, list[Any]]:
+    """``launch_tile_gemm``'s argument checks; returns ``_check_weights(a, b, c)``."""
     if a.stride(1) != 1 or (a2 is not None and a2.stride(1) != 1):
         raise ValueError("A operands must have unit stride along K")
-    b_store, b_kn = b_operand(b)
-    if b_store.shape[0 if b_kn else 1] != K:
-        raise ValueError(f"K mismatch: a has K={K}, b is {tuple(b.shape)}")
-    for name, t in (("a", a), ("a2", a2), ("b", b_store)):
+    b_stores, b_kn, cs = _check_weights(a, b, c)
+    c = cs[0]
+    if len(cs) > 1 and (k_wait or post or rowstat is not None or norm_epi):
+        raise ValueError("a grid of several weights takes no k_wait (TileSync), posts or folded norm")
+    for name, t in (("a", a), ("a2", a2)):
         if t is not None:
             check_tma(name, t)
     if k_wait < 0 or (k_wait and not wait):
@@ -675,22 +759,23 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
                 or tuple(colvec.shape) != (2, n)):
             raise ValueError(f"rowstat must be contiguous fp32 [>= {c.shape[0]}, 2] and colvec fp32 [2, {n}]; got "
                              f"{rowstat.dtype} {tuple(rowstat.shape)} and {colvec.dtype} {tuple(colvec.shape)}")
-    return b_store, b_kn
+    return b_stores, b_kn, cs
 
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
-          split: Any = None, sig: bool = False) -> dict[str, Any]:
+          split: Any = None, sig: bool = False, num_b: int = 1) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
                 USE_TIMER=not interp, FENCE_ASYNC=not interp,
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
-                SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig))
+                SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig),
+                NUM_B=int(num_b))
 
 
-def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
+def _key(meta: dict[str, Any], a: Any, a2: Any, b_stores: Any, cs: Any, table: Any, flags: Any, err: Any,
          counter: Any) -> tuple:
     """Everything Triton specializes on: the constexprs, the dtypes, the specialized
     integers (N, K, C's strides), and more: B's shape and the row strides. Not the row
@@ -698,9 +783,15 @@ def _key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any
     (``tensordesc<bf16[128, 64]>``; its shape and strides are launch-time values), so a
     new M finds the kernel launched for another M instead of taking Triton's binding path."""
     a2 = a2 if a2 is not None else a
-    return (tuple(meta.values()), a.dtype, a2.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
-            err.dtype, counter.dtype, c.shape[1], a.shape[1], c.stride(0), c.stride(1),
-            a.stride(0), a2.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+    if not isinstance(b_stores, list):  # one weight
+        b_stores, cs = [b_stores], [cs]
+    b_store, c = b_stores[0], cs[0]
+    key = (tuple(meta.values()), a.dtype, a2.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
+           err.dtype, counter.dtype, c.shape[1], a.shape[1], c.stride(0), c.stride(1),
+           a.stride(0), a2.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+    # weights 1.. (their dtypes are those of weight 0, checked): their N, C row strides, B's layouts
+    more = tuple((x.shape[1], x.stride(0), tuple(t.shape), tuple(t.stride())) for t, x in zip(b_stores[1:], cs[1:]))
+    return key + more if more else key
 
 
 class TileGemmPlan:
@@ -719,7 +810,9 @@ class TileGemmPlan:
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
                  k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None,
                  sig_stride: int | None = None) -> None:
-        b_store, b_kn = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait)
+        b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
+                                           norm_epi=norm_epi)
+        c = cs[0]
         if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
             raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
@@ -736,22 +829,25 @@ class TileGemmPlan:
         self.b_block = [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]
         self.a_layout = (tuple(a.shape), tuple(a.stride()))
         self.a2_layout = (tuple(a2.shape), tuple(a2.stride())) if a2 is not None else None
-        self.b_layout = (tuple(b_store.shape), tuple(b_store.stride()))
-        self.c_layout = (c.shape[1], tuple(c.stride()))
+        self.b_layouts = [(tuple(t.shape), tuple(t.stride())) for t in b_stores]
+        self.c_layouts = [(x.shape[1], tuple(x.stride())) for x in cs]
+        self.many = isinstance(b, (list, tuple))
         self.interp = interpreting()
         self.norm_epi = bool(norm_epi)
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
-                          rowstat=True if norm_epi else None, split=split, sig=sig_stride is not None)
+                          rowstat=True if norm_epi else None, split=split, sig=sig_stride is not None,
+                          num_b=len(cs))
         self.sig_stride = int(sig_stride) if sig_stride is not None else 1
-        self.key = _key(self.meta, a, a2, b_store, c, table, self.flags, self.err, self.counter)
+        self.key = _key(self.meta, a, a2, b_stores, cs, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
         self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                           interpret=self.interp)
         self.tail = (int(rank), int(timeout_ns), int(max_spins))
         self.start = int(start_flag) if start_flag is not None else 0
 
-    def operands(self, a: Any, b: Any, a2: Any = None) -> tuple[Any, Any, Any]:
-        """The TMA descriptors (A, A2, B) of one call."""
+    def operands(self, a: Any, b: Any, a2: Any = None) -> tuple[Any, ...]:
+        """The TMA descriptors (A, A2, B) of one call; for a plan of several weights ``b`` is
+        their list and the B descriptors come in its order, (A, A2, B0, B1, ...)."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if (tuple(a.shape), a.stride()) != self.a_layout:
@@ -766,33 +862,53 @@ class TileGemmPlan:
                 raise ValueError(f"a2 is {tuple(a2.shape)} with strides {a2.stride()}; "
                                  f"the plan's is {self.a2_layout}")
             a2_desc = TensorDescriptor(a2, a2.shape, a2.stride(), self.a_block)
-        b_store = b if self.b_kn else b.t()
-        if (tuple(b_store.shape), b_store.stride()) != self.b_layout:
-            b_store, b_kn = b_operand(b)  # a layout TMA reads through a copy
-            if b_kn != self.b_kn or (tuple(b_store.shape), b_store.stride()) != self.b_layout:
-                raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
-                                 f"the plan's is {self.b_layout}")
-        return a_desc, a2_desc, TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
+        if isinstance(b, (list, tuple)) != self.many or (self.many and len(b) != len(self.b_layouts)):
+            raise ValueError(f"the plan is of {len(self.b_layouts) if self.many else 'one'} weight(s): b must be "
+                             f"{'a list of as many' if self.many else 'one tensor'}")
+        if not self.many:
+            return a_desc, a2_desc, self._b_desc(b, self.b_layouts[0])
+        return (a_desc, a2_desc, *[self._b_desc(x, layout) for x, layout in zip(b, self.b_layouts)])
 
-    def launch(self, descs: tuple[Any, Any, Any], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
+    def _b_desc(self, b: Any, layout: tuple) -> Any:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_store = b if self.b_kn else b.t()
+        if (tuple(b_store.shape), b_store.stride()) != layout:
+            b_store, b_kn = b_operand(b)  # a layout TMA reads through a copy
+            if b_kn != self.b_kn or (tuple(b_store.shape), b_store.stride()) != layout:
+                raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
+                                 f"the plan's is {layout}")
+        return TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
+
+    def launch(self, descs: tuple[Any, ...], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
                colvec: Any = None, sig: int = 0) -> None:
-        """``rowstat`` and ``colvec``: those of ``launch_tile_gemm``, given exactly when
+        """``descs``: ``operands``'s; ``c``: the C, or for a plan of several weights the list
+        of their C's. ``rowstat`` and ``colvec``: those of ``launch_tile_gemm``, given exactly when
         the plan was made with ``norm_epi`` (checked there; here only their presence).
         ``sig``: the call's signature, checked after each wait when the plan was made
         with ``sig_stride`` (``launch_tile_gemm``'s ``sig``)."""
         if self.num_tiles == 0:
             return
-        if (c.shape[1], c.stride()) != self.c_layout:
-            raise ValueError(f"c is {tuple(c.shape)} with strides {c.stride()}; the plan's is {self.c_layout}")
+        if self.many:
+            cs = list(c)
+            if len(cs) != len(self.c_layouts) or len(descs) != 2 + len(cs):
+                raise ValueError(f"the plan has {len(self.c_layouts)} weights: as many C's and B descriptors")
+            more = _more_weights(descs[3:], cs[1:])
+        else:
+            cs, more = (c,), _NO_MORE
+        for x, layout in zip(cs, self.c_layouts):
+            if (x.shape[1], x.stride()) != layout:
+                raise ValueError(f"c is {tuple(x.shape)} with strides {x.stride()}; the plan's is {layout}")
+        c = cs[0]
         if (rowstat is not None, colvec is not None) != (self.norm_epi, self.norm_epi):
             raise ValueError(f"rowstat and colvec must be given {'with' if self.norm_epi else 'without'} norm_epi")
         if rowstat is None:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
-        args = (*descs, c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
+        args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride,
-                *self.c_layout[1])
-        self.prepared.launch(nprog, args, aligned=(c, self.table, self.flags, self.err, self.counter, rowstat,
+                *self.c_layouts[0][1], *more)
+        self.prepared.launch(nprog, args, aligned=(*cs, self.table, self.flags, self.err, self.counter, rowstat,
                                                    colvec, self.ws))
 
 

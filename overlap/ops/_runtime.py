@@ -1358,9 +1358,11 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
               flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
               **kw: Any) -> Any:
     """The ``TileGemmPlan`` in ``plans`` (an op plan's own ``LRU``) for these operands'
-    dtype, B's layout, the wait bound and the flag, error and counter tensors; made on
-    first use. The op plan fixes everything else (shapes, table, config, rank)."""
-    key = (a.dtype, b.stride(), timeout_ns, flags.data_ptr(), err.data_ptr(),
+    dtype, B's layout (each weight's, for a list of them), the wait bound and the flag, error
+    and counter tensors; made on first use. The op plan fixes everything else (shapes,
+    table, config, rank)."""
+    b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
+    key = (a.dtype, b_strides, timeout_ns, flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
            kw.get("sig_stride"))
     gp = plans.get(key)

@@ -38,8 +38,8 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_tile_table, split_tail,
-                        table_tensor, tail_parts, upload)
+from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
+                        build_tile_table, split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
                        serial_phases, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream,
@@ -54,8 +54,15 @@ __all__ = [
 ]
 
 stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0,
-                         "reference_in_capture": 0}
-"""How many calls took each path (proof that the fast path ran)."""
+                         "reference_in_capture": 0, "many": 0, "many_widest": 0}
+"""How many calls took each path (proof that the fast path ran). ``many``: calls with a
+list of weights whose GEMMs ran as one grid (also counted in ``fused``); ``many_widest``:
+calls with a list that the one grid does not take (``_many_refusal``): the widest weight's
+GEMM fused, the others by ``torch.matmul`` after it."""
+
+MAX_WEIGHTS = 4
+"""Weights one grid takes (``overlap.kernels.tile_gemm.MAX_WEIGHTS``); a longer list runs
+the widest weight's GEMM fused and the others after it, the reason in ``overlap.report()``."""
 
 
 _group = resolve_group
@@ -81,23 +88,51 @@ def _check_inputs(a_shard: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"empty operand: a_shard {tuple(a_shard.shape)}, b {tuple(b.shape)}")
 
 
-def all_gather_matmul_ref(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
-                          return_gathered: bool = False) -> Any:
-    """Plain reference: one NCCL (or gloo) all-gather, then ``torch.matmul``."""
+def _check_many(a_shard: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """A list of weights on one gather: each as ``_check_inputs`` checks one, all of A's dtype
+    (ValueError, naming the weight)."""
+    if not bs:
+        raise ValueError("all_gather_matmul: an empty list of weights")
+    for i, w in enumerate(bs):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"all_gather_matmul: b[{i}] is a {type(w).__name__}, not a tensor [K, N]")
+        if w.dtype != a_shard.dtype:
+            raise ValueError(f"all_gather_matmul: b[{i}] is {w.dtype}, a_shard is {a_shard.dtype}: the weights "
+                             "of one gather share its dtype")
+        try:
+            _check_inputs(a_shard, w)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"all_gather_matmul: b[{i}]: {e}") from None
 
-    _check_inputs(a_shard, b)
+
+def _ns(b: Any) -> Any:
+    """N of one weight (an int), or of a list of them (a tuple): a plan's and a tuned pick's key."""
+    return tuple(w.shape[1] for w in b) if isinstance(b, list) else b.shape[1]
+
+
+def all_gather_matmul_ref(a_shard: torch.Tensor, b: Any, *, group: Any = None,
+                          return_gathered: bool = False) -> Any:
+    """Plain reference: one NCCL (or gloo) all-gather, then ``torch.matmul`` (with a list of
+    weights: one gather, a matmul per weight, the list of outputs)."""
+
+    many = isinstance(b, list)
+    if many:
+        _check_many(a_shard, b)
+    else:
+        _check_inputs(a_shard, b)
     group = _group(group)
     world, _ = _world(group)
     a_shard = a_shard.contiguous()
     gathered = a_shard.new_empty((world * a_shard.shape[0], a_shard.shape[1]))
-    tm = serial_phases("all_gather_matmul", (gathered.shape[0], b.shape[1], b.shape[0]), "reference", a_shard.device)
+    n = sum(_ns(b)) if many else b.shape[1]
+    tm = serial_phases("all_gather_matmul", (gathered.shape[0], n, a_shard.shape[1]), "reference", a_shard.device)
     if tm:
         tm.start("comm")
     all_gather_single(gathered, a_shard, group=group)
     if tm:
         tm.stop("comm")
         tm.start("gemm")
-    c = gathered @ b
+    c = [gathered @ w for w in b] if many else gathered @ b
     if tm:
         tm.stop("gemm")
         tm.commit()
@@ -218,7 +253,9 @@ def _default_chunks(ms: int) -> int:
     return max(1, min(4, ms // 1024))
 
 
-def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
+def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
+    """``n``: the N of one weight, or a tuple of N of several (one grid over their GEMMs,
+    their tiles interleaved chunk by chunk: ``build_multi_tile_table``)."""
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
@@ -245,7 +282,11 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
         else:
             layout = all_gather_layout(rt.world, rt.rank, ms, chunks, CHUNK_ALIGN)
             flag_count = len(layout.chunk_rows)
-        rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
+        if isinstance(n, tuple):
+            # every weight's tiles of a chunk before any tile of the next chunk
+            rows = build_multi_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
+        else:
+            rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
         grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
             raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
@@ -264,7 +305,7 @@ def _plan(rt: Runtime, ms: int, n: int, k: int, cfg: OverlapConfig, transport: s
     return p
 
 
-def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None, return_gathered: bool = False,
+def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, return_gathered: bool = False,
                       config: OverlapConfig | None = None) -> Any:
     """``all_gather(a_shard, dim=0) @ b`` with GEMM tiles starting as chunks land.
 
@@ -273,36 +314,58 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
     ==========  =========  ===================================================
     a_shard     [M/R, K]   this rank's rows; M/R equal on every rank
     b           [K, N]     row-major, or a transposed view (``w.t()``) of an
-                           nn.Linear weight ``w`` [N, K], never copied
-    returns     [M, N]     c; with ``return_gathered``: (c, gathered [M, K])
+                           nn.Linear weight ``w`` [N, K], never copied; or a
+                           list of such weights [K, N_i] (Q, K, V; gate, up)
+    returns     [M, N]     c; with ``return_gathered``: (c, gathered [M, K]);
+                           for a list, the list of c_i [M, N_i] in its order
     ==========  =========  ===================================================
 
     fp16 and bf16 on CUDA take the tile-flag path; other inputs (a CPU / gloo
     group, fp32) take ``all_gather_matmul_ref`` with a one-time warning.
     ``config`` overrides the tuned transport ("p2p" copy-engine pushes on one node,
     or "nccl"), chunking, NCCL CTA cap and GEMM config.
+
+    A list of weights is gathered once and its GEMMs run as one persistent grid: for
+    each chunk as it lands, every weight's tiles of those rows (weight 0's, then 1's,
+    ...), all waiting on the chunk's flag (``build_multi_tile_table``). Up to
+    ``MAX_WEIGHTS`` weights of one B layout; others (``_many_refusal``) run the widest
+    weight's GEMM overlapped and the rest by ``torch.matmul`` after it, with the reason
+    in ``overlap.report()``.
     """
-    _check_inputs(a_shard, b)
-    refuse_grad("all_gather_matmul", a_shard, b)
+    many = isinstance(b, (list, tuple))
+    if many:
+        b = list(b)
+        _check_many(a_shard, b)
+        refuse_grad("all_gather_matmul", a_shard, *b)
+    else:
+        _check_inputs(a_shard, b)
+        refuse_grad("all_gather_matmul", a_shard, b)
     group = _group(group)
     ms, k = a_shard.shape
-    n = b.shape[1]
+    n = _ns(b)
+    n_all = sum(n) if many else n
+    bs = b if many else [b]
     if not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16):
         warn_once(f"agmm-ref-{a_shard.device.type}-{a_shard.dtype}",
                   f"all_gather_matmul: no tile-flag path for {a_shard.dtype} on {a_shard.device.type}; "
                   "running the reference (all-gather, then matmul)")
         agree_on_reference(group, "all_gather_matmul", ("M/R", "K", "N", "dtype"),
-                           (ms, k, n, dtype_code(a_shard.dtype)), a_shard.device)
+                           (ms, k, n_all, dtype_code(a_shard.dtype)), a_shard.device)
         why = "no GPU" if not a_shard.is_cuda else f"dtype {a_shard.dtype}"
-        return observed("all_gather_matmul", (ms * _world(group)[0], n, k), "reference", why, a_shard.device,
+        return observed("all_gather_matmul", (ms * _world(group)[0], n_all, k), "reference", why, a_shard.device,
                         lambda: all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered))
+    if many:
+        why = _many_refusal(bs)
+        if why is not None:
+            return _widest(a_shard, bs, group, return_gathered, config, why)
     esize = a_shard.element_size()
-    if (k * esize) % 16 or (n * esize) % 16:
+    if (k * esize) % 16 or any((x * esize) % 16 for x in (n if many else (n,))):
         raise ValueError(f"all_gather_matmul: K={k} and N={n} must be multiples of {16 // esize} "
                          f"for {a_shard.dtype} (16-byte rows for TMA)")
     from ..kernels.tile_gemm import check_b, check_tma
 
-    check_b(b)  # before any work is queued: a refusal later would leave streams mid-flight
+    for w in bs:
+        check_b(w)  # before any work is queued: a refusal later would leave streams mid-flight
     check_tma("a_shard", a_shard.contiguous())  # the GEMM reads the local shard in place
     if capturing() and get_runtime_if_made(group, a_shard.device) is None:
         raise OverlapCaptureError("all_gather_matmul: call it once outside the CUDA graph capture first")
@@ -314,11 +377,14 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M/R, K) and the chunks (0: the
-    # sequential path): ranks must agree or peers hang
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p"),
-                (ms, k, n, dtype_code(a_shard.dtype), 0 if config is None else (config.chunks or _default_chunks(ms)),
-                 int(transport == "p2p")), rows_at=0)
-    shape = (ms * rt.world, n, k)
+    # sequential path): ranks must agree or peers hang; with a list, on every weight's N
+    ns = n if many else (n,)
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p")
+                + tuple(f"N{i}" for i in range(1, len(ns))),
+                (ms, k, ns[0], dtype_code(a_shard.dtype),
+                 0 if config is None else (config.chunks or _default_chunks(ms)), int(transport == "p2p")) + ns[1:],
+                rows_at=0)
+    shape = (ms * rt.world, n_all, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
         return observed("all_gather_matmul", shape, "sequential", "tuner pick", a_shard.device,
@@ -332,23 +398,61 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = No
         stats["reference_in_capture"] += 1
         return observed("all_gather_matmul", shape, "reference", "capture (p2p)", a_shard.device,
                         lambda: all_gather_matmul_ref(a_shard, b, group=group, return_gathered=return_gathered))
-    sig = (ms, k, n, a_shard.dtype, b.stride(), return_gathered, config, transport)
+    strides = tuple(w.stride() for w in b) if many else b.stride()
+    sig = (ms, k, n, a_shard.dtype, strides, return_gathered, config, transport)
     rt.require_warm("all_gather_matmul", sig)
-    path = f"{transport} x{config.chunks or _default_chunks(ms)}"
+    path = f"{transport} x{config.chunks or _default_chunks(ms)}" + (f", {len(b)} weights in one grid" if many else "")
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
         return rt.mark_warm("all_gather_matmul", sig, observed(
-            "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p, rt,
-            a_shard.contiguous(), b, return_gathered, config))
+            "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p,
+            rt, a_shard.contiguous(), b, return_gathered, config))
     return rt.mark_warm("all_gather_matmul", sig, observed(
         "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b, return_gathered,
         config))
 
 
-def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
+def _many_refusal(bs: list[torch.Tensor]) -> str | None:
+    """Why a list of weights cannot run as one grid, or None (it can)."""
+    if len(bs) > MAX_WEIGHTS:
+        return f"{len(bs)} weights (one grid takes at most {MAX_WEIGHTS})"
+    # the layout class ``tile_gemm.b_operand`` gives (B's TMA block shape): a transposed view of
+    # an [N, K] weight, or else row-major [K, N] (other layouts are copied to it)
+    if len({w.stride(0) == 1 and w.stride(1) >= w.shape[0] and not (w.stride(1) == 1 and w.stride(0) >= w.shape[1])
+            for w in bs}) != 1:
+        return "weights of mixed layouts (one grid reads all as row-major [K, N] or all as w.t())"
+    return None
+
+
+def _widest(a_shard: torch.Tensor, bs: list[torch.Tensor], group: Any, return_gathered: bool,
+            config: OverlapConfig | None, why: str) -> Any:
+    """A list of weights the one grid does not take: the widest weight's GEMM overlapped with
+    the gather (the first of equals), the others by ``torch.matmul`` on the gathered rows
+    after it. Counted in ``overlap.report()`` with ``why``, warned once."""
+    first = 0
+    for i in range(1, len(bs)):
+        if bs[i].shape[1] > bs[first].shape[1]:
+            first = i
+    warn_once(f"agmm-widest-{why}", f"all_gather_matmul: a list of weights not run as one grid ({why}); the widest "
+              "weight's GEMM is overlapped, the others run by torch.matmul after it")
+    stats["many_widest"] += 1
+
+    def run() -> Any:
+        c0, g = all_gather_matmul(a_shard, bs[first], group=group, return_gathered=True, config=config)
+        cs = [c0 if i == first else g @ w for i, w in enumerate(bs)]
+        return (cs, g) if return_gathered else cs
+
+    shape = (a_shard.shape[0] * _world(group)[0], sum(w.shape[1] for w in bs), a_shard.shape[1])
+    return observed("all_gather_matmul", shape, f"widest fused, {len(bs) - 1} by torch.matmul", why,
+                    a_shard.device, run)
+
+
+def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
            cfg: OverlapConfig) -> Any:
+    """The NCCL transport; ``b`` one weight (c is a tensor) or a list of them (one grid, c
+    the list of their outputs)."""
     ms, k = a_shard.shape
-    n = b.shape[1]
+    n = _ns(b)
     world = rt.world
     p = _plan(rt, ms, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
@@ -359,7 +463,8 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
     # caller's stream before the comm stream forks: no epoch (``_runtime.LocalWords``)
     with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters, p.flag_count)) as (cur, (w,)):
         gathered = a_shard.new_empty((world * ms, k))
-        c = a_shard.new_empty((world * ms, n))
+        c = [a_shard.new_empty((world * ms, x)) for x in n] if isinstance(n, tuple) else \
+            a_shard.new_empty((world * ms, n))
         for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
             with gpu_range("comm", "chunk", c_idx):
                 comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
@@ -375,6 +480,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
             with on_stream(cs, cur), gpu_range("giveback", "grid"):
                 gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
     stats["fused"] += 1
+    stats["many"] += isinstance(n, tuple)
     if return_gathered:
         return c, _natural(rt, gathered, p.layout)
     return c
@@ -384,7 +490,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered:
 # tuner
 # --------------------------------------------------------------------------
 
-def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any = None,
+def tune_all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None,
                            candidates: list[OverlapConfig] | None = None, iters: int = 10,
                            verbose: bool = False, split_pass: bool | None = None,
                            ws_pass: bool | None = None) -> Path:
@@ -397,16 +503,25 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
     default): then the two fastest so far again with the GEMM's K loop warp-specialized
     (``GemmConfig.warp_specialize``), where Triton and the GPU support it. Inputs with no
     tile-flag path (CPU, fp32, K or N not 16-byte rows) return ``SEQUENTIAL`` untimed,
-    as the other tuners do."""
-    _check_inputs(a_shard, b)
+    as the other tuners do. ``b`` a list of weights: the one grid over their GEMMs is tuned,
+    its pick cached under every weight's N (a list the one grid does not take: ValueError)."""
+    if isinstance(b, (list, tuple)):
+        b = list(b)
+        _check_many(a_shard, b)
+        why = _many_refusal(b)
+        if why is not None:
+            raise ValueError(f"tune_all_gather_matmul: {why}; tune the widest weight alone")
+    else:
+        _check_inputs(a_shard, b)
     group = _group(group)
     esize = a_shard.element_size()
+    n = _ns(b)
+    n_all = sum(n) if isinstance(n, tuple) else n
     if (not a_shard.is_cuda or a_shard.dtype not in (torch.float16, torch.bfloat16)
-            or (a_shard.shape[1] * esize) % 16 or (b.shape[1] * esize) % 16):
+            or (a_shard.shape[1] * esize) % 16 or any((x * esize) % 16 for x in (n if isinstance(n, tuple) else (n,)))):
         return SEQUENTIAL  # no tile-flag path for these inputs: nothing to tune
     rt = get_runtime(group, a_shard.device)
     ms, k = a_shard.shape
-    n = b.shape[1]
     split_pass = candidates is None if split_pass is None else split_pass
     ws_pass = candidates is None if ws_pass is None else ws_pass
     if candidates is None:
@@ -425,7 +540,7 @@ def tune_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, *, group: Any
                 + (", warp-specialized GEMM" if getattr(cand.gemm, "warp_specialize", False) else ""))
 
     passes = ((split_variants,) if split_pass else ()) + ((lambda r: ws_variants(r, rt.device),) if ws_pass else ())
-    return tune_paths(rt, "all_gather_matmul", (ms * rt.world, n, k), f"agmm {ms * rt.world}x{n}x{k}",
+    return tune_paths(rt, "all_gather_matmul", (ms * rt.world, n_all, k), f"agmm {ms * rt.world}x{n}x{k}",
                       ref=lambda: all_gather_matmul_ref(a_shard, b, group=group), candidates=candidates, run=run,
                       describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
                       key=(ms, n, k, a_shard.dtype), passes=passes)

@@ -23,7 +23,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     from .._p2p import flag_stride
 
     ms, k = a_shard.shape
-    n = b.shape[1]
+    n = _ag._ns(b)  # a tuple for a list of weights: one grid, c the list of their outputs
     world, rank = rt.world, rt.rank
     heap = rt.p2p()
     p = _ag._plan(rt, ms, n, k, cfg, "p2p")
@@ -38,7 +38,8 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     sf = heap.flags("all_gather_matmul", p.flag_count)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
-    c = a_shard.new_empty((world * ms, n))
+    c = [a_shard.new_empty((world * ms, x)) for x in n] if isinstance(n, tuple) else \
+        a_shard.new_empty((world * ms, n))
     # the epoch last, just before the first work is queued: a call that fails before
     # it must not leave this rank's count ahead of its peers'
     epoch = sf.next_epoch()
@@ -56,7 +57,8 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         st = p.launches[ck] = (blk, blk.tensor(rank, off, (world * ms, k), a_shard.dtype), pushes)
     gathered = st[1]
     cur = torch.cuda.current_stream(a_shard.device)
-    sig = call_sig("all_gather_matmul", (ms, k, n, dtype_code(a_shard.dtype), len(p.layout.chunk_rows)))
+    ns = n if isinstance(n, tuple) else (n,)
+    sig = call_sig("all_gather_matmul", (ms, k, *ns, dtype_code(a_shard.dtype), len(p.layout.chunk_rows)))
     post_sig(cur, [(sf.peer((rank + step) % world), rank * stride) for step in range(1, world)], epoch, stride, sig)
     rt.p2p_begin("all_gather_matmul", cur)
     src = a_shard.data_ptr()
@@ -83,4 +85,5 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     report_errors(err, cfg.check)
     _ag.stats["fused"] += 1
     _ag.stats["p2p"] += 1
+    _ag.stats["many"] += isinstance(n, tuple)
     return (c, out_g) if return_gathered else c

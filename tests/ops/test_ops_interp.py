@@ -481,3 +481,55 @@ def test_nccl_consumer_ops() -> None:
                 assert _rel(c, y @ lin.float().t()) < 5e-3, ("armm c", chunks, kind, it)
                 sizes = mr.split_rows(m, chunks, mr.CHUNK_ALIGN)
                 assert rt.log == [("all_reduce", r) for r in sizes], rt.log
+
+
+@interpreted
+def test_many_weights_one_grid() -> None:
+    """A list of weights on one gather (Q, K, V of different N), both transports' host side
+    with kernels interpreted, as rank 0 of 2: NCCL (the peer's chunks through the stand-in's
+    all-gathers, the give-back grid, a split tail, return_gathered) and p2p (the peer's
+    pushes landed, both call parities). New inputs every call: every output against torch,
+    one collective per chunk (the shard gathered once), the calls counted as one grid."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+    from overlap.ops import all_gather_p2p as agp
+    from overlap.ops import matmul_reduce as mr
+
+    g = torch.Generator().manual_seed(13)
+    ms, k = 150, 48
+    many0 = ag.stats["many"]
+    calls = 0
+    rt = _NcclStandIn(world=2)
+    with rt.patched():
+        for ns, chunks, layout, split in (([48, 16], 2, "wt", 0), ([32, 16, 48], 3, "kn", 2), ([16] * 4, 1, "wt", 0)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=True, check="sync",
+                                transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
+            ws = [(torch.randn(n, k, generator=g) / k ** 0.5).half() for n in ns]
+            bs = [w.t() if layout == "wt" else w.t().contiguous() for w in ws]
+            for it in range(2):
+                a = torch.randn(ms, k, generator=g).half()
+                rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+                del rt.log[:]
+                cs, gathered = ag._fused(rt, a, bs, True, cfg)
+                full = torch.cat([a, rt.peer])
+                assert torch.equal(gathered, full)
+                assert [tuple(c.shape) for c in cs] == [(2 * ms, n) for n in ns]
+                for i, (c, w) in enumerate(zip(cs, ws)):
+                    assert _rel(c, full.float() @ w.float().t()) < TOL[torch.float16], (ns, it, i)
+                assert rt.log == [("all_gather", r) for r in mr.split_rows(ms, chunks, mr.CHUNK_ALIGN)], rt.log
+                calls += 1
+    rt = _StandIn()
+    with rt.patched():
+        for ns, chunks in (([48, 16, 32], 2), ([16, 32], 1)):
+            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG)
+            ws = [(torch.randn(n, k, generator=g) / k ** 0.5).half() for n in ns]
+            for it in range(3):
+                a = torch.randn(ms, k, generator=g).half()
+                peer = torch.randn(ms, k, generator=g).half()
+                rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+                cs = agp._fused_p2p(rt, a, [w.t() for w in ws], False, cfg)
+                full = torch.cat([a, peer])
+                for i, (c, w) in enumerate(zip(cs, ws)):
+                    assert _rel(c, full.float() @ w.float().t()) < TOL[torch.float16], (ns, it, i)
+                calls += 1
+    assert ag.stats["many"] - many0 == calls, (ag.stats, calls)
