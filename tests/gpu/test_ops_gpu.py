@@ -1,4 +1,5 @@
-"""The collective ops on two GPUs, under torchrun and under mpirun (see agmm_check.py, armm_check.py)."""
+"""The collective ops on two GPUs, under torchrun and under mpirun (see agmm_check.py, armm_check.py),
+and all_gather_matmul with a list of weights on one GPU and two (agmm_many_check.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 
 from tests._procs import run_cmd
 
-pytestmark = pytest.mark.gpu2
+MANY = "tests/gpu/agmm_many_check.py"
 
 
+@pytest.mark.gpu2
 @pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpirun", marks=pytest.mark.mpi)])
 @pytest.mark.parametrize("op", ["agmm", "armm"])
 def test_op_gpu(op: str, launcher: str) -> None:
@@ -18,3 +20,13 @@ def test_op_gpu(op: str, launcher: str) -> None:
     assert r.returncode == 0, r.out[-6000:]
     assert re.search(rf"^PASS {op} {launcher} world=2 ", r.out, re.M), r
     print(re.search(rf"^PASS {op} .*$", r.out, re.M).group(0))
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.gpu2)])
+def test_weight_list_one_grid_gpu(world: int) -> None:
+    """all_gather_matmul with a list of weights (QKV-like, different N, bf16) as one grid:
+    every output against torch.matmul with new inputs every call, the one-grid path counted,
+    five weights on the widest-fused path with its reason in the report."""
+    r = run_cmd(["bash", "launch/torchrun.sh", str(world), MANY], timeout_s=500)
+    assert r.returncode == 0, r.out[-6000:]
+    assert len(re.findall(rf"^PASS agmm_many world={world} ", r.out, re.M)) == world, r.out[-6000:]
