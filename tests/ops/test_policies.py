@@ -304,4 +304,4 @@ def test_shared_reduce_shape(k, want):
     from overlap.ops.all_reduce_p2p import shared_reduce_shape
 
     s = shared_reduce_shape(k)
-    assert (s["block_k"], s["rows"], s["num_warps"]) == (*want, 4)
+    assert (s.block_k, s.rows, s.num_warps, s.y_rows) == (*want, 4, want[1])
