@@ -51,6 +51,16 @@ and stores (and posts) the tile. No piece waits, so a split tile cannot hang.
 With ``NORM_EPI`` the A rows are a residual stream h whose LayerNorm / RMSNorm the
 GEMM applies in its epilogue, B being diag(norm weight) B (``overlap.kernels.norm_fold``):
 ``C = rstd * (h @ B') - mean * rstd * colsum(B') + bias @ B`` per row and column.
+
+``GemmConfig.flatten`` takes a second kernel, ``tile_gemm_flat_kernel``, for tables whose
+tiles wait on nothing (the GEMM alone, the producer ops' GEMM): program p takes rows p,
+p + G, ... in order, and its tile loop and K loop are one software pipeline (Triton's
+``tl.range(..., flatten=True)``), so the next tile's first K steps load while this tile's
+epilogue runs; the per-tile kernel starts each tile's pipeline from empty after its stores
+(benchmarks/results/2026-12-02_1xH200_608f1c4). A tile that waits on a flag cannot take
+it: the pipeline issues a tile's loads before the loop reaches it, ahead of any wait. Posts
+are counted per *group* (a run of rows with one post index, ``policies.post_groups``): a
+program adds its tiles of a group to that group's flag once they are all stored.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from .. import observe as _observe
 
 from .. import protocol as _p
 
-__all__ = ["tile_gemm_kernel"]
+__all__ = ["tile_gemm_kernel", "tile_gemm_flat_kernel"]
 
 # the protocol's numbers (overlap/protocol.py) as the kernels read them
 _TABLE_COLS = tl.constexpr(_p.TABLE_COLS)
@@ -465,11 +475,63 @@ def tile_gemm_kernel(
                     # add by one thread then publishes them (cumulativity)
                     tl.debug_barrier()
                     if (p_idx >= 0) & (stored != 0):
-                        tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+                        tl.atomic_add(flags_ptr + p_idx, mine, sem="release", scope="gpu")
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:
             t += num_progs
+
+
+@triton.jit(do_not_specialize=["num_tiles", "num_groups", "epoch", "num_progs", "start_idx"])
+def tile_gemm_flat_kernel(
+    a_desc, b_desc, c_ptr, table_ptr, flags_ptr, groups_ptr,
+    N, K, num_tiles, num_groups, epoch, num_progs, start_idx, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KN: tl.constexpr,
+    HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, POST_START: tl.constexpr,
+):
+    """``tile_gemm_kernel`` for tables whose tiles wait on nothing: program p takes rows
+    p, p + G, ... (G = ``num_progs``), its tile loop and K loop flattened into one software
+    pipeline. With ``HAS_POST`` the rows come in groups (``groups_ptr``: int32 [num_groups, 3]
+    of first row, end row, post index; ``policies.post_groups``): after its last tile of a
+    group, a program adds the count of its tiles of that group to ``flags[post index]``
+    (release, after a CTA barrier), so the flag reaches the group's tile count when every
+    tile is stored, as with a post per tile."""
+    pid = tl.program_id(0)
+    if POST_START:
+        if pid == 0:
+            tl.atomic_xchg(flags_ptr + start_idx, epoch, sem="relaxed", scope="gpu")
+    offs_i = tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_groups = num_groups if HAS_POST else 1
+    for g in range(n_groups):
+        lo = 0
+        hi = num_tiles
+        p_idx = -1
+        if HAS_POST:
+            lo = tl.load(groups_ptr + g * 3)
+            hi = tl.load(groups_ptr + g * 3 + 1)
+            p_idx = tl.load(groups_ptr + g * 3 + 2)
+        # this program's rows of the group: those equal to pid modulo G
+        first = lo + ((pid - lo) % num_progs + num_progs) % num_progs
+        mine = tl.maximum(hi - first + num_progs - 1, 0) // num_progs
+        for j in tl.range(0, mine, flatten=True):
+            row = table_ptr + (first + j * num_progs) * _TABLE_COLS
+            a_row = tl.load(row + _COL_A_ROW)
+            c_row = tl.load(row + _COL_C_ROW)
+            c_rows = tl.load(row + _COL_C_ROWS)
+            off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = _kstep(a_desc, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
+            _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn,
+                      flags_ptr, flags_ptr, False, ACTIVATION)
+        if HAS_POST:
+            # every thread's C stores of the group precede the barrier; one release add
+            # then publishes them (cumulativity), as the per-tile kernel's posts
+            tl.debug_barrier()
+            if (p_idx >= 0) & (mine > 0):
+                tl.atomic_add(flags_ptr + p_idx, mine, sem="release", scope="gpu")
 
 
 # --------------------------------------------------------------------------
@@ -508,6 +570,12 @@ class GemmConfig:
     loads and the MMAs run on separate warps. Needs Triton 3.6 or later (earlier
     versions are not tried) and a Hopper or later GPU (``warp_specialize_supported``); ignored under the interpreter. TileSync's grouped
     waits (``k_wait``) keep their plain loop."""
+    flatten: bool = False
+    """One software pipeline over a program's tiles and their K steps
+    (``tile_gemm_flat_kernel``): for tables whose tiles wait on nothing (no ``wait``; posts
+    per group of rows, ``policies.post_groups``); no split tiles, second A operand, several
+    weights, folded norm or warp specialization. Launched with a grid of G programs it
+    takes rows p, p + G, ... statically: no dispatch counter, so no second grid can join."""
     group_m: int = 8
     """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
     ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
@@ -523,6 +591,9 @@ class GemmConfig:
             raise ValueError(f"bad num_stages/num_warps: {self.num_stages}/{self.num_warps}")
         if self.group_m < 1:
             raise ValueError(f"GemmConfig.group_m must be >= 1, got {self.group_m}")
+        if self.flatten and self.warp_specialize:
+            raise ValueError("GemmConfig: flatten and warp_specialize do not combine (the flattened loop is "
+                             "not warp-specialized)")
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -585,7 +656,7 @@ def launch_tile_gemm(
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
     rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
-    sig: tuple[int, int] | None = None,
+    sig: tuple[int, int] | None = None, groups: Any = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -614,6 +685,10 @@ def launch_tile_gemm(
     signature word for the call's parity) holds ``value`` (the peer-copy ops' check that
     the ranks agree on the call); otherwise it records code 3 and skips its work.
 
+    ``config.flatten``: ``tile_gemm_flat_kernel`` (no wait, split, a2, folded norm or
+    several weights; with ``post``, ``groups``: int32 [G, 3] on the device,
+    ``policies.post_groups`` of the table).
+
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
     several launches.
@@ -623,7 +698,26 @@ def launch_tile_gemm(
     b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait, rowstat, colvec)
     c = cs[0]
     num_tiles = table.shape[0]
+    if config.flatten:
+        _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, sig is not None, groups)
     if num_tiles == 0:
+        return
+    if config.flatten:
+        cfg = config
+        interp = interpreting()
+        descs = (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
+                 TensorDescriptor.from_tensor(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn
+                                              else [cfg.block_n, cfg.block_k]))
+        flags = flags if flags is not None else table
+        groups = groups if groups is not None else table
+        meta = _flat_meta(cfg, a, b_kn, post, activation, interp, start_flag)
+        key = _flat_key(meta, a, b_stores[0], c, table, flags, groups)
+        nprog = max(1, min(int(grid), num_tiles))
+        args = (*descs, c, table, flags, groups, c.shape[1], a.shape[1], num_tiles,
+                groups.shape[0] if post else 0, int(epoch), nprog, int(start_flag) if start_flag is not None else 0,
+                c.stride(0), c.stride(1))
+        _flat_launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                              interpret=interp, aligned=(c, table, flags, groups))
         return
     sp = _check_split(split, workspace, counter, num_tiles, config, a.shape[1], k_wait)
     flags = flags if flags is not None else table  # never read: HAS_WAIT/HAS_POST are off
@@ -728,6 +822,35 @@ def _more_weights(b_descs: Sequence[Any], cs: Sequence[Any]) -> tuple:
     return (*b_descs, *pad, *cs, *pad, *[x.shape[1] for x in cs], *pad, *[x.stride(0) for x in cs], *pad)
 
 
+def _check_flat(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b: int, norm_epi: bool, sig: bool,
+                groups: Any) -> None:
+    """What ``GemmConfig.flatten`` refuses (its kernel's tiles wait on nothing)."""
+    bad = [name for name, on in (("wait", wait), ("k_wait", k_wait), ("split tiles", split is not None),
+                                 ("a second A operand", a2 is not None), ("several weights", num_b > 1),
+                                 ("a folded norm", norm_epi), ("a signature check", sig)) if on]
+    if bad:
+        raise ValueError(f"GemmConfig.flatten: a flattened GEMM's tiles wait on nothing and take no "
+                         f"{', '.join(bad)}; use flatten=False here")
+    if post and (groups is None or str(groups.dtype) != "torch.int32" or groups.dim() != 2
+                 or groups.shape[1] != 3 or not groups.is_contiguous()):
+        raise ValueError("GemmConfig.flatten with posts needs groups: contiguous int32 [G, 3] "
+                         "(overlap.policies.post_groups of the table)")
+
+
+def _flat_meta(cfg: GemmConfig, a: Any, b_kn: bool, post: bool, activation: str | None, interp: bool,
+               start_flag: Any) -> dict[str, Any]:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, B_KN=b_kn, HAS_POST=bool(post),
+                ACTIVATION=ACTIVATIONS[activation], UPCAST=interp and str(a.dtype) == "torch.bfloat16",
+                POST_START=start_flag is not None)
+
+
+def _flat_key(meta: dict[str, Any], a: Any, b_store: Any, c: Any, table: Any, flags: Any, groups: Any) -> tuple:
+    """``_key`` for the flattened kernel (not A's row count: see ``_key``)."""
+    return ("flat", tuple(meta.values()), a.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype, groups.dtype,
+            c.shape[1], a.shape[1], c.stride(0), c.stride(1), a.stride(0), tuple(b_store.shape),
+            tuple(b_store.stride()))
+
+
 _NO_MORE = (None,) * (4 * (MAX_WEIGHTS - 1))
 """``_more_weights`` of one weight."""
 
@@ -809,10 +932,13 @@ class TileGemmPlan:
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
                  k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None,
-                 sig_stride: int | None = None) -> None:
+                 sig_stride: int | None = None, groups: Any = None) -> None:
         b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
                                            norm_epi=norm_epi)
         c = cs[0]
+        self.flat = bool(config.flatten)
+        if self.flat:
+            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, sig_stride is not None, groups)
         if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
             raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
@@ -840,8 +966,16 @@ class TileGemmPlan:
         self.sig_stride = int(sig_stride) if sig_stride is not None else 1
         self.key = _key(self.meta, a, a2, b_stores, cs, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
-        self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                          interpret=self.interp)
+        if self.flat:
+            self.groups = groups if groups is not None else table  # never read without posts
+            self.flat_head = (self.num_tiles, groups.shape[0] if post else 0)
+            self.meta = _flat_meta(cfg, a, b_kn, post, activation, self.interp, start_flag)
+            self.key = _flat_key(self.meta, a, b_stores[0], c, table, self.flags, self.groups)
+            self.prepared = _flat_launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps,
+                                                   num_stages=cfg.num_stages, interpret=self.interp)
+        else:
+            self.prepared = _launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps,
+                                              num_stages=cfg.num_stages, interpret=self.interp)
         self.tail = (int(rank), int(timeout_ns), int(max_spins))
         self.start = int(start_flag) if start_flag is not None else 0
 
@@ -905,6 +1039,11 @@ class TileGemmPlan:
         if rowstat is None:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
+        if self.flat:
+            self.prepared.launch(nprog, (descs[0], descs[2], c, self.table, self.flags, self.groups, *self.head[:2],
+                                         *self.flat_head, int(epoch), nprog, self.start, *self.c_layouts[0][1]),
+                                 aligned=(c, self.table, self.flags, self.groups))
+            return
         args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride,
                 *self.c_layouts[0][1], *more)
@@ -913,3 +1052,4 @@ class TileGemmPlan:
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)
+_flat_launcher = _CachedLauncher(tile_gemm_flat_kernel)
