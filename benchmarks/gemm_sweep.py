@@ -1,12 +1,17 @@
 """The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
 
     python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
+                                    [--no-flatten]
 
 Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
 hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
 column-parallel (qkv, fc1: N = out / TP, K = hidden) and row-parallel (proj, fc2:
 N = hidden, K = in / TP) layers see them; both B layouts (``nk``: the ``w.t()`` of an
 nn.Linear weight, ``kn``: row-major [K, N]), bf16 and fp16.
+
+The GEMM alone waits on no flag, so the tuner's shortlists hold the flattened configs too
+(``GemmConfig.flatten``, ``tune_gemm(flatten=True)``); ``--no-flatten`` leaves them out,
+which is what an op whose tiles wait can take.
 
 First every config the tuner will try (``overlap.kernels.autotune.shortlist``) is
 compiled once in a pool of processes (Triton's on-disk cache then serves the tuner);
@@ -207,7 +212,7 @@ def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> li
         return list(ex.map(_compile_one, jobs))
 
 
-def run_shape(row: dict[str, Any], rounds: int, sms: int) -> dict[str, Any]:
+def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) -> dict[str, Any]:
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
@@ -219,7 +224,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int) -> dict[str, Any]:
     dev = torch.device("cuda")
     before = set(cached_configs())
     t0 = time.perf_counter()
-    cfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn)
+    cfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn, flatten=flatten)
     tune_s = time.perf_counter() - t0
     entry = next((v for kk, v in cached_configs().items() if kk not in before), None)
     g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
@@ -253,7 +258,8 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int) -> dict[str, Any]:
             "graphs": all(t.graph is not None for t in timers.values()), "times": times}
 
 
-def compile_jobs(shapes: Iterable[dict[str, Any]], sms: int, ws: bool) -> list[tuple[dict[str, Any], str, bool]]:
+def compile_jobs(shapes: Iterable[dict[str, Any]], sms: int, ws: bool,
+                 flatten: bool = True) -> list[tuple[dict[str, Any], str, bool]]:
     """Every (config, dtype, B layout) the tuner's shortlists hold for ``shapes``."""
     from dataclasses import asdict
 
@@ -261,7 +267,7 @@ def compile_jobs(shapes: Iterable[dict[str, Any]], sms: int, ws: bool) -> list[t
 
     jobs, seen = [], set()
     for r in shapes:
-        for cfg in shortlist(r["m"], r["n"], r["k"], sms=sms, ws=ws):
+        for cfg in shortlist(r["m"], r["n"], r["k"], sms=sms, ws=ws, flatten=flatten):
             key = (cfg, r["dtype"], r["b_layout"] == "kn")
             if key not in seen:
                 seen.add(key)
@@ -277,6 +283,8 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
+    ap.add_argument("--no-flatten", action="store_true",
+                    help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     args = ap.parse_args()
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
@@ -292,7 +300,8 @@ def main() -> None:
     shapes = quick_shapes() if args.quick else sweep_shapes(args.count)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ws = warp_specialize_supported(0)
-    jobs = compile_jobs(shapes, sms, ws)
+    flatten = not args.no_flatten
+    jobs = compile_jobs(shapes, sms, ws, flatten)
     print(f"{len(shapes)} shapes; compiling {len(jobs)} (config, dtype, layout) kernels on {args.workers} processes",
           flush=True)
     t0 = time.perf_counter()
@@ -309,7 +318,8 @@ def main() -> None:
           f"{statistics.median(per) if per else float('nan'):.2f} s, max {max(per) if per else float('nan'):.2f} s; "
           f"{len(failed)} failed", flush=True)
     context = run_context()
-    context.update({"sms": sms, "warp_specialize": ws, "rounds": args.rounds, "timing": "CUDA-graph replays",
+    context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
+                    "timing": "CUDA-graph replays",
                     "cmdline": " ".join(sys.argv[1:])})
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -320,7 +330,7 @@ def main() -> None:
                   flush=True)
             break
         try:
-            r = run_shape(row, args.rounds, sms)
+            r = run_shape(row, args.rounds, sms, flatten)
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
             r = {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             torch.cuda.synchronize()

@@ -29,6 +29,9 @@ Rules drop what cannot or should not run, before anything is timed:
   deepest warp-specialized; plus BLOCK_K 128 and 4 warps where the rules allow them
   (the deepest ring each). GROUP_M 16 is tried on the winner alone: it
   changes only the table's order, so it costs no compile.
+- ``flatten=True`` (callers whose tiles wait on nothing: the GEMM alone, the producer
+  ops): each plain pick also with ``GemmConfig.flatten`` (one software pipeline over a
+  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4).
 
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time.
@@ -88,7 +91,7 @@ flop (a 128x128 tile 1.33x, a 64x256 one 1.67x a 128x256's). A prior for ranking
 tile shapes by wave quantization only: the timing decides among those kept."""
 KEEP_WITHIN = 1.10
 MAX_TILES = 2
-SPACE_VERSION = 2
+SPACE_VERSION = 3
 """Bumped when the space or the rules change: older cache entries are then stale."""
 
 _lock = threading.Lock()
@@ -153,10 +156,10 @@ def wave_model(m: int, n: int, bm: int, bn: int, sms: int) -> float:
 
 
 def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, ws: bool = True,
-              smem_limit: int = SMEM_LIMIT, elem_bytes: int = 2) -> list[GemmConfig]:
+              smem_limit: int = SMEM_LIMIT, elem_bytes: int = 2, flatten: bool = False) -> list[GemmConfig]:
     """The configs ``tune_gemm`` times for this shape (before its GROUP_M step), best
     tile shape first; ``block_m`` restricts the tile height (the tile-vs-M rule then
-    yields to it)."""
+    yields to it); ``flatten``: each pick that is not warp-specialized also flattened."""
     tiles = [(bm, bn) for bm, bn in TILES if block_m is None or bm == block_m]
     if block_m is None:
         fit = [(bm, bn) for bm, bn in tiles if bm <= max(m, 64) and (bm > 64 or m <= SMALL_M)]
@@ -182,6 +185,8 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
         for c in picks:
             if c is not None and c not in out:
                 out.append(c)
+            if flatten and c is not None and not c.warp_specialize and replace(c, flatten=True) not in out:
+                out.append(replace(c, flatten=True))
     return out
 
 
@@ -386,7 +391,7 @@ class GraphTimer:
 
 def _cfg_str(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
-            f"{' ws' if cfg.warp_specialize else ''} g{cfg.group_m}")
+            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''} g{cfg.group_m}")
 
 
 def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands: list[GemmConfig], sms: int,
@@ -445,12 +450,14 @@ def note_failed(cfg: GemmConfig, dtype: Any, b_kn: bool, sms: int) -> None:
 
 
 def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = False, block_m: int | None = None,
-              candidates: tuple[GemmConfig, ...] | None = None, grid: int | None = None) -> GemmConfig:
+              candidates: tuple[GemmConfig, ...] | None = None, grid: int | None = None,
+              flatten: bool = False) -> GemmConfig:
     """The fastest config for C[m, n] = A[m, k] @ B[k, n] on ``device``: ``shortlist``'s
     configs (or ``candidates``), then GROUP_M 16 on the winner; restricted to ``block_m``
     when given (ops whose flags map row blocks need it). ``b_kn``: B row-major [K, N]
     (True) or the [N, K] storage of ``w.t()`` (False). ``grid``: the programs the GEMM
-    gets (default every SM)."""
+    gets (default every SM). ``flatten``: also the flattened configs (``GemmConfig.flatten``),
+    for a caller whose tiles wait on nothing; the pick may then be one."""
     import torch
 
     from .tile_gemm import warp_specialize_supported
@@ -458,6 +465,8 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     device = torch.device(device)
     env = device_env(device)
     problem = _problem(m, n, k, dtype, b_kn, block_m, grid, candidates)
+    if flatten and candidates is None:
+        problem["flatten"] = True
     key = cache_key(env, problem)
     with _lock:
         _load()
@@ -471,7 +480,7 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     else:
         esize = torch.empty((), dtype=dtype).element_size()
         cands = shortlist(m, n, k, sms=sms, block_m=block_m, ws=warp_specialize_supported(device),
-                          smem_limit=int(env.get("smem", SMEM_LIMIT)), elem_bytes=esize)
+                          smem_limit=int(env.get("smem", SMEM_LIMIT)), elem_bytes=esize, flatten=flatten)
     if not cands:
         raise ValueError(f"no candidate config has block_m={block_m}")
     t0 = time.perf_counter()

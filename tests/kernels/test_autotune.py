@@ -92,6 +92,32 @@ def test_shortlist_prunes_by_tile_height_and_waves(autotune) -> None:
         autotune.wave_model(2048, 2048 * 132 // 16 // 16 * 16, 128, 128, 132)
 
 
+def test_shortlist_flatten_adds_a_flat_twin_of_each_plain_pick(autotune, monkeypatch) -> None:
+    """``flatten=True`` (a caller whose tiles wait on nothing): each pick that is not
+    warp-specialized is also tried flattened; without it no flattened config appears, and
+    the cache keeps the two problems apart (a flattened pick never reaches a caller whose
+    tiles wait)."""
+    from dataclasses import replace
+
+    plain = autotune.shortlist(16384, 6144, 4096, sms=132)
+    flat = autotune.shortlist(16384, 6144, 4096, sms=132, flatten=True)
+    assert not any(c.flatten for c in plain)
+    assert [c for c in flat if not c.flatten] == plain
+    assert {c for c in flat if c.flatten} == {replace(c, flatten=True) for c in plain if not c.warp_specialize}
+    assert all(autotune.rejects(c) is None and not (c.flatten and c.warp_specialize) for c in flat)
+    seen = []
+
+    def measure(m, n, k, dtype, device, b_kn, cands, sms, **kw):
+        seen.append(any(c.flatten for c in cands))
+        return cands[-1], {}
+
+    monkeypatch.setattr(autotune, "_measure", measure)
+    monkeypatch.setattr("overlap.kernels.tile_gemm.warp_specialize_supported", lambda device=None: False)
+    a = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu", flatten=True)
+    b = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu")
+    assert seen == [True, False] and a.flatten and not b.flatten
+
+
 # -- the cache -----------------------------------------------------------------------------
 def test_cached_config_is_used_without_timing(autotune, tmp_path, monkeypatch) -> None:
     from overlap.kernels.tile_gemm import GemmConfig
