@@ -475,7 +475,7 @@ def tile_gemm_kernel(
                     # add by one thread then publishes them (cumulativity)
                     tl.debug_barrier()
                     if (p_idx >= 0) & (stored != 0):
-                        tl.atomic_add(flags_ptr + p_idx, mine, sem="release", scope="gpu")
+                        tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:

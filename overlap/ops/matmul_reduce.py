@@ -55,7 +55,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import Segment, build_tile_table, split_rows, table_tensor
+from ..policies import Segment, build_tile_table, post_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
@@ -309,6 +309,8 @@ class _Plan:
     grid: int
     nccl_ctas: int
     gemm: Any
+    groups: torch.Tensor | None = None
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``post_groups``)."""
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's GEMM (``_runtime.gemm_plan``)."""
 
@@ -350,7 +352,8 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
             raise ValueError(f"{op}: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"margin {margin}")
         table = table_tensor(rows, rt.device)
-        p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm)
+        groups = upload(post_groups(rows), rt.device) if gemm.flatten else None
+        p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm, groups)
         plans[key] = p
     return p
 
@@ -371,7 +374,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
         c = a.new_empty((p.cmap.c_rows, n))
         out = a.new_empty((m // world, n)) if scatter else c
         gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1, counter=w.counters,
-                       rank=rt.rank, config=p.gemm, post=True)
+                       rank=rt.rank, config=p.gemm, post=True, groups=p.groups)
         with gpu_range("gemm", "grid"):
             gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid)
         for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):

@@ -59,7 +59,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import Segment, push_slot, row_bucket, split_rows, table_tensor, upload
+from ..policies import Segment, post_groups, push_slot, row_bucket, split_rows, table_tensor, upload
 from . import matmul_reduce as _mr
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, call_sig, capturing, dtype_code, gemm_plan,
                        on_stream, post_sig, report_errors)
@@ -172,6 +172,8 @@ class _PeerPlan:
     programs: int
     shared: bool
     gemm: Any
+    groups: torch.Tensor | None
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``post_groups``)."""
     starts: torch.Tensor
     """int32 [chunks + 1] row starts within the reduced block (the reduce kernel's)."""
     ready: Any
@@ -219,7 +221,8 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
             acc.append(acc[-1] + r)
         starts = upload(torch.tensor(acc, dtype=torch.int32).numpy(), rt.device)
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
-        p = _PeerPlan(lay, table_tensor(rows, rt.device), tuple(counts), grid, programs, shared, gemm, starts,
+        groups = upload(post_groups(rows), rt.device) if gemm.flatten else None
+        p = _PeerPlan(lay, table_tensor(rows, rt.device), tuple(counts), grid, programs, shared, gemm, groups, starts,
                       _flags.FlagArray(len(lay.chunk_rows), rt.device))
         plans[key] = p
     return p
@@ -274,7 +277,7 @@ def _fused_p2p(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual:
             world=world, programs=p.programs, residual=residual, flag_stride=lay.stride, timeout_ns=timeout_ns,
             sig=True, own=True, shape=shared_reduce_shape(n) if p.shared else None)
     gp = gemm_plan(p.launches, a, b, c, p.table, flags=words.flags, err=err.word, timeout_ns=1,
-                   counter=words.counters, rank=rank, config=p.gemm, post=True)
+                   counter=words.counters, rank=rank, config=p.gemm, post=True, groups=p.groups)
     descs = gp.operands(a, b)
     sig = call_sig(op, (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks))
     # the epoch last, just before the first work is queued (``run_p2p`` takes it back
