@@ -34,7 +34,7 @@ from .. import observe as _observe
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
            "OverlapCaptureError", "capturing", "device_order", "check_errors", "register_error_word", "reset",
-           "Sequential", "Chunked", "Path", "SEQUENTIAL", "tune_paths"]
+           "Sequential", "Chunked", "Path", "SEQUENTIAL", "tune_paths", "flat_variants"]
 
 _lock = threading.Lock()
 _runtimes: dict[tuple, "Runtime"] = {}
@@ -1247,6 +1247,21 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
 
     ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
+
+
+def flat_variants(results: list[tuple[float, Any]], top: int = 2) -> list[Any]:
+    """The ``top`` fastest configs of a tuner's passes so far (``(ms, choice)`` pairs; paths
+    that are not configs are skipped) again with their GEMM flattened
+    (``GemmConfig.flatten``: one software pipeline over a program's tiles), for ops whose
+    GEMM tiles wait on nothing (the producer ops). Configs with split tiles or a
+    warp-specialized GEMM are left out (the flattened kernel takes neither)."""
+    from dataclasses import replace
+
+    from ..kernels.tile_gemm import DEFAULT_CONFIG
+
+    ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig)
+              and c.split_tail < 2 and not (c.gemm is not None and (c.gemm.flatten or c.gemm.warp_specialize))]
+    return [replace(c, gemm=replace(c.gemm or DEFAULT_CONFIG, flatten=True)) for c in ranked[:top]]
 
 
 def ws_variants(results: list[tuple[float, Any]], device: Any, top: int = 2) -> list[Any]:

@@ -58,9 +58,9 @@ from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, post_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
-                       agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
-                       get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, run_p2p, serial_phases,
-                       tune_paths, warn_once)
+                       agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
+                       get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, run_p2p,
+                       serial_phases, tune_paths, warn_once)
 
 __all__ = [
     "matmul_reduce_scatter",
@@ -537,6 +537,7 @@ def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch
         return (matmul_reduce_scatter_ref(a, b, group=group) if scatter
                 else matmul_all_reduce_ref(a, b, group=group, residual=residual))
 
+    flat_pass = candidates is None
     if candidates is None:
         candidates = [OverlapConfig(chunks=ch, nccl_ctas=ct, transport="nccl") for ch in (1, 2, 4)
                       for ct in (8, 16, 24)]
@@ -553,13 +554,16 @@ def _tune(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch
         return _fused(rt, op, a, b, residual, cand)
 
     def describe(cand: OverlapConfig) -> str:
+        flat = ", flattened GEMM" if cand.gemm is not None and cand.gemm.flatten else ""
         if cand.transport == "p2p":
-            return f"  tune {op} {m}x{n}x{k}: p2p, {cand.chunks} chunks, reduce {cand.reduce_ctas}"
-        return f"  tune {op} {m}x{n}x{k}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas"
+            return f"  tune {op} {m}x{n}x{k}: p2p, {cand.chunks} chunks, reduce {cand.reduce_ctas}{flat}"
+        return f"  tune {op} {m}x{n}x{k}: nccl, {cand.chunks} chunks, {cand.nccl_ctas} ctas{flat}"
 
+    # the producer GEMM waits on nothing: the two fastest again with a flattened GEMM
     return tune_paths(rt, op, (m, n, k), f"{op} {m}x{n}x{k}", ref=ref, candidates=candidates, run=run,
                       describe=describe, iters=iters, group=group, verbose=verbose, cache=_tuned(rt),
-                      key=(op, m, n, k, a.dtype, residual is not None))
+                      key=(op, m, n, k, a.dtype, residual is not None),
+                      passes=(flat_variants,) if flat_pass else ())
 
 
 def tune_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
@@ -567,8 +571,9 @@ def tune_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any =
                                verbose: bool = False) -> Path:
     """Time candidate configs (collectively: every rank must call; default 1, 2, 4 chunks
     x 8, 16, 24 NCCL CTAs, and where peer memory is available the peer-copy transport in
-    2, 4, 8 chunks x 8, 16 reduce SMs) and the sequential reference, then the three fastest again in
-    interleaved rounds; cache the winner for this shape (later calls without a config use
+    2, 4, 8 chunks x 8, 16 reduce SMs) and the sequential reference, with the default candidates
+    the two fastest again with a flattened GEMM (``GemmConfig.flatten``: the producer's tiles
+    wait on nothing), then the three fastest again in interleaved rounds; cache the winner for this shape (later calls without a config use
     it). Returns the ``OverlapConfig`` or ``SEQUENTIAL`` (then the op warns once and runs
     the reference for this shape). Inputs with no tile-flag path return ``SEQUENTIAL``
     untimed."""

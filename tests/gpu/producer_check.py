@@ -9,6 +9,7 @@ inputs; the op on two streams at once. Prints ``PASS producer world=<R> ...``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import dist  # noqa: E402
 from overlap.ops import (SEQUENTIAL, Norm, OverlapConfig, check_errors, matmul_all_reduce, matmul_all_reduce_matmul,  # noqa: E402
                          matmul_reduce_scatter)
+from overlap.kernels.tile_gemm import GemmConfig  # noqa: E402
 from overlap.ops import boundary as bd  # noqa: E402
 from overlap.ops import matmul_reduce as mr  # noqa: E402
 
@@ -117,9 +119,11 @@ def main() -> None:
                                           (1000 * world, 384, 384, torch.bfloat16, 3, "wt"),
                                           (4096, 1024, 2048, torch.bfloat16, 4, "wt")):
         ks = k // world
-        cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync")
-        for it in range(3):
-            seed = 100 * it + m + n + k
+        # the per-tile GEMM and the flattened one (GemmConfig.flatten, posting per chunk)
+        for it, flat in itertools.product(range(3), (False, True)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync",
+                                gemm=GemmConfig(flatten=True) if flat else None)
+            seed = 100 * it + m + n + k + 17 * flat
             a_full = shared(m, k, seed=seed, dev=dev, dtype=dt)
             w = shared(n, k, seed=seed + 1, dev=dev, dtype=dt, scale=k ** -0.5)
             res = shared(m, n, seed=seed + 2, dev=dev, dtype=dt)
@@ -130,7 +134,7 @@ def main() -> None:
             mine = full[rank * (m // world):(rank + 1) * (m // world)]
             e1 = rel(matmul_reduce_scatter(a, b, config=cfg), mine)
             e2 = rel(matmul_all_reduce(a, b, residual=res, config=cfg), full + res.double())
-            assert e1 < 2e-2 and e2 < 2e-2, (m, n, k, chunks, it, e1, e2)
+            assert e1 < 2e-2 and e2 < 2e-2, (m, n, k, chunks, it, flat, e1, e2)
             calls += 2
     # graphs: the same call captured and replayed with new inputs
     m, n, k = 2048, 1024, 1024

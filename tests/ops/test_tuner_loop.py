@@ -225,3 +225,21 @@ def test_chunked_path_rejects_fewer_than_two_chunks() -> None:
     for bad in (1, 0, 2.0, True, "2"):
         with pytest.raises(ValueError, match="chunks"):
             Chunked(bad)
+
+
+def test_flat_variants_take_the_fastest_plain_configs() -> None:
+    """The producer tuners' flat pass: the two fastest configs that are neither split nor
+    warp-specialized nor flattened already, again with a flattened GEMM."""
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig
+    from overlap.ops._runtime import SEQUENTIAL, flat_variants
+
+    results = [(0.5, SEQUENTIAL),
+               (1.0, OverlapConfig(chunks=8, split_tail=2)),
+               (2.0, OverlapConfig(chunks=4, gemm=GemmConfig(warp_specialize=True))),
+               (3.0, OverlapConfig(chunks=2, gemm=GemmConfig(flatten=True))),
+               (5.0, OverlapConfig(chunks=1)),
+               (4.0, OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4))),
+               (6.0, OverlapConfig(chunks=3))]
+    assert flat_variants(results) == [
+        OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, flatten=True)),
+        OverlapConfig(chunks=1, gemm=replace(DEFAULT_CONFIG, flatten=True))]
