@@ -195,25 +195,26 @@ def table_tensor(table: Any, device: Any) -> Any:
     return upload(np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS), device)
 
 
-def post_groups(table: Any) -> Any:
-    """The runs of table rows with one post index, as int32 [G, 3] of (first row, end
-    row, post index) in table order: what ``GemmConfig.flatten``'s kernel posts by (a
-    program adds its count of a run's tiles to the run's flag once they are stored).
-    Raises ValueError when one post index has rows in two runs (the flag would then be
-    complete only with its last run, which a per-run count cannot tell)."""
+def flat_groups(table: Any) -> Any:
+    """The runs of table rows with one wait flag, wait multiple, post flag and A source, as
+    int32 [G, 6] of (first row, end row, wait index, wait multiple, post index, A source)
+    in table order: what ``GemmConfig.flatten``'s kernel waits and posts by (a program waits
+    for a run's flag before its rows of the run, and adds their count to the run's post flag
+    once they are stored). Raises ValueError when one post index has rows in two runs (the
+    flag would then be complete only with its last run, which a per-run count cannot tell)."""
     import numpy as np
 
     rows = np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS)
     if len(rows) == 0:
-        return np.zeros((0, 3), dtype=np.int32)
-    post = rows[:, P.COL_POST]
-    starts = np.flatnonzero(np.r_[True, post[1:] != post[:-1]])
+        return np.zeros((0, 6), dtype=np.int32)
+    keys = rows[:, [P.COL_WAIT, P.COL_WAIT_MULT, P.COL_POST, P.COL_A_SRC]]
+    starts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
     ends = np.r_[starts[1:], len(rows)]
-    idx = post[starts]
-    flagged = idx[idx >= 0]
+    post = keys[starts, 2]
+    flagged = post[post >= 0]
     if len(np.unique(flagged)) != len(flagged):
-        raise ValueError("post_groups: a post index has rows in more than one run of the table")
-    return np.stack([starts, ends, idx], axis=1).astype(np.int32)
+        raise ValueError("flat_groups: a post index has rows in more than one run of the table")
+    return np.stack([starts, ends, keys[starts, 0], keys[starts, 1], post, keys[starts, 3]], axis=1).astype(np.int32)
 
 
 def upload(arr: Any, device: Any) -> Any:

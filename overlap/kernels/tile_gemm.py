@@ -52,15 +52,15 @@ With ``NORM_EPI`` the A rows are a residual stream h whose LayerNorm / RMSNorm t
 GEMM applies in its epilogue, B being diag(norm weight) B (``overlap.kernels.norm_fold``):
 ``C = rstd * (h @ B') - mean * rstd * colsum(B') + bias @ B`` per row and column.
 
-``GemmConfig.flatten`` takes a second kernel, ``tile_gemm_flat_kernel``, for tables whose
-tiles wait on nothing (the GEMM alone, the producer ops' GEMM): program p takes rows p,
+``GemmConfig.flatten`` takes a second kernel, ``tile_gemm_flat_kernel``: program p takes rows p,
 p + G, ... in order, and its tile loop and K loop are one software pipeline (Triton's
 ``tl.range(..., flatten=True)``), so the next tile's first K steps load while this tile's
 epilogue runs; the per-tile kernel starts each tile's pipeline from empty after its stores
-(benchmarks/results/2026-12-02_1xH200_608f1c4). A tile that waits on a flag cannot take
-it: the pipeline issues a tile's loads before the loop reaches it, ahead of any wait. Posts
-are counted per *group* (a run of rows with one post index, ``policies.post_groups``): a
-program adds its tiles of a group to that group's flag once they are all stored.
+(benchmarks/results/2026-12-02_1xH200_608f1c4). The pipeline issues a tile's loads before the loop
+reaches the tile, so waits and posts are per *group* of rows (a run of rows with one wait
+flag, post flag and A source, ``policies.flat_groups``): a program waits for a group's flag
+before its pipeline over its rows of the group, and adds its count of them to the group's
+post flag once they are all stored.
 """
 
 from __future__ import annotations
@@ -482,20 +482,28 @@ def tile_gemm_kernel(
             t += num_progs
 
 
-@triton.jit(do_not_specialize=["num_tiles", "num_groups", "epoch", "num_progs", "start_idx"])
+@triton.jit(do_not_specialize=["num_tiles", "num_groups", "epoch", "rank", "timeout_ns", "max_spins", "num_progs",
+                               "start_idx", "sig", "sig_stride"])
 def tile_gemm_flat_kernel(
-    a_desc, b_desc, c_ptr, table_ptr, flags_ptr, groups_ptr,
-    N, K, num_tiles, num_groups, epoch, num_progs, start_idx, stride_cm, stride_cn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KN: tl.constexpr,
-    HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, POST_START: tl.constexpr,
+    a_desc, a2_desc, b_desc, c_ptr, table_ptr, flags_ptr, err_ptr, groups_ptr,
+    N, K, num_tiles, num_groups, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, sig, sig_stride,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_A2: tl.constexpr, B_KN: tl.constexpr,
+    HAS_GROUPS: tl.constexpr, HAS_WAIT: tl.constexpr, HAS_POST: tl.constexpr, ACTIVATION: tl.constexpr,
+    USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr, POST_START: tl.constexpr,
+    SIG: tl.constexpr,
 ):
-    """``tile_gemm_kernel`` for tables whose tiles wait on nothing: program p takes rows
-    p, p + G, ... (G = ``num_progs``), its tile loop and K loop flattened into one software
-    pipeline. With ``HAS_POST`` the rows come in groups (``groups_ptr``: int32 [num_groups, 3]
-    of first row, end row, post index; ``policies.post_groups``): after its last tile of a
-    group, a program adds the count of its tiles of that group to ``flags[post index]``
-    (release, after a CTA barrier), so the flag reaches the group's tile count when every
-    tile is stored, as with a post per tile."""
+    """``tile_gemm_kernel`` with one software pipeline over a program's tiles: program p
+    takes rows p, p + G, ... (G = ``num_progs``), its tile loop and K loop flattened.
+
+    With ``HAS_GROUPS`` the rows come in groups (``groups_ptr``: int32 [num_groups, 6] of
+    first row, end row, wait index, wait multiple, post index, A source; ``policies.
+    flat_groups``), each the rows of one flag. Per group a program first waits, all its warps
+    together, for the group's flag (``HAS_WAIT``; the same bounded wait, error record and
+    signature check as a tile of the per-tile kernel), then runs its rows of the group as
+    one pipeline, so no load of a row is issued before the row's wait; and after its last
+    row of the group adds its count of rows to the post flag (``HAS_POST``; release, after
+    a CTA barrier), so the flag reaches the group's tile count when every tile is stored."""
     pid = tl.program_id(0)
     if POST_START:
         if pid == 0:
@@ -503,18 +511,42 @@ def tile_gemm_flat_kernel(
     offs_i = tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    n_groups = num_groups if HAS_POST else 1
+    n_groups = num_groups if HAS_GROUPS else 1
     for g in range(n_groups):
         lo = 0
         hi = num_tiles
+        w_idx = -1
+        w_mult = 1
         p_idx = -1
-        if HAS_POST:
-            lo = tl.load(groups_ptr + g * 3)
-            hi = tl.load(groups_ptr + g * 3 + 1)
-            p_idx = tl.load(groups_ptr + g * 3 + 2)
+        a_src = 0
+        if HAS_GROUPS:
+            gp = groups_ptr + g * 6
+            lo = tl.load(gp)
+            hi = tl.load(gp + 1)
+            w_idx = tl.load(gp + 2)
+            w_mult = tl.load(gp + 3)
+            p_idx = tl.load(gp + 4)
+            a_src = tl.load(gp + 5)
         # this program's rows of the group: those equal to pid modulo G
         first = lo + ((pid - lo) % num_progs + num_progs) % num_progs
         mine = tl.maximum(hi - first + num_progs - 1, 0) // num_progs
+        if HAS_WAIT:
+            # (the same in every warp: the loop's pipeline holds barriers)
+            if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+                mine = 0
+            elif (w_idx >= 0) & (mine > 0):
+                ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, first,
+                           timeout_ns, max_spins, USE_TIMER, FENCE_ASYNC)
+                if SIG:
+                    if ok != 0:
+                        ok = _check_sig(flags_ptr, err_ptr, w_idx, sig_stride, sig, epoch & 1, rank, first,
+                                        FENCE_ASYNC)
+                if ok == 0:
+                    mine = 0
+        a_use = a_desc
+        if HAS_A2:
+            if a_src != 0:
+                a_use = a2_desc
         for j in tl.range(0, mine, flatten=True):
             row = table_ptr + (first + j * num_progs) * _TABLE_COLS
             a_row = tl.load(row + _COL_A_ROW)
@@ -523,7 +555,7 @@ def tile_gemm_flat_kernel(
             off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
-                acc = _kstep(a_desc, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
+                acc = _kstep(a_use, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
             _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn,
                       flags_ptr, flags_ptr, False, ACTIVATION)
         if HAS_POST:
@@ -572,10 +604,11 @@ class GemmConfig:
     waits (``k_wait``) keep their plain loop."""
     flatten: bool = False
     """One software pipeline over a program's tiles and their K steps
-    (``tile_gemm_flat_kernel``): for tables whose tiles wait on nothing (no ``wait``; posts
-    per group of rows, ``policies.post_groups``); no split tiles, second A operand, several
-    weights, folded norm or warp specialization. Launched with a grid of G programs it
-    takes rows p, p + G, ... statically: no dispatch counter, so no second grid can join."""
+    (``tile_gemm_flat_kernel``): waits and posts per group of rows with one flag
+    (``policies.flat_groups``), not per tile; no TileSync (``k_wait``), split tiles, several
+    weights, folded norm or warp specialization. Launched with a grid of G programs it takes
+    rows p, p + G, ... statically: no dispatch counter, so no second grid can join (an op's
+    give-back grid is refused with it: ``OverlapConfig``)."""
     group_m: int = 8
     """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
     ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
@@ -685,9 +718,9 @@ def launch_tile_gemm(
     signature word for the call's parity) holds ``value`` (the peer-copy ops' check that
     the ranks agree on the call); otherwise it records code 3 and skips its work.
 
-    ``config.flatten``: ``tile_gemm_flat_kernel`` (no wait, split, a2, folded norm or
-    several weights; with ``post``, ``groups``: int32 [G, 3] on the device,
-    ``policies.post_groups`` of the table).
+    ``config.flatten``: ``tile_gemm_flat_kernel`` (no ``k_wait``, split, folded norm or
+    several weights); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
+    on the device, ``policies.flat_groups`` of the table.
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -699,25 +732,28 @@ def launch_tile_gemm(
     c = cs[0]
     num_tiles = table.shape[0]
     if config.flatten:
-        _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, sig is not None, groups)
+        _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups)
     if num_tiles == 0:
         return
     if config.flatten:
         cfg = config
         interp = interpreting()
-        descs = (TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]),
-                 TensorDescriptor.from_tensor(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn
-                                              else [cfg.block_n, cfg.block_k]))
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+        b_desc = TensorDescriptor.from_tensor(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn
+                                              else [cfg.block_n, cfg.block_k])
         flags = flags if flags is not None else table
+        err = err if err is not None else table
+        meta = _flat_meta(cfg, a, a2, b_kn, groups is not None, wait, post, activation, interp, start_flag,
+                          sig is not None)
         groups = groups if groups is not None else table
-        meta = _flat_meta(cfg, a, b_kn, post, activation, interp, start_flag)
-        key = _flat_key(meta, a, b_stores[0], c, table, flags, groups)
+        key = _flat_key(meta, a, a2, b_stores[0], c, table, flags, err, groups)
         nprog = max(1, min(int(grid), num_tiles))
-        args = (*descs, c, table, flags, groups, c.shape[1], a.shape[1], num_tiles,
-                groups.shape[0] if post else 0, int(epoch), nprog, int(start_flag) if start_flag is not None else 0,
-                c.stride(0), c.stride(1))
+        args = (a_desc, a2_desc, b_desc, c, table, flags, err, groups, c.shape[1], a.shape[1], num_tiles,
+                groups.shape[0] if meta["HAS_GROUPS"] else 0, int(epoch), int(rank), int(timeout_ns), int(max_spins),
+                nprog, int(start_flag) if start_flag is not None else 0, *(sig or (0, 1)), c.stride(0), c.stride(1))
         _flat_launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                              interpret=interp, aligned=(c, table, flags, groups))
+                              interpret=interp, aligned=(c, table, flags, err, groups))
         return
     sp = _check_split(split, workspace, counter, num_tiles, config, a.shape[1], k_wait)
     flags = flags if flags is not None else table  # never read: HAS_WAIT/HAS_POST are off
@@ -822,33 +858,35 @@ def _more_weights(b_descs: Sequence[Any], cs: Sequence[Any]) -> tuple:
     return (*b_descs, *pad, *cs, *pad, *[x.shape[1] for x in cs], *pad, *[x.stride(0) for x in cs], *pad)
 
 
-def _check_flat(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b: int, norm_epi: bool, sig: bool,
+def _check_flat(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b: int, norm_epi: bool,
                 groups: Any) -> None:
-    """What ``GemmConfig.flatten`` refuses (its kernel's tiles wait on nothing)."""
-    bad = [name for name, on in (("wait", wait), ("k_wait", k_wait), ("split tiles", split is not None),
-                                 ("a second A operand", a2 is not None), ("several weights", num_b > 1),
-                                 ("a folded norm", norm_epi), ("a signature check", sig)) if on]
+    """What ``GemmConfig.flatten`` refuses, and the groups it needs."""
+    bad = [name for name, on in (("k_wait (TileSync)", k_wait), ("split tiles", split is not None),
+                                 ("several weights", num_b > 1), ("a folded norm", norm_epi)) if on]
     if bad:
-        raise ValueError(f"GemmConfig.flatten: a flattened GEMM's tiles wait on nothing and take no "
-                         f"{', '.join(bad)}; use flatten=False here")
-    if post and (groups is None or str(groups.dtype) != "torch.int32" or groups.dim() != 2
-                 or groups.shape[1] != 3 or not groups.is_contiguous()):
-        raise ValueError("GemmConfig.flatten with posts needs groups: contiguous int32 [G, 3] "
-                         "(overlap.policies.post_groups of the table)")
+        raise ValueError(f"GemmConfig.flatten: a flattened GEMM takes no {', '.join(bad)}; use flatten=False here")
+    if (wait or post or a2 is not None) and (groups is None or str(groups.dtype) != "torch.int32"
+                                             or groups.dim() != 2 or groups.shape[1] != 6
+                                             or not groups.is_contiguous()):
+        raise ValueError("GemmConfig.flatten with waits, posts or a second A needs groups: contiguous int32 "
+                         "[G, 6] (overlap.policies.flat_groups of the table)")
 
 
-def _flat_meta(cfg: GemmConfig, a: Any, b_kn: bool, post: bool, activation: str | None, interp: bool,
-               start_flag: Any) -> dict[str, Any]:
-    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, B_KN=b_kn, HAS_POST=bool(post),
-                ACTIVATION=ACTIVATIONS[activation], UPCAST=interp and str(a.dtype) == "torch.bfloat16",
-                POST_START=start_flag is not None)
+def _flat_meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, has_groups: bool, wait: bool, post: bool,
+               activation: str | None, interp: bool, start_flag: Any, sig: bool) -> dict[str, Any]:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_A2=a2 is not None, B_KN=b_kn,
+                HAS_GROUPS=bool(has_groups), HAS_WAIT=bool(wait), HAS_POST=bool(post),
+                ACTIVATION=ACTIVATIONS[activation], USE_TIMER=not interp, FENCE_ASYNC=not interp,
+                UPCAST=interp and str(a.dtype) == "torch.bfloat16", POST_START=start_flag is not None, SIG=bool(sig))
 
 
-def _flat_key(meta: dict[str, Any], a: Any, b_store: Any, c: Any, table: Any, flags: Any, groups: Any) -> tuple:
+def _flat_key(meta: dict[str, Any], a: Any, a2: Any, b_store: Any, c: Any, table: Any, flags: Any, err: Any,
+              groups: Any) -> tuple:
     """``_key`` for the flattened kernel (not A's row count: see ``_key``)."""
-    return ("flat", tuple(meta.values()), a.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype, groups.dtype,
-            c.shape[1], a.shape[1], c.stride(0), c.stride(1), a.stride(0), tuple(b_store.shape),
-            tuple(b_store.stride()))
+    a2 = a2 if a2 is not None else a
+    return ("flat", tuple(meta.values()), a.dtype, a2.dtype, b_store.dtype, c.dtype, table.dtype, flags.dtype,
+            err.dtype, groups.dtype, c.shape[1], a.shape[1], c.stride(0), c.stride(1), a.stride(0), a2.stride(0),
+            tuple(b_store.shape), tuple(b_store.stride()))
 
 
 _NO_MORE = (None,) * (4 * (MAX_WEIGHTS - 1))
@@ -938,7 +976,7 @@ class TileGemmPlan:
         c = cs[0]
         self.flat = bool(config.flatten)
         if self.flat:
-            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, sig_stride is not None, groups)
+            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups)
         if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
             raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
@@ -967,10 +1005,11 @@ class TileGemmPlan:
         self.key = _key(self.meta, a, a2, b_stores, cs, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
         if self.flat:
-            self.groups = groups if groups is not None else table  # never read without posts
-            self.flat_head = (self.num_tiles, groups.shape[0] if post else 0)
-            self.meta = _flat_meta(cfg, a, b_kn, post, activation, self.interp, start_flag)
-            self.key = _flat_key(self.meta, a, b_stores[0], c, table, self.flags, self.groups)
+            self.meta = _flat_meta(cfg, a, a2, b_kn, groups is not None, wait, post, activation, self.interp,
+                                   start_flag, sig_stride is not None)
+            self.groups = groups if groups is not None else table  # never read without groups
+            self.flat_head = (self.num_tiles, groups.shape[0] if groups is not None else 0)
+            self.key = _flat_key(self.meta, a, a2, b_stores[0], c, table, self.flags, self.err, self.groups)
             self.prepared = _flat_launcher.prepare(self.key, self.meta, num_warps=cfg.num_warps,
                                                    num_stages=cfg.num_stages, interpret=self.interp)
         else:
@@ -1040,9 +1079,10 @@ class TileGemmPlan:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
         if self.flat:
-            self.prepared.launch(nprog, (descs[0], descs[2], c, self.table, self.flags, self.groups, *self.head[:2],
-                                         *self.flat_head, int(epoch), nprog, self.start, *self.c_layouts[0][1]),
-                                 aligned=(c, self.table, self.flags, self.groups))
+            self.prepared.launch(nprog, (*descs[:3], c, self.table, self.flags, self.err, self.groups,
+                                         *self.head[:2], *self.flat_head, int(epoch), *self.tail, nprog, self.start,
+                                         int(sig), self.sig_stride, *self.c_layouts[0][1]),
+                                 aligned=(c, self.table, self.flags, self.err, self.groups))
             return
         args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride,

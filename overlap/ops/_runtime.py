@@ -396,6 +396,11 @@ class OverlapConfig:
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
+        if getattr(self.gemm, "flatten", False) and (self.give_back or self.split_tail > 1):
+            # the flattened kernel takes rows statically: a second grid on the same table
+            # would compute them again, and it has no split tiles
+            raise ValueError("a flattened GEMM (GemmConfig.flatten) takes no give-back grid and no split tail: "
+                             "give_back=False, split_tail 0 or 1")
         if self.transport is not None:  # else each transport's rules apply where the call picks it
             self.check_for(self.transport)
 
@@ -1261,7 +1266,7 @@ def flat_variants(results: list[tuple[float, Any]], top: int = 2) -> list[Any]:
 
     ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig)
               and c.split_tail < 2 and not (c.gemm is not None and (c.gemm.flatten or c.gemm.warp_specialize))]
-    return [replace(c, gemm=replace(c.gemm or DEFAULT_CONFIG, flatten=True)) for c in ranked[:top]]
+    return [replace(c, gemm=replace(c.gemm or DEFAULT_CONFIG, flatten=True), give_back=False) for c in ranked[:top]]
 
 
 def ws_variants(results: list[tuple[float, Any]], device: Any, top: int = 2) -> list[Any]:

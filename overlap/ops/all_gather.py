@@ -39,7 +39,7 @@ import torch
 from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
-                        build_tile_table, split_tail, table_tensor, tail_parts, upload)
+                        build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
                        serial_phases, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream,
@@ -225,6 +225,8 @@ class _Plan:
     """The GEMM's split tail (first split table row, K pieces per tile), or None."""
     counters: int = 1
     """Counter words the GEMM uses: dispatch, then one per split tile."""
+    groups: torch.Tensor | None = None
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of rows per flag (``flat_groups``)."""
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -300,7 +302,9 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
         rows, split_start = split_tail(rows, tail, parts)
         split = (split_start, parts) if split_start is not None else None
         table = table_tensor(rows, rt.device)
-        p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0))
+        groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
+        p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0),
+                  groups)
         plans[key] = p
     return p
 
@@ -472,7 +476,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)
         gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
                        timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
-                       split=p.split)
+                       split=p.split, groups=p.groups)
         descs = gp.operands(a_shard, b, gathered)
         with gpu_range("gemm", "grid"):
             gp.launch(descs, c, epoch=1, grid=p.grid)

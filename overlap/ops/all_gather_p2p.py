@@ -72,7 +72,7 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         _flags.stream_zero(cur, counter, p.counters)
     gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
                    timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,
-                   sig_stride=stride)
+                   sig_stride=stride, groups=p.groups)
     with gpu_range("gemm", "grid"):
         gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid, sig=sig)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)

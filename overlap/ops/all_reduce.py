@@ -57,7 +57,8 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import build_tile_table, row_chunk_segments, split_rows, split_tail, table_tensor, tail_parts, upload
+from ..policies import (build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
+                        tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
@@ -256,6 +257,8 @@ class _Plan:
     """p2p: the reduce kernel's small programs run beside the GEMM's (``OverlapConfig.reduce_shared``)."""
     two_shot: "_peer._TwoShot | None" = None
     """p2p two-shot: who reduces which rows (``OverlapConfig.two_shot``), or None."""
+    groups: torch.Tensor | None = None
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of rows per flag (``flat_groups``)."""
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -339,8 +342,9 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
                 acc.append(acc[-1] + r)
             starts = upload(torch.tensor(acc, dtype=torch.int32).numpy(), rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
+        groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
-                  1 + (tail if split else 0), shared, two)
+                  1 + (tail if split else 0), shared, two, groups)
         plans[key] = p
     return p
 
@@ -522,7 +526,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
             chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w.flags, c_idx)
             start += rows
         gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
-                       counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split)
+                       counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split, groups=p.groups)
         descs = gp.operands(y, b)
         gate(w.flags, err, rt.rank, timeout_ns)
         with gpu_range("gemm", "grid"):

@@ -222,7 +222,8 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             # there behind the reduce kernel, so that one does not wait)
             rt.fork(cur, ns)
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
-                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split)
+                   counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
+                   groups=p.groups)
     descs = gp.operands(y, b)
     with gpu_range("gemm", "grid"):
         gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
@@ -357,7 +358,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
             rt.fork(cur, ns)  # the give-back grid reads B' too
     gp = gemm_plan(p.launches, h, b, c, p.table, a2=ag, flags=sf.local, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
-                   sig_stride=two.stride)
+                   sig_stride=two.stride, groups=p.groups)
     descs = gp.operands(h, b, ag)
     rowstat = stats_all if fold else None
     gp.launch(descs, c, epoch=epoch, grid=p.grid, rowstat=rowstat, colvec=vec, sig=sig)

@@ -55,7 +55,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import Segment, build_tile_table, post_groups, split_rows, table_tensor, upload
+from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
@@ -310,7 +310,7 @@ class _Plan:
     nccl_ctas: int
     gemm: Any
     groups: torch.Tensor | None = None
-    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``post_groups``)."""
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``flat_groups``)."""
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's GEMM (``_runtime.gemm_plan``)."""
 
@@ -352,7 +352,7 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
             raise ValueError(f"{op}: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
                              f"margin {margin}")
         table = table_tensor(rows, rt.device)
-        groups = upload(post_groups(rows), rt.device) if gemm.flatten else None
+        groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
         p = _Plan(cmap, table, tuple(counts), grid, nccl_ctas, gemm, groups)
         plans[key] = p
     return p

@@ -59,7 +59,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import Segment, post_groups, push_slot, row_bucket, split_rows, table_tensor, upload
+from ..policies import Segment, flat_groups, push_slot, row_bucket, split_rows, table_tensor, upload
 from . import matmul_reduce as _mr
 from ._runtime import (LRU, OverlapCaptureError, OverlapConfig, Runtime, call_sig, capturing, dtype_code, gemm_plan,
                        on_stream, post_sig, report_errors)
@@ -173,7 +173,7 @@ class _PeerPlan:
     shared: bool
     gemm: Any
     groups: torch.Tensor | None
-    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``post_groups``)."""
+    """A flattened GEMM's (``GemmConfig.flatten``) runs of tiles per chunk (``flat_groups``)."""
     starts: torch.Tensor
     """int32 [chunks + 1] row starts within the reduced block (the reduce kernel's)."""
     ready: Any
@@ -221,7 +221,7 @@ def _plan(rt: Runtime, op: str, m: int, n: int, k: int, cfg: OverlapConfig) -> _
             acc.append(acc[-1] + r)
         starts = upload(torch.tensor(acc, dtype=torch.int32).numpy(), rt.device)
         programs = reduce_ctas if shared else reduce_ctas * REDUCE_PROGRAMS_PER_SM
-        groups = upload(post_groups(rows), rt.device) if gemm.flatten else None
+        groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
         p = _PeerPlan(lay, table_tensor(rows, rt.device), tuple(counts), grid, programs, shared, gemm, groups, starts,
                       _flags.FlagArray(len(lay.chunk_rows), rt.device))
         plans[key] = p

@@ -75,6 +75,9 @@ def test_transport_options() -> None:
     (dict(transport=PeerCopyTransport(reduce_shared=True), gemm=WS), "warp-specialized"),
     # the typed options' own ranges
     (dict(transport="nccl", nccl_ctas=65), r"nccl_ctas must be in \[1, 64\]"),
+    # a flattened GEMM takes rows statically: no give-back grid, no split tail
+    (dict(gemm=GemmConfig(flatten=True)), "give-back"),
+    (dict(gemm=GemmConfig(flatten=True), give_back=False, split_tail=2), "split tail"),
 ])
 def test_cross_field_rules_raise_at_construction(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -67,12 +67,12 @@ def test_producer_gemm_interpreted() -> None:
     segment's rows where the map puts them; new inputs per call."""
     from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
     from overlap.ops.matmul_reduce import producer_table, reduce_scatter_layout
-    from overlap.policies import post_groups
+    from overlap.policies import flat_groups
 
     g = torch.Generator().manual_seed(3)
     for (world, m, n, k, chunks, scatter), flatten in itertools.product(
             ((2, 80, 40, 32, 2, True), (3, 96, 24, 16, 3, True), (1, 50, 32, 48, 2, False)), (False, True)):
-        # flatten: the producer GEMM as one software pipeline, posting per chunk (post_groups)
+        # flatten: the producer GEMM as one software pipeline, posting per chunk (flat_groups)
         cfg = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4, flatten=flatten)
         for call in range(2):  # new inputs, the counters zeroed per call as the op does
             a = torch.randn(m, k, generator=g, dtype=torch.float16)
@@ -84,7 +84,7 @@ def test_producer_gemm_interpreted() -> None:
             counter = torch.zeros(4, dtype=torch.int32)
             err = torch.zeros(8, dtype=torch.int32)
             c = torch.full((m, n), float("nan"), dtype=torch.float16)
-            groups = torch.tensor(post_groups(rows)) if flatten else None
+            groups = torch.tensor(flat_groups(rows)) if flatten else None
             launch_tile_gemm(a, w.t(), c, table, flags=flags, err=err, epoch=1, grid=3, config=cfg, post=True,
                              counter=counter[0:1], groups=groups)
             assert flags.tolist() == counts, (flags.tolist(), counts)

@@ -7,6 +7,7 @@ Each test runs in a child process with TRITON_INTERPRET=1 (``tests._interp``).""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -209,10 +210,12 @@ def test_p2p_all_gather_op() -> None:
     ms, n, k = 150, 40, 48
     with rt.patched():
         calls = 0
-        for chunks, layout, ret, split in ((1, "wt", False, 0), (2, "kn", True, 0), (2, "wt", True, 0),
-                                           (1, "kn", False, 8), (2, "wt", True, 2)):
-            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p", gemm=CFG32 if split else CFG,
-                                split_tail=split)
+        for chunks, layout, ret, split, flat in ((1, "wt", False, 0, False), (2, "kn", True, 0, False),
+                                                 (2, "wt", True, 0, False), (1, "kn", False, 8, False),
+                                                 (2, "wt", True, 2, False), (2, "kn", True, 0, True)):
+            cfg = OverlapConfig(chunks=chunks, check="sync", transport="p2p",
+                                gemm=replace(CFG32 if split else CFG, flatten=flat), split_tail=split,
+                                give_back=not flat)
             if split:  # 5 + 5 row tiles x 3 column tiles: 30 % 12 = 6 left, in 2 pieces each
                 p = ag._plan(rt, ms, n, k, cfg, "p2p")
                 assert p.split == (p.table.shape[0] - 12, 2), p.split
@@ -445,11 +448,14 @@ def test_nccl_consumer_ops() -> None:
     g = torch.Generator().manual_seed(7)
     ms, m, n, k = 150, 300, 48, 64  # all-gather: 150 rows per rank; all-reduce: 300 rows
     with rt.patched():
-        for chunks, kind, with_res, layout, give_back, split in (
-                (1, None, False, "wt", True, 0), (2, "layernorm", True, "wt", True, 0),
-                (3, "rmsnorm", False, "kn", False, 0), (2, "layernorm", True, "kn", True, 2)):
+        # the last case: the flattened GEMM (GemmConfig.flatten), waiting per chunk
+        for chunks, kind, with_res, layout, give_back, split, flat in (
+                (1, None, False, "wt", True, 0, False), (2, "layernorm", True, "wt", True, 0, False),
+                (3, "rmsnorm", False, "kn", False, 0, False), (2, "layernorm", True, "kn", True, 2, False),
+                (3, "layernorm", True, "wt", False, 0, True)):
+            gemm = replace(CFG32 if split else CFG, flatten=flat)
             cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
-                                transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
+                                transport="nccl", gemm=gemm, split_tail=split)
             lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
             b = lin.t() if layout == "wt" else lin.t().contiguous()
             norm = None

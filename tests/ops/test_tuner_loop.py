@@ -236,10 +236,10 @@ def test_flat_variants_take_the_fastest_plain_configs() -> None:
     results = [(0.5, SEQUENTIAL),
                (1.0, OverlapConfig(chunks=8, split_tail=2)),
                (2.0, OverlapConfig(chunks=4, gemm=GemmConfig(warp_specialize=True))),
-               (3.0, OverlapConfig(chunks=2, gemm=GemmConfig(flatten=True))),
+               (3.0, OverlapConfig(chunks=2, gemm=GemmConfig(flatten=True), give_back=False)),
                (5.0, OverlapConfig(chunks=1)),
                (4.0, OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4))),
                (6.0, OverlapConfig(chunks=3))]
     assert flat_variants(results) == [
-        OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, flatten=True)),
-        OverlapConfig(chunks=1, gemm=replace(DEFAULT_CONFIG, flatten=True))]
+        OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, flatten=True), give_back=False),
+        OverlapConfig(chunks=1, gemm=replace(DEFAULT_CONFIG, flatten=True), give_back=False)]
