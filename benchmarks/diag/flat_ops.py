@@ -95,7 +95,7 @@ def main() -> None:
                   f"{ms['flat']:.3f} ({row['flat_over_per_tile']:.3f}x)"
                   + (f" | per-tile + give-back {ms['per-tile + give-back']:.3f}" if "per-tile + give-back" in ms
                      else ""), flush=True)
-    if args.out and dist.get_context().rank == 0:
+    if args.out and torch.distributed.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "flat_ops.json"), "w") as fh:
             json.dump({"context": run_context(1), "rows": rows}, fh, indent=1)
