@@ -121,7 +121,7 @@ def main() -> None:
         ks = k // world
         # the per-tile GEMM and the flattened one (GemmConfig.flatten, posting per chunk)
         for it, flat in itertools.product(range(3), (False, True)):
-            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync",
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=8, check="sync", give_back=not flat,
                                 gemm=GemmConfig(flatten=True) if flat else None)
             seed = 100 * it + m + n + k + 17 * flat
             a_full = shared(m, k, seed=seed, dev=dev, dtype=dt)
