@@ -155,6 +155,34 @@ def _(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, return_gathered: 
 _forward_only(_all_gather_matmul_op, "all_gather_matmul")
 
 
+@torch.library.custom_op("overlap::all_gather_matmul_many", mutates_args=())
+def _all_gather_matmul_many_op(a_shard: torch.Tensor, bs: list[torch.Tensor], group_name: str,
+                               return_gathered: bool, config: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``([all_gather(a_shard) @ b for b in bs], all_gather(a_shard) or an empty tensor)``:
+    one gather, one grid over the weights' GEMMs (``overlap.ops.all_gather_matmul`` with a list)."""
+    out = _ag_impl(a_shard, list(bs), group=_group(group_name), return_gathered=return_gathered,
+                   config=_configs[config])
+    cs, gathered = out if return_gathered else (out, a_shard.new_empty(0))
+    # outputs may not alias each other or the inputs (a custom op's contract): each its own tensor
+    return [c.clone() if any(c is x for x in bs) else c for c in cs], gathered
+
+
+@_all_gather_matmul_many_op.register_fake
+def _(a_shard: torch.Tensor, bs: list[torch.Tensor], group_name: str, return_gathered: bool,
+      config: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    torch._check(a_shard.dim() == 2 and len(bs) > 0 and all(b.dim() == 2 for b in bs),
+                 lambda: "all_gather_matmul: a_shard and each weight must be 2-D, and the list not empty")
+    for b in bs:
+        torch._check(a_shard.shape[1] == b.shape[0],
+                     lambda: f"all_gather_matmul: K mismatch, a_shard {a_shard.shape}, b {b.shape}")
+    m = _world_size(group_name) * a_shard.shape[0]
+    return ([a_shard.new_empty((m, b.shape[1])) for b in bs],
+            a_shard.new_empty((m, a_shard.shape[1]) if return_gathered else (0,)))
+
+
+_forward_only(_all_gather_matmul_many_op, "all_gather_matmul")
+
+
 def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, return_gathered: bool = False,
                       config: OverlapConfig | None = None, gather_dim: int = 0) -> Any:
     """``all_gather(a_shard, dim=gather_dim) @ b``: ``overlap.ops.all_gather_matmul``, traceable by
@@ -162,10 +190,14 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     list of such weights (one gather; a list of outputs). See ``overlap._shapes``."""
     if not _shapes.simple(a_shard, b, gather_dim):
         _refuse_grad("all_gather_matmul", a_shard, *(b if isinstance(b, (list, tuple)) else [b]))
-        # eager, a list of weights goes to the op whole (one grid over their GEMMs); a compiled
-        # call takes one weight per custom op (the widest fused, the others after it)
-        many = None if _compiling() else (
-            lambda rows, bs, need_g: _ag_impl(rows, bs, group=group, return_gathered=need_g, config=config))
+        # a list of weights goes to the op whole (one grid over their GEMMs); compiled, through
+        # the list-taking custom op
+        def many(rows: torch.Tensor, bs: list[torch.Tensor], need_g: bool) -> Any:
+            if _compiling():
+                cs, g = _all_gather_matmul_many_op(rows, bs, _group_name(group), need_g, config_id(config))
+                return (cs, g) if need_g else cs
+            return _ag_impl(rows, bs, group=group, return_gathered=need_g, config=config)
+
         return _shapes.all_gather_matmul(
             lambda rows, b0, need_g: all_gather_matmul(rows, b0, group=group, return_gathered=need_g, config=config),
             a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered, fused_many=many)

@@ -199,11 +199,15 @@ def test_fake_shapes(world1: Any) -> None:
             ag(a, torch.empty(9, 6, dtype=torch.float16), "", False, 0)
 
 
-@pytest.mark.parametrize("case", ["ag", "ag_gathered", "ar", "ar_norm", "chain"])
+@pytest.mark.parametrize("case", ["ag", "ag_gathered", "ag_many", "ag_many_gathered", "ar", "ar_norm", "chain"])
 def test_opcheck(world1: Any, case: str) -> None:
     x, b, w1, w2 = torch.randn(5, 8), torch.randn(6, 8).t(), torch.randn(6, 16), torch.randn(16, 3)
+    bs = [b, torch.randn(3, 8).t(), torch.randn(8, 4)]
     op, args = {
         "ag": (torch.ops.overlap.all_gather_matmul.default, (x, b, "", False, 0)),
+        "ag_many": (torch.ops.overlap.all_gather_matmul_many.default, (x, bs, "", False, 0)),
+        "ag_many_gathered": (torch.ops.overlap.all_gather_matmul_many.default,
+                             (x, bs, world1.tp_group.group_name, True, 0)),
         "ag_gathered": (torch.ops.overlap.all_gather_matmul.default, (x, b, world1.tp_group.group_name, True, 0)),
         "ar": (torch.ops.overlap.all_reduce_matmul.default, (x, b, "", None, None, None, None, 0.0, 0)),
         "ar_norm": (torch.ops.overlap.all_reduce_matmul.default,
@@ -211,6 +215,35 @@ def test_opcheck(world1: Any, case: str) -> None:
         "chain": (torch.ops.overlap.mlp_chain.default, (x @ b, w1, w2, "gelu", 0, None, False, 0)),
     }[case]
     torch.library.opcheck(op, args)
+
+
+def test_weight_list_is_one_custom_op_compiled(world1: Any) -> None:
+    """A list of weights under torch.compile: one ``all_gather_matmul_many`` call (one gather,
+    one grid over the weights' GEMMs) with the list whole, not one op per weight; N-D input,
+    gather dim 1; outputs equal eager's with inputs changing between calls; fake shapes."""
+    rec = GraphRecorder()
+
+    def f(x: torch.Tensor, b0: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor) -> Any:
+        return overlap.all_gather_matmul(x, [b0, b1, b2], gather_dim=1, return_gathered=True)
+
+    fc = torch.compile(f, backend=rec, fullgraph=True)
+    for call in range(3):
+        g = torch.Generator().manual_seed(call)
+        x = torch.randn(2, 3, 8, generator=g)
+        bs = [torch.randn(n, 8, generator=g).t() for n in (6, 4, 4)]
+        (cs, gathered), (cs_e, gathered_e) = fc(x, *bs), f(x, *bs)
+        assert torch.equal(gathered, gathered_e) and torch.equal(gathered, x)
+        for c, c_e, b in zip(cs, cs_e, bs):
+            torch.testing.assert_close(c, c_e)
+            torch.testing.assert_close(c, x @ b)
+    targets = [t for t in rec.targets() if "overlap" in t]
+    assert targets == ["overlap.all_gather_matmul_many.default"], targets
+    with FakeTensorMode():
+        cs, g = torch.ops.overlap.all_gather_matmul_many(torch.empty(5, 8), [torch.empty(8, 6), torch.empty(8, 2)],
+                                                         "", False, 0)
+        assert [c.shape for c in cs] == [(5, 6), (5, 2)] and g.shape == (0,)
+        with pytest.raises(RuntimeError, match="K mismatch"):
+            torch.ops.overlap.all_gather_matmul_many(torch.empty(5, 8), [torch.empty(9, 6)], "", False, 0)
 
 
 # ---- (c) inputs that require grad -----------------------------------------------------
