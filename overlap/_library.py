@@ -235,6 +235,35 @@ def _(x_partial: torch.Tensor, b: torch.Tensor, group_name: str, residual: Optio
 _forward_only(_all_reduce_matmul_op, "all_reduce_matmul")
 
 
+@torch.library.custom_op("overlap::all_reduce_matmul_many", mutates_args=())
+def _all_reduce_matmul_many_op(x_partial: torch.Tensor, bs: list[torch.Tensor], group_name: str,
+                               residual: Optional[torch.Tensor], norm_kind: Optional[str],
+                               norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                               norm_eps: float, config: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``([norm(h) @ b for b in bs], h)``, ``h = all_reduce(x_partial) + residual``: one
+    all-reduce and norm, one grid over the weights' GEMMs."""
+    norm = None if norm_kind is None else Norm(norm_kind, norm_weight, norm_bias, norm_eps)
+    cs, h = _ar_impl(x_partial, list(bs), group=_group(group_name), residual=residual, norm=norm,
+                     config=_configs[config])
+    return list(cs), h
+
+
+@_all_reduce_matmul_many_op.register_fake
+def _(x_partial: torch.Tensor, bs: list[torch.Tensor], group_name: str, residual: Optional[torch.Tensor],
+      norm_kind: Optional[str], norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+      norm_eps: float, config: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    torch._check(x_partial.dim() == 2 and len(bs) > 0 and all(b.dim() == 2 for b in bs),
+                 lambda: "all_reduce_matmul: x_partial and each weight must be 2-D, and the list not empty")
+    for b in bs:
+        torch._check(x_partial.shape[1] == b.shape[0],
+                     lambda: f"all_reduce_matmul: K mismatch, x_partial {x_partial.shape}, b {b.shape}")
+    m, k = x_partial.shape
+    return [x_partial.new_empty((m, b.shape[1])) for b in bs], x_partial.new_empty((m, k))
+
+
+_forward_only(_all_reduce_matmul_many_op, "all_reduce_matmul")
+
+
 def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
                       residual: torch.Tensor | None = None, norm: Norm | None = None,
                       config: OverlapConfig | None = None) -> tuple[Any, torch.Tensor]:
@@ -243,9 +272,20 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
     (one all-reduce and norm; a list of outputs)."""
     if not _shapes.simple(x_partial, b):
         _refuse_grad("all_reduce_matmul", *(b if isinstance(b, (list, tuple)) else [b]))
+
+        # a list of weights goes to the op whole (one all-reduce and norm, one grid over the
+        # GEMMs); compiled, through the list-taking custom op
+        def many(rows: torch.Tensor, bs: list[torch.Tensor], res: torch.Tensor | None) -> Any:
+            if _compiling():
+                kind, w, bias, eps = (None, None, None, 0.0) if norm is None else (
+                    norm.kind, norm.weight, norm.bias, float(norm.eps))
+                return _all_reduce_matmul_many_op(rows, bs, _group_name(group), res, kind, w, bias, eps,
+                                                  config_id(config))
+            return _ar_impl(rows, bs, group=group, residual=res, norm=norm, config=config)
+
         return _shapes.all_reduce_matmul(
             lambda rows, b0, res: all_reduce_matmul(rows, b0, group=group, residual=res, norm=norm, config=config),
-            x_partial, b, residual=residual, norm=norm)
+            x_partial, b, residual=residual, norm=norm, fused_many=many)
     if _compiling():
         if norm is None:
             return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,

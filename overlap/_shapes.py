@@ -163,13 +163,19 @@ def like_rows(op: str, t: torch.Tensor | None, lead: tuple[int, ...], name: str)
 
 
 def all_reduce_matmul(fused: Any, x_partial: torch.Tensor, b: Any, *, residual: torch.Tensor | None,
-                      norm: Any) -> tuple[Any, torch.Tensor]:
-    """``fused(rows, b0, residual_rows)`` is the 2-D op, returning (c, h)."""
+                      norm: Any, fused_many: Any = None) -> tuple[Any, torch.Tensor]:
+    """``fused(rows, b0, residual_rows)`` is the 2-D op, returning (c, h); ``fused_many(rows,
+    bs, residual_rows)``, where given, the 2-D op on a list of weights, returning (the list
+    of outputs, h)."""
     op = "all_reduce_matmul"
     x2, lead = flat(op, x_partial, "x_partial")
     bs, many = weights(op, b, x2.shape[1], x2.dtype)
+    res2 = like_rows(op, residual, lead, "residual")
+    if len(bs) > 1 and fused_many is not None:
+        cs, h = fused_many(x2, bs, res2)
+        return [c.view(*lead, c.shape[-1]) for c in cs], h.view(*lead, h.shape[-1])
     first = longest(bs)
-    c0, h = fused(x2, bs[first], like_rows(op, residual, lead, "residual"))
+    c0, h = fused(x2, bs[first], res2)
     if len(bs) > 1:
         y = norm.apply(h) if norm is not None else h
         cs = [c0 if i == first else y @ w for i, w in enumerate(bs)]

@@ -57,7 +57,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..policies import (build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
+from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
                         tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
@@ -74,6 +74,7 @@ __all__ = [
 ]
 
 stats: dict[str, int] = {"fused": 0, "p2p": 0, "reference": 0, "chunked": 0, "sequential_by_tuner": 0, "chunked_by_tuner": 0,
+                         "many": 0, "many_widest": 0,
                          "reference_in_capture": 0}
 """How many calls took each path (proof that the fast path ran)."""
 
@@ -285,7 +286,9 @@ def _default_chunks(m: int) -> int:
     return max(1, min(4, m // 2048))
 
 
-def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
+def _plan(rt: Runtime, m: int, n: Any, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
+    """The call's plan, cached on ``rt``; ``n``: N of one weight, or a tuple of the Ns of a
+    list of weights (one grid over their GEMMs, NCCL transport only)."""
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
@@ -321,7 +324,13 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
             last = 1
             if reduce_ctas:  # a chunk is ready when every reduce program posted it
                 segs = [replace(sg, wait_mult=programs) for sg in segs]
-        rows = build_tile_table(segs, n, gemm.block_m, gemm.block_n, array=True)
+        ns = n if isinstance(n, tuple) else (n,)
+        if len(ns) > 1:
+            if reduce_ctas:
+                raise ValueError("all_reduce_matmul: a list of weights runs on the NCCL transport only")
+            rows = build_multi_tile_table(segs, ns, gemm.block_m, gemm.block_n, array=True)
+        else:
+            rows = build_tile_table(segs, ns[0], gemm.block_m, gemm.block_n, array=True)
         # SMs of their own for the reduce programs, unless they run beside the GEMM's
         grid = rt.num_sms - nccl_ctas - (0 if shared else reduce_ctas) - margin
         if grid < 1:
@@ -329,7 +338,7 @@ def _plan(rt: Runtime, m: int, n: int, k: int, cfg: OverlapConfig, transport: st
                              f"reduce_ctas={reduce_ctas}, margin {margin}")
         # the last chunk's tiles all become ready at the end, when the give-back grid
         # (if any) holds the other SMs too: in K pieces they spread over them
-        tail = sum(-(-sg.rows // gemm.block_m) for sg in segs[-last:]) * -(-n // gemm.block_n)
+        tail = sum(-(-sg.rows // gemm.block_m) for sg in segs[-last:]) * sum(-(-x // gemm.block_n) for x in ns)
         give_back = rt.num_sms - grid if cfg.give_back and not shared else 0
         parts = tail_parts(tail, grid + give_back, -(-k // gemm.block_k), cfg.split_tail)
         rows, split_start = split_tail(rows, tail, parts)
@@ -374,7 +383,14 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     group, fp32) take ``all_reduce_matmul_ref`` with a one-time warning.
     ``config`` overrides the tuned transport ("p2p" pushes and a reduce kernel on
     ``reduce_ctas`` SMs, or "nccl"), chunking, NCCL CTA cap and GEMM config.
+
+    ``b`` may be a list of weights (Q, K, V; SwiGLU's gate and up) that read the same normed
+    rows: one all-reduce and norm, and on the NCCL transport (a list's default) their GEMMs as
+    one grid, every weight's tiles of a chunk waiting on the chunk's flag; returns (the list
+    of outputs, h). See ``_many``.
     """
+    if isinstance(b, (list, tuple)):
+        return _many(x_partial, list(b), group, residual, norm, config)
     _check_inputs(x_partial, b, residual, norm)
     refuse_grad("all_reduce_matmul", x_partial, b, residual, *((norm.weight, norm.bias) if norm else ()))
     group = resolve_group(group)
@@ -450,6 +466,91 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
         norm, config))
 
 
+def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual: torch.Tensor | None,
+          norm: Norm | None, config: OverlapConfig | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``all_reduce_matmul`` with a list of weights. One all-reduce, add and norm; the
+    weights' GEMMs as one grid over the normed rows (``build_multi_tile_table``: per chunk,
+    weight 0's tiles, then 1's, ..., all waiting on the chunk's flag) on the NCCL transport,
+    which a list takes unless the config asks for the peer-copy one. Up to ``MAX_WEIGHTS``
+    weights of one B layout. Otherwise (more weights, mixed layouts, ``transport="p2p"``,
+    CPU or fp32) the widest weight's GEMM runs in the op and the others read the normed
+    rows after it, with the reason in ``overlap.report()``. Not tuned: ``config`` or the
+    default chunking on NCCL."""
+    from ..kernels.tile_gemm import check_b
+    from .all_gather import _many_refusal
+
+    if not bs:
+        raise ValueError("all_reduce_matmul: an empty list of weights")
+    for i, w in enumerate(bs):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"all_reduce_matmul: b[{i}] is a {type(w).__name__}, not a tensor [K, N]")
+        if w.dtype != x_partial.dtype:
+            raise ValueError(f"all_reduce_matmul: b[{i}] is {w.dtype}, x_partial is {x_partial.dtype}: the "
+                             "weights of one all-reduce share its dtype")
+        try:
+            _check_inputs(x_partial, w, residual, norm)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"all_reduce_matmul: b[{i}]: {e}") from None
+    refuse_grad("all_reduce_matmul", x_partial, residual, *bs, *((norm.weight, norm.bias) if norm else ()))
+    group = resolve_group(group)
+    m, k = x_partial.shape
+    ns = tuple(w.shape[1] for w in bs)
+    why = _many_refusal(bs)
+    if why is None and (not x_partial.is_cuda or x_partial.dtype not in (torch.float16, torch.bfloat16)):
+        why = "no tile-flag path"
+    if why is None and config is not None and config.transport == "p2p":
+        why = "the peer-copy transport takes one weight"
+    if why is not None:
+        return _widest(x_partial, bs, group, residual, norm, config, why)
+    esize = x_partial.element_size()
+    if (k * esize) % 16 or any((x * esize) % 16 for x in ns):
+        raise ValueError(f"all_reduce_matmul: K={k} and N={ns} must be multiples of {16 // esize} "
+                         f"for {x_partial.dtype} (16-byte rows for TMA)")
+    for w in bs:
+        check_b(w)  # before any work is queued
+    if capturing() and get_runtime_if_made(group, x_partial.device) is None:
+        raise OverlapCaptureError("all_reduce_matmul: call it once outside the CUDA graph capture first")
+    rt = get_runtime(group, x_partial.device)
+    rt.p2p()  # collective on the first call, the same on every rank whichever path follows
+    given = config is not None
+    config = replace(config or OverlapConfig(), transport="nccl") if (config is None or config.transport is None) \
+        else config
+    chunks = config.chunks or _default_chunks(m)
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p")
+                + tuple(f"N{i}" for i in range(1, len(ns))),
+                (m, k, ns[0], dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks, 0)
+                + ns[1:], rows_at=0)
+    sig = (m, k, ns, x_partial.dtype, tuple(w.stride() for w in bs), residual is not None,
+           None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), config, "nccl")
+    rt.require_warm("all_reduce_matmul", sig)
+    stats["many"] += 1
+    return rt.mark_warm("all_reduce_matmul", sig, observed(
+        "all_reduce_matmul", (m, sum(ns), k), f"nccl x{chunks}, {len(bs)} weights in one grid",
+        "config given" if given else "default config", x_partial.device, _fused, rt, x_partial.contiguous(), bs,
+        residual, norm, config))
+
+
+def _widest(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual: torch.Tensor | None,
+            norm: Norm | None, config: OverlapConfig | None, why: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A list of weights not run as one grid: the widest weight's GEMM in the op (the first
+    of equals), the others on the normed rows after it (recomputed from h with torch ops).
+    Counted in ``overlap.report()`` with ``why``; warned once where the one grid was possible
+    on this input."""
+    first = max(range(len(bs)), key=lambda i: (bs[i].shape[1], -i))
+    if why != "no tile-flag path":
+        warn_once(f"armm-widest-{why}", f"all_reduce_matmul: a list of weights not run as one grid ({why}); the "
+                  "widest weight's GEMM is overlapped, the others run by torch.matmul after it")
+        stats["many_widest"] += 1
+
+    def run() -> tuple[list[torch.Tensor], torch.Tensor]:
+        c0, h = all_reduce_matmul(x_partial, bs[first], group=group, residual=residual, norm=norm, config=config)
+        y = norm.apply(h) if norm is not None else h
+        return [c0 if i == first else y @ w for i, w in enumerate(bs)], h
+
+    return observed("all_reduce_matmul", (x_partial.shape[0], sum(w.shape[1] for w in bs), x_partial.shape[1]),
+                    f"widest fused, {len(bs) - 1} by torch.matmul", why, x_partial.device, run)
+
+
 def _norm_code(norm: Norm | None) -> int:
     """The norm as one int for the ranks' agreement: 0 none, then kind, weight dtype and bias."""
     if norm is None:
@@ -501,10 +602,13 @@ def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, st
         _flags.stream_write_value(ns, flags, idx, 1)
 
 
-def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
-           cfg: OverlapConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused(rt: Runtime, x: torch.Tensor, b: Any, residual: torch.Tensor | None, norm: Norm | None,
+           cfg: OverlapConfig) -> tuple[Any, torch.Tensor]:
+    """The NCCL transport; ``b`` one weight (c a tensor) or a list of them (one grid over
+    their GEMMs, every weight's tiles of a chunk waiting on its flag; c their list)."""
     m, k = x.shape
-    n = b.shape[1]
+    many = isinstance(b, list)
+    n = tuple(w.shape[1] for w in b) if many else b.shape[1]
     p = _plan(rt, m, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_reduce_matmul")
@@ -518,7 +622,7 @@ def _fused(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor
                     ("all_reduce_matmul", p.counters, len(p.chunk_rows))) as (cur, (w,)):
         h = torch.empty_like(x)
         y = torch.empty_like(x) if norm is not None else h
-        c = x.new_empty((m, n))
+        c = [x.new_empty((m, ni)) for ni in n] if many else x.new_empty((m, n))
         start = 0
         for c_idx, rows in enumerate(p.chunk_rows):
             with gpu_range("comm", "chunk", c_idx):

@@ -21,6 +21,7 @@ import overlap.compat  # noqa: E402,F401
 from overlap import dist  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
+from overlap.ops import all_reduce as armod  # noqa: E402
 from overlap.ops._runtime import OverlapConfig  # noqa: E402
 
 
@@ -84,6 +85,24 @@ def main() -> None:
     assert agmod.stats["many_widest"] == widest0 + 1
     text = str(overlap.report())
     assert "weights in one grid" in text and "at most 4" in text, text
+    # all_reduce_matmul with a list: one all-reduce and norm, one grid over the GEMMs (NCCL),
+    # every rank's partial sums different, inputs changing every call
+    armm_many0 = armod.stats["many"]
+    norm_w = torch.rand(1024, device=dev, dtype=torch.bfloat16, generator=g) + 0.5
+    norm_b = torch.randn(1024, device=dev, dtype=torch.bfloat16, generator=g)
+    lins = [torch.randn(n, 1024, device=dev, dtype=torch.bfloat16, generator=g) / 32 for n in (1024, 256, 256)]
+    for cfg in (None, OverlapConfig(transport="nccl", chunks=3, nccl_ctas=8, check="sync")):
+        for it in range(3):
+            parts = torch.randn(world, 2048, 1024, device=dev, dtype=torch.bfloat16, generator=g)
+            res = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16, generator=g)
+            cs, h = armod.all_reduce_matmul(parts[rank], [w.t() for w in lins], residual=res,
+                                            norm=armod.Norm("layernorm", norm_w, norm_b), config=cfg)
+            h_want = parts.float().sum(0) + res.float()
+            y = torch.nn.functional.layer_norm(h_want, (1024,), norm_w.float(), norm_b.float())
+            assert rel(h, h_want) < 1e-2, ("armm list h", cfg, it, rel(h, h_want))
+            for c, w in zip(cs, lins):
+                assert rel(c, y @ w.float().t()) < 2e-2, ("armm list", cfg, it, rel(c, y @ w.float().t()))
+    assert armod.stats["many"] - armm_many0 == 6, armod.stats
     torch.cuda.synchronize()
     tdist.barrier()
     print(f"PASS agmm_many world={world} rank={rank} calls={calls}", flush=True)

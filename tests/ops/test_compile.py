@@ -246,6 +246,36 @@ def test_weight_list_is_one_custom_op_compiled(world1: Any) -> None:
             torch.ops.overlap.all_gather_matmul_many(torch.empty(5, 8), [torch.empty(9, 6)], "", False, 0)
 
 
+def test_all_reduce_weight_list_is_one_custom_op_compiled(world1: Any) -> None:
+    """all_reduce_matmul with a list of weights under torch.compile: one
+    ``all_reduce_matmul_many`` call (one all-reduce and norm, one grid over the GEMMs),
+    N-D input, residual and LayerNorm; equal to eager and to torch with inputs changing."""
+    rec = GraphRecorder()
+    lw, lb = torch.rand(8) + 0.5, torch.randn(8)
+    norm = Norm("layernorm", lw, lb, 1e-5)
+
+    def f(x: torch.Tensor, r: torch.Tensor, b0: torch.Tensor, b1: torch.Tensor) -> Any:
+        return overlap.all_reduce_matmul(x, [b0, b1], residual=r, norm=norm)
+
+    fc = torch.compile(f, backend=rec, fullgraph=True)
+    for call in range(3):
+        g = torch.Generator().manual_seed(10 + call)
+        x, r = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+        bs = [torch.randn(n, 8, generator=g).t() for n in (6, 4)]
+        (cs, h), (cs_e, h_e) = fc(x, r, *bs), f(x, r, *bs)
+        y = torch.nn.functional.layer_norm(x + r, (8,), lw, lb, 1e-5)
+        torch.testing.assert_close(h, h_e)
+        torch.testing.assert_close(h, x + r)
+        for c, c_e, b in zip(cs, cs_e, bs):
+            torch.testing.assert_close(c, c_e)
+            torch.testing.assert_close(c, y @ b)
+    targets = [t for t in rec.targets() if "overlap" in t]
+    assert targets == ["overlap.all_reduce_matmul_many.default"], targets
+    torch.library.opcheck(torch.ops.overlap.all_reduce_matmul_many.default,
+                          (torch.randn(6, 8), [torch.randn(8, 3), torch.randn(5, 8).t()], "", torch.randn(6, 8),
+                           "rmsnorm", lw, None, 1e-6, 0))
+
+
 # ---- (c) inputs that require grad -----------------------------------------------------
 
 def _grad_calls() -> list[tuple[str, Any, int]]:

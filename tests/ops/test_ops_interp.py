@@ -487,6 +487,21 @@ def test_nccl_consumer_ops() -> None:
                 assert _rel(c, y @ lin.float().t()) < 5e-3, ("armm c", chunks, kind, it)
                 sizes = mr.split_rows(m, chunks, mr.CHUNK_ALIGN)
                 assert rt.log == [("all_reduce", r) for r in sizes], rt.log
+                if not flat:  # a list of weights: one all-reduce, one grid over both GEMMs
+                    lin2 = (torch.randn(32, k, generator=g) / k ** 0.5).half()
+                    b2 = lin2.t() if layout == "wt" else lin2.t().contiguous()
+                    x = torch.randn(m, k, generator=g).half()
+                    rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
+                    del rt.log[:]
+                    cs, h = ar._fused(rt, x, [b, b2], res, norm, cfg)
+                    h_want = (x.float() + rt.peer.float()).half().float() + (res.float() if res is not None else 0)
+                    y = h_want if norm is None else (
+                        torch.nn.functional.layer_norm(h_want, (k,), norm.weight.float(), norm.bias.float())
+                        if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
+                    assert _rel(h, h_want) < TOL[torch.float16], ("armm list h", chunks, kind, it)
+                    for ci, w in zip(cs, (lin, lin2)):
+                        assert _rel(ci, y @ w.float().t()) < 5e-3, ("armm list c", chunks, kind, it)
+                    assert rt.log == [("all_reduce", r) for r in sizes], rt.log
 
 
 @interpreted
