@@ -396,11 +396,11 @@ class OverlapConfig:
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
-        if getattr(self.gemm, "flatten", False) and (self.give_back or self.split_tail > 1):
+        if getattr(self.gemm, "flatten", False) and (self.give_back or self.split_tail > 1 or self.fold_norm):
             # the flattened kernel takes rows statically: a second grid on the same table
-            # would compute them again, and it has no split tiles
-            raise ValueError("a flattened GEMM (GemmConfig.flatten) takes no give-back grid and no split tail: "
-                             "give_back=False, split_tail 0 or 1")
+            # would compute them again; it has no split tiles and no folded-norm epilogue
+            raise ValueError("a flattened GEMM (GemmConfig.flatten) takes no give-back grid, split tail or folded "
+                             "norm: give_back=False, split_tail 0 or 1, fold_norm=False")
         if self.transport is not None:  # else each transport's rules apply where the call picks it
             self.check_for(self.transport)
 
@@ -426,6 +426,10 @@ class OverlapConfig:
                 # program that filled its SM would leave them queued behind tiles that wait on them
                 raise ValueError("reduce_shared runs the reduce programs beside the GEMM's; not with a "
                                  "warp-specialized GEMM (GemmConfig.warp_specialize)")
+            if self.reduce_shared and getattr(self.gemm, "flatten", False):
+                # the same, for a GEMM whose registers and shared memory beside them were not measured
+                raise ValueError("reduce_shared runs the reduce programs beside the GEMM's; not with a "
+                                 "flattened GEMM (GemmConfig.flatten)")
 
     @property
     def transport_options(self) -> NcclTransport | PeerCopyTransport | None:
@@ -1250,7 +1254,8 @@ def split_variants(results: list[tuple[float, Any]], top: int = 2, parts: tuple[
     of ``parts`` K pieces (``OverlapConfig.split_tail``), for a second pass."""
     from dataclasses import replace
 
-    ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2]
+    ranked = [c for _, c in sorted(results, key=lambda r: r[0]) if isinstance(c, OverlapConfig) and c.split_tail < 2
+              and not getattr(c.gemm, "flatten", False)]  # a flattened GEMM takes no split tail
     return [replace(c, split_tail=s) for c in ranked[:top] for s in parts]
 
 
@@ -1284,7 +1289,7 @@ def ws_variants(results: list[tuple[float, Any]], device: Any, top: int = 2) -> 
         return []
     ranked = [c for _, c in sorted(results, key=lambda r: r[0])
               if isinstance(c, OverlapConfig) and not c.reduce_shared
-              and not getattr(c.gemm, "warp_specialize", False)]
+              and not getattr(c.gemm, "warp_specialize", False) and not getattr(c.gemm, "flatten", False)]
     return [replace(c, gemm=replace(c.gemm or DEFAULT_CONFIG, warp_specialize=True)) for c in ranked[:top]]
 
 

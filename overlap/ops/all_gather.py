@@ -261,6 +261,8 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
+    if gemm.flatten and isinstance(n, tuple):
+        raise ValueError("all_gather_matmul: a flattened GEMM (GemmConfig.flatten) takes one weight, not a list")
     chunks = cfg.chunks or _default_chunks(ms)
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0
     margin = cfg.margin(transport)

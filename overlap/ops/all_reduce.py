@@ -292,6 +292,8 @@ def _plan(rt: Runtime, m: int, n: Any, k: int, cfg: OverlapConfig, transport: st
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
+    if gemm.flatten and isinstance(n, tuple):
+        raise ValueError("all_reduce_matmul: a flattened GEMM (GemmConfig.flatten) takes one weight, not a list")
     chunks = cfg.chunks or _default_chunks(m)
     # SMs the communication side holds: NCCL's CTAs, or the p2p reduce kernel's programs
     nccl_ctas = (cfg.nccl_ctas or 16) if transport == "nccl" else 0

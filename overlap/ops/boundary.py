@@ -177,7 +177,7 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
         y = torch.empty_like(h) if norm is not None else h
         c = a.new_empty((m, n2))
         gp1 = gemm_plan(p1.launches, a, b, c1, p1.table, flags=w1.flags, err=err.word, timeout_ns=1,
-                        counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True)
+                        counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True, groups=p1.groups)
         with gpu_range("gemm", "producer"):
             gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=p1.grid)
         for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
@@ -186,7 +186,8 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
                 comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
             _ar.chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w2.flags, ci)
         gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
-                        counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split)
+                        counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split,
+                        groups=p2.groups)
         descs = gp2.operands(y, b_next)
         _ar.gate(w2.flags, err, rt.rank, timeout_ns)  # the consumer grid is not resident while chunk 0 is late
         with gpu_range("gemm", "consumer"):

@@ -78,6 +78,8 @@ def test_transport_options() -> None:
     # a flattened GEMM takes rows statically: no give-back grid, no split tail
     (dict(gemm=GemmConfig(flatten=True)), "give-back"),
     (dict(gemm=GemmConfig(flatten=True), give_back=False, split_tail=2), "split tail"),
+    (dict(gemm=GemmConfig(flatten=True), give_back=False, fold_norm=True), "folded"),
+    (dict(transport="p2p", reduce_shared=True, give_back=False, gemm=GemmConfig(flatten=True)), "flattened"),
 ])
 def test_cross_field_rules_raise_at_construction(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -135,3 +137,18 @@ def test_the_block_boundary_drops_peer_copy_options_it_has_no_use_for() -> None:
                         split_tail=2)
     got = _nccl(cfg, 4)
     assert got == OverlapConfig(chunks=4, transport="nccl", nccl_ctas=12, split_tail=2), got
+
+
+def test_flattened_gemm_with_a_weight_list_is_refused_before_any_work() -> None:
+    """A flattened GEMM takes one weight: the plan (built before any collective or push is
+    queued) refuses a list for both consumer ops."""
+    from overlap.ops import all_gather as ag
+    from overlap.ops import all_reduce as ar
+    from tests.ops._cpu_runtime import cpu_runtime
+
+    rt = cpu_runtime()
+    cfg = OverlapConfig(give_back=False, gemm=GemmConfig(flatten=True))
+    for plan in (ag._plan, ar._plan):
+        with pytest.raises(ValueError, match="takes one weight"):
+            plan(rt, 256, (64, 32), 64, cfg)
+    assert ar._plan(rt, 256, 64, 64, cfg).groups is not None  # one weight: planned, with its groups

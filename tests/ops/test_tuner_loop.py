@@ -243,3 +243,18 @@ def test_flat_variants_take_the_fastest_plain_configs() -> None:
     assert flat_variants(results) == [
         OverlapConfig(chunks=2, gemm=GemmConfig(block_n=128, num_stages=4, flatten=True), give_back=False),
         OverlapConfig(chunks=1, gemm=replace(DEFAULT_CONFIG, flatten=True), give_back=False)]
+
+
+def test_split_and_ws_passes_skip_flattened_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flattened GEMM takes no split tail and no warp specialization: the tuners' split and
+    ws passes leave such candidates out instead of building configs that raise."""
+    import overlap.kernels.tile_gemm as tg
+    from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.ops._runtime import split_variants, ws_variants
+
+    flat = OverlapConfig(chunks=2, give_back=False, gemm=GemmConfig(flatten=True))
+    plain = OverlapConfig(chunks=4)
+    results = [(1.0, flat), (2.0, plain)]
+    assert split_variants(results) == [replace(plain, split_tail=s) for s in (2, 8)]
+    monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: True)
+    assert [c.chunks for c in ws_variants(results, "cpu")] == [4]
