@@ -60,7 +60,7 @@ def main() -> None:
                 y_ss = chmod.mlp_chain_stream_sync(x, b1, b2, config=cfg)
                 y_t = chmod.mlp_chain_ref(x, b1, b2)
                 r64 = ref64(x, b1, b2)
-                e, e_ss, e_t = rel(y, r64), rel(y_ss, r64), rel(y_t, r64)
+                e, e_t = rel(y, r64), rel(y_t, r64)  # (stream-sync: bit-equal to the chain, below)
                 what = (m, k, f, n, dt, layout, consumer_first, sync)
                 assert torch.equal(y, y_ss), f"chain differs from stream-sync: {what} it {it}"
                 assert e <= 2 * e_t + 2e-3, f"case {what} it {it}: {e:.2e} vs {e_t:.2e}"
