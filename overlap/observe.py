@@ -547,29 +547,39 @@ def _esize(t: Any) -> int:
 
 
 def tile_gemm_metadata(grid: Any, kernel: Any, args: Mapping[str, Any]) -> dict:
-    """``tile_gemm_kernel``: 2 * K * (C elements its table covers). Whole tiles count
-    BLOCK_M x BLOCK_N each, split tiles (``SPLIT``) their ``split_parts`` pieces once,
-    capped at C's size; bytes: those rows of A, all of B, those elements of C (plus a
-    folded norm's statistics). A table shared by two launches through a dispatch
-    counter (the give-back grid) is reported by each launch whole."""
+    """``tile_gemm_kernel`` and ``tile_gemm_flat_kernel``: 2 * K * (C elements its table
+    covers). Whole tiles count BLOCK_M x BLOCK_N each, split tiles (``SPLIT``) their
+    ``split_parts`` pieces once, capped at the size of the C's (every weight's, for a grid
+    over several); bytes: those rows of A, all of each B, those elements of C (plus a
+    folded norm's statistics). A table shared by two launches through a dispatch counter
+    (the give-back grid) is reported by each launch whole."""
+
+    def on(key: str) -> bool:  # a constexpr the kernel may not have (the flattened one's are fewer)
+        return key in args and bool(args[key])
+
     bm, bn = int(args["BLOCK_M"]), int(args["BLOCK_N"])
     n, k, tiles = int(args["N"]), int(args["K"]), int(args["num_tiles"])
-    if args.get("SPLIT", False):
+    if on("SPLIT"):
         start, parts = int(args["split_start"]), max(1, int(args["split_parts"]))
         tiles = start + (tiles - start) // parts
     c = args["c_ptr"]
+    # weights 1.. of a grid over several (NUM_B > 1): their C's and N's
+    more = [(args[f"c{i}_ptr"], int(args[f"N{i}"])) for i in (1, 2, 3)
+            if f"N{i}" in args and args[f"N{i}"] is not None]
+    n_all = n + sum(ni for _, ni in more)
     elems = tiles * bm * bn
     if hasattr(c, "shape"):
-        elems = min(elems, int(c.shape[0]) * n)
-    rows = elems // max(n, 1)
+        elems = min(elems, int(c.shape[0]) * n + sum(int(ci.shape[0]) * ni for ci, ni in more
+                                                     if hasattr(ci, "shape")))
+    rows = elems // max(n_all, 1)
     ea, eb, ec = _esize(args["a_desc"]), _esize(args["b_desc"]), _esize(c)
-    nbytes = rows * k * ea + n * k * eb + elems * ec
-    if args.get("NORM_EPI", False):
+    nbytes = rows * k * ea + n_all * k * eb + elems * ec
+    if on("NORM_EPI"):
         nbytes += rows * 8 + 2 * n * 4
-    tags = "".join(f" {t}" for t, on in (("wait", args.get("HAS_WAIT")), ("post", args.get("HAS_POST")),
-                                         ("split", args.get("SPLIT")), ("norm", args.get("NORM_EPI")),
-                                         ("ws", args.get("WARP_SPEC"))) if on)
-    return {"name": f"{kernel.name} [M={rows}, N={n}, K={k}]{tags}", f"flops{8 * ea}": 2.0 * k * elems,
+    tags = "".join(f" {t}" for t, key in (("wait", "HAS_WAIT"), ("post", "HAS_POST"), ("split", "SPLIT"),
+                                          ("norm", "NORM_EPI"), ("ws", "WARP_SPEC")) if on(key))
+    tags += f" {1 + len(more)} weights" if more else ""
+    return {"name": f"{kernel.name} [M={rows}, N={n_all}, K={k}]{tags}", f"flops{8 * ea}": 2.0 * k * elems,
             "bytes": nbytes}
 
 

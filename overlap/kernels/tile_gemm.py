@@ -483,7 +483,8 @@ def tile_gemm_kernel(
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_groups", "epoch", "rank", "timeout_ns", "max_spins", "num_progs",
-                               "start_idx", "sig", "sig_stride"])
+                               "start_idx", "sig", "sig_stride"],
+            launch_metadata=_observe.tile_gemm_metadata)
 def tile_gemm_flat_kernel(
     a_desc, a2_desc, b_desc, c_ptr, table_ptr, flags_ptr, err_ptr, groups_ptr,
     N, K, num_tiles, num_groups, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, sig, sig_stride,

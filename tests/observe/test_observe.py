@@ -413,6 +413,13 @@ def test_tile_gemm_launch_metadata() -> None:
     f32 = _gemm_args(m, n, k, a_desc=_desc(m, k, torch.float32), b_desc=_desc(n, k, torch.float32),
                      c_ptr=torch.empty(m, n))
     assert observe.tile_gemm_metadata((1,), _kernel("k"), f32)["flops32"] == 2.0 * m * n * k
+    # a grid over three weights: every weight's C counts, and their Bs
+    tiles3 = (m // 128) * (n // 256 + 1 + 1)
+    many = _gemm_args(m, n, k, num_tiles=tiles3, c1_ptr=torch.empty(m, 256, dtype=torch.float16), N1=256,
+                      c2_ptr=torch.empty(m, 200, dtype=torch.float16), N2=200, c3_ptr=None, N3=None)
+    md = observe.tile_gemm_metadata((132, 1, 1), _kernel("k"), many)
+    assert md["flops16"] == 2.0 * m * (n + 256 + 200) * k and md["name"].endswith("3 weights"), md
+    assert md["bytes"] == 2 * (m * k + (n + 456) * k + m * (n + 456))
 
 
 def test_norm_kernels_launch_metadata() -> None:
@@ -433,14 +440,16 @@ def test_norm_kernels_launch_metadata() -> None:
 def test_kernels_carry_their_launch_metadata() -> None:
     from overlap.kernels.add_norm import add_norm_kernel, reduce_norm_kernel
     from overlap.kernels.norm_fold import fold_norm_kernel
-    from overlap.kernels.tile_gemm import tile_gemm_kernel
+    from overlap.kernels.tile_gemm import tile_gemm_flat_kernel, tile_gemm_kernel
 
     assert tile_gemm_kernel.launch_metadata is observe.tile_gemm_metadata
+    assert tile_gemm_flat_kernel.launch_metadata is observe.tile_gemm_metadata
     assert add_norm_kernel.launch_metadata is observe.add_norm_metadata
     assert reduce_norm_kernel.launch_metadata is observe.reduce_norm_metadata
     assert fold_norm_kernel.launch_metadata is observe.fold_norm_metadata
     # every argument the functions read is a parameter of the kernel
-    for fn, kern in ((observe.tile_gemm_metadata, tile_gemm_kernel), (observe.add_norm_metadata, add_norm_kernel),
+    for fn, kern in ((observe.tile_gemm_metadata, tile_gemm_kernel), (observe.tile_gemm_metadata, tile_gemm_flat_kernel),
+                     (observe.add_norm_metadata, add_norm_kernel),
                      (observe.reduce_norm_metadata, reduce_norm_kernel),
                      (observe.fold_norm_metadata, fold_norm_kernel)):
         names = set(kern.arg_names)
