@@ -271,13 +271,49 @@ def test_measure_runs_candidates_under_the_interpreter(tmp_path) -> None:
         tg.launch_tile_gemm = launch
         best, ms = at._measure(9 * 64, 128, 64, torch.float16, torch.device("cpu"), False, [bad, good], 4)
         assert best.block_k == 32 and best.num_stages == 2, best
-        assert any(v != v for v in ms.values()) and len(ms) == 3, ms
+        assert any(v != v for v in ms.values()) and len([x for x in ms if not x.startswith("again")]) == 3, ms
+        assert len([x for x in ms if x.startswith("again")]) == 2, ms  # good and its GROUP_M 16 twin
         assert (bad, "torch.float16", False, 4) in at._failed
         print("PASS measure")
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
     assert r.returncode == 0 and "PASS measure" in r.stdout, r.stdout + r.stderr
+
+
+def test_measure_times_the_finalists_again_interleaved(monkeypatch) -> None:
+    """The first pass (one candidate after another) ranked a first; timed again in
+    interleaved rounds, b is faster and is the pick; the rounds alternate the finalists."""
+    from dataclasses import replace
+
+    import overlap.kernels.autotune as at
+    import overlap.kernels.tile_gemm as tg
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    a_cfg = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_warps=4)
+    b_cfg, c_cfg, d_cfg = (replace(a_cfg, num_stages=st) for st in (3, 4, 5))
+    first = {a_cfg: 1.0, b_cfg: 1.1, c_cfg: 1.2, d_cfg: 9.0}
+    again = {a_cfg: 2.0, b_cfg: 1.5, c_cfg: 1.8, d_cfg: 0.1}  # d is not a finalist: never timed again
+    seen: list = []
+    last: dict = {}
+    monkeypatch.setattr(tg, "launch_tile_gemm", lambda *args, config, **kw: last.__setitem__("cfg", config))
+
+    class Timer:
+        def __init__(self, fn) -> None:
+            fn()
+            self.cfg, self.calls, self.iters, self.graph = last["cfg"], 0, 1, None
+
+        def ms(self) -> float:
+            self.calls += 1
+            seen.append(self.cfg)
+            return first[self.cfg] if self.calls <= 5 else again[self.cfg]
+
+    monkeypatch.setattr(at, "GraphTimer", Timer)
+    best, ms = at._measure(64, 64, 32, torch.float16, torch.device("cpu"), False, [a_cfg, b_cfg, c_cfg, d_cfg], 4,
+                           group_step=False)
+    assert best == b_cfg
+    assert ms["again " + at._cfg_str(b_cfg)] == 1.5 and ms[at._cfg_str(a_cfg)] == 1.0
+    assert seen[20:] == [a_cfg, b_cfg, c_cfg] * 3  # 4 x 5 first-pass calls, then the rounds
 
 
 # -- the sweep's shapes and files ------------------------------------------------------------
