@@ -88,21 +88,27 @@ def _check_inputs(a_shard: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"empty operand: a_shard {tuple(a_shard.shape)}, b {tuple(b.shape)}")
 
 
-def _check_many(a_shard: torch.Tensor, bs: list[torch.Tensor]) -> None:
-    """A list of weights on one gather: each as ``_check_inputs`` checks one, all of A's dtype
-    (ValueError, naming the weight)."""
+def check_weight_list(op: str, x: torch.Tensor, x_name: str, bs: list[torch.Tensor], check_one: Any) -> None:
+    """A list of weights on one call of ``op`` (the all-gather's or the all-reduce's): not
+    empty, tensors of ``x``'s dtype, each passing ``check_one(w)`` (the op's checks of one
+    weight); ValueError naming the weight."""
     if not bs:
-        raise ValueError("all_gather_matmul: an empty list of weights")
+        raise ValueError(f"{op}: an empty list of weights")
     for i, w in enumerate(bs):
         if not isinstance(w, torch.Tensor):
-            raise ValueError(f"all_gather_matmul: b[{i}] is a {type(w).__name__}, not a tensor [K, N]")
-        if w.dtype != a_shard.dtype:
-            raise ValueError(f"all_gather_matmul: b[{i}] is {w.dtype}, a_shard is {a_shard.dtype}: the weights "
-                             "of one gather share its dtype")
+            raise ValueError(f"{op}: b[{i}] is a {type(w).__name__}, not a tensor [K, N]")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{op}: b[{i}] is {w.dtype}, {x_name} is {x.dtype}: the weights of one call share "
+                             "its dtype")
         try:
-            _check_inputs(a_shard, w)
+            check_one(w)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"all_gather_matmul: b[{i}]: {e}") from None
+            raise ValueError(f"{op}: b[{i}]: {e}") from None
+
+
+def _check_many(a_shard: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """A list of weights on one gather: each as ``_check_inputs`` checks one."""
+    check_weight_list("all_gather_matmul", a_shard, "a_shard", bs, lambda w: _check_inputs(a_shard, w))
 
 
 def _ns(b: Any) -> Any:

@@ -479,20 +479,10 @@ def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual:
     rows after it, with the reason in ``overlap.report()``. Not tuned: ``config`` or the
     default chunking on NCCL."""
     from ..kernels.tile_gemm import check_b
-    from .all_gather import _many_refusal
+    from .all_gather import _many_refusal, check_weight_list
 
-    if not bs:
-        raise ValueError("all_reduce_matmul: an empty list of weights")
-    for i, w in enumerate(bs):
-        if not isinstance(w, torch.Tensor):
-            raise ValueError(f"all_reduce_matmul: b[{i}] is a {type(w).__name__}, not a tensor [K, N]")
-        if w.dtype != x_partial.dtype:
-            raise ValueError(f"all_reduce_matmul: b[{i}] is {w.dtype}, x_partial is {x_partial.dtype}: the "
-                             "weights of one all-reduce share its dtype")
-        try:
-            _check_inputs(x_partial, w, residual, norm)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"all_reduce_matmul: b[{i}]: {e}") from None
+    check_weight_list("all_reduce_matmul", x_partial, "x_partial", bs,
+                      lambda w: _check_inputs(x_partial, w, residual, norm))
     refuse_grad("all_reduce_matmul", x_partial, residual, *bs, *((norm.weight, norm.bias) if norm else ()))
     group = resolve_group(group)
     m, k = x_partial.shape

@@ -93,3 +93,11 @@ def test_weight_lists_the_one_grid_refuses_or_rejects() -> None:
                       ([], "empty list"), ([w.t(), "q"], "not a tensor")):
         with pytest.raises(ValueError, match=want):
             ag._check_many(a, bad)
+    # the all-reduce op's list: the same checks, named for it, before any communication
+    from overlap.ops import all_reduce as ar
+
+    for bad, want in (([w.t(), torch.randn(48, 16)], "all_reduce_matmul: b\\[1\\].*K mismatch"),
+                      ([w.t(), w.t().half()], "b\\[1\\].*x_partial is torch.float32"),
+                      ([], "empty list"), ([w.t(), "q"], "not a tensor")):
+        with pytest.raises(ValueError, match=want):
+            ar.all_reduce_matmul(a, bad)
