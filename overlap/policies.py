@@ -37,6 +37,8 @@ __all__ = [
     "table_tensor",
     "upload",
     "row_bucket",
+    "plan_rows",
+    "PLAN_ROWS_MIN",
     "split_rows",
     "split_tail",
     "tail_parts",
@@ -94,6 +96,25 @@ def row_bucket(rows: int) -> int:
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     return max(ROW_BUCKET_MIN, 1 << (int(rows) - 1).bit_length())
+
+
+PLAN_ROWS_MIN = 64
+"""The smallest plan bucket (``plan_rows``)."""
+
+
+def plan_rows(rows: int) -> int:
+    """The rows a consumer op's plan is made for when M changes call to call: ``rows``
+    rounded up to a multiple of 1/8 to 1/16 of its power-of-two ceiling (at least
+    ``PLAN_ROWS_MIN``): 8 buckets per doubling, 48 from 1 to 16384 rows; a bucket is at
+    most 1/8 larger than any M it holds above 512 rows, at most 63 rows larger below. The plan's tile table, chunks and launches
+    serve every M of the bucket: the GEMM cuts its tiles at this call's rows
+    (``launch_tile_gemm(rows=)``), and the tiles past them do nothing. Finer than
+    ``row_bucket`` (what the ranks' agreement and the shared buffers are keyed or sized
+    by) because a plan's slack is work: cut tiles and a chunk's rows sent padded."""
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    step = max(PLAN_ROWS_MIN, 1 << max(0, (int(rows) - 1).bit_length() - 4))
+    return -(-int(rows) // step) * step
 
 
 def build_tile_table(segments: Sequence[Segment], n: int, block_m: int, block_n: int,

@@ -333,7 +333,7 @@ def _wait(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns, max_spi
 
 
 @triton.jit(do_not_specialize=["num_tiles", "epoch", "rank", "timeout_ns", "max_spins", "num_progs", "start_idx",
-                               "split_start", "split_parts", "sig", "sig_stride"],
+                               "split_start", "split_parts", "sig", "sig_stride", "rows_cap", "rows_span"],
             launch_metadata=_observe.tile_gemm_metadata)
 def tile_gemm_kernel(
     # operands
@@ -348,6 +348,8 @@ def tile_gemm_kernel(
     N, K, num_tiles, epoch, rank, timeout_ns, max_spins, num_progs, start_idx, split_start, split_parts,
     # the call's signature and the flags' region per sender (SIG)
     sig, sig_stride,
+    # a table made for row blocks of rows_span rows, run for blocks of rows_cap (CLIP)
+    rows_cap, rows_span,
     # strides
     stride_cm, stride_cn,
     # weights 1..3 reading the same A (NUM_B > 1), each with its own C, N and C row stride; None
@@ -360,7 +362,7 @@ def tile_gemm_kernel(
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-    SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1,
+    SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1, CLIP: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -382,6 +384,16 @@ def tile_gemm_kernel(
         c_row = tl.load(row + _COL_C_ROW)
         c_rows = tl.load(row + _COL_C_ROWS)
         pid_n = tl.load(row + _COL_N_TILE)
+        live = 1
+        if CLIP:
+            # the table's C rows come in blocks of rows_span (a row bucket's, per source
+            # rank); this call's blocks hold rows_cap: the tile's rows in them, cut at
+            # the block's end (a tile with none left is dead: no wait, no work)
+            blk = c_row // rows_span
+            off = c_row - blk * rows_span
+            c_rows = tl.minimum(c_rows, rows_cap - off)
+            c_row = blk * rows_cap + off
+            live = (c_rows > 0).to(tl.int32)
         b_use = b_desc
         c_use = c_ptr
         n_use = N
@@ -409,12 +421,14 @@ def tile_gemm_kernel(
                     c_use = c3_ptr
                     n_use = N3
                     scm = stride_c3m
-        ok = 1
+        ok = live
         if HAS_WAIT:
             w_idx = tl.load(row + _COL_WAIT)
             w_mult = tl.load(row + _COL_WAIT_MULT)
             # (the same in every warp: the K loop's pipeline holds barriers)
-            if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+            if live == 0:
+                ok = 0
+            elif _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
                 ok = 0
             elif w_idx >= 0:
                 if K_WAIT == 0:  # else the K loop waits, group by group (TileSync)
@@ -475,6 +489,18 @@ def tile_gemm_kernel(
                     # add by one thread then publishes them (cumulativity)
                     tl.debug_barrier()
                     if (p_idx >= 0) & (stored != 0):
+                        tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+        if CLIP:
+            if HAS_POST:
+                if live == 0:
+                    # a dead tile still counts in its row block's flag (once per tile,
+                    # not per split piece): the tiles that wait on it expect every post
+                    p_idx = tl.load(row + _COL_POST)
+                    first = 1
+                    if SPLIT:
+                        if t >= split_start:
+                            first = (((t - split_start) % split_parts) == 0).to(tl.int32)
+                    if (p_idx >= 0) & (first != 0):
                         tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
         if DYNAMIC:
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
@@ -690,7 +716,7 @@ def launch_tile_gemm(
     wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000, max_spins: int = 2_000_000,
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
     rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
-    sig: tuple[int, int] | None = None, groups: Any = None,
+    sig: tuple[int, int] | None = None, groups: Any = None, rows: tuple[int, int] | None = None,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -719,8 +745,15 @@ def launch_tile_gemm(
     signature word for the call's parity) holds ``value`` (the peer-copy ops' check that
     the ranks agree on the call); otherwise it records code 3 and skips its work.
 
-    ``config.flatten``: ``tile_gemm_flat_kernel`` (no ``k_wait``, split, folded norm or
-    several weights); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
+    ``rows=(cap, span)``: the table was made for C rows in blocks of ``span`` (one per
+    source rank of a gathered A, or one block: a plan for a row bucket, ``policies.plan_rows``)
+    and this call's blocks hold ``cap <= span`` rows: a tile's C row ``b * span + o`` becomes
+    ``b * cap + o``, its rows are cut at ``cap - o``, and a tile with none left does
+    nothing but post (once per tile) where the table says. A and A2 rows past ``cap`` in a
+    cut tile are read and not stored.
+
+    ``config.flatten``: ``tile_gemm_flat_kernel`` (no ``k_wait``, split, folded norm,
+    several weights or ``rows``); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
     on the device, ``policies.flat_groups`` of the table.
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
@@ -733,7 +766,8 @@ def launch_tile_gemm(
     c = cs[0]
     num_tiles = table.shape[0]
     if config.flatten:
-        _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups)
+        _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups, rows is not None)
+    clip = _check_rows(rows)
     if num_tiles == 0:
         return
     if config.flatten:
@@ -767,7 +801,7 @@ def launch_tile_gemm(
                for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
-                 sig is not None, len(b_stores))
+                 sig is not None, len(b_stores), rows is not None)
     key = _key(meta, a, a2, b_stores, cs, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
@@ -775,7 +809,7 @@ def launch_tile_gemm(
     ws = workspace if split is not None else table  # never read: SPLIT is off
     args = (a_desc, a2_desc, b_descs[0], c, table, flags, err, cnt, rowstat, colvec, ws,
             c.shape[1], a.shape[1], num_tiles, int(epoch), int(rank), int(timeout_ns), int(max_spins), nprog,
-            int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), c.stride(0), c.stride(1),
+            int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), *clip, c.stride(0), c.stride(1),
             *_more_weights(b_descs[1:], cs[1:]))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                      interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws))
@@ -859,11 +893,22 @@ def _more_weights(b_descs: Sequence[Any], cs: Sequence[Any]) -> tuple:
     return (*b_descs, *pad, *cs, *pad, *[x.shape[1] for x in cs], *pad, *[x.stride(0) for x in cs], *pad)
 
 
+def _check_rows(rows: Any) -> tuple[int, int]:
+    """``rows=(cap, span)``'s kernel arguments ((1, 1) without: never read)."""
+    if rows is None:
+        return (1, 1)
+    cap, span = (int(v) for v in rows)
+    if not 0 < cap <= span:
+        raise ValueError(f"rows={rows}: need 0 < cap <= span")
+    return cap, span
+
+
 def _check_flat(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b: int, norm_epi: bool,
-                groups: Any) -> None:
+                groups: Any, clip: bool = False) -> None:
     """What ``GemmConfig.flatten`` refuses, and the groups it needs."""
     bad = [name for name, on in (("k_wait (TileSync)", k_wait), ("split tiles", split is not None),
-                                 ("several weights", num_b > 1), ("a folded norm", norm_epi)) if on]
+                                 ("several weights", num_b > 1), ("a folded norm", norm_epi),
+                                 ("rows (a row bucket's table)", clip)) if on]
     if bad:
         raise ValueError(f"GemmConfig.flatten: a flattened GEMM takes no {', '.join(bad)}; use flatten=False here")
     if (wait or post or a2 is not None) and (groups is None or str(groups.dtype) != "torch.int32"
@@ -926,7 +971,7 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
-          split: Any = None, sig: bool = False, num_b: int = 1) -> dict[str, Any]:
+          split: Any = None, sig: bool = False, num_b: int = 1, clip: bool = False) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
@@ -934,7 +979,7 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
                 SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig),
-                NUM_B=int(num_b))
+                NUM_B=int(num_b), CLIP=bool(clip))
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_stores: Any, cs: Any, table: Any, flags: Any, err: Any,
@@ -971,13 +1016,14 @@ class TileGemmPlan:
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
                  k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None,
-                 sig_stride: int | None = None, groups: Any = None) -> None:
+                 sig_stride: int | None = None, groups: Any = None, clip: bool = False) -> None:
         b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
                                            norm_epi=norm_epi)
         c = cs[0]
         self.flat = bool(config.flatten)
         if self.flat:
-            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups)
+            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups, clip)
+        self.clip = bool(clip)
         if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
             raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
@@ -992,8 +1038,8 @@ class TileGemmPlan:
         self.counter = counter if counter is not None else table
         self.a_block = [cfg.block_m, cfg.block_k]
         self.b_block = [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]
-        self.a_layout = (tuple(a.shape), tuple(a.stride()))
-        self.a2_layout = (tuple(a2.shape), tuple(a2.stride())) if a2 is not None else None
+        self.a_layout = self._rows_free(a)
+        self.a2_layout = self._rows_free(a2) if a2 is not None else None
         self.b_layouts = [(tuple(t.shape), tuple(t.stride())) for t in b_stores]
         self.c_layouts = [(x.shape[1], tuple(x.stride())) for x in cs]
         self.many = isinstance(b, (list, tuple))
@@ -1001,7 +1047,7 @@ class TileGemmPlan:
         self.norm_epi = bool(norm_epi)
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
                           rowstat=True if norm_epi else None, split=split, sig=sig_stride is not None,
-                          num_b=len(cs))
+                          num_b=len(cs), clip=self.clip)
         self.sig_stride = int(sig_stride) if sig_stride is not None else 1
         self.key = _key(self.meta, a, a2, b_stores, cs, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)
@@ -1019,12 +1065,18 @@ class TileGemmPlan:
         self.tail = (int(rank), int(timeout_ns), int(max_spins))
         self.start = int(start_flag) if start_flag is not None else 0
 
+    def _rows_free(self, t: Any) -> tuple:
+        """What a launch must match of A or A2: shape and strides, but not the row count
+        in a plan of a row bucket (``clip``), whose calls each bring their own."""
+        shape = tuple(t.shape)
+        return (shape[1:] if self.clip else shape, tuple(t.stride()))
+
     def operands(self, a: Any, b: Any, a2: Any = None) -> tuple[Any, ...]:
         """The TMA descriptors (A, A2, B) of one call; for a plan of several weights ``b`` is
         their list and the B descriptors come in its order, (A, A2, B0, B1, ...)."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        if (tuple(a.shape), a.stride()) != self.a_layout:
+        if self._rows_free(a) != self.a_layout:
             raise ValueError(f"a is {tuple(a.shape)} with strides {a.stride()}; the plan's is {self.a_layout}")
         a_desc = TensorDescriptor(a, a.shape, a.stride(), self.a_block)
         if a2 is None:
@@ -1032,7 +1084,7 @@ class TileGemmPlan:
                 raise ValueError("the plan has an a2; none given")
             a2_desc = a_desc
         else:
-            if (tuple(a2.shape), a2.stride()) != self.a2_layout:
+            if self._rows_free(a2) != self.a2_layout:
                 raise ValueError(f"a2 is {tuple(a2.shape)} with strides {a2.stride()}; "
                                  f"the plan's is {self.a2_layout}")
             a2_desc = TensorDescriptor(a2, a2.shape, a2.stride(), self.a_block)
@@ -1055,12 +1107,16 @@ class TileGemmPlan:
         return TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
 
     def launch(self, descs: tuple[Any, ...], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
-               colvec: Any = None, sig: int = 0) -> None:
+               colvec: Any = None, sig: int = 0, rows: tuple[int, int] | None = None) -> None:
         """``descs``: ``operands``'s; ``c``: the C, or for a plan of several weights the list
         of their C's. ``rowstat`` and ``colvec``: those of ``launch_tile_gemm``, given exactly when
         the plan was made with ``norm_epi`` (checked there; here only their presence).
         ``sig``: the call's signature, checked after each wait when the plan was made
-        with ``sig_stride`` (``launch_tile_gemm``'s ``sig``)."""
+        with ``sig_stride`` (``launch_tile_gemm``'s ``sig``). ``rows``: ``launch_tile_gemm``'s,
+        given exactly when the plan was made with ``clip``."""
+        if (rows is not None) != self.clip:
+            raise ValueError(f"rows=(cap, span) must be given {'with' if self.clip else 'without'} clip")
+        clip = _check_rows(rows)
         if self.num_tiles == 0:
             return
         if self.many:
@@ -1086,7 +1142,7 @@ class TileGemmPlan:
                                  aligned=(c, self.table, self.flags, self.err, self.groups))
             return
         args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
-                *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride,
+                *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride, *clip,
                 *self.c_layouts[0][1], *more)
         self.prepared.launch(nprog, args, aligned=(*cs, self.table, self.flags, self.err, self.counter, rowstat,
                                                    colvec, self.ws))

@@ -1379,17 +1379,32 @@ def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref:
     return best
 
 
+def plan_rows_for(rows: int, cfg: OverlapConfig, transport: str) -> int:
+    """The rows (M, or M/R of a gathered op) a consumer op's plan is made for: on the
+    NCCL transport with a per-tile GEMM, ``policies.plan_rows(rows)``: one plan (chunks,
+    tile table, launches) per row bucket, the GEMM cutting its tiles at the call's rows
+    (``launch_tile_gemm(rows=)``), so a new M of a bucket seen before costs no plan; else
+    ``rows`` itself (the peer-copy transport's pushes and a flattened GEMM's groups are
+    laid out for exact rows)."""
+    from ..policies import plan_rows
+
+    if transport == "nccl" and not (cfg.gemm is not None and cfg.gemm.flatten):
+        return plan_rows(rows)
+    return rows
+
+
 def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
               flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
               **kw: Any) -> Any:
     """The ``TileGemmPlan`` in ``plans`` (an op plan's own ``LRU``) for these operands'
     dtype, B's layout (each weight's, for a list of them), the wait bound and the flag, error
     and counter tensors; made on first use. The op plan fixes everything else (shapes,
-    table, config, rank)."""
+    table, config, rank); with ``clip`` (a plan of a row bucket) not A's rows, which
+    each launch gives (``TileGemmPlan.launch(rows=)``)."""
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
     key = (a.dtype, b_strides, timeout_ns, flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
-           kw.get("sig_stride"))
+           kw.get("sig_stride"), bool(kw.get("clip")))
     gp = plans.get(key)
     if gp is None:
         from ..kernels.tile_gemm import TileGemmPlan

@@ -40,7 +40,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
-from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, plan_rows_for,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
                        serial_phases, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream,
                        refuse_grad, resolve_group, run_p2p, split_variants, tune_paths, warn_once, ws_variants)
@@ -199,9 +199,14 @@ def _perms(rt: Runtime) -> LRU:
     return rt.cache("all_gather_matmul.perms", 16)
 
 
-def _natural(rt: Runtime, gathered: torch.Tensor, layout: AllGatherLayout) -> torch.Tensor:
+def _natural(rt: Runtime, gathered: torch.Tensor, layout: AllGatherLayout, ms: int | None = None) -> torch.Tensor:
+    """The gathered rows in rank order, [world * ms, K], from ``gathered`` laid out as
+    ``layout`` says (for a plan of a row bucket, ``layout.m_shard`` rows per rank of which
+    the first ``ms`` are this call's)."""
+    w, mb = layout.world, layout.m_shard
+    ms = mb if ms is None else ms
     if len(layout.chunk_rows) == 1:
-        return gathered
+        return gathered if ms == mb else gathered.view(w, mb, -1)[:, :ms].reshape(w * ms, -1)
     # the permutation is a Python loop over M rows: build it once per layout (on rt's device)
     key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows)
     perms = _perms(rt)
@@ -211,7 +216,10 @@ def _natural(rt: Runtime, gathered: torch.Tensor, layout: AllGatherLayout) -> to
             raise OverlapCaptureError("all_gather_matmul: the gathered rows' permutation for this shape is not "
                                       "cached (evicted, or never run); call it once outside the capture first")
         perm = perms[key] = upload(torch.tensor(layout.gathered_to_natural()).numpy(), gathered.device)
-    return gathered.index_select(0, keep_for_capture(perm))
+    perm = keep_for_capture(perm)
+    if ms != mb:  # each rank's first ms rows of the bucket's
+        perm = perm.view(w, mb)[:, :ms].reshape(w * ms)
+    return gathered.index_select(0, perm)
 
 
 # --------------------------------------------------------------------------
@@ -263,7 +271,8 @@ def _default_chunks(ms: int) -> int:
 
 def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: str = "nccl") -> _Plan:
     """``n``: the N of one weight, or a tuple of N of several (one grid over their GEMMs,
-    their tiles interleaved chunk by chunk: ``build_multi_tile_table``)."""
+    their tiles interleaved chunk by chunk: ``build_multi_tile_table``). ``ms``: the rows
+    the plan is made for (``_runtime.plan_rows_for`` of the call's)."""
     from ..kernels.tile_gemm import DEFAULT_CONFIG
 
     gemm = cfg.gemm or DEFAULT_CONFIG
@@ -391,11 +400,10 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     # NCCL call sizes and pushed rows come from (M/R, K) and the chunks (0: the
     # sequential path): ranks must agree or peers hang; with a list, on every weight's N
     ns = n if many else (n,)
+    chunks = 0 if config is None else (config.chunks or _default_chunks(plan_rows_for(ms, config, transport)))
     check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p")
                 + tuple(f"N{i}" for i in range(1, len(ns))),
-                (ms, k, ns[0], dtype_code(a_shard.dtype),
-                 0 if config is None else (config.chunks or _default_chunks(ms)), int(transport == "p2p")) + ns[1:],
-                rows_at=0)
+                (ms, k, ns[0], dtype_code(a_shard.dtype), chunks, int(transport == "p2p")) + ns[1:], rows_at=0)
     shape = (ms * rt.world, n_all, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
@@ -413,7 +421,7 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     strides = tuple(w.stride() for w in b) if many else b.stride()
     sig = (ms, k, n, a_shard.dtype, strides, return_gathered, config, transport)
     rt.require_warm("all_gather_matmul", sig)
-    path = f"{transport} x{config.chunks or _default_chunks(ms)}" + (f", {len(b)} weights in one grid" if many else "")
+    path = f"{transport} x{chunks}" + (f", {len(b)} weights in one grid" if many else "")
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
         return rt.mark_warm("all_gather_matmul", sig, observed(
@@ -466,7 +474,9 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     ms, k = a_shard.shape
     n = _ns(b)
     world = rt.world
-    p = _plan(rt, ms, n, k, cfg)
+    # the plan of ms's row bucket: chunks, tile table and launches shared by every M/R in it
+    msb = plan_rows_for(ms, cfg, "nccl")
+    p = _plan(rt, msb, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
@@ -474,27 +484,38 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed on the
     # caller's stream before the comm stream forks: no epoch (``_runtime.LocalWords``)
     with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters, p.flag_count)) as (cur, (w,)):
-        gathered = a_shard.new_empty((world * ms, k))
+        # laid out for the bucket (chunk c's rows of every rank at world * start_c, rank r's
+        # r * rows_c on): the chunk that holds row ms is sent whole from a padded copy, the
+        # chunks past it not at all; C is this call's, the GEMM's tiles cut at ms per rank
+        gathered = a_shard.new_empty((world * msb, k))
         c = [a_shard.new_empty((world * ms, x)) for x in n] if isinstance(n, tuple) else \
             a_shard.new_empty((world * ms, n))
         for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+            live = min(rows, ms - start)
             with gpu_range("comm", "chunk", c_idx):
-                comm.all_gather(a_shard[start:start + rows], gathered[world * start: world * (start + rows)],
-                                stream=cs)
+                if live == rows:
+                    src = a_shard[start:start + rows]
+                elif live > 0:
+                    src = a_shard.new_empty((rows, k))
+                    with on_stream(cs, cur):  # its rows past ms are sent and never stored
+                        src[:live].copy_(a_shard[start:ms])
+                if live > 0:
+                    comm.all_gather(src, gathered[world * start: world * (start + rows)], stream=cs)
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)
         gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
                        timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
-                       split=p.split, groups=p.groups)
+                       split=p.split, groups=p.groups, clip=not p.gemm.flatten)
         descs = gp.operands(a_shard, b, gathered)
+        cut = None if p.gemm.flatten else (ms, msb)
         with gpu_range("gemm", "grid"):
-            gp.launch(descs, c, epoch=1, grid=p.grid)
+            gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         if p.give_back_grid:
             with on_stream(cs, cur), gpu_range("giveback", "grid"):
-                gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
+                gp.launch(descs, c, epoch=1, grid=p.give_back_grid, rows=cut)
     stats["fused"] += 1
     stats["many"] += isinstance(n, tuple)
     if return_gathered:
-        return c, _natural(rt, gathered, p.layout)
+        return c, _natural(rt, gathered, p.layout, ms)
     return c
 
 

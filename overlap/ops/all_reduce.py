@@ -62,7 +62,7 @@ from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, r
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
-                       split_variants, tune_paths, warn_once)
+                       plan_rows_for, split_variants, tune_paths, warn_once)
 
 __all__ = [
     "Norm",
@@ -423,11 +423,11 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     tuned = _tuned(rt).get(_tune_key(x_partial, n, residual, norm)) if config is None else None
     if config is None and not isinstance(tuned, (Sequential, Chunked)):
         config = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    transport = rt.transport(config) if config is not None else "nccl"
     if config is not None:
-        chunks = config.chunks or _default_chunks(m)
+        chunks = config.chunks or _default_chunks(plan_rows_for(m, config, transport))
     else:  # the tuner's pick: the reference (one all-reduce) or the chunked baseline
         chunks = tuned.chunks if isinstance(tuned, Chunked) else 1
-    transport = rt.transport(config) if config is not None else "nccl"
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
     check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
                 (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
@@ -507,7 +507,7 @@ def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual:
     given = config is not None
     config = replace(config or OverlapConfig(), transport="nccl") if (config is None or config.transport is None) \
         else config
-    chunks = config.chunks or _default_chunks(m)
+    chunks = config.chunks or _default_chunks(plan_rows_for(m, config, "nccl"))
     check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p")
                 + tuple(f"N{i}" for i in range(1, len(ns))),
                 (m, k, ns[0], dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks, 0)
@@ -601,7 +601,9 @@ def _fused(rt: Runtime, x: torch.Tensor, b: Any, residual: torch.Tensor | None, 
     m, k = x.shape
     many = isinstance(b, list)
     n = tuple(w.shape[1] for w in b) if many else b.shape[1]
-    p = _plan(rt, m, n, k, cfg)
+    # the plan of m's row bucket: chunks, tile table and launches shared by every M in it
+    mb = plan_rows_for(m, cfg, "nccl")
+    p = _plan(rt, mb, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_reduce_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
@@ -615,23 +617,32 @@ def _fused(rt: Runtime, x: torch.Tensor, b: Any, residual: torch.Tensor | None, 
         h = torch.empty_like(x)
         y = torch.empty_like(x) if norm is not None else h
         c = [x.new_empty((m, ni)) for ni in n] if many else x.new_empty((m, n))
+        # the bucket's chunks cut at m: the chunks past it reduce nothing, their flags
+        # posted all the same; the GEMM's tiles are cut at m
         start = 0
         for c_idx, rows in enumerate(p.chunk_rows):
-            with gpu_range("comm", "chunk", c_idx):
-                comm.all_reduce(x[start:start + rows], h[start:start + rows], stream=cs)
-            chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w.flags, c_idx)
+            live = min(rows, m - start)
+            if live > 0:
+                with gpu_range("comm", "chunk", c_idx):
+                    comm.all_reduce(x[start:start + live], h[start:start + live], stream=cs)
+                chunk_ready(cur, cs, ns if prologue else None, h, y, start, live, residual, norm, w.flags, c_idx)
+            else:
+                _flags.stream_write_value(ns if prologue else cs, w.flags, c_idx, 1)
             start += rows
+        clip = not p.gemm.flatten
         gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
-                       counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split, groups=p.groups)
+                       counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split, groups=p.groups,
+                       clip=clip)
         descs = gp.operands(y, b)
+        cut = (m, mb) if clip else None
         gate(w.flags, err, rt.rank, timeout_ns)
         with gpu_range("gemm", "grid"):
-            gp.launch(descs, c, epoch=1, grid=p.grid)
+            gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         last = ns if prologue else cs
         if p.give_back_grid:
             # queued behind the last chunk: NCCL's SMs are free by then
             with on_stream(last, cur), gpu_range("giveback", "grid"):
-                gp.launch(descs, c, epoch=1, grid=p.give_back_grid)
+                gp.launch(descs, c, epoch=1, grid=p.give_back_grid, rows=cut)
     stats["fused"] += 1
     return c, h
 

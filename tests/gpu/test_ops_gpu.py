@@ -1,5 +1,6 @@
 """The collective ops on two GPUs, under torchrun and under mpirun (see agmm_check.py, armm_check.py),
-and all_gather_matmul with a list of weights on one GPU and two (agmm_many_check.py)."""
+all_gather_matmul with a list of weights on one GPU and two (agmm_many_check.py), and both
+consumer ops with a new M every call (random_m_check.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from tests._procs import run_cmd
 
 MANY = "tests/gpu/agmm_many_check.py"
+RANDOM_M = "tests/gpu/random_m_check.py"
 
 
 @pytest.mark.gpu2
@@ -30,3 +32,13 @@ def test_weight_list_one_grid_gpu(world: int) -> None:
     r = run_cmd(["bash", "launch/torchrun.sh", str(world), MANY], timeout_s=500)
     assert r.returncode == 0, r.out[-6000:]
     assert len(re.findall(rf"^PASS agmm_many world={world} ", r.out, re.M)) == world, r.out[-6000:]
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.gpu), pytest.param(2, marks=pytest.mark.gpu2)])
+def test_random_m_gpu(world: int) -> None:
+    """A new M every call (1 to 6000 rows, random): both consumer ops, one weight and a
+    list, against torch with new inputs every call; plans per row bucket, not per M; a
+    CUDA graph at an M of a warm bucket."""
+    r = run_cmd(["bash", "launch/torchrun.sh", str(world), RANDOM_M], timeout_s=500)
+    assert r.returncode == 0, r.out[-6000:]
+    assert len(re.findall(rf"^PASS random_m world={world} ", r.out, re.M)) == world, r.out[-6000:]

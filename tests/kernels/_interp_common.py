@@ -172,8 +172,18 @@ class _NcclStandIn:
 
         def _peer_rows(self, send):
             base = self.rt.base
-            start = (send.data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
-            return self.rt.peer[start:start + send.shape[0]]
+            row_bytes = base.stride(0) * base.element_size()
+            start = (send.data_ptr() - base.data_ptr()) // row_bytes
+            if not 0 <= start < base.shape[0]:
+                # a padded copy of base's last rows (a plan of a row bucket sends the chunk
+                # that holds the last row whole): found by its first row; the peer's rows
+                # past its shard are NaN, which the op must never store
+                start = int((base == send[0]).all(dim=1).nonzero()[0])
+            rows = self.rt.peer[start:start + send.shape[0]]
+            pad = send.shape[0] - rows.shape[0]
+            if pad:
+                rows = torch.cat([rows, torch.full((pad, *rows.shape[1:]), float("nan"), dtype=rows.dtype)])
+            return rows
 
         def all_reduce(self, send, recv, stream=None):
             self.log.append(("all_reduce", send.shape[0]))

@@ -416,3 +416,49 @@ def test_wrap() -> None:
                 assert got == outcome, (mult, calls, seen_calls, got, outcome)
                 assert torch.isnan(c).all() == (outcome != "ok"), (mult, calls, seen_calls)
 
+
+
+@interpreted
+def test_row_cut() -> None:
+    """A table made for row blocks of ``span`` rows run for blocks of ``cap`` (a plan of a
+    row bucket, ``launch_tile_gemm(rows=(cap, span))``): each block's tiles land at
+    ``b * cap``, cut at its end; the A rows past ``cap`` (NaN here) are read and never
+    stored; a tile with no rows left does no work but still posts, once per tile (split
+    pieces too), so a consumer waiting on the table's counts is not left waiting."""
+    cfg = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)
+    g = torch.Generator().manual_seed(12)
+    span, n, k, blocks = 96, 40, 32, 2  # 3 row tiles per block, 3 column tiles
+    w = torch.randn(n, k, generator=g).half()
+    for cap, parts in ((40, 0), (96, 0), (1, 2), (70, 2)):
+        # block b's rows at b * span of the padded A, its first cap real
+        a_pad = torch.full((blocks * span, k), float("nan")).half()
+        real = torch.randn(blocks * cap, k, generator=g).half()
+        for b in range(blocks):
+            a_pad[b * span: b * span + cap] = real[b * cap: (b + 1) * cap]
+        segs = [Segment(a_src=0, a_row=b * span, c_row=b * span, rows=span, post_base=3 * b) for b in range(blocks)]
+        rows = build_tile_table(segs, n, cfg.block_m, cfg.block_n, 2)
+        split, ws, counter = None, None, torch.zeros(1 + 6, dtype=torch.int32)
+        if parts:
+            rows, start = split_tail(rows, 6, parts)
+            split, ws = (start, parts), split_workspace((start, parts), len(rows), cfg, "cpu")
+        tab = torch.tensor(rows, dtype=torch.int32)
+        out = torch.full((blocks * cap + 8, n), float("nan")).half()  # 8 guard rows past C
+        c = out[:blocks * cap]
+        flags = torch.zeros(8, dtype=torch.int32)
+        err = torch.zeros(8, dtype=torch.int32)
+        for grid in (2, 3):  # two launches share the table through the dispatch counter
+            launch_tile_gemm(a_pad, w.t(), c, tab, flags=flags, err=err, grid=grid, config=cfg, post=True,
+                             counter=counter, split=split, workspace=ws, rows=(cap, span))
+        assert not torch.isnan(c).any(), (cap, parts, "a row of C not stored, or a padded row stored")
+        assert torch.isnan(out[blocks * cap:]).all(), (cap, parts, "a store past C")
+        assert _rel(c, real.double() @ w.double().t()) < TOL[torch.float16], (cap, parts)
+        # every row tile's flag got one post per column tile, dead or alive
+        assert flags[:3 * blocks].tolist() == [3] * (3 * blocks), (cap, parts, flags)
+    # what the launcher refuses
+    for bad in ((0, 4), (5, 4)):
+        try:
+            launch_tile_gemm(a_pad, w.t(), c, tab, grid=1, config=cfg, rows=bad)
+        except ValueError as e:
+            assert "cap" in str(e), e
+        else:
+            raise AssertionError(f"rows={bad} accepted")

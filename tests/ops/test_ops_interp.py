@@ -431,6 +431,23 @@ def test_nccl_pipeline() -> None:
 
 
 
+def _sent(rows: int, chunks: int, exact: bool, whole: bool = False) -> list[int]:
+    """The rows of each collective a consumer op's NCCL path sends for ``rows``: its row
+    bucket's chunks cut at ``rows`` (``whole``: the chunk holding the last row sent whole,
+    as the all-gather does), or with ``exact`` the chunks of ``rows`` itself."""
+    from overlap.ops import matmul_reduce as mr
+    from overlap.policies import plan_rows
+
+    if exact:
+        return mr.split_rows(rows, chunks, mr.CHUNK_ALIGN)
+    sent, start = [], 0
+    for r in mr.split_rows(plan_rows(rows), chunks, mr.CHUNK_ALIGN):
+        if start < rows:
+            sent.append(r if whole else min(r, rows - start))
+        start += r
+    return sent
+
+
 @interpreted
 def test_nccl_consumer_ops() -> None:
     """The consumer ops' NCCL-transport host side (``all_gather_matmul``'s and
@@ -438,11 +455,13 @@ def test_nccl_consumer_ops() -> None:
     stand-in runtime: the peer's shard (or partial sums) arrives through the stand-in's
     collectives, chunk by chunk. New inputs every call, 1-3 chunks, both B layouts, the
     give-back grid, a split tail, return_gathered; residual and LayerNorm / RMSNorm or
-    none: outputs against torch, one collective per chunk, every chunk flag posted."""
+    none: outputs against torch, one collective per chunk, every chunk flag posted.
+    M changes call to call within a row bucket (``plan_rows``): the per-tile GEMM's
+    calls share the bucket's plan, its chunks cut at M (the chunk holding the last row
+    sent padded, the peer's pad NaN, never stored)."""
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_gather as ag
     from overlap.ops import all_reduce as ar
-    from overlap.ops import matmul_reduce as mr
 
     rt = _NcclStandIn(world=2)
     g = torch.Generator().manual_seed(7)
@@ -463,6 +482,8 @@ def test_nccl_consumer_ops() -> None:
                 norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
                             torch.randn(k, generator=g).half() if kind == "layernorm" else None)
             for it in range(2):
+                ms, m = (150, 300) if it == 0 else (137, 290)  # a new M in the same buckets
+                plans0 = (len(ag._plans(rt)), len(ar._plans(rt)))
                 # all-gather -> GEMM: this rank's rows first, then the peer's
                 a = torch.randn(ms, k, generator=g).half()
                 rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
@@ -471,8 +492,7 @@ def test_nccl_consumer_ops() -> None:
                 full = torch.cat([a, rt.peer])
                 assert torch.equal(gathered, full), ("gathered", chunks, it)
                 assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("agmm", chunks, it)
-                sizes = mr.split_rows(ms, chunks, mr.CHUNK_ALIGN)
-                assert rt.log == [("all_gather", r) for r in sizes], rt.log
+                assert rt.log == [("all_gather", r) for r in _sent(ms, chunks, flat, whole=True)], rt.log
                 # all-reduce (+ residual, norm) -> GEMM
                 x = torch.randn(m, k, generator=g).half()
                 rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
@@ -485,8 +505,11 @@ def test_nccl_consumer_ops() -> None:
                     torch.nn.functional.layer_norm(h_want, (k,), norm.weight.float(), norm.bias.float())
                     if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
                 assert _rel(c, y @ lin.float().t()) < 5e-3, ("armm c", chunks, kind, it)
-                sizes = mr.split_rows(m, chunks, mr.CHUNK_ALIGN)
+                sizes = _sent(m, chunks, flat)
                 assert rt.log == [("all_reduce", r) for r in sizes], rt.log
+                # one plan per bucket: the second M made none (the flattened GEMM's are exact)
+                made = (len(ag._plans(rt)) - plans0[0], len(ar._plans(rt)) - plans0[1])
+                assert made == ((1, 1) if it == 0 or flat else (0, 0)), (chunks, it, made)
                 if not flat and it == 0:  # a list of weights: one all-reduce, one grid over both GEMMs
                     lin2 = (torch.randn(32, k, generator=g) / k ** 0.5).half()
                     b2 = lin2.t() if layout == "wt" else lin2.t().contiguous()
@@ -514,7 +537,6 @@ def test_many_weights_one_grid() -> None:
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather as ag
     from overlap.ops import all_gather_p2p as agp
-    from overlap.ops import matmul_reduce as mr
 
     g = torch.Generator().manual_seed(13)
     ms, k = 150, 48
@@ -537,7 +559,7 @@ def test_many_weights_one_grid() -> None:
                 assert [tuple(c.shape) for c in cs] == [(2 * ms, n) for n in ns]
                 for i, (c, w) in enumerate(zip(cs, ws)):
                     assert _rel(c, full.float() @ w.float().t()) < TOL[torch.float16], (ns, it, i)
-                assert rt.log == [("all_gather", r) for r in mr.split_rows(ms, chunks, mr.CHUNK_ALIGN)], rt.log
+                assert rt.log == [("all_gather", r) for r in _sent(ms, chunks, False, whole=True)], rt.log
                 calls += 1
     rt = _StandIn()
     with rt.patched():
