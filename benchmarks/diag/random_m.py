@@ -113,11 +113,13 @@ def main() -> None:
             print(f"{r['case']:32s} {r['m']:9s} {r['host_ms_mean']:12.3f} {r['host_ms_p50']:7.3f} "
                   f"{r['host_ms_p99']:7.3f} {r['host_ms_max']:8.2f} {r['gpu_ms_per_call']:11.3f} "
                   f"{r['peak_mem_gib']:8.2f} {r['blocking_checks']:6d} {r['plans']:5d}", flush=True)
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__)).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = ""
+        commit = os.environ.get("OVERLAP_COMMIT", "")  # a run from an archive of the tree has no git
+        if not commit:
+            try:
+                commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=os.path.dirname(__file__)).stdout.strip()
+            except Exception:  # noqa: BLE001
+                commit = ""
         import triton
 
         meta = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "triton": triton.__version__,
