@@ -316,6 +316,92 @@ def test_measure_times_the_finalists_again_interleaved(monkeypatch) -> None:
     assert seen[20:] == [a_cfg, b_cfg, c_cfg] * 3  # 4 x 5 first-pass calls, then the rounds
 
 
+def test_measure_tries_split_tails_on_a_partial_wave(monkeypatch) -> None:
+    """``split=True``: the fastest config that is not flattened, with a partial last wave
+    under ``SPLIT_WAVES`` waves, is timed again with its tail in 2 and 4 K pieces; a faster
+    split is the pick. Not with ``split=False``, nor for whole waves, nor on a flattened config."""
+    from dataclasses import replace
+
+    import overlap.kernels.autotune as at
+    import overlap.kernels.tile_gemm as tg
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    plain = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=2, num_warps=4)
+    flat = replace(plain, num_stages=3, flatten=True)
+    speed = {plain: 1.0, flat: 1.2, replace(plain, split_tail=2): 0.9, replace(plain, split_tail=4): 0.7}
+    last: dict = {}
+    monkeypatch.setattr(tg, "launch_tile_gemm", lambda *args, config, **kw: last.__setitem__("cfg", config))
+
+    class Timer:
+        def __init__(self, fn) -> None:
+            fn()
+            self.cfg, self.iters, self.graph = last["cfg"], 1, None
+
+        def ms(self) -> float:
+            return speed[self.cfg]
+
+    monkeypatch.setattr(at, "GraphTimer", Timer)
+    # 3 x 2 = 6 tiles on 4 programs: a partial second wave, under 2 waves
+    best, ms = at._measure(192, 128, 128, torch.float16, torch.device("cpu"), False, [plain, flat], 4,
+                           group_step=False, split=True)
+    assert best == replace(plain, split_tail=4), best
+    assert "64x64x32 s2 w4 g8 split2" in ms and "64x64x32 s2 w4 g8 split4" in ms, ms
+    for kw in (dict(split=False), dict(split=True, sms=3)):  # no split asked; two whole waves
+        sms = kw.pop("sms", 4)
+        best, ms = at._measure(192, 128, 128, torch.float16, torch.device("cpu"), False, [plain, flat], sms,
+                               group_step=False, **kw)
+        assert best == plain and not any("split" in x for x in ms), (kw, ms)
+    # the fastest config flattened: its plain runner-up is split
+    speed[flat] = 0.8
+    best, ms = at._measure(192, 128, 128, torch.float16, torch.device("cpu"), False, [plain, flat], 4,
+                           group_step=False, split=True)
+    assert best == replace(plain, split_tail=4) and "64x64x32 s3 w4 flat g8 split2" not in ms, (best, ms)
+
+
+def test_split_tail_is_refused_where_nothing_reads_it() -> None:
+    """``GemmConfig.split_tail``: refused with flatten and small tiles; an op's config and
+    the chain's refuse it (they split by ``OverlapConfig.split_tail``, or not at all)."""
+    from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.ops import ChainConfig, OverlapConfig
+
+    for kw in (dict(split_tail=0), dict(split_tail=2, flatten=True), dict(split_tail=2, block_m=16)):
+        with pytest.raises(ValueError, match="split_tail"):
+            GemmConfig(**kw)
+    with pytest.raises(ValueError, match="OverlapConfig.split_tail"):
+        OverlapConfig(gemm=GemmConfig(split_tail=2))
+    with pytest.raises(ValueError, match="split_tail"):
+        ChainConfig(producer=GemmConfig(split_tail=2))
+
+
+def test_gemm_call_splits_the_partial_wave_interpreted() -> None:
+    """``gemm_call`` with ``split_tail``: the tail after the last full wave (every tile,
+    below one wave) in K pieces, summed; launched again with new inputs in place, it
+    computes them (the dispatch counter and the pieces' counts are zeroed per launch)."""
+    code = textwrap.dedent("""
+        import torch
+        from overlap.kernels.tile_gemm import GemmConfig, gemm_call
+
+        g = torch.Generator().manual_seed(3)
+        cfg = GemmConfig(block_m=32, block_n=32, block_k=16, num_stages=1, num_warps=4, split_tail=4)
+        m, n, k = 96, 64, 64  # 3 x 2 = 6 tiles, 4 K steps
+        for grid in (4, 8):  # a tail of 2 tiles after one wave; every tile below one wave
+            a = torch.empty(m, k).half()
+            w = torch.randn(n, k, generator=g).half()
+            c = torch.full((m, n), float("nan")).half()
+            run = gemm_call(a, w.t(), c, cfg, grid=grid)
+            for it in range(3):
+                a.copy_(torch.randn(m, k, generator=g))
+                run()
+                ref = a.double() @ w.double().t()
+                rel = ((c.double() - ref).norm() / ref.norm()).item()
+                assert rel < 2e-3, (grid, it, rel)
+        print("PASS gemm_call")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and "PASS gemm_call" in r.stdout, r.stdout + r.stderr
+
+
 # -- the sweep's shapes and files ------------------------------------------------------------
 def test_sweep_shapes_cover_the_spread() -> None:
     from benchmarks.gemm_sweep import M_VALUES, MODELS, quick_shapes, sweep_shapes
