@@ -1,7 +1,7 @@
 """The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
 
     python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
-                                    [--no-flatten] [--no-split]
+                                    [--no-flatten]
 
 Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
 hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
@@ -11,10 +11,7 @@ nn.Linear weight, ``kn``: row-major [K, N]), bf16 and fp16.
 
 The GEMM alone waits on no flag, so the tuner's shortlists hold the flattened configs too
 (``GemmConfig.flatten``, ``tune_gemm(flatten=True)``); ``--no-flatten`` leaves them out,
-which is what an op whose tiles wait can take. The GEMM is launched as
-``tile_gemm.gemm_call`` builds it, so the tuner also tries split tails where the last wave
-is partial (``tune_gemm(split=True)``, ``GemmConfig.split_tail``); ``--no-split`` leaves
-them out.
+which is what an op whose tiles wait can take.
 
 First every config the tuner will try (``overlap.kernels.autotune.shortlist``) is
 compiled once in a pool of processes (Triton's on-disk cache then serves the tuner);
@@ -215,18 +212,19 @@ def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> li
         return list(ex.map(_compile_one, jobs))
 
 
-def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, split: bool = True) -> dict[str, Any]:
+def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) -> dict[str, Any]:
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
-    from overlap.kernels.tile_gemm import gemm_call
+    from overlap.kernels.tile_gemm import launch_tile_gemm
+    from overlap.policies import Segment, build_tile_table
 
     m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
     dtype = getattr(torch, row["dtype"])
     dev = torch.device("cuda")
     before = set(cached_configs())
     t0 = time.perf_counter()
-    cfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn, flatten=flatten, split=split)
+    cfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn, flatten=flatten)
     tune_s = time.perf_counter() - t0
     entry = next((v for kk, v in cached_configs().items() if kk not in before), None)
     g = torch.Generator(device=dev).manual_seed(m * 7 + n * 3 + k)
@@ -235,14 +233,16 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     b = w.t().contiguous() if b_kn else w.t()
     c_ref = torch.empty(m, n, device=dev, dtype=dtype)
     c = torch.empty(m, n, device=dev, dtype=dtype)
-    tile = gemm_call(a, b, c, cfg, grid=sms)  # the table in cfg's order, its tail split as cfg says
-    timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)), "tile": GraphTimer(tile)}
+    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m, cfg.block_n,
+                                          group_m=cfg.group_m), dtype=torch.int32, device=dev)
+    timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)),
+              "tile": GraphTimer(lambda: launch_tile_gemm(a, b, c, table, grid=sms, config=cfg))}
     times: dict[str, list[float]] = {kk: [] for kk in timers}
     for _ in range(rounds):  # interleaved: drifts of clock and temperature hit both alike
         for kk, t in timers.items():
             times[kk].append(t.ms())
     c.fill_(float("nan"))
-    tile()
+    launch_tile_gemm(a, b, c, table, grid=sms, config=cfg)
     torch.mm(a, b, out=c_ref)
     ref = c_ref.float()
     rel = ((c.float() - ref).norm() / ref.norm()).item()
@@ -283,8 +283,6 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
-    ap.add_argument("--no-split", action="store_true",
-                    help="leave split tails (GemmConfig.split_tail) out of the tuner's candidates")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     args = ap.parse_args()
@@ -320,8 +318,7 @@ def main() -> None:
           f"{statistics.median(per) if per else float('nan'):.2f} s, max {max(per) if per else float('nan'):.2f} s; "
           f"{len(failed)} failed", flush=True)
     context = run_context()
-    context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "split": not args.no_split,
-                    "rounds": args.rounds,
+    context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
                     "timing": "CUDA-graph replays",
                     "cmdline": " ".join(sys.argv[1:])})
     rows: list[dict[str, Any]] = []
@@ -333,7 +330,7 @@ def main() -> None:
                   flush=True)
             break
         try:
-            r = run_shape(row, args.rounds, sms, flatten, not args.no_split)
+            r = run_shape(row, args.rounds, sms, flatten)
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
             r = {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             torch.cuda.synchronize()

@@ -32,11 +32,6 @@ Rules drop what cannot or should not run, before anything is timed:
 - ``flatten=True`` (callers whose tiles wait on nothing: the GEMM alone, the producer
   ops): each plain pick also with ``GemmConfig.flatten`` (one software pipeline over a
   program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4).
-- ``split=True`` (a whole GEMM launched by ``tile_gemm.gemm_call``): where the fastest
-  config that is not flattened leaves a partial last wave under ``SPLIT_WAVES`` waves, it
-  also with its tail tiles in 2 and 4 K pieces (``GemmConfig.split_tail``: stream-K's
-  fix-up in its simplest form, Osama et al., PPoPP 2023), so a single partial wave (96
-  tiles on 132 SMs) spreads over every SM.
 
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time; then the three fastest
@@ -99,12 +94,7 @@ flop (a 128x128 tile 1.33x, a 64x256 one 1.67x a 128x256's). A prior for ranking
 tile shapes by wave quantization only: the timing decides among those kept."""
 KEEP_WITHIN = 1.10
 MAX_TILES = 2
-SPLIT_PARTS = (2, 4)
-"""K pieces of a partial last wave's tiles the tuner tries (``tune_gemm(split=True)``)."""
-SPLIT_WAVES = 2
-"""Split tails are tried only below this many waves of tiles (past it the last wave is a
-small part of the run)."""
-SPACE_VERSION = 5
+SPACE_VERSION = 4
 """Bumped when the space or the rules change: older cache entries are then stale."""
 
 _lock = threading.Lock()
@@ -404,31 +394,22 @@ class GraphTimer:
 
 def _cfg_str(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
-            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''} g{cfg.group_m}"
-            f"{f' split{cfg.split_tail}' if cfg.split_tail > 1 else ''}")
-
-
-def split_worth(m: int, n: int, cfg: GemmConfig, sms: int) -> bool:
-    """Whether ``cfg``'s tiles leave a partial last wave that is a large part of the run:
-    fewer tiles than ``SPLIT_WAVES`` waves of ``sms``, not a whole number of waves."""
-    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
-    return tiles % sms != 0 and tiles < SPLIT_WAVES * sms
+            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''} g{cfg.group_m}")
 
 
 def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands: list[GemmConfig], sms: int,
              reps: int = 5, group_step: bool = True, finalists: int = 3,
-             rounds: int = 3, split: bool = False) -> tuple[GemmConfig, dict[str, float]]:
+             rounds: int = 3) -> tuple[GemmConfig, dict[str, float]]:
     """Time ``cands`` (then GROUP_M 16 on the winner) on random inputs, then the
     ``finalists`` fastest again in ``rounds`` interleaved rounds (a drift of the clocks
     during the first pass, one candidate after another, cannot pick the winner; the
     op tuners' ``confirm_best`` does the same); the fastest by those rounds' medians, and
     every candidate's ms (NaN: did not build or run; ``"again <config>"``: a finalist's
-    median of the rounds). ``split``: before the rounds, the fastest config that can split
-    its tail (not flattened) also with ``split_tail`` in ``SPLIT_PARTS``, where
-    ``split_worth`` says its last wave is a large partial one."""
+    median of the rounds)."""
     import torch
 
-    from .tile_gemm import gemm_call
+    from ..policies import Segment, build_tile_table
+    from .tile_gemm import launch_tile_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, dtype=dtype, generator=g)
@@ -441,11 +422,13 @@ def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands:
     measured: list[tuple[float, GemmConfig]] = []
 
     def run(cfg: GemmConfig) -> float:
+        table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m,
+                                              cfg.block_n, group_m=cfg.group_m), dtype=torch.int32, device=device)
         fail_key = (replace(cfg, group_m=GROUP_MS[0]), str(dtype), b_kn, sms)
         if fail_key in _failed:
             return float("nan")
         try:
-            t = timers[cfg] = GraphTimer(gemm_call(a, b, c, cfg, grid=sms))
+            t = timers[cfg] = GraphTimer(lambda: launch_tile_gemm(a, b, c, table, grid=sms, config=cfg))
             ms = statistics.median(t.ms() for _ in range(reps))
             measured.append((ms, cfg))
             return ms
@@ -469,13 +452,6 @@ def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands:
                 best, best_ms = cfg, ms
     if best is None:
         raise RuntimeError(f"no GEMM config ran for {m}x{n}x{k} {dtype}: {timings}")
-    if split:
-        plain = [cfg for ms, cfg in sorted(measured, key=lambda r: r[0]) if not cfg.flatten and cfg.block_m >= 32]
-        if plain and split_worth(m, n, plain[0], sms):
-            for parts in SPLIT_PARTS:
-                if parts <= _cdiv(k, plain[0].block_k):
-                    cfg = replace(plain[0], split_tail=parts)
-                    timings[_cfg_str(cfg)] = run(cfg)
     top = [cfg for _, cfg in sorted(measured, key=lambda r: r[0])[:max(1, finalists)]]
     if len(top) > 1 and rounds > 0:
         again: dict[GemmConfig, list[float]] = {cfg: [] for cfg in top}
@@ -497,15 +473,13 @@ def note_failed(cfg: GemmConfig, dtype: Any, b_kn: bool, sms: int) -> None:
 
 def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = False, block_m: int | None = None,
               candidates: tuple[GemmConfig, ...] | None = None, grid: int | None = None,
-              flatten: bool = False, split: bool = False) -> GemmConfig:
+              flatten: bool = False) -> GemmConfig:
     """The fastest config for C[m, n] = A[m, k] @ B[k, n] on ``device``: ``shortlist``'s
     configs (or ``candidates``), then GROUP_M 16 on the winner; restricted to ``block_m``
     when given (ops whose flags map row blocks need it). ``b_kn``: B row-major [K, N]
     (True) or the [N, K] storage of ``w.t()`` (False). ``grid``: the programs the GEMM
     gets (default every SM). ``flatten``: also the flattened configs (``GemmConfig.flatten``),
-    for a caller whose tiles wait on nothing; the pick may then be one. ``split``: also split
-    tails (``GemmConfig.split_tail``), for a caller that builds its table with
-    ``tile_gemm.gemm_call``; the pick may then have one."""
+    for a caller whose tiles wait on nothing; the pick may then be one."""
     import torch
 
     from .tile_gemm import warp_specialize_supported
@@ -515,8 +489,6 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     problem = _problem(m, n, k, dtype, b_kn, block_m, grid, candidates)
     if flatten and candidates is None:
         problem["flatten"] = True
-    if split:
-        problem["split"] = True
     key = cache_key(env, problem)
     with _lock:
         _load()
@@ -534,7 +506,7 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     if not cands:
         raise ValueError(f"no candidate config has block_m={block_m}")
     t0 = time.perf_counter()
-    best, timings = _measure(m, n, k, dtype, device, b_kn, cands, sms, split=split)
+    best, timings = _measure(m, n, k, dtype, device, b_kn, cands, sms)
     with _lock:
         _cache[key] = {"config": asdict(best), "ms": timings, "tune_s": round(time.perf_counter() - t0, 3)}
         _save([key], env)

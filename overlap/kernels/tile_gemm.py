@@ -641,12 +641,6 @@ class GemmConfig:
     ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
     in L2. Read by whoever builds the table (the tuner, the benchmarks); the kernel never
     sees it, and ops that order tiles by their schedule keep their own order."""
-    split_tail: int = 1
-    """K pieces of each tile after the grid's last full wave (of every tile, below one
-    wave), summed by the last piece to finish (``policies.split_tail``): the tiles of a
-    partial wave then spread over the SMs it leaves idle. Read by whoever builds the table
-    of a whole GEMM (``gemm_call``: the tuner, the benchmarks); the ops split their tails
-    by ``OverlapConfig.split_tail`` and refuse this."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -660,47 +654,9 @@ class GemmConfig:
         if self.flatten and self.warp_specialize:
             raise ValueError("GemmConfig: flatten and warp_specialize do not combine (the flattened loop is "
                              "not warp-specialized)")
-        if self.split_tail < 1 or (self.split_tail > 1 and (self.flatten or self.block_m < 32)):
-            raise ValueError(f"GemmConfig.split_tail must be >= 1, and 1 with flatten or block_m < 32 "
-                             f"(got {self.split_tail})")
 
 
 DEFAULT_CONFIG = GemmConfig()
-
-
-def gemm_call(a: Any, b: Any, c: Any, config: GemmConfig = DEFAULT_CONFIG, *, grid: int) -> Any:
-    """``c = a @ b`` over the whole of ``a`` as ``config`` says, ready to launch again and
-    again (a timer's, a graph's): returns a function of no arguments that launches on the
-    current stream. Its table is in ``config.group_m`` order; with ``config.split_tail`` > 1
-    the tiles after the grid's last full wave are split along K (``policies.split_tail``),
-    and each launch zeroes the dispatch counter and the tiles' piece counts first (a
-    memset, counted in the launch's time)."""
-    import torch
-
-    from ..policies import Segment, build_tile_table, split_tail
-
-    m, n = a.shape[0], c.shape[1]
-    rows = build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, config.block_m, config.block_n,
-                            group_m=config.group_m, array=True)
-    tiles = len(rows)
-    tail = tiles % grid if tiles >= grid else tiles
-    split = None
-    if config.split_tail > 1 and tail:
-        parts = min(config.split_tail, -(-a.shape[1] // config.block_k))
-        if parts > 1:
-            rows, start = split_tail(rows, tail, parts)
-            split = (start, parts)
-    table = torch.from_numpy(rows).to(a.device)
-    if split is None:
-        return lambda: launch_tile_gemm(a, b, c, table, grid=grid, config=config)
-    counter = torch.zeros(1 + tail, dtype=torch.int32, device=a.device)
-    ws = split_workspace(split, len(rows), config, a.device)
-
-    def run() -> None:
-        counter.zero_()
-        launch_tile_gemm(a, b, c, table, grid=grid, config=config, counter=counter, split=split, workspace=ws)
-
-    return run
 
 
 def warp_specialize_supported(device: Any = None) -> bool:

@@ -112,9 +112,6 @@ class ChainConfig:
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
         p = self.producer or _default_gemm()
         c = self.consumer or p
-        if p.split_tail > 1 or c.split_tail > 1:
-            raise ValueError("GemmConfig.split_tail is for a whole GEMM's table (tile_gemm.gemm_call); the chain's "
-                             "tables post per row block and split no tiles")
         if p.block_m != c.block_m:
             raise ValueError(f"producer and consumer must share block_m ({p.block_m} != {c.block_m})")
         if self.sync == "tile" and p.block_n % c.block_k:
