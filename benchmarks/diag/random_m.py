@@ -1,7 +1,8 @@
 """A new M every call (an inference server, variable-length training): 1000 calls with M
 random in [1, 16384] against the same calls at a fixed M, and against the sequential path
-(the op's reference), for all_gather_matmul and all_reduce_matmul (NCCL transport; world
-size 1 is enough to see host time and memory) and mlp_chain. Reports per case the host
+(the op's reference), for all_gather_matmul, all_reduce_matmul, matmul_reduce_scatter and
+matmul_all_reduce (NCCL transport; world size 1 is enough to see host time and memory) and
+mlp_chain. Reports per case the host
 time per call (queueing, no synchronization inside the loop), the GPU time per call, the
 peak memory, the blocking agreement checks made, and the plans cached at the end.
 
@@ -28,11 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_gather_matmul_ref,  # noqa: E402
-                         all_reduce_matmul, all_reduce_matmul_ref, mlp_chain, mlp_chain_ref)
+                         all_reduce_matmul, all_reduce_matmul_ref, matmul_all_reduce, matmul_all_reduce_ref,
+                         matmul_reduce_scatter, matmul_reduce_scatter_ref, mlp_chain, mlp_chain_ref)
 from overlap.ops import _runtime  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
 from overlap.ops import chain as chmod  # noqa: E402
+from overlap.ops import matmul_reduce as mrmod  # noqa: E402
 
 K, N, F = 4096, 4096, 8192
 M_MAX = 16384
@@ -94,6 +97,11 @@ def main() -> None:
                                                                   config=cfg)),
         "all_reduce_matmul sequential": lambda m: (lambda: all_reduce_matmul_ref(x_all[:m], b, residual=res_all[:m],
                                                                                  norm=norm)),
+        "matmul_reduce_scatter": lambda m: (lambda: matmul_reduce_scatter(x_all[:m], b, config=cfg)),
+        "matmul_reduce_scatter sequential": lambda m: (lambda: matmul_reduce_scatter_ref(x_all[:m], b)),
+        "matmul_all_reduce": lambda m: (lambda: matmul_all_reduce(x_all[:m], b, residual=res_all[:m], config=cfg)),
+        "matmul_all_reduce sequential": lambda m: (lambda: matmul_all_reduce_ref(x_all[:m], b,
+                                                                                 residual=res_all[:m])),
         "mlp_chain": lambda m: (lambda: mlp_chain(x_all[:m], w1, w2)),
         "mlp_chain sequential": lambda m: (lambda: mlp_chain_ref(x_all[:m], w1, w2)),
     }
@@ -104,7 +112,8 @@ def main() -> None:
             r = _run(ms, make)
             rt, local = _runtime.get_runtime(_runtime.resolve_group(None), dev), chmod._runtime(dev)
             r.update(case=name, m=label,
-                     plans=len(agmod._plans(rt)) + len(armod._plans(rt)) + len(chmod._tables_of(local)))
+                     plans=len(agmod._plans(rt)) + len(armod._plans(rt)) + len(mrmod._plans(rt))
+                     + len(chmod._tables_of(local)))
             rows.append(r)
     if ctx.is_main:
         print(f"{'case':32s} {'M':9s} {'host ms mean':>12s} {'p50':>7s} {'p99':>7s} {'max':>8s} "

@@ -362,7 +362,7 @@ def tile_gemm_kernel(
     USE_TIMER: tl.constexpr, FENCE_ASYNC: tl.constexpr, UPCAST: tl.constexpr,
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
-    SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1, CLIP: tl.constexpr = False,
+    SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1, CLIP: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     if POST_START:
@@ -385,7 +385,7 @@ def tile_gemm_kernel(
         c_rows = tl.load(row + _COL_C_ROWS)
         pid_n = tl.load(row + _COL_N_TILE)
         live = 1
-        if CLIP:
+        if CLIP == 1:
             # the table's C rows come in blocks of rows_span (a row bucket's, per source
             # rank); this call's blocks hold rows_cap: the tile's rows in them, cut at
             # the block's end (a tile with none left is dead: no wait, no work)
@@ -393,6 +393,14 @@ def tile_gemm_kernel(
             off = c_row - blk * rows_span
             c_rows = tl.minimum(c_rows, rows_cap - off)
             c_row = blk * rows_cap + off
+            live = (c_rows > 0).to(tl.int32)
+        if CLIP == 2:
+            # the same for the table's A rows (per destination rank of a reduce-scatter);
+            # its C rows stay where the table puts them
+            blk = a_row // rows_span
+            off = a_row - blk * rows_span
+            c_rows = tl.minimum(c_rows, rows_cap - off)
+            a_row = blk * rows_cap + off
             live = (c_rows > 0).to(tl.int32)
         b_use = b_desc
         c_use = c_ptr
@@ -717,6 +725,7 @@ def launch_tile_gemm(
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
     rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
     sig: tuple[int, int] | None = None, groups: Any = None, rows: tuple[int, int] | None = None,
+    cut: str = "c",
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -750,7 +759,9 @@ def launch_tile_gemm(
     and this call's blocks hold ``cap <= span`` rows: a tile's C row ``b * span + o`` becomes
     ``b * cap + o``, its rows are cut at ``cap - o``, and a tile with none left does
     nothing but post (once per tile) where the table says. A and A2 rows past ``cap`` in a
-    cut tile are read and not stored.
+    cut tile are read and not stored. ``cut="a"``: the blocks are the table's A rows
+    instead (a reduce-scatter's, one per destination): A row ``b * span + o`` becomes
+    ``b * cap + o``, cut alike, and C rows stay as the table says.
 
     ``config.flatten``: ``tile_gemm_flat_kernel`` (no ``k_wait``, split, folded norm,
     several weights or ``rows``); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
@@ -768,6 +779,7 @@ def launch_tile_gemm(
     if config.flatten:
         _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups, rows is not None)
     clip = _check_rows(rows)
+    mode = _cut_mode(cut if rows is not None else None)
     if num_tiles == 0:
         return
     if config.flatten:
@@ -801,7 +813,7 @@ def launch_tile_gemm(
                for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
-                 sig is not None, len(b_stores), rows is not None)
+                 sig is not None, len(b_stores), mode)
     key = _key(meta, a, a2, b_stores, cs, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
@@ -893,6 +905,17 @@ def _more_weights(b_descs: Sequence[Any], cs: Sequence[Any]) -> tuple:
     return (*b_descs, *pad, *cs, *pad, *[x.shape[1] for x in cs], *pad, *[x.stride(0) for x in cs], *pad)
 
 
+def _cut_mode(cut: Any) -> int:
+    """``CLIP``: 0 no cut, 1 C's row blocks (``cut="c"``, or True), 2 A's (``cut="a"``)."""
+    if cut is None or cut is False:
+        return 0
+    if cut is True:
+        return 1
+    if cut not in ("c", "a"):
+        raise ValueError(f"cut must be 'c' or 'a', got {cut!r}")
+    return 1 if cut == "c" else 2
+
+
 def _check_rows(rows: Any) -> tuple[int, int]:
     """``rows=(cap, span)``'s kernel arguments ((1, 1) without: never read)."""
     if rows is None:
@@ -971,7 +994,7 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
-          split: Any = None, sig: bool = False, num_b: int = 1, clip: bool = False) -> dict[str, Any]:
+          split: Any = None, sig: bool = False, num_b: int = 1, clip: int = 0) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
@@ -979,7 +1002,7 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
                 SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig),
-                NUM_B=int(num_b), CLIP=bool(clip))
+                NUM_B=int(num_b), CLIP=int(clip))
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_stores: Any, cs: Any, table: Any, flags: Any, err: Any,
@@ -1009,21 +1032,24 @@ class TileGemmPlan:
     ``operands(a, b, a2)`` makes the TMA descriptors of a call, and raises ValueError
     when an operand's shape or strides differ from the plan's (B as ``b_operand``
     stores it); ``launch(descs, c, epoch=, grid=)`` launches on the current stream.
-    The arguments are those of ``launch_tile_gemm``."""
+    The arguments are those of ``launch_tile_gemm``; ``clip`` ("c" or True, "a"; None: off)
+    makes a plan of a row bucket, its ``cut``: A's row count is then the launch's own, and
+    every launch gives ``rows``."""
 
     def __init__(self, a: Any, b: Any, c: Any, table: Any, *, a2: Any = None, flags: Any = None, err: Any = None,
                  rank: int = 0, config: GemmConfig = DEFAULT_CONFIG, activation: str | None = None,
                  wait: bool = False, post: bool = False, timeout_ns: int = 500_000_000,
                  max_spins: int = 2_000_000, counter: Any = None, start_flag: int | None = None,
                  k_wait: int = 0, norm_epi: bool = False, split: tuple[int, int] | None = None,
-                 sig_stride: int | None = None, groups: Any = None, clip: bool = False) -> None:
+                 sig_stride: int | None = None, groups: Any = None, clip: Any = None) -> None:
         b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
                                            norm_epi=norm_epi)
         c = cs[0]
         self.flat = bool(config.flatten)
         if self.flat:
-            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups, clip)
-        self.clip = bool(clip)
+            _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups, bool(clip))
+        self.mode = _cut_mode(clip)
+        self.clip = self.mode != 0
         if sig_stride is not None and (sig_stride < 2 or not wait or k_wait):
             raise ValueError(f"sig_stride={sig_stride} needs wait, no k_wait and a stride of at least 2")
         cfg = config
@@ -1047,7 +1073,7 @@ class TileGemmPlan:
         self.norm_epi = bool(norm_epi)
         self.meta = _meta(cfg, a, a2, b_kn, wait, post, activation, self.interp, counter, start_flag, k_wait,
                           rowstat=True if norm_epi else None, split=split, sig=sig_stride is not None,
-                          num_b=len(cs), clip=self.clip)
+                          num_b=len(cs), clip=self.mode)
         self.sig_stride = int(sig_stride) if sig_stride is not None else 1
         self.key = _key(self.meta, a, a2, b_stores, cs, table, self.flags, self.err, self.counter)
         self.head = (c.shape[1], a.shape[1], self.num_tiles)

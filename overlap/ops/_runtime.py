@@ -1404,7 +1404,7 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
     key = (a.dtype, b_strides, timeout_ns, flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
-           kw.get("sig_stride"), bool(kw.get("clip")))
+           kw.get("sig_stride"), kw.get("clip") or None)
     gp = plans.get(key)
     if gp is None:
         from ..kernels.tile_gemm import TileGemmPlan

@@ -57,7 +57,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
-from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
                        get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, run_p2p,
                        serial_phases, tune_paths, warn_once)
@@ -363,34 +363,47 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
     m, k = a.shape
     n = b.shape[1]
     scatter = op == "matmul_reduce_scatter"
-    p = _plan(rt, op, m, n, k, cfg)
+    world = rt.world
+    # the plan of the row bucket (per destination for the reduce-scatter): chunks, table
+    # and launches shared by every M in it, the GEMM's tiles cut at this call's rows
+    # (a cut tile still posts its chunk's counter)
+    rows_m = m // world if scatter else m
+    rows_b = plan_rows_for(rows_m, cfg, "nccl")
+    clip = None if cfg.gemm is not None and cfg.gemm.flatten else ("a" if scatter else "c")
+    p = _plan(rt, op, rows_b * world if scatter else rows_b, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err(op)
     chunks = len(p.cmap.chunk_rows)
-    world = rt.world
     cs = rt.comm_stream
     # the dispatch counter, then a counter per chunk, zeroed on the caller's stream
     with fused_call(rt, err, cfg.check, (cs,), (op, 1, chunks)) as (cur, (w,)):
-        c = a.new_empty((p.cmap.c_rows, n))
-        out = a.new_empty((m // world, n)) if scatter else c
+        # the reduce-scatter's C chunk-major for the bucket, its output the bucket's rows of
+        # which the first M/R are returned; the all-reduce's C this call's M rows
+        c = a.new_empty((p.cmap.c_rows if scatter else m, n))
+        out = a.new_empty((rows_b, n)) if scatter else c
         gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1, counter=w.counters,
-                       rank=rt.rank, config=p.gemm, post=True, groups=p.groups)
+                       rank=rt.rank, config=p.gemm, post=True, groups=p.groups, clip=clip)
         with gpu_range("gemm", "grid"):
-            gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid)
+            gp.launch(gp.operands(a, b), c, epoch=1, grid=p.grid, rows=(rows_m, rows_b) if clip else None)
         for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):
+            live = min(rows, rows_m - start)
             with gpu_range("comm", "chunk", ci):
                 # every tile of the chunk stored (each posted once, with release)
                 _flags.stream_wait_value(cs, w.flags, ci, p.counts[ci])
+                if live <= 0:
+                    continue  # past this call's rows: nothing to reduce
                 if scatter:
+                    # whole: rows past M/R of each destination's block are never read
                     comm.reduce_scatter(c[world * start: world * (start + rows)], out[start:start + rows],
                                         stream=cs)
                 else:
-                    comm.all_reduce(c[start:start + rows], c[start:start + rows], stream=cs)
+                    comm.all_reduce(c[start:start + live], c[start:start + live], stream=cs)
                     if residual is not None:
                         with on_stream(cs, cur):
-                            c[start:start + rows] += residual[start:start + rows]
+                            c[start:start + live] += residual[start:start + live]
     stats["fused"] += 1
-    return out
+    return out[:rows_m] if scatter else out
+
 
 
 # --------------------------------------------------------------------------
@@ -432,7 +445,8 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
     transport = "nccl" if sequential else _transport(rt, cfg)
     if scatter and m % rt.world:
         raise ValueError(f"{op}: M={m} is not a multiple of the {rt.world} ranks")
-    chunks = 0 if sequential else (cfg.chunks or _default_chunks(m // rt.world if scatter else m))
+    chunks = 0 if sequential else (cfg.chunks or _default_chunks(
+        plan_rows_for(m // rt.world if scatter else m, cfg, transport)))
     # the NCCL calls' and the pushes' sizes come from (M, N) and the chunks (0: the
     # sequential path): ranks must agree or peers hang
     check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p"),

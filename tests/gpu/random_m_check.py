@@ -1,6 +1,7 @@
 """GPU check of a new M every call on R ranks, under torchrun: all_gather_matmul (one
-weight and a list, return_gathered on every other call) and all_reduce_matmul (residual
-and LayerNorm, one weight and a list) on the NCCL transport, with M drawn at random from
+weight and a list, return_gathered on every other call), all_reduce_matmul (residual
+and LayerNorm, one weight and a list), matmul_reduce_scatter and matmul_all_reduce
+(residual) on the NCCL transport, with M drawn at random from
 1 to 6000 rows (M/R for the all-gather), bf16, both B layouts, fresh inputs every call,
 each against torch. The calls of one row bucket (``policies.plan_rows``) share a plan: the
 plans made are counted against the buckets drawn, and the blocking agreement checks
@@ -23,6 +24,7 @@ from overlap.ops import Norm, OverlapConfig  # noqa: E402
 from overlap.ops import _runtime  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
+from overlap.ops import matmul_reduce as mrmod  # noqa: E402
 from overlap.policies import plan_rows, row_bucket  # noqa: E402
 
 M_MAX, CALLS = 6000, 40
@@ -55,7 +57,11 @@ def main() -> None:
         lin = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
         lin2 = torch.randn(n2, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
         b, b2 = (lin.t(), lin2.t()) if layout == "wt" else (lin.t().contiguous(), lin2.t().contiguous())
-        plans0 = (len(agmod._plans(rt)), len(armod._plans(rt)))
+        plans0 = (len(agmod._plans(rt)), len(armod._plans(rt)), len(mrmod._plans(rt)))
+        # the producer ops: every rank's own K/R columns and weight rows
+        kp = 512
+        wp = torch.randn(world, n, kp, device=dev, dtype=torch.bfloat16, generator=g) / (world * kp) ** 0.5
+        bp = wp[rank].t() if layout == "wt" else wp[rank].t().contiguous()
         checks0 = gathers[0]
         ms_seen, m_seen = set(), set()
         for call in range(CALLS):
@@ -87,22 +93,38 @@ def main() -> None:
                 assert c.shape == (m, w.shape[1]), ("armm shape", c.shape)
                 assert rel(c, y @ w.float()) < 2e-2, ("armm", layout, call, m, rel(c, y @ w.float()))
             m_seen.add(m)
-        made = (len(agmod._plans(rt)) - plans0[0], len(armod._plans(rt)) - plans0[1])
+            # GEMM -> reduce-scatter, GEMM -> all-reduce (+ residual): M a multiple of R
+            mp = ms * world
+            xs = torch.randn(world, mp, kp, device=dev, dtype=torch.bfloat16, generator=g)
+            want = sum(xs[r].float() @ wp[r].float().t() for r in range(world))
+            got = mrmod.matmul_reduce_scatter(xs[rank].contiguous(), bp, config=cfg)
+            mine = want[rank * ms:(rank + 1) * ms]
+            assert got.shape == mine.shape and rel(got, mine) < 2e-2, ("mmrs", layout, call, mp, rel(got, mine))
+            resp = torch.randn(mp, n, device=dev, dtype=torch.bfloat16, generator=g)
+            got = mrmod.matmul_all_reduce(xs[rank].contiguous(), bp, residual=resp, config=cfg)
+            assert got.shape == (mp, n) and rel(got, want + resp.float()) < 2e-2, ("mmar", layout, call, mp)
+        made = (len(agmod._plans(rt)) - plans0[0], len(armod._plans(rt)) - plans0[1],
+                len(mrmod._plans(rt)) - plans0[2])
         # one plan per bucket and weight list (and per layout: these are new weights' plans
         # only through their launches; the op plans are shared across layouts)
         ag_buckets = len({plan_rows(x) for x in ms_seen})
         ar_buckets = len({plan_rows(x) for x in m_seen})
-        assert made[0] <= 2 * ag_buckets and made[1] <= 2 * ar_buckets, (made, ag_buckets, ar_buckets)
+        # the reduce-scatter's buckets are per destination (M/R), the all-reduce's of M
+        mp_buckets = len({plan_rows(x) for x in ms_seen}) + len({plan_rows(x * world) for x in ms_seen})
+        assert made[0] <= 2 * ag_buckets and made[1] <= 2 * ar_buckets and made[2] <= mp_buckets, \
+            (made, ag_buckets, ar_buckets, mp_buckets)
         # the agreement is checked once per key: M by its power-of-two bucket, the chunk
         # count (the bucket plan's), one weight or the list
         checks = gathers[0] - checks0
         keys = (len({(row_bucket(x), agmod._default_chunks(plan_rows(x))) for x in ms_seen})
-                + len({(row_bucket(x), armod._default_chunks(plan_rows(x))) for x in m_seen}))
+                + len({(row_bucket(x), armod._default_chunks(plan_rows(x))) for x in m_seen})
+                + len({(row_bucket(x * world), mrmod._default_chunks(plan_rows(x))) for x in ms_seen})
+                + len({(row_bucket(x * world), mrmod._default_chunks(plan_rows(x * world))) for x in ms_seen}))
         assert checks <= 2 * keys, ("blocking checks", checks, keys)
         if rank == 0:
             print(f"{layout}: {CALLS} calls, agmm plans {made[0]} for {ag_buckets} buckets of {len(ms_seen)} M/R, "
-                  f"armm plans {made[1]} for {ar_buckets} buckets of {len(m_seen)} M, {checks} blocking checks",
-                  flush=True)
+                  f"armm plans {made[1]} for {ar_buckets} buckets of {len(m_seen)} M, producer plans {made[2]} for "
+                  f"{mp_buckets} buckets of M/R, {checks} blocking checks", flush=True)
     # a CUDA graph of a call at an M of a warm bucket, replayed with new inputs
     m = 1000
     ms = m // world

@@ -424,7 +424,8 @@ def test_row_cut() -> None:
     row bucket, ``launch_tile_gemm(rows=(cap, span))``): each block's tiles land at
     ``b * cap``, cut at its end; the A rows past ``cap`` (NaN here) are read and never
     stored; a tile with no rows left does no work but still posts, once per tile (split
-    pieces too), so a consumer waiting on the table's counts is not left waiting."""
+    pieces too), so a consumer waiting on the table's counts is not left waiting. With
+    ``cut="a"`` the blocks are A's rows and C's stay where the table puts them."""
     cfg = GemmConfig(block_m=32, block_n=16, block_k=16, num_stages=1, num_warps=4)
     g = torch.Generator().manual_seed(12)
     span, n, k, blocks = 96, 40, 32, 2  # 3 row tiles per block, 3 column tiles
@@ -454,6 +455,20 @@ def test_row_cut() -> None:
         assert _rel(c, real.double() @ w.double().t()) < TOL[torch.float16], (cap, parts)
         # every row tile's flag got one post per column tile, dead or alive
         assert flags[:3 * blocks].tolist() == [3] * (3 * blocks), (cap, parts, flags)
+    # cut="a": the blocks are A's (a reduce-scatter's destinations), C rows as the table says
+    for cap in (40, 1, 96):
+        real = torch.randn(blocks * cap, k, generator=g).half()
+        segs = [Segment(a_src=0, a_row=b * span, c_row=b * span, rows=span, post_base=3 * b) for b in range(blocks)]
+        tab = torch.tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, 2), dtype=torch.int32)
+        c = torch.full((blocks * span, n), float("nan")).half()
+        flags = torch.zeros(8, dtype=torch.int32)
+        launch_tile_gemm(real, w.t(), c, tab, flags=flags, err=torch.zeros(8, dtype=torch.int32), grid=3,
+                         config=cfg, post=True, counter=torch.zeros(1, dtype=torch.int32), rows=(cap, span), cut="a")
+        for b in range(blocks):
+            want = real[b * cap:(b + 1) * cap].double() @ w.double().t()
+            assert _rel(c[b * span: b * span + cap], want) < TOL[torch.float16], (cap, b)
+            assert torch.isnan(c[b * span + cap:(b + 1) * span]).all(), (cap, b, "a row past the cut stored")
+        assert flags[:3 * blocks].tolist() == [3] * (3 * blocks), (cap, flags)
     # what the launcher refuses
     for bad in ((0, 4), (5, 4)):
         try:

@@ -374,10 +374,13 @@ def test_nccl_pipeline() -> None:
     counters, each chunk all-reduced, added and normed, its flag, the consumer's tiles),
     with new inputs every call, 1-4 chunks, residual and LayerNorm / RMSNorm or none, both
     B layouts, the consumer's split tail and give-back grid: outputs against torch, one
-    wait per chunk for that chunk's tile count, one collective per chunk."""
+    wait per chunk for that chunk's tile count, one collective per chunk. M changes call
+    to call within a row bucket: the producer ops share the bucket's plan (its chunks cut
+    at M, every tile counted, cut or not); the boundary's plans are per M."""
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import boundary as bd
     from overlap.ops import matmul_reduce as mr
+    from overlap.policies import plan_rows
 
     rt = _NcclStandIn()
     g = torch.Generator().manual_seed(5)
@@ -389,7 +392,6 @@ def test_nccl_pipeline() -> None:
                 (3, None, True, "wt", True, 0)):
             cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
                                 transport="nccl", gemm=CFG32 if split else CFG, split_tail=split)
-            sizes = mr.reduce_scatter_layout(1, m, chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
             w1 = (torch.randn(n, k, generator=g) / k ** 0.5).half()
             w2 = (torch.randn(n2, n, generator=g) / n ** 0.5).half()
             b = w1.t() if layout == "wt" else w1.t().contiguous()
@@ -399,21 +401,29 @@ def test_nccl_pipeline() -> None:
                 norm = Norm(kind, (torch.rand(n, generator=g) + 0.5).half(),
                             torch.randn(n, generator=g).half() if kind == "layernorm" else None)
             for it in range(2):  # new inputs; plans and words reused
+                m = (300, 290)[it]  # one bucket (320 rows)
+                sizes = mr.reduce_scatter_layout(1, m, chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+                bucket = mr.reduce_scatter_layout(1, plan_rows(m), chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+                plans0 = len(mr._plans(rt))
                 a = torch.randn(m, k, generator=g).half()
                 res = torch.randn(m, n, generator=g).half() if with_res else None
                 want = a.float() @ w1.float().t()
                 # the producer ops
                 del rt.log[:], rt.waits[:]
                 got = mr._fused(rt, "matmul_reduce_scatter", a, b, None, cfg)
-                assert _rel(got, want) < TOL[torch.float16], ("mmrs", chunks, it)
+                assert got.shape == (m, n) and _rel(got, want) < TOL[torch.float16], ("mmrs", chunks, it)
                 got = mr._fused(rt, "matmul_all_reduce", a, b, res, cfg)
                 want_h = want + (res.float() if res is not None else 0)
-                assert _rel(got, want_h) < TOL[torch.float16], ("mmar", chunks, it)
-                counts = mr._plan(rt, "matmul_all_reduce", m, n, k, cfg).counts
-                tiles = [-(-r // cfg.gemm.block_m) * -(-n // cfg.gemm.block_n) for r in sizes]
+                assert got.shape == (m, n) and _rel(got, want_h) < TOL[torch.float16], ("mmar", chunks, it)
+                if it:  # the second M of the bucket made no plan
+                    assert len(mr._plans(rt)) == plans0, "a plan per M, not per bucket"
+                counts = mr._plan(rt, "matmul_all_reduce", plan_rows(m), n, k, cfg).counts
+                tiles = [-(-r // cfg.gemm.block_m) * -(-n // cfg.gemm.block_n) for r in bucket]
                 assert list(counts) == tiles, (counts, tiles)
-                assert [v for _, v in rt.waits] == tiles * 2 and rt.log == [("reduce_scatter", r) for r in sizes] + \
-                    [("all_reduce", r) for r in sizes], (rt.waits, rt.log)
+                live = [min(r, m - sum(bucket[:i])) for i, r in enumerate(bucket)]
+                assert [v for _, v in rt.waits] == tiles * 2 and rt.log == [("reduce_scatter", r) for r in bucket] + \
+                    [("all_reduce", r) for r in live], (rt.waits, rt.log)
+                tiles = [-(-r // cfg.gemm.block_m) * -(-n // cfg.gemm.block_n) for r in sizes]
                 # the boundary
                 del rt.log[:], rt.waits[:]
                 c, h = bd._fused(rt, a, b, b2, res, norm, cfg)
