@@ -38,6 +38,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
+from ..protocol import COL_WAIT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, plan_rows_for,
@@ -244,6 +245,12 @@ class _Plan:
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
+    local: int = 0
+    """Table rows of the local shard (first, waiting on nothing): the NCCL transport runs
+    them as a grid of their own, then the rest behind the stream gate (``_fused``); 0: one
+    grid over the whole table (a flattened GEMM, a split tail reaching into them, one rank)."""
+    local_launches: LRU = field(default_factory=lambda: LRU(16))
+    """The local grid's launch plans (another table than ``launches``'s)."""
 
 
 def _plans(rt: Runtime) -> LRU:
@@ -320,8 +327,14 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
         split = (split_start, parts) if split_start is not None else None
         table = table_tensor(rows, rt.device)
         groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
+        # the local shard's rows lead the table and wait on nothing
+        import numpy as np
+
+        local = int(np.argmax(rows[:, COL_WAIT] >= 0)) if (rows[:, COL_WAIT] >= 0).any() else 0
+        if gemm.flatten or transport != "nccl" or (split is not None and split[0] < local):
+            local = 0
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0),
-                  groups)
+                  groups, local=local)
         plans[key] = p
     return p
 
@@ -483,7 +496,12 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     cs = rt.comm_stream
     # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed on the
     # caller's stream before the comm stream forks: no epoch (``_runtime.LocalWords``)
-    with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters, p.flag_count)) as (cur, (w,)):
+    from ..kernels import gate as _gate
+
+    gated = p.local > 0 and _gate.enabled()
+    # the dispatch counter (and split tiles' counts); gated, the local grid's counter first and
+    # the rest's 4 words on (16-byte aligned, as the cached launch wants its tensors)
+    with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters + 4, p.flag_count)) as (cur, (w,)):
         # laid out for the bucket (chunk c's rows of every rank at world * start_c, rank r's
         # r * rows_c on): the chunk that holds row ms is sent whole from a padded copy, the
         # chunks past it not at all; C is this call's, the GEMM's tiles cut at ms per rank
@@ -502,11 +520,26 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
                 if live > 0:
                     comm.all_gather(src, gathered[world * start: world * (start + rows)], stream=cs)
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)
-        gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
-                       timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
-                       split=p.split, groups=p.groups, clip=not p.gemm.flatten)
-        descs = gp.operands(a_shard, b, gathered)
         cut = None if p.gemm.flatten else (ms, msb)
+        if gated:
+            # the local shard's tiles now, on a grid of their own; the rest behind a one-program
+            # gate on chunk 0's flag, so that while a peer is late no grid waits on the SMs
+            gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=w.flags,
+                           err=err.word, timeout_ns=timeout_ns, counter=w.counters[:1], rank=rt.rank,
+                           config=p.gemm, wait=True, clip=True)
+            gp = gemm_plan(p.launches, a_shard, b, c, p.table[p.local:], a2=gathered, flags=w.flags, err=err.word,
+                           timeout_ns=timeout_ns, counter=w.counters[4:], rank=rt.rank, config=p.gemm, wait=True,
+                           split=None if p.split is None else (p.split[0] - p.local, p.split[1]), clip=True)
+            descs = gl.operands(a_shard, b, gathered)
+            with gpu_range("gemm", "local grid"):
+                gl.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
+            with gpu_range("gate", "chunk", 0):
+                _gate.launch_gate(w.flags, 0, 1, 3, err.word, rank=rt.rank, timeout_ns=timeout_ns)
+        else:
+            gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
+                           timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
+                           split=p.split, groups=p.groups, clip=not p.gemm.flatten)
+            descs = gp.operands(a_shard, b, gathered)
         with gpu_range("gemm", "grid"):
             gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         if p.give_back_grid:

@@ -466,13 +466,18 @@ def test_nccl_consumer_ops() -> None:
     collectives, chunk by chunk. New inputs every call, 1-3 chunks, both B layouts, the
     give-back grid, a split tail, return_gathered; residual and LayerNorm / RMSNorm or
     none: outputs against torch, one collective per chunk, every chunk flag posted.
-    M changes call to call within a row bucket (``plan_rows``): the per-tile GEMM's
-    calls share the bucket's plan, its chunks cut at M (the chunk holding the last row
+    The all-gather's grid gated and not. M changes call to call within a row bucket
+    (``plan_rows``): the per-tile GEMM's calls share the bucket's plan, its chunks cut at M (the chunk holding the last row
     sent padded, the peer's pad NaN, never stored)."""
+    import os
+    from unittest import mock
+
+    from overlap.kernels import gate as gate_mod
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_gather as ag
     from overlap.ops import all_reduce as ar
 
+    real_gate = gate_mod.launch_gate
     rt = _NcclStandIn(world=2)
     g = torch.Generator().manual_seed(7)
     ms, m, n, k = 150, 300, 48, 64  # all-gather: 150 rows per rank; all-reduce: 300 rows
@@ -498,7 +503,17 @@ def test_nccl_consumer_ops() -> None:
                 a = torch.randn(ms, k, generator=g).half()
                 rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
                 del rt.log[:]
-                c, gathered = ag._fused(rt, a, b, True, cfg)
+                # the first call gated (the local shard's grid, the gate, the rest's grid), the
+                # second not (OVERLAP_STREAM_GATE=0: one grid over the whole table)
+                gates = []
+                os.environ["OVERLAP_STREAM_GATE"] = "1" if it == 0 else "0"
+                try:
+                    with mock.patch.object(gate_mod, "launch_gate",
+                                           lambda *a_, **kw: (gates.append(a_[1]), real_gate(*a_, **kw))):
+                        c, gathered = ag._fused(rt, a, b, True, cfg)
+                finally:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                assert gates == ([0] if it == 0 and not flat else []), ("gates", chunks, it, gates)
                 full = torch.cat([a, rt.peer])
                 assert torch.equal(gathered, full), ("gathered", chunks, it)
                 assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("agmm", chunks, it)
