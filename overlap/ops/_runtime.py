@@ -1379,6 +1379,13 @@ def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref:
     return best
 
 
+def bucketed(cfg: OverlapConfig | None, transport: str) -> int:
+    """1 where a call's plan is made per row bucket (``plan_rows_for``: the NCCL transport
+    with a per-tile GEMM), else 0; one of the values the ranks agree on (their NCCL calls'
+    sizes come from the bucket's chunks, or from M's)."""
+    return int(cfg is not None and transport == "nccl" and not (cfg.gemm is not None and cfg.gemm.flatten))
+
+
 def plan_rows_for(rows: int, cfg: OverlapConfig, transport: str) -> int:
     """The rows (M, or M/R of a gathered op) a consumer op's plan is made for: on the
     NCCL transport with a per-tile GEMM, ``policies.plan_rows(rows)``: one plan (chunks,
@@ -1388,9 +1395,7 @@ def plan_rows_for(rows: int, cfg: OverlapConfig, transport: str) -> int:
     laid out for exact rows)."""
     from ..policies import plan_rows
 
-    if transport == "nccl" and not (cfg.gemm is not None and cfg.gemm.flatten):
-        return plan_rows(rows)
-    return rows
+    return plan_rows(rows) if bucketed(cfg, transport) else rows
 
 
 def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,

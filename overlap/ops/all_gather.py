@@ -9,12 +9,14 @@
 The tile-flag schedule (R = 2, 2 chunks; W = flag write, no SM):
 
     comm stream  | AG chunk0 |W0| AG chunk1 |W1| give-back grid (NCCL's SMs) |
-    GEMM grid    | local-shard tiles (no wait) | chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
-                 ^ one persistent launch on SMs - NCCL CTAs; tiles from one atomic counter
+    GEMM grid    | local-shard tiles (no wait) |gate f0| chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
+                 ^ persistent grids on SMs - NCCL CTAs: the local shard's, then behind a
+                   one-program gate the peers' rows', tiles from an atomic counter each
 
 The gathered buffer is chunk-major (chunk c of every rank lands contiguously by
-one NCCL all-gather); the GEMM writes C in natural row order, so only
-``return_gathered`` with more than one chunk pays a row permutation.
+one NCCL all-gather) and laid out for M/R's row bucket (``policies.plan_rows``);
+the GEMM writes C in natural row order, so only ``return_gathered`` pays a row
+permutation (more than one chunk) or a copy (M/R under its bucket's top).
 
 On one node the rows can move without NCCL (``transport="p2p"``, the default
 where peers can map each other's memory): every rank pushes its chunks into
@@ -41,7 +43,8 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
-from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, plan_rows_for,
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
+                       plan_rows_for,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
                        serial_phases, dtype_code, fused_call, gemm_plan, get_runtime, get_runtime_if_made, on_stream,
                        refuse_grad, resolve_group, run_p2p, split_variants, tune_paths, warn_once, ws_variants)
@@ -414,9 +417,10 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     # sequential path): ranks must agree or peers hang; with a list, on every weight's N
     ns = n if many else (n,)
     chunks = 0 if config is None else (config.chunks or _default_chunks(plan_rows_for(ms, config, transport)))
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p")
+    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p", "bucketed")
                 + tuple(f"N{i}" for i in range(1, len(ns))),
-                (ms, k, ns[0], dtype_code(a_shard.dtype), chunks, int(transport == "p2p")) + ns[1:], rows_at=0)
+                (ms, k, ns[0], dtype_code(a_shard.dtype), chunks, int(transport == "p2p"), bucketed(config, transport))
+                + ns[1:], rows_at=0)
     shape = (ms * rt.world, n_all, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
@@ -517,6 +521,9 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
                     src = a_shard.new_empty((rows, k))
                     with on_stream(cs, cur):  # its rows past ms are sent and never stored
                         src[:live].copy_(a_shard[start:ms])
+                        # NaN: a peer that passed another M of the bucket (unchecked between
+                        # the ranks' agreement checks) gets NaN rows, not plausible ones
+                        src[live:].fill_(float("nan"))
                 if live > 0:
                     comm.all_gather(src, gathered[world * start: world * (start + rows)], stream=cs)
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)

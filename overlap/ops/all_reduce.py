@@ -62,7 +62,7 @@ from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, r
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
-                       plan_rows_for, split_variants, tune_paths, warn_once)
+                       bucketed, plan_rows_for, split_variants, tune_paths, warn_once)
 
 __all__ = [
     "Norm",
@@ -429,9 +429,9 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     else:  # the tuner's pick: the reference (one all-reduce) or the chunked baseline
         chunks = tuned.chunks if isinstance(tuned, Chunked) else 1
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p"),
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p", "bucketed"),
                 (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
-                 int(transport == "p2p")), rows_at=0)
+                 int(transport == "p2p"), bucketed(config, transport)), rows_at=0)
     shape = (m, n, k)
 
     def ref() -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,10 +508,10 @@ def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual:
     config = replace(config or OverlapConfig(), transport="nccl") if (config is None or config.transport is None) \
         else config
     chunks = config.chunks or _default_chunks(plan_rows_for(m, config, "nccl"))
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p")
+    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p", "bucketed")
                 + tuple(f"N{i}" for i in range(1, len(ns))),
-                (m, k, ns[0], dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks, 0)
-                + ns[1:], rows_at=0)
+                (m, k, ns[0], dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks, 0,
+                 bucketed(config, "nccl")) + ns[1:], rows_at=0)
     sig = (m, k, ns, x_partial.dtype, tuple(w.stride() for w in bs), residual is not None,
            None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), config, "nccl")
     rt.require_warm("all_reduce_matmul", sig)

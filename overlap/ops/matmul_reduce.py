@@ -57,7 +57,8 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
-from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, plan_rows_for,
+from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
+                       plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
                        get_runtime, get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, run_p2p,
                        serial_phases, tune_paths, warn_once)
@@ -402,6 +403,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
                         with on_stream(cs, cur):
                             c[start:start + live] += residual[start:start + live]
     stats["fused"] += 1
+    # the reduce-scatter's rows: a view of the first M/R rows of the bucket's output
     return out[:rows_m] if scatter else out
 
 
@@ -449,9 +451,9 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
         plan_rows_for(m // rt.world if scatter else m, cfg, transport)))
     # the NCCL calls' and the pushes' sizes come from (M, N) and the chunks (0: the
     # sequential path): ranks must agree or peers hang
-    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p"),
-                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks, int(transport == "p2p")),
-                rows_at=0)
+    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p", "bucketed"),
+                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks, int(transport == "p2p"),
+                 bucketed(None if sequential else cfg, transport)), rows_at=0)
     if sequential:
         return observed(op, (m, n, k), "sequential", "tuner pick", a.device, ref)
     if transport == "p2p" and capturing():

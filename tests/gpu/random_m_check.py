@@ -58,6 +58,7 @@ def main() -> None:
         lin2 = torch.randn(n2, k, device=dev, dtype=torch.bfloat16, generator=g) / k ** 0.5
         b, b2 = (lin.t(), lin2.t()) if layout == "wt" else (lin.t().contiguous(), lin2.t().contiguous())
         plans0 = (len(agmod._plans(rt)), len(armod._plans(rt)), len(mrmod._plans(rt)))
+        keys0 = [set(mod._plans(rt).keys()) for mod in (agmod, armod, mrmod)]
         # the producer ops: every rank's own K/R columns and weight rows
         kp = 512
         wp = torch.randn(world, n, kp, device=dev, dtype=torch.bfloat16, generator=g) / (world * kp) ** 0.5
@@ -109,6 +110,13 @@ def main() -> None:
         # only through their launches; the op plans are shared across layouts)
         ag_buckets = len({plan_rows(x) for x in ms_seen})
         ar_buckets = len({plan_rows(x) for x in m_seen})
+        # every plan made is a bucket's (its rows a bucket's top), not one of the Ms drawn
+        tops = ({plan_rows(x) for x in ms_seen}, {plan_rows(x) for x in m_seen},
+                {plan_rows(x) * world for x in ms_seen} | {plan_rows(x * world) for x in ms_seen})
+        assert any(plan_rows(x) != x for x in ms_seen), "no M off its bucket's top: nothing tested"
+        for mod, k0, top in zip((agmod, armod, mrmod), keys0, tops):
+            rows = {key[1] for key in mod._plans(rt).keys() if key not in k0}
+            assert rows <= top, (mod.__name__, sorted(rows - top)[:5], "plans made for an M, not its bucket")
         # the reduce-scatter's buckets are per destination (M/R), the all-reduce's of M
         mp_buckets = len({plan_rows(x) for x in ms_seen}) + len({plan_rows(x * world) for x in ms_seen})
         assert made[0] <= 2 * ag_buckets and made[1] <= 2 * ar_buckets and made[2] <= mp_buckets, \

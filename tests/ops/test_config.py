@@ -152,3 +152,27 @@ def test_flattened_gemm_with_a_weight_list_is_refused_before_any_work() -> None:
         with pytest.raises(ValueError, match="takes one weight"):
             plan(rt, 256, (64, 32), 64, cfg)
     assert ar._plan(rt, 256, 64, 64, cfg).groups is not None  # one weight: planned, with its groups
+
+
+def test_bucketed_plans_are_an_agreed_value() -> None:
+    """Whether a call's plan is per row bucket (its NCCL calls' sizes come from the bucket's
+    chunks): NCCL with a per-tile GEMM only; the ops put it among the values the ranks
+    agree on, so a rank running a flattened GEMM beside per-tile ones raises instead of
+    sending chunks of other sizes."""
+    import inspect
+
+    from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.ops import OverlapConfig
+    from overlap.ops import _runtime
+    from overlap.ops import all_gather, all_reduce, matmul_reduce
+    from overlap.policies import plan_rows
+
+    flat = OverlapConfig(gemm=GemmConfig(flatten=True), give_back=False)
+    assert _runtime.bucketed(OverlapConfig(), "nccl") == 1
+    assert _runtime.bucketed(flat, "nccl") == 0
+    assert _runtime.bucketed(OverlapConfig(), "p2p") == 0 and _runtime.bucketed(None, "nccl") == 0
+    assert _runtime.plan_rows_for(1000, OverlapConfig(), "nccl") == plan_rows(1000) == 1024
+    assert _runtime.plan_rows_for(1000, flat, "nccl") == 1000 == _runtime.plan_rows_for(1000, OverlapConfig(), "p2p")
+    for mod in (all_gather, all_reduce, matmul_reduce):
+        src = inspect.getsource(mod)
+        assert src.count('"bucketed"') == src.count("check_agree(rt,") >= 1, mod.__name__

@@ -506,13 +506,17 @@ def test_nccl_consumer_ops() -> None:
                 # the first call gated (the local shard's grid, the gate, the rest's grid), the
                 # second not (OVERLAP_STREAM_GATE=0: one grid over the whole table)
                 gates = []
+                before = os.environ.get("OVERLAP_STREAM_GATE")
                 os.environ["OVERLAP_STREAM_GATE"] = "1" if it == 0 else "0"
                 try:
                     with mock.patch.object(gate_mod, "launch_gate",
                                            lambda *a_, **kw: (gates.append(a_[1]), real_gate(*a_, **kw))):
                         c, gathered = ag._fused(rt, a, b, True, cfg)
                 finally:
-                    os.environ.pop("OVERLAP_STREAM_GATE")
+                    if before is None:
+                        os.environ.pop("OVERLAP_STREAM_GATE")
+                    else:
+                        os.environ["OVERLAP_STREAM_GATE"] = before
                 assert gates == ([0] if it == 0 and not flat else []), ("gates", chunks, it, gates)
                 full = torch.cat([a, rt.peer])
                 assert torch.equal(gathered, full), ("gathered", chunks, it)
