@@ -9,8 +9,9 @@
 The tile-flag schedule (R = 2, 2 chunks; W = flag write, no SM):
 
     comm stream  | AG chunk0 |W0| AG chunk1 |W1| give-back grid (NCCL's SMs) |
-    GEMM grid    | local-shard tiles (no wait) |gate f0| chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
-                 ^ persistent grids on SMs - NCCL CTAs: the local shard's, then behind a
+    GEMM grid    | local-shard tiles (no wait) |
+    aux stream   |gate f0| chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
+                 ^ persistent grids on SMs - NCCL CTAs: the local shard's, and behind a
                    one-program gate the peers' rows', tiles from an atomic counter each
 
 The gathered buffer is chunk-major (chunk c of every rank lands contiguously by
@@ -40,7 +41,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
-from ..protocol import COL_WAIT
+from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
@@ -249,11 +250,14 @@ class _Plan:
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
     local: int = 0
-    """Table rows of the local shard (first, waiting on nothing): the NCCL transport runs
-    them as a grid of their own, then the rest behind the stream gate (``_fused``); 0: one
-    grid over the whole table (a flattened GEMM, a split tail reaching into them, one rank)."""
+    """Table rows of the local shard (first, waiting on nothing), run as a grid of their
+    own, the rest as a grid behind the stream gate (``_fused``, ``_fused_p2p``); 0: one grid
+    over the whole table (a flattened GEMM, a split tail reaching into them, one rank)."""
     local_launches: LRU = field(default_factory=lambda: LRU(16))
     """The local grid's launch plans (another table than ``launches``'s)."""
+    first_wait: tuple[int, int] = (0, 1)
+    """(flag, expected per epoch) of the first table row after the local ones: what the
+    gate before the peers' grid waits for."""
 
 
 def _plans(rt: Runtime) -> LRU:
@@ -334,10 +338,11 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
         import numpy as np
 
         local = int(np.argmax(rows[:, COL_WAIT] >= 0)) if (rows[:, COL_WAIT] >= 0).any() else 0
-        if gemm.flatten or transport != "nccl" or (split is not None and split[0] < local):
+        if gemm.flatten or (split is not None and split[0] < local):
             local = 0
+        first_wait = (int(rows[local, COL_WAIT]), int(rows[local, COL_WAIT_MULT])) if local else (0, 1)
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0),
-                  groups, local=local)
+                  groups, local=local, first_wait=first_wait)
         plans[key] = p
     return p
 
@@ -497,15 +502,16 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
-    cs = rt.comm_stream
-    # the dispatch counter (and split tiles' counts) and the chunk flags, zeroed on the
-    # caller's stream before the comm stream forks: no epoch (``_runtime.LocalWords``)
+    cs, ns = rt.comm_stream, rt.aux_stream
     from ..kernels import gate as _gate
 
     gated = p.local > 0 and _gate.enabled()
-    # the dispatch counter (and split tiles' counts); gated, the local grid's counter first and
-    # the rest's 4 words on (16-byte aligned, as the cached launch wants its tensors)
-    with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters + 4, p.flag_count)) as (cur, (w,)):
+    # the dispatch counter (and split tiles' counts; gated, the local grid's counter first and
+    # the rest's 4 words on: 16-byte aligned, as the cached launch wants its tensors) and the
+    # chunk flags, zeroed on the caller's stream before the side streams fork: no epoch
+    # (``_runtime.LocalWords``)
+    with fused_call(rt, err, cfg.check, (cs, ns) if gated else (cs,),
+                    ("all_gather_matmul", p.counters + 4, p.flag_count)) as (cur, (w,)):
         # laid out for the bucket (chunk c's rows of every rank at world * start_c, rank r's
         # r * rows_c on): the chunk that holds row ms is sent whole from a padded copy, the
         # chunks past it not at all; C is this call's, the GEMM's tiles cut at ms per rank
@@ -529,8 +535,10 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)
         cut = None if p.gemm.flatten else (ms, msb)
         if gated:
-            # the local shard's tiles now, on a grid of their own; the rest behind a one-program
-            # gate on chunk 0's flag, so that while a peer is late no grid waits on the SMs
+            # the local shard's tiles now, on a grid of their own; the peers' on the aux
+            # stream behind a one-program gate on chunk 0's flag, so that while a peer is
+            # late no grid waits on the SMs, and once it lands the peers' grid takes SMs as
+            # the local grid leaves them
             gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=w.flags,
                            err=err.word, timeout_ns=timeout_ns, counter=w.counters[:1], rank=rt.rank,
                            config=p.gemm, wait=True, clip=True)
@@ -540,15 +548,19 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
             descs = gl.operands(a_shard, b, gathered)
             with gpu_range("gemm", "local grid"):
                 gl.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
-            with gpu_range("gate", "chunk", 0):
-                _gate.launch_gate(w.flags, 0, 1, 3, err.word, rank=rt.rank, timeout_ns=timeout_ns)
+            with on_stream(ns, cur):
+                with gpu_range("gate", "chunk", 0):
+                    idx, mult = p.first_wait  # chunk 0's flag, posted once a call
+                    _gate.launch_gate(w.flags, idx, mult, 3 * mult, err.word, rank=rt.rank, timeout_ns=timeout_ns)
+                with gpu_range("gemm", "grid"):
+                    gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         else:
             gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
                            timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
                            split=p.split, groups=p.groups, clip=not p.gemm.flatten)
             descs = gp.operands(a_shard, b, gathered)
-        with gpu_range("gemm", "grid"):
-            gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
+            with gpu_range("gemm", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         if p.give_back_grid:
             with on_stream(cs, cur), gpu_range("giveback", "grid"):
                 gp.launch(descs, c, epoch=1, grid=p.give_back_grid, rows=cut)

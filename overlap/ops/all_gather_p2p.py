@@ -1,7 +1,8 @@
 """The all-gather op's peer-copy transport (``transport="p2p"``, one node): every rank
 pushes its shard, chunk by chunk, into each peer's shared buffer with the copy engines and
-writes the peer's flag for the chunk behind the copy; the GEMM grid covers every SM, the
-local shard's tiles first, then each peer's chunk behind its flag. The op's front, its
+writes the peer's flag for the chunk behind the copy; the GEMM covers every SM: the
+local shard's tiles as a grid of their own, then, behind a stream gate on the first peer
+chunk's flag, each peer's chunk behind its flag. The op's front, its
 reference, plans, NCCL transport and tuner are in ``all_gather.py``; the schedule is drawn
 there."""
 
@@ -15,7 +16,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import row_bucket
 from . import all_gather as _ag
-from ._runtime import OverlapConfig, Runtime, call_sig, dtype_code, gemm_plan, post_sig, report_errors
+from ._runtime import OverlapConfig, Runtime, call_sig, dtype_code, gemm_plan, on_stream, post_sig, report_errors
 
 
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
@@ -65,16 +66,44 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     with gpu_range("comm", "pushes"):
         for dst, src_off, nbytes, peer_flags, idx in st[2]:
             rt.push(dst, src + src_off, nbytes, peer_flags, idx, epoch)
+    from ..kernels import gate as _gate
+
+    gated = p.local > 0 and _gate.enabled()
     counter = None
     if p.split:
         # split tiles count their pieces; their tiles are handed out by a dispatch counter
-        counter = rt.counter("all_gather_matmul", p.counters)
-        _flags.stream_zero(cur, counter, p.counters)
-    gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
-                   timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,
-                   sig_stride=stride, groups=p.groups)
-    with gpu_range("gemm", "grid"):
-        gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid, sig=sig)
+        # (gated: the peers' grid's, 4 words on: 16-byte aligned for the cached launch)
+        counter = rt.counter("all_gather_matmul", p.counters + 4)
+        _flags.stream_zero(cur, counter, p.counters + 4)
+    if gated:
+        # the local shard's tiles on a grid of their own now; the peers' on the aux stream
+        # behind a one-program gate on the first peer chunk's flag (this call's epoch), so
+        # that while a peer is late no grid waits on the SMs
+        ns = rt.aux_stream
+        rt.fork(cur, ns)
+        gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=sf.local,
+                       err=err.word, timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True, sig_stride=stride)
+        gp = gemm_plan(p.launches, a_shard, b, c, p.table[p.local:], a2=gathered, flags=sf.local, err=err.word,
+                       timeout_ns=timeout_ns, counter=None if counter is None else counter[4:], rank=rank,
+                       config=p.gemm, wait=True, sig_stride=stride,
+                       split=None if p.split is None else (p.split[0] - p.local, p.split[1]))
+        descs = gl.operands(a_shard, b, gathered)
+        with gpu_range("gemm", "local grid"):
+            gl.launch(descs, c, epoch=epoch, grid=p.grid, sig=sig)
+        with on_stream(ns, cur):
+            idx, mult = p.first_wait
+            with gpu_range("gate", "chunk", 0):
+                _gate.launch_gate(sf.local, idx, epoch * mult, (epoch + 2) * mult, err.word, rank=rank,
+                                  timeout_ns=timeout_ns)
+            with gpu_range("gemm", "grid"):
+                gp.launch(descs, c, epoch=epoch, grid=p.grid, sig=sig)
+        rt.join(cur, ns)
+    else:
+        gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
+                       timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,
+                       sig_stride=stride, groups=p.groups)
+        with gpu_range("gemm", "grid"):
+            gp.launch(gp.operands(a_shard, b, gathered), c, epoch=epoch, grid=p.grid, sig=sig)
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:

@@ -57,6 +57,7 @@ import torch
 
 from .. import flags as _flags
 from ..observe import gpu_range
+from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
                         tail_parts, upload)
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
@@ -260,6 +261,9 @@ class _Plan:
     """p2p two-shot: who reduces which rows (``OverlapConfig.two_shot``), or None."""
     groups: torch.Tensor | None = None
     """A flattened GEMM's (``GemmConfig.flatten``) runs of rows per flag (``flat_groups``)."""
+    first_wait: tuple[int, int] = (0, 1)
+    """(flag, expected per epoch) of the table's first row: what the stream gate before the
+    GEMM grid waits for (the p2p transport's ready flags count the reduce programs)."""
     launches: LRU = field(default_factory=lambda: LRU(16))
     """Made on first use: launch plans of the call's kernels (``_runtime.gemm_plan``) and, on
     the p2p transport, per call parity the shared buffer's view and the push list."""
@@ -354,8 +358,10 @@ def _plan(rt: Runtime, m: int, n: Any, k: int, cfg: OverlapConfig, transport: st
             starts = upload(torch.tensor(acc, dtype=torch.int32).numpy(), rt.device)
             ready = _flags.FlagArray(len(sizes), rt.device)
         groups = upload(flat_groups(rows), rt.device) if gemm.flatten else None
+        # the first row's wait: chunk 0's flag (the table is in chunk order)
+        first_wait = (int(rows[0][COL_WAIT]), int(rows[0][COL_WAIT_MULT])) if len(rows) else (0, 1)
         p = _Plan(tuple(sizes), table, grid, give_back, nccl_ctas, gemm, programs, starts, ready, split,
-                  1 + (tail if split else 0), shared, two, groups)
+                  1 + (tail if split else 0), shared, two, groups, first_wait)
         plans[key] = p
     return p
 
@@ -561,16 +567,17 @@ def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch
     return residual, norm
 
 
-def gate(flags: torch.Tensor, err: Any, rank: int, timeout_ns: int) -> None:
-    """Before a grid whose first tiles wait on chunk 0's flag (posted once per call, so
-    expected 1): a one-program bounded wait for that flag on the current stream, so that
-    the grid does not hold its SMs while the first chunk is late (a peer seconds behind);
-    ``overlap.kernels.gate``. Off with ``OVERLAP_STREAM_GATE=0``."""
+def gate(flags: torch.Tensor, err: Any, rank: int, timeout_ns: int, *, idx: int = 0, expected: int = 1,
+         ahead: int = 3) -> None:
+    """Before a grid whose first tiles wait on flag ``idx`` (by default chunk 0's, posted
+    once per call, so expected 1): a one-program bounded wait for it on the current stream,
+    so that the grid does not hold its SMs while the first chunk is late (a peer seconds
+    behind); ``overlap.kernels.gate``. Off with ``OVERLAP_STREAM_GATE=0``."""
     from ..kernels import gate as _gate
 
     if _gate.enabled():
         with gpu_range("gate", "chunk", 0):
-            _gate.launch_gate(flags, 0, 1, 3, err.word, rank=rank, timeout_ns=timeout_ns)
+            _gate.launch_gate(flags, idx, expected, ahead, err.word, rank=rank, timeout_ns=timeout_ns)
 
 
 def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, start: int, rows: int,

@@ -225,6 +225,10 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
                    groups=p.groups)
     descs = gp.operands(y, b)
+    # a one-program gate on the first chunk's ready flag before the grid: while a peer's
+    # rows are late the GEMM holds no SM (the reduce kernel's programs do, on theirs)
+    idx, mult = p.first_wait
+    _ar.gate(ready.flags, err, rank, timeout_ns, idx=idx, expected=r_epoch * mult, ahead=(r_epoch + 2) * mult)
     with gpu_range("gemm", "grid"):
         gp.launch(descs, c, epoch=r_epoch, grid=p.grid, rowstat=rowstat, colvec=vec)
     if p.give_back_grid:

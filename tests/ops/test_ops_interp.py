@@ -74,11 +74,16 @@ def test_p2p_all_reduce_op() -> None:
     LayerNorm / RMSNorm, the norm folded or not, both B layouts, give-back on and off,
     the reduce kernel beside the GEMM (its short column blocks), the last chunk's
     tiles split along K or not: c and h match torch, and each call
-    queues one push per chunk of the local partial."""
+    queues one push per chunk of the local partial, and the GEMM grid is queued behind a
+    gate on chunk 0's ready flag at the reduce programs' count."""
+    from unittest import mock
+
+    from overlap.kernels import gate as gate_mod
     from overlap.ops import Norm, OverlapConfig
     from overlap.ops import all_reduce as ar
     from overlap.ops import all_reduce_p2p as arp
 
+    real_gate = gate_mod.launch_gate
     rt = _StandIn()
     g = torch.Generator().manual_seed(3)
     m, n, k = 300, 48, 64  # row chunks of 128 (the op's alignment), 128, 44
@@ -124,7 +129,11 @@ def test_p2p_all_reduce_op() -> None:
                 res = torch.randn(m, k, generator=g).half() if with_res else None
                 rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
                 before = len(rt.pushes)
-                c, h = arp._fused_p2p(rt, x, b, res, norm, cfg)
+                gates = []
+                with mock.patch.object(gate_mod, "launch_gate",
+                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))):
+                    c, h = arp._fused_p2p(rt, x, b, res, norm, cfg)
+                assert gates == [(0, ar._plan(rt, m, n, k, cfg, "p2p").reduce_programs)], gates
                 pushes = rt.pushes[before:]
                 assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in pushes] == \
                     [(0, 128 * k * 2), (128 * k * 2, 128 * k * 2), (256 * k * 2, 44 * k * 2)], pushes
@@ -200,11 +209,16 @@ def test_p2p_all_gather_op() -> None:
     both call parities, both B layouts, one and two chunks, ``return_gathered``, the
     tiles after the last full wave split along K or not: C is the gathered A times B,
     the gathered copy holds both shards, and each call queues one push per chunk of
-    the local shard."""
+    the local shard. The per-tile GEMM runs as the local shard's grid, then a gate on the
+    first peer chunk's flag at the call's epoch, then the peer's grid."""
+    from unittest import mock
+
+    from overlap.kernels import gate as gate_mod
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather as ag
     from overlap.ops import all_gather_p2p as agp
 
+    real_gate = gate_mod.launch_gate
     rt = _StandIn()
     g = torch.Generator().manual_seed(4)
     ms, n, k = 150, 40, 48
@@ -226,7 +240,12 @@ def test_p2p_all_gather_op() -> None:
                 peer = torch.randn(ms, k, generator=g).half()
                 rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
                 before = len(rt.pushes)
-                out = agp._fused_p2p(rt, a, b, ret, cfg)
+                gates = []
+                with mock.patch.object(gate_mod, "launch_gate",
+                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))):
+                    out = agp._fused_p2p(rt, a, b, ret, cfg)
+                epoch = rt.flags("all_gather_matmul", 1).epoch
+                assert gates == ([] if flat else [(rt.STRIDE, epoch)]), (flat, gates)  # the peer's chunk 0
                 c, gathered = out if ret else (out, None)
                 pushes = rt.pushes[before:]
                 assert sum(nb for _, _, nb, _, _ in pushes) == ms * k * 2 and len(pushes) == chunks, pushes
