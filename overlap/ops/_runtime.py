@@ -1402,12 +1402,13 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
               flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
               **kw: Any) -> Any:
     """The ``TileGemmPlan`` in ``plans`` (an op plan's own ``LRU``) for these operands'
-    dtype, B's layout (each weight's, for a list of them), the wait bound and the flag, error
-    and counter tensors; made on first use. The op plan fixes everything else (shapes,
+    dtype, B's layout (each weight's, for a list of them), the wait bound, the table (a part
+    of the op plan's, for a grid over some of its rows) and the flag, error and counter
+    tensors; made on first use. The op plan fixes everything else (shapes,
     table, config, rank); with ``clip`` (a plan of a row bucket) not A's rows, which
     each launch gives (``TileGemmPlan.launch(rows=)``)."""
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
-    key = (a.dtype, b_strides, timeout_ns, flags.data_ptr(), err.data_ptr(),
+    key = (a.dtype, b_strides, timeout_ns, table.data_ptr(), table.shape[0], flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
            kw.get("sig_stride"), kw.get("clip") or None)
     gp = plans.get(key)

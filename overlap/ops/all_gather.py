@@ -9,9 +9,8 @@
 The tile-flag schedule (R = 2, 2 chunks; W = flag write, no SM):
 
     comm stream  | AG chunk0 |W0| AG chunk1 |W1| give-back grid (NCCL's SMs) |
-    GEMM grid    | local-shard tiles (no wait) |
-    aux stream   |gate f0| chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
-                 ^ persistent grids on SMs - NCCL CTAs: the local shard's, and behind a
+    GEMM grid    | local-shard tiles (no wait) |gate f0| chunk0 tiles (wait f0) | chunk1 tiles (wait f1) |
+                 ^ persistent grids on SMs - NCCL CTAs: the local shard's, then behind a
                    one-program gate the peers' rows', tiles from an atomic counter each
 
 The gathered buffer is chunk-major (chunk c of every rank lands contiguously by
@@ -502,7 +501,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     comm = rt.comm(p.nccl_ctas)
     err = rt.err("all_gather_matmul")
     timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
-    cs, ns = rt.comm_stream, rt.aux_stream
+    cs = rt.comm_stream
     from ..kernels import gate as _gate
 
     gated = p.local > 0 and _gate.enabled()
@@ -510,8 +509,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
     # the rest's 4 words on: 16-byte aligned, as the cached launch wants its tensors) and the
     # chunk flags, zeroed on the caller's stream before the side streams fork: no epoch
     # (``_runtime.LocalWords``)
-    with fused_call(rt, err, cfg.check, (cs, ns) if gated else (cs,),
-                    ("all_gather_matmul", p.counters + 4, p.flag_count)) as (cur, (w,)):
+    with fused_call(rt, err, cfg.check, (cs,), ("all_gather_matmul", p.counters + 4, p.flag_count)) as (cur, (w,)):
         # laid out for the bucket (chunk c's rows of every rank at world * start_c, rank r's
         # r * rows_c on): the chunk that holds row ms is sent whole from a padded copy, the
         # chunks past it not at all; C is this call's, the GEMM's tiles cut at ms per rank
@@ -535,10 +533,10 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
                 _flags.stream_write_value(cs, w.flags, c_idx, 1)
         cut = None if p.gemm.flatten else (ms, msb)
         if gated:
-            # the local shard's tiles now, on a grid of their own; the peers' on the aux
-            # stream behind a one-program gate on chunk 0's flag, so that while a peer is
-            # late no grid waits on the SMs, and once it lands the peers' grid takes SMs as
-            # the local grid leaves them
+            # the local shard's tiles now, on a grid of their own; behind it on this stream a
+            # one-program gate on chunk 0's flag, then the peers' grid: while a peer is late
+            # no grid waits on the SMs, and the two grids never hold more than the GEMM's SMs
+            # (a grid on another stream beside the local one could take NCCL's and the margin)
             gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=w.flags,
                            err=err.word, timeout_ns=timeout_ns, counter=w.counters[:1], rank=rt.rank,
                            config=p.gemm, wait=True, clip=True)
@@ -548,12 +546,11 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
             descs = gl.operands(a_shard, b, gathered)
             with gpu_range("gemm", "local grid"):
                 gl.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
-            with on_stream(ns, cur):
-                with gpu_range("gate", "chunk", 0):
-                    idx, mult = p.first_wait  # chunk 0's flag, posted once a call
-                    _gate.launch_gate(w.flags, idx, mult, 3 * mult, err.word, rank=rt.rank, timeout_ns=timeout_ns)
-                with gpu_range("gemm", "grid"):
-                    gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
+            with gpu_range("gate", "chunk", 0):
+                idx, mult = p.first_wait  # chunk 0's flag, posted once a call
+                _gate.launch_gate(w.flags, idx, mult, 3 * mult, err.word, rank=rt.rank, timeout_ns=timeout_ns)
+            with gpu_range("gemm", "grid"):
+                gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         else:
             gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
                            timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,

@@ -2,7 +2,7 @@
 pushes its shard, chunk by chunk, into each peer's shared buffer with the copy engines and
 writes the peer's flag for the chunk behind the copy; the GEMM covers every SM: the
 local shard's tiles as a grid of their own, then, behind a stream gate on the first peer
-chunk's flag, each peer's chunk behind its flag. The op's front, its
+chunk's flag, a grid of each peer's chunks, each tile behind its flag. The op's front, its
 reference, plans, NCCL transport and tuner are in ``all_gather.py``; the schedule is drawn
 there."""
 
@@ -16,7 +16,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import row_bucket
 from . import all_gather as _ag
-from ._runtime import OverlapConfig, Runtime, call_sig, dtype_code, gemm_plan, on_stream, post_sig, report_errors
+from ._runtime import OverlapConfig, Runtime, call_sig, dtype_code, gemm_plan, post_sig, report_errors
 
 
 def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
@@ -76,11 +76,9 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         counter = rt.counter("all_gather_matmul", p.counters + 4)
         _flags.stream_zero(cur, counter, p.counters + 4)
     if gated:
-        # the local shard's tiles on a grid of their own now; the peers' on the aux stream
-        # behind a one-program gate on the first peer chunk's flag (this call's epoch), so
-        # that while a peer is late no grid waits on the SMs
-        ns = rt.aux_stream
-        rt.fork(cur, ns)
+        # the local shard's tiles on a grid of their own now; behind it a one-program gate on
+        # the first peer chunk's flag (this call's epoch), then the peers' grid: while a
+        # peer is late no grid waits on the SMs
         gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=sf.local,
                        err=err.word, timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True, sig_stride=stride)
         gp = gemm_plan(p.launches, a_shard, b, c, p.table[p.local:], a2=gathered, flags=sf.local, err=err.word,
@@ -90,14 +88,12 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         descs = gl.operands(a_shard, b, gathered)
         with gpu_range("gemm", "local grid"):
             gl.launch(descs, c, epoch=epoch, grid=p.grid, sig=sig)
-        with on_stream(ns, cur):
-            idx, mult = p.first_wait
-            with gpu_range("gate", "chunk", 0):
-                _gate.launch_gate(sf.local, idx, epoch * mult, (epoch + 2) * mult, err.word, rank=rank,
-                                  timeout_ns=timeout_ns)
-            with gpu_range("gemm", "grid"):
-                gp.launch(descs, c, epoch=epoch, grid=p.grid, sig=sig)
-        rt.join(cur, ns)
+        idx, mult = p.first_wait
+        with gpu_range("gate", "chunk", 0):
+            _gate.launch_gate(sf.local, idx, epoch * mult, (epoch + 2) * mult, err.word, rank=rank,
+                              timeout_ns=timeout_ns)
+        with gpu_range("gemm", "grid"):
+            gp.launch(descs, c, epoch=epoch, grid=p.grid, sig=sig)
     else:
         gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=sf.local, err=err.word,
                        timeout_ns=timeout_ns, counter=counter, rank=rank, config=p.gemm, wait=True, split=p.split,

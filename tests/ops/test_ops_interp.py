@@ -210,7 +210,9 @@ def test_p2p_all_gather_op() -> None:
     tiles after the last full wave split along K or not: C is the gathered A times B,
     the gathered copy holds both shards, and each call queues one push per chunk of
     the local shard. The per-tile GEMM runs as the local shard's grid, then a gate on the
-    first peer chunk's flag at the call's epoch, then the peer's grid."""
+    first peer chunk's flag at the call's epoch, then the peer's grid (and one grid with
+    the gates off)."""
+    import os
     from unittest import mock
 
     from overlap.kernels import gate as gate_mod
@@ -241,11 +243,14 @@ def test_p2p_all_gather_op() -> None:
                 rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
                 before = len(rt.pushes)
                 gates = []
+                # the second call with the gates off (OVERLAP_STREAM_GATE=0): one grid over the
+                # whole table, which must not take the gated calls' launch plans
                 with mock.patch.object(gate_mod, "launch_gate",
-                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))):
+                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))), \
+                        mock.patch.dict(os.environ, {"OVERLAP_STREAM_GATE": "0" if it == 1 else "1"}):
                     out = agp._fused_p2p(rt, a, b, ret, cfg)
                 epoch = rt.flags("all_gather_matmul", 1).epoch
-                assert gates == ([] if flat else [(rt.STRIDE, epoch)]), (flat, gates)  # the peer's chunk 0
+                assert gates == ([] if flat or it == 1 else [(rt.STRIDE, epoch)]), (flat, gates)  # the peer's chunk 0
                 c, gathered = out if ret else (out, None)
                 pushes = rt.pushes[before:]
                 assert sum(nb for _, _, nb, _, _ in pushes) == ms * k * 2 and len(pushes) == chunks, pushes
