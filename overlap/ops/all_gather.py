@@ -257,6 +257,9 @@ class _Plan:
     first_wait: tuple[int, int] = (0, 1)
     """(flag, expected per epoch) of the first table row after the local ones: what the
     gate before the peers' grid waits for."""
+    local_table: torch.Tensor | None = None
+    """``table[:local]`` and ``table[local:]`` (views made once: the two grids' tables)."""
+    rest_table: torch.Tensor | None = None
 
 
 def _plans(rt: Runtime) -> LRU:
@@ -341,7 +344,8 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
             local = 0
         first_wait = (int(rows[local, COL_WAIT]), int(rows[local, COL_WAIT_MULT])) if local else (0, 1)
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0),
-                  groups, local=local, first_wait=first_wait)
+                  groups, local=local, first_wait=first_wait, local_table=table[:local] if local else None,
+                  rest_table=table[local:] if local else None)
         plans[key] = p
     return p
 
@@ -537,10 +541,10 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
             # one-program gate on chunk 0's flag, then the peers' grid: while a peer is late
             # no grid waits on the SMs, and the two grids never hold more than the GEMM's SMs
             # (a grid on another stream beside the local one could take NCCL's and the margin)
-            gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=w.flags,
+            gl = gemm_plan(p.local_launches, a_shard, b, c, p.local_table, a2=gathered, flags=w.flags,
                            err=err.word, timeout_ns=timeout_ns, counter=w.counters[:1], rank=rt.rank,
                            config=p.gemm, wait=True, clip=True)
-            gp = gemm_plan(p.launches, a_shard, b, c, p.table[p.local:], a2=gathered, flags=w.flags, err=err.word,
+            gp = gemm_plan(p.launches, a_shard, b, c, p.rest_table, a2=gathered, flags=w.flags, err=err.word,
                            timeout_ns=timeout_ns, counter=w.counters[4:], rank=rt.rank, config=p.gemm, wait=True,
                            split=None if p.split is None else (p.split[0] - p.local, p.split[1]), clip=True)
             descs = gl.operands(a_shard, b, gathered)

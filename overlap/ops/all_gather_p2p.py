@@ -79,9 +79,9 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
         # the local shard's tiles on a grid of their own now; behind it a one-program gate on
         # the first peer chunk's flag (this call's epoch), then the peers' grid: while a
         # peer is late no grid waits on the SMs
-        gl = gemm_plan(p.local_launches, a_shard, b, c, p.table[:p.local], a2=gathered, flags=sf.local,
+        gl = gemm_plan(p.local_launches, a_shard, b, c, p.local_table, a2=gathered, flags=sf.local,
                        err=err.word, timeout_ns=timeout_ns, rank=rank, config=p.gemm, wait=True, sig_stride=stride)
-        gp = gemm_plan(p.launches, a_shard, b, c, p.table[p.local:], a2=gathered, flags=sf.local, err=err.word,
+        gp = gemm_plan(p.launches, a_shard, b, c, p.rest_table, a2=gathered, flags=sf.local, err=err.word,
                        timeout_ns=timeout_ns, counter=None if counter is None else counter[4:], rank=rank,
                        config=p.gemm, wait=True, sig_stride=stride,
                        split=None if p.split is None else (p.split[0] - p.local, p.split[1]))

@@ -370,7 +370,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
     # (a cut tile still posts its chunk's counter)
     rows_m = m // world if scatter else m
     rows_b = plan_rows_for(rows_m, cfg, "nccl")
-    clip = None if cfg.gemm is not None and cfg.gemm.flatten else ("a" if scatter else "c")
+    clip = ("a" if scatter else "c") if bucketed(cfg, "nccl") else None
     p = _plan(rt, op, rows_b * world if scatter else rows_b, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err(op)
