@@ -71,7 +71,8 @@ def tile_gemm_streamk_kernel(
     a_desc, b_desc, c_ptr, table_ptr, ws_ptr, cnt_ptr,
     N, K, num_tiles, sk_tiles, num_progs, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_KN: tl.constexpr,
-    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, FIX: tl.constexpr,
+    ACTIVATION: tl.constexpr, UPCAST: tl.constexpr, FIX: tl.constexpr, FIXUP: tl.constexpr = 1,
+    DP_FLAT: tl.constexpr = 1,
 ):
     """C = A @ B over ``table``: its first ``sk_tiles`` rows in stream-K order, the rest
     data-parallel (see the module's docstring). ``ws_ptr``: fp32, ``2 * num_progs *
@@ -99,7 +100,7 @@ def tile_gemm_streamk_kernel(
         off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
         acc = _mainloop(a_desc, b_desc, a_row, off_bn, k0, k1, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
         cols = off_bn + offs_j
-        if (k0 == 0) & (k1 == k_tiles):
+        if ((k0 == 0) & (k1 == k_tiles)) | (FIXUP == 0):
             _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, cols, N, stride_cm, stride_cn, c_ptr, c_ptr,
                       False, ACTIVATION)
         else:
@@ -128,17 +129,28 @@ def tile_gemm_streamk_kernel(
         it = t0 + k1
     # the data-parallel tiles: rows sk_tiles + pid, + G, ... as one pipeline
     mine = tl.maximum(num_tiles - sk_tiles - pid + num_progs - 1, 0) // num_progs
-    for j in tl.range(0, mine, flatten=True):
-        row = table_ptr + (sk_tiles + pid + j * num_progs) * _TABLE_COLS
-        a_row = tl.load(row + _COL_A_ROW)
-        c_row = tl.load(row + _COL_C_ROW)
-        c_rows = tl.load(row + _COL_C_ROWS)
-        off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            acc = _kstep(a_desc, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
-        _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn, c_ptr,
-                  c_ptr, False, ACTIVATION)
+    if DP_FLAT:
+        for j in tl.range(0, mine, flatten=True):
+            row = table_ptr + (sk_tiles + pid + j * num_progs) * _TABLE_COLS
+            a_row = tl.load(row + _COL_A_ROW)
+            c_row = tl.load(row + _COL_C_ROW)
+            c_rows = tl.load(row + _COL_C_ROWS)
+            off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                acc = _kstep(a_desc, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
+            _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn, c_ptr,
+                      c_ptr, False, ACTIVATION)
+    else:
+        for j in range(0, mine):
+            row = table_ptr + (sk_tiles + pid + j * num_progs) * _TABLE_COLS
+            a_row = tl.load(row + _COL_A_ROW)
+            c_row = tl.load(row + _COL_C_ROW)
+            c_rows = tl.load(row + _COL_C_ROWS)
+            off_bn = tl.load(row + _COL_N_TILE) * BLOCK_N
+            acc = _mainloop(a_desc, b_desc, a_row, off_bn, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, B_KN, UPCAST)
+            _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn, c_ptr,
+                      c_ptr, False, ACTIVATION)
 
 
 def streamk_split(num_tiles: int, grid: int) -> tuple[int, int]:
@@ -191,9 +203,13 @@ _launcher = _CachedLauncher(tile_gemm_streamk_kernel)
 
 
 def launch_streamk(a: Any, b_store: Any, b_kn: bool, c: Any, table: Any, *, grid: int, config: Any,
-                   activation: str | None, interp: bool) -> None:
+                   activation: str | None, interp: bool, _sk_tiles: int | None = None, _fixup: int = 1,
+                   _dp_flat: int = 1) -> None:
     """Launch ``tile_gemm_streamk_kernel`` on the current stream (``launch_tile_gemm`` with
-    ``config.stream_k``, after its checks)."""
+    ``config.stream_k``, after its checks). The underscored arguments are for timing the
+    kernel's parts (``benchmarks/diag/streamk_diag.py``): the stream-K tiles, the fix-up
+    off (each piece stores its own sum as the tile: a wrong C), the data-parallel loop
+    not flattened."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .tile_gemm import ACTIVATIONS
@@ -203,13 +219,16 @@ def launch_streamk(a: Any, b_store: Any, b_kn: bool, c: Any, table: Any, *, grid
     if num_tiles == 0:
         return
     nprog, sk = streamk_split(num_tiles, grid)
+    if _sk_tiles is not None:
+        nprog, sk = max(1, min(int(grid), num_tiles)), int(_sk_tiles)
     fix = min(FIX_M, cfg.block_m)
     ws, cnt = _buffers.get(c.device, 2 * nprog * cfg.block_m * cfg.block_n, max(1, sk))
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(b_store, [cfg.block_k, cfg.block_n] if b_kn
                                           else [cfg.block_n, cfg.block_k])
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, B_KN=bool(b_kn),
-                ACTIVATION=ACTIVATIONS[activation], UPCAST=interp and str(a.dtype) == "torch.bfloat16", FIX=fix)
+                ACTIVATION=ACTIVATIONS[activation], UPCAST=interp and str(a.dtype) == "torch.bfloat16", FIX=fix,
+                FIXUP=int(_fixup), DP_FLAT=int(_dp_flat))
     key = ("streamk", tuple(meta.values()), a.dtype, b_store.dtype, c.dtype, table.dtype, c.shape[1], a.shape[1],
            c.stride(0), c.stride(1), a.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
     args = (a_desc, b_desc, c, table, ws, cnt, c.shape[1], a.shape[1], num_tiles, sk, nprog, c.stride(0),
