@@ -215,6 +215,15 @@ def _split_finish(acc, ws_ptr, cnt_ptr, slot, piece, parts, c_ptr, c_row, c_rows
 
 
 @triton.jit
+def _cut_rows(row, rows, rows_cap, rows_span):
+    """Table row ``row`` of a block of ``rows_span`` rows, moved to this call's block of
+    ``rows_cap``; the tile's ``rows`` cut at that block's end (0 or less: none left)."""
+    blk = row // rows_span
+    off = row - blk * rows_span
+    return blk * rows_cap + off, tl.minimum(rows, rows_cap - off)
+
+
+@triton.jit
 def _cta_any(x, ASM: tl.constexpr):
     """1 in every thread of the program if ``x`` is nonzero in any, else 0 (a CTA
     barrier with an OR: ``bar.red.or.pred``). Per-thread reads (the GPU timer, a
@@ -385,22 +394,16 @@ def tile_gemm_kernel(
         c_rows = tl.load(row + _COL_C_ROWS)
         pid_n = tl.load(row + _COL_N_TILE)
         live = 1
+        # the table's rows come in blocks of rows_span (a row bucket's, per source rank:
+        # its C rows, CLIP == 1; per destination rank of a reduce-scatter: its A rows,
+        # CLIP == 2, C rows staying where the table puts them); this call's blocks hold
+        # rows_cap: the tile's rows in them, cut at the block's end (a tile with none
+        # left is dead: no wait, no work)
         if CLIP == 1:
-            # the table's C rows come in blocks of rows_span (a row bucket's, per source
-            # rank); this call's blocks hold rows_cap: the tile's rows in them, cut at
-            # the block's end (a tile with none left is dead: no wait, no work)
-            blk = c_row // rows_span
-            off = c_row - blk * rows_span
-            c_rows = tl.minimum(c_rows, rows_cap - off)
-            c_row = blk * rows_cap + off
-            live = (c_rows > 0).to(tl.int32)
+            c_row, c_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
         if CLIP == 2:
-            # the same for the table's A rows (per destination rank of a reduce-scatter);
-            # its C rows stay where the table puts them
-            blk = a_row // rows_span
-            off = a_row - blk * rows_span
-            c_rows = tl.minimum(c_rows, rows_cap - off)
-            a_row = blk * rows_cap + off
+            a_row, c_rows = _cut_rows(a_row, c_rows, rows_cap, rows_span)
+        if CLIP != 0:
             live = (c_rows > 0).to(tl.int32)
         b_use = b_desc
         c_use = c_ptr
