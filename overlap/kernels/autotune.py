@@ -31,9 +31,7 @@ Rules drop what cannot or should not run, before anything is timed:
   changes only the table's order, so it costs no compile.
 - ``flatten=True`` (callers whose tiles wait on nothing: the GEMM alone, the producer
   ops): each plain pick also with ``GemmConfig.flatten`` (one software pipeline over a
-  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4); and where the last
-  partial wave leaves ``SK_MIN_IDLE`` of the run idle, the tile's first two picks in stream-K
-  order (``GemmConfig.stream_k``, ``overlap.kernels.streamk``; the GEMM alone only).
+  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4).
 
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time; then the three fastest
@@ -94,13 +92,9 @@ TILE_RATE = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.88, (64, 256): 0.8}
 """Relative MMA rate of one full wave of each tile shape: smaller tiles load more bytes per
 flop (a 128x128 tile 1.33x, a 64x256 one 1.67x a 128x256's). A prior for ranking
 tile shapes by wave quantization only: the timing decides among those kept."""
-SK_MIN_IDLE = 0.05
-"""With ``flatten`` (the GEMM alone), a tile shape whose last partial wave leaves at least
-this part of the run idle (``partial_wave``) is also tried in stream-K order
-(``GemmConfig.stream_k``), at its deepest and next-deepest BLOCK_K 64, 8-warp rings."""
 KEEP_WITHIN = 1.10
 MAX_TILES = 2
-SPACE_VERSION = 5
+SPACE_VERSION = 4
 """Bumped when the space or the rules change: older cache entries are then stale."""
 
 _lock = threading.Lock()
@@ -168,8 +162,7 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
               smem_limit: int = SMEM_LIMIT, elem_bytes: int = 2, flatten: bool = False) -> list[GemmConfig]:
     """The configs ``tune_gemm`` times for this shape (before its GROUP_M step), best
     tile shape first; ``block_m`` restricts the tile height (the tile-vs-M rule then
-    yields to it); ``flatten`` (the caller's tiles wait on nothing): each pick that is not
-    warp-specialized also flattened, and the stream-K picks (``partial_wave``)."""
+    yields to it); ``flatten``: each pick that is not warp-specialized also flattened."""
     tiles = [(bm, bn) for bm, bn in TILES if block_m is None or bm == block_m]
     if block_m is None:
         fit = [(bm, bn) for bm, bn in tiles if bm <= max(m, 64) and (bm > 64 or m <= SMALL_M)]
@@ -197,16 +190,7 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
                 out.append(c)
             if flatten and c is not None and not c.warp_specialize and replace(c, flatten=True) not in out:
                 out.append(replace(c, flatten=True))
-        if flatten and partial_wave(m, n, bm, bn, sms) >= SK_MIN_IDLE:
-            out += [replace(c, stream_k=True) for c in picks[:2] if c is not None]
     return out
-
-
-def partial_wave(m: int, n: int, bm: int, bn: int, sms: int) -> float:
-    """The part of a persistent grid's run its SMs sit idle in the last, partial wave:
-    ``1 - tiles / (waves * sms)`` (0 when the waves are full)."""
-    tiles = _cdiv(m, bm) * _cdiv(n, bn)
-    return 1.0 - tiles / (_cdiv(tiles, sms) * sms)
 
 
 # ------------------------------------------------------------------------------------
@@ -410,8 +394,7 @@ class GraphTimer:
 
 def _cfg_str(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
-            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''}"
-            f"{' sk' if cfg.stream_k else ''} g{cfg.group_m}")
+            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''} g{cfg.group_m}")
 
 
 def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands: list[GemmConfig], sms: int,
@@ -495,10 +478,8 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     configs (or ``candidates``), then GROUP_M 16 on the winner; restricted to ``block_m``
     when given (ops whose flags map row blocks need it). ``b_kn``: B row-major [K, N]
     (True) or the [N, K] storage of ``w.t()`` (False). ``grid``: the programs the GEMM
-    gets (default every SM). ``flatten``: also the flattened and stream-K configs
-    (``GemmConfig.flatten``, ``GemmConfig.stream_k``), for a caller whose tiles wait on
-    nothing and post nothing; the pick may then be one (a stream-K pick runs through
-    ``launch_tile_gemm`` only, not an op's ``TileGemmPlan``)."""
+    gets (default every SM). ``flatten``: also the flattened configs (``GemmConfig.flatten``),
+    for a caller whose tiles wait on nothing; the pick may then be one."""
     import torch
 
     from .tile_gemm import warp_specialize_supported

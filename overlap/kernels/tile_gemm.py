@@ -647,12 +647,6 @@ class GemmConfig:
     weights, folded norm or warp specialization. Launched with a grid of G programs it takes
     rows p, p + G, ... statically: no dispatch counter, so no second grid can join (an op's
     give-back grid is refused with it: ``OverlapConfig``)."""
-    stream_k: bool = False
-    """Stream-K order for the GEMM alone (``overlap.kernels.streamk``): the tiles of the
-    last full wave and the partial one split into equal runs of K steps, one per program,
-    across tile boundaries, summed from fp32 partials; the other tiles one per program.
-    No waits, posts, second A, split tail, folded norm, several weights or row cut; not
-    with ``flatten`` or ``warp_specialize``."""
     group_m: int = 8
     """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
     ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
@@ -671,8 +665,6 @@ class GemmConfig:
         if self.flatten and self.warp_specialize:
             raise ValueError("GemmConfig: flatten and warp_specialize do not combine (the flattened loop is "
                              "not warp-specialized)")
-        if self.stream_k and (self.flatten or self.warp_specialize):
-            raise ValueError("GemmConfig: stream_k takes neither flatten nor warp_specialize")
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -774,9 +766,6 @@ def launch_tile_gemm(
     instead (a reduce-scatter's, one per destination): A row ``b * span + o`` becomes
     ``b * cap + o``, cut alike, and C rows stay as the table says.
 
-    ``config.stream_k``: ``overlap.kernels.streamk`` (the GEMM alone: no flags, second A,
-    split, folded norm, several weights or ``rows``).
-
     ``config.flatten``: ``tile_gemm_flat_kernel`` (no ``k_wait``, split, folded norm,
     several weights or ``rows``); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
     on the device, ``policies.flat_groups`` of the table.
@@ -794,14 +783,6 @@ def launch_tile_gemm(
         _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups, rows is not None)
     clip = _check_rows(rows)
     mode = _cut_mode(cut if rows is not None else None)
-    if config.stream_k:
-        _check_streamk(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups, rows is not None,
-                       counter, start_flag, sig)
-        from .streamk import launch_streamk
-
-        launch_streamk(a, b_stores[0], b_kn, c, table, grid=grid, config=config, activation=activation,
-                       interp=interpreting())
-        return
     if num_tiles == 0:
         return
     if config.flatten:
@@ -963,17 +944,6 @@ def _check_flat(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b:
                          "[G, 6] (overlap.policies.flat_groups of the table)")
 
 
-def _check_streamk(wait: bool, post: bool, k_wait: int, split: Any, a2: Any, num_b: int, norm_epi: bool,
-                   groups: Any, clip: bool, counter: Any, start_flag: Any, sig: Any) -> None:
-    """What ``GemmConfig.stream_k`` refuses: it is the GEMM alone."""
-    bad = [name for name, on in (("waits", wait), ("posts", post), ("k_wait", k_wait), ("split", split is not None),
-                                 ("a2", a2 is not None), ("several weights", num_b > 1), ("folded norm", norm_epi),
-                                 ("groups", groups is not None), ("rows", clip), ("counter", counter is not None),
-                                 ("start_flag", start_flag is not None), ("sig", sig is not None)) if on]
-    if bad:
-        raise ValueError(f"GemmConfig.stream_k: the stream-K GEMM takes no {', '.join(bad)}; it is the GEMM alone")
-
-
 def _flat_meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, has_groups: bool, wait: bool, post: bool,
                activation: str | None, interp: bool, start_flag: Any, sig: bool) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_A2=a2 is not None, B_KN=b_kn,
@@ -1078,9 +1048,6 @@ class TileGemmPlan:
         b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
                                            norm_epi=norm_epi)
         c = cs[0]
-        if config.stream_k:
-            raise ValueError("GemmConfig.stream_k: an op's plan cannot take the stream-K GEMM (the GEMM alone, "
-                             "launch_tile_gemm)")
         self.flat = bool(config.flatten)
         if self.flat:
             _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups, bool(clip))

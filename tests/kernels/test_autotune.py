@@ -109,32 +109,13 @@ def test_shortlist_flatten_adds_a_flat_twin_of_each_plain_pick(autotune, monkeyp
 
     def measure(m, n, k, dtype, device, b_kn, cands, sms, **kw):
         seen.append(any(c.flatten for c in cands))
-        return [c for c in cands if not c.stream_k][-1], {}
+        return cands[-1], {}
 
     monkeypatch.setattr(autotune, "_measure", measure)
     monkeypatch.setattr("overlap.kernels.tile_gemm.warp_specialize_supported", lambda device=None: False)
     a = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu", flatten=True)
     b = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu")
     assert seen == [True, False] and a.flatten and not b.flatten
-
-
-def test_shortlist_stream_k_only_for_the_gemm_alone_with_a_partial_wave(autotune) -> None:
-    """``flatten`` (the GEMM alone): where the last partial wave idles at least SK_MIN_IDLE
-    of the run, the first two picks of each kept tile also in stream-K order; none with
-    full enough waves, none without ``flatten``."""
-    from dataclasses import replace
-
-    flat = autotune.shortlist(2048, 1536, 4096, sms=132, flatten=True)  # 96 tiles of 128x256
-    sk = [c for c in flat if c.stream_k]
-    tiles = {(c.block_m, c.block_n) for c in flat}
-    assert sk and {(c.block_m, c.block_n) for c in sk} == tiles
-    for c in sk:
-        assert replace(c, stream_k=False) in flat and not c.flatten and not c.warp_specialize
-        assert autotune.rejects(c) is None
-    assert autotune.partial_wave(2048, 1536, 128, 256, 132) == 1 - 96 / 132
-    assert autotune.partial_wave(4224, 4096, 128, 256, 132) == 0.0  # 33 x 16 = 528 tiles: 4 full waves
-    assert not any(c.stream_k for c in autotune.shortlist(4224, 4096, 4096, sms=132, flatten=True))
-    assert not any(c.stream_k for c in autotune.shortlist(2048, 1536, 4096, sms=132))
 
 
 # -- the cache -----------------------------------------------------------------------------
