@@ -9,9 +9,10 @@ column-parallel (qkv, fc1: N = out / TP, K = hidden) and row-parallel (proj, fc2
 N = hidden, K = in / TP) layers see them; both B layouts (``nk``: the ``w.t()`` of an
 nn.Linear weight, ``kn``: row-major [K, N]), bf16 and fp16.
 
-The GEMM alone waits on no flag, so the tuner's shortlists hold the flattened configs too
-(``GemmConfig.flatten``, ``tune_gemm(flatten=True)``); ``--no-flatten`` leaves them out,
-which is what an op whose tiles wait can take.
+The GEMM alone waits on no flag, so the tuner's shortlists hold the flattened configs and
+the tail launches too (``GemmConfig.flatten``, ``GemmConfig.tail_block_m``,
+``tune_gemm(flatten=True)``; run through ``launch_gemm``); ``--no-flatten`` leaves them
+out, which is what an op whose tiles wait can take.
 
 First every config the tuner will try (``overlap.kernels.autotune.shortlist``) is
 compiled once in a pool of processes (Triton's on-disk cache then serves the tuner);
@@ -176,22 +177,19 @@ def _compile_one(job: tuple[dict[str, Any], str, bool]) -> tuple[dict[str, Any],
     (sizes multiples of 16), filling Triton's on-disk cache for the tuner."""
     import torch
 
-    from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
-    from overlap.policies import Segment, build_tile_table
+    from overlap.kernels.tile_gemm import GemmConfig, launch_gemm
 
     cfg_d, dtype_s, b_kn = job
     cfg = GemmConfig(**cfg_d)
     dtype = getattr(torch, dtype_s)
-    m, n, k = 512, 512, 1024
+    m, n, k = 576, 512, 1024  # at a grid of 8 a tail config runs both its launches
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     b = w.t().contiguous() if b_kn else w.t()
     c = torch.empty(m, n, device="cuda", dtype=dtype)
-    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m, cfg.block_n),
-                         dtype=torch.int32, device="cuda")
     t0 = time.perf_counter()
     try:
-        launch_tile_gemm(a, b, c, table, grid=8, config=cfg)
+        launch_gemm(a, b, c, grid=8, config=cfg)
         torch.cuda.synchronize()
         err = None
         rel = ((c.float() - (a @ b).float()).norm() / (a @ b).float().norm()).item()
@@ -216,8 +214,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) 
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
-    from overlap.kernels.tile_gemm import launch_tile_gemm
-    from overlap.policies import Segment, build_tile_table
+    from overlap.kernels.tile_gemm import launch_gemm
 
     m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
     dtype = getattr(torch, row["dtype"])
@@ -233,16 +230,14 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) 
     b = w.t().contiguous() if b_kn else w.t()
     c_ref = torch.empty(m, n, device=dev, dtype=dtype)
     c = torch.empty(m, n, device=dev, dtype=dtype)
-    table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m, cfg.block_n,
-                                          group_m=cfg.group_m), dtype=torch.int32, device=dev)
     timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)),
-              "tile": GraphTimer(lambda: launch_tile_gemm(a, b, c, table, grid=sms, config=cfg))}
+              "tile": GraphTimer(lambda: launch_gemm(a, b, c, grid=sms, config=cfg))}
     times: dict[str, list[float]] = {kk: [] for kk in timers}
     for _ in range(rounds):  # interleaved: drifts of clock and temperature hit both alike
         for kk, t in timers.items():
             times[kk].append(t.ms())
     c.fill_(float("nan"))
-    launch_tile_gemm(a, b, c, table, grid=sms, config=cfg)
+    launch_gemm(a, b, c, grid=sms, config=cfg)
     torch.mm(a, b, out=c_ref)
     ref = c_ref.float()
     rel = ((c.float() - ref).norm() / ref.norm()).item()

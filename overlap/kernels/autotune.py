@@ -31,7 +31,11 @@ Rules drop what cannot or should not run, before anything is timed:
   changes only the table's order, so it costs no compile.
 - ``flatten=True`` (callers whose tiles wait on nothing: the GEMM alone, the producer
   ops): each plain pick also with ``GemmConfig.flatten`` (one software pipeline over a
-  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4).
+  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4); and where a 128x256 or
+  256x128 tile runs at least one full wave and its last partial wave idles
+  ``TAIL_MIN_IDLE`` of the run, the tile's first pick flattened with a tail launch of
+  half-size tiles after its whole waves (``GemmConfig.tail_block_m``, ``TAIL_OF``; the
+  GEMM alone, ``launch_gemm``; benchmarks/results/2026-12-02_1xH200_7ecc691).
 
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time; then the three fastest
@@ -92,9 +96,16 @@ TILE_RATE = {(128, 256): 1.0, (256, 128): 1.0, (128, 128): 0.88, (64, 256): 0.8}
 """Relative MMA rate of one full wave of each tile shape: smaller tiles load more bytes per
 flop (a 128x128 tile 1.33x, a 64x256 one 1.67x a 128x256's). A prior for ranking
 tile shapes by wave quantization only: the timing decides among those kept."""
+TAIL_OF: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(128, 256): ((64, 256), (128, 128)),
+                                                              (256, 128): ((128, 128),)}
+"""Tail tiles tried after each big tile (``GemmConfig.tail_block_m``): half its size."""
+TAIL_MIN_IDLE = 0.02
+"""With ``flatten`` (the GEMM alone), a big tile whose last partial wave leaves at least this
+part of the run idle (``partial_wave``), over at least one full wave, is also tried with a
+tail launch of each ``TAIL_OF`` tile after its whole waves."""
 KEEP_WITHIN = 1.10
 MAX_TILES = 2
-SPACE_VERSION = 4
+SPACE_VERSION = 5
 """Bumped when the space or the rules change: older cache entries are then stale."""
 
 _lock = threading.Lock()
@@ -123,6 +134,12 @@ def rejects(cfg: GemmConfig, *, smem_limit: int = SMEM_LIMIT, elem_bytes: int = 
         return f"registers: {regs} accumulator registers a thread > {MAX_ACC_REGS}"
     if cfg.warp_specialize and cfg.num_warps != 8:
         return "warp specialization needs 8 warps"
+    if cfg.tail_block_m:
+        from .tile_gemm import tail_config
+
+        why = rejects(tail_config(cfg), smem_limit=smem_limit, elem_bytes=elem_bytes)
+        if why is not None:
+            return f"tail launch: {why}"
     return None
 
 
@@ -162,7 +179,8 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
               smem_limit: int = SMEM_LIMIT, elem_bytes: int = 2, flatten: bool = False) -> list[GemmConfig]:
     """The configs ``tune_gemm`` times for this shape (before its GROUP_M step), best
     tile shape first; ``block_m`` restricts the tile height (the tile-vs-M rule then
-    yields to it); ``flatten``: each pick that is not warp-specialized also flattened."""
+    yields to it); ``flatten``: each pick that is not warp-specialized also flattened, and
+    the tail launches (``TAIL_MIN_IDLE``)."""
     tiles = [(bm, bn) for bm, bn in TILES if block_m is None or bm == block_m]
     if block_m is None:
         fit = [(bm, bn) for bm, bn in tiles if bm <= max(m, 64) and (bm > 64 or m <= SMALL_M)]
@@ -190,7 +208,21 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
                 out.append(c)
             if flatten and c is not None and not c.warp_specialize and replace(c, flatten=True) not in out:
                 out.append(replace(c, flatten=True))
+        first = picks[0]
+        if (flatten and first is not None and (bm, bn) in TAIL_OF and _cdiv(m, bm) * _cdiv(n, bn) >= sms
+                and partial_wave(m, n, bm, bn, sms) >= TAIL_MIN_IDLE):
+            for tm, tn in TAIL_OF[(bm, bn)]:
+                tc = replace(first, flatten=True, tail_block_m=tm, tail_block_n=tn)
+                if rejects(tc, smem_limit=smem_limit, elem_bytes=elem_bytes) is None:
+                    out.append(tc)
     return out
+
+
+def partial_wave(m: int, n: int, bm: int, bn: int, sms: int) -> float:
+    """The part of a persistent grid's run its SMs sit idle in the last, partial wave:
+    ``1 - tiles / (waves * sms)`` (0 when the waves are full)."""
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    return 1.0 - tiles / (_cdiv(tiles, sms) * sms)
 
 
 # ------------------------------------------------------------------------------------
@@ -394,7 +426,8 @@ class GraphTimer:
 
 def _cfg_str(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
-            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''} g{cfg.group_m}")
+            f"{' ws' if cfg.warp_specialize else ''}{' flat' if cfg.flatten else ''}"
+            f"{f' tail{cfg.tail_block_m}x{cfg.tail_block_n}' if cfg.tail_block_m else ''} g{cfg.group_m}")
 
 
 def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands: list[GemmConfig], sms: int,
@@ -408,8 +441,7 @@ def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands:
     median of the rounds)."""
     import torch
 
-    from ..policies import Segment, build_tile_table
-    from .tile_gemm import launch_tile_gemm
+    from .tile_gemm import launch_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(m, k, device=device, dtype=dtype, generator=g)
@@ -422,13 +454,11 @@ def _measure(m: int, n: int, k: int, dtype: Any, device: Any, b_kn: bool, cands:
     measured: list[tuple[float, GemmConfig]] = []
 
     def run(cfg: GemmConfig) -> float:
-        table = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, cfg.block_m,
-                                              cfg.block_n, group_m=cfg.group_m), dtype=torch.int32, device=device)
         fail_key = (replace(cfg, group_m=GROUP_MS[0]), str(dtype), b_kn, sms)
         if fail_key in _failed:
             return float("nan")
         try:
-            t = timers[cfg] = GraphTimer(lambda: launch_tile_gemm(a, b, c, table, grid=sms, config=cfg))
+            t = timers[cfg] = GraphTimer(lambda: launch_gemm(a, b, c, grid=sms, config=cfg))
             ms = statistics.median(t.ms() for _ in range(reps))
             measured.append((ms, cfg))
             return ms
@@ -478,8 +508,10 @@ def tune_gemm(m: int, n: int, k: int, *, dtype: Any, device: Any, b_kn: bool = F
     configs (or ``candidates``), then GROUP_M 16 on the winner; restricted to ``block_m``
     when given (ops whose flags map row blocks need it). ``b_kn``: B row-major [K, N]
     (True) or the [N, K] storage of ``w.t()`` (False). ``grid``: the programs the GEMM
-    gets (default every SM). ``flatten``: also the flattened configs (``GemmConfig.flatten``),
-    for a caller whose tiles wait on nothing; the pick may then be one."""
+    gets (default every SM). ``flatten``: also the flattened configs (``GemmConfig.flatten``)
+    and the tail launches (``GemmConfig.tail_block_m``), for a caller whose tiles wait on
+    nothing; the pick may then be one (a pick with a tail runs through ``launch_gemm``
+    only). Candidates are timed through ``launch_gemm``."""
     import torch
 
     from .tile_gemm import warp_specialize_supported

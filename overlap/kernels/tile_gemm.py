@@ -608,7 +608,7 @@ def tile_gemm_flat_kernel(
 # launcher
 # --------------------------------------------------------------------------
 import os  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 from ._launch import CachedLauncher as _CachedLauncher  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
@@ -647,6 +647,14 @@ class GemmConfig:
     weights, folded norm or warp specialization. Launched with a grid of G programs it takes
     rows p, p + G, ... statically: no dispatch counter, so no second grid can join (an op's
     give-back grid is refused with it: ``OverlapConfig``)."""
+    tail_block_m: int = 0
+    """With ``tail_block_n``, for the GEMM alone (``launch_gemm``; 0: off): the rows whose
+    tiles fill whole waves of the grid run first, then the rows left as a second launch
+    of ``tail_block_m x tail_block_n`` tiles (``tail_config``), so a last partial wave of
+    big tiles becomes a wave of smaller ones (benchmarks/results/2026-12-02_1xH200_7ecc691).
+    Needs ``flatten``; an op's GEMM takes none."""
+    tail_block_n: int = 0
+    """Columns of the tail launch's tiles (see ``tail_block_m``)."""
     group_m: int = 8
     """Row tiles per group of a tile table's order (``overlap.policies.build_tile_table``'s
     ``group_m``): a group sweeps all N tiles, so its A rows and the B columns in flight stay
@@ -665,6 +673,12 @@ class GemmConfig:
         if self.flatten and self.warp_specialize:
             raise ValueError("GemmConfig: flatten and warp_specialize do not combine (the flattened loop is "
                              "not warp-specialized)")
+        tail = (self.tail_block_m, self.tail_block_n)
+        if tail != (0, 0):
+            if any(v < 16 or v & (v - 1) for v in tail):
+                raise ValueError(f"GemmConfig.tail_block_m/n must both be 0 or powers of two >= 16, got {tail}")
+            if not self.flatten:
+                raise ValueError("GemmConfig.tail_block_m/n need flatten=True (the GEMM alone's two flattened launches)")
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -776,6 +790,9 @@ def launch_tile_gemm(
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if config.tail_block_m:
+        raise ValueError("GemmConfig.tail_block_m/n: two launches of the GEMM alone, which launch_gemm makes; "
+                         "launch_tile_gemm takes one table")
     b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait, rowstat, colvec)
     c = cs[0]
     num_tiles = table.shape[0]
@@ -828,6 +845,77 @@ def launch_tile_gemm(
             *_more_weights(b_descs[1:], cs[1:]))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                      interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws))
+
+
+TAIL_RINGS: dict[tuple[int, int], tuple[int, int]] = {(128, 128): (4, 4), (64, 256): (4, 8)}
+"""Stages and warps of a tail launch by its tile (those measured in
+benchmarks/results/2026-12-02_1xH200_7ecc691); another tile takes the main config's."""
+
+
+def tail_config(config: GemmConfig) -> GemmConfig:
+    """The flattened config of ``config``'s tail launch (``GemmConfig.tail_block_m``)."""
+    tile = (config.tail_block_m, config.tail_block_n)
+    stages, warps = TAIL_RINGS.get(tile, (config.num_stages, config.num_warps))
+    return GemmConfig(block_m=tile[0], block_n=tile[1], block_k=config.block_k, num_stages=stages, num_warps=warps,
+                      flatten=True, group_m=config.group_m)
+
+
+def tail_rows(m: int, n: int, config: GemmConfig, grid: int) -> int:
+    """Rows of the first launch of a tail config: the most ``block_m`` row blocks whose
+    tiles (blocks x column tiles) fill whole waves of ``grid`` programs; ``m`` when the
+    waves are whole anyway, 0 when not one wave fills."""
+    bm, nt = config.block_m, -(-n // config.block_n)
+    tiles = -(-m // bm) * nt
+    if tiles % grid == 0:
+        return m
+    return min(m, (tiles // grid) * grid // nt * bm)
+
+
+_alone_tables: dict[tuple, Any] = {}
+_ALONE_TABLES_MAX = 64
+
+
+def _alone_table(rows: int, n: int, cfg: GemmConfig, device: Any) -> Any:
+    """The GEMM alone's tile table for ``rows`` x ``n`` (GROUP_M order), kept per shape (at
+    most ``_ALONE_TABLES_MAX``, the oldest dropped first)."""
+    import torch
+
+    from ..policies import Segment, build_tile_table
+
+    key = (rows, n, cfg.block_m, cfg.block_n, cfg.group_m, str(device))
+    t = _alone_tables.pop(key, None)
+    if t is None:
+        t = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=rows)], n, cfg.block_m,
+                                          cfg.block_n, group_m=cfg.group_m), dtype=torch.int32, device=device)
+    _alone_tables[key] = t  # (re)inserted last: the dict's order is the age
+    while len(_alone_tables) > _ALONE_TABLES_MAX:
+        _alone_tables.pop(next(iter(_alone_tables)))
+    return t
+
+
+def launch_gemm(a: Any, b: Any, c: Any, *, grid: int, config: GemmConfig = DEFAULT_CONFIG,
+                activation: str | None = None) -> None:
+    """C = A @ B by the tile GEMM alone (no flags) on the current stream: ``a`` [M, K],
+    ``b`` [K, N] (``b_operand``), ``c`` [M, N] with unit column stride; the tile table is
+    made here (GROUP_M order) and kept per shape. With ``config.tail_block_m``: rows
+    ``[0, tail_rows)`` with ``config``, then rows ``[tail_rows, M)`` with ``tail_config``,
+    both on this stream (the split is the same for every call of a shape and grid)."""
+    m, n = c.shape[0], c.shape[1]
+    if a.dim() != 2 or a.shape[0] != m:
+        raise ValueError(f"launch_gemm: a {tuple(a.shape)} and c {tuple(c.shape)} differ in rows")
+    if not config.tail_block_m:
+        launch_tile_gemm(a, b, c, _alone_table(m, n, config, c.device), grid=grid, config=config,
+                         activation=activation)
+        return
+    m1 = tail_rows(m, n, config, grid)
+    main = replace(config, tail_block_m=0, tail_block_n=0)
+    if m1 > 0:
+        launch_tile_gemm(a[:m1], b, c[:m1], _alone_table(m1, n, main, c.device), grid=grid, config=main,
+                         activation=activation)
+    if m1 < m:
+        tail = tail_config(config)
+        launch_tile_gemm(a[m1:], b, c[m1:], _alone_table(m - m1, n, tail, c.device), grid=grid, config=tail,
+                         activation=activation)
 
 
 def split_workspace(split: tuple[int, int] | None, num_tiles: int, config: GemmConfig, device: Any) -> Any:
@@ -1048,6 +1136,8 @@ class TileGemmPlan:
         b_stores, b_kn, cs = _check_launch(a, a2, b, c, wait, post, start_flag, flags, err, k_wait,
                                            norm_epi=norm_epi)
         c = cs[0]
+        if config.tail_block_m:
+            raise ValueError("GemmConfig.tail_block_m/n: the GEMM alone (launch_gemm); an op's plan takes one launch")
         self.flat = bool(config.flatten)
         if self.flat:
             _check_flat(wait, post, k_wait, split, a2, len(cs), norm_epi, groups, bool(clip))

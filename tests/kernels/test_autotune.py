@@ -103,7 +103,8 @@ def test_shortlist_flatten_adds_a_flat_twin_of_each_plain_pick(autotune, monkeyp
     flat = autotune.shortlist(16384, 6144, 4096, sms=132, flatten=True)
     assert not any(c.flatten for c in plain)
     assert [c for c in flat if not c.flatten] == plain
-    assert {c for c in flat if c.flatten} == {replace(c, flatten=True) for c in plain if not c.warp_specialize}
+    assert {c for c in flat if c.flatten and not c.tail_block_m} == \
+        {replace(c, flatten=True) for c in plain if not c.warp_specialize}
     assert all(autotune.rejects(c) is None and not (c.flatten and c.warp_specialize) for c in flat)
     seen = []
 
@@ -116,6 +117,31 @@ def test_shortlist_flatten_adds_a_flat_twin_of_each_plain_pick(autotune, monkeyp
     a = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu", flatten=True)
     b = autotune.tune_gemm(256, 512, 1024, dtype=torch.bfloat16, device="cpu")
     assert seen == [True, False] and a.flatten and not b.flatten
+
+
+def test_shortlist_tail_launches_only_for_the_gemm_alone_past_a_whole_wave(autotune) -> None:
+    """``flatten`` (the GEMM alone): a 128x256 or 256x128 tile over at least one whole wave
+    whose last partial wave idles TAIL_MIN_IDLE of the run is also tried with each half-size
+    tail after its first pick; none below one wave, none with whole waves, none without
+    ``flatten``; every tail config passes the rules."""
+    from dataclasses import replace
+
+    flat = autotune.shortlist(8192, 3696, 8192, sms=132, flatten=True)  # 64 x 15 = 960 tiles of 128x256
+    tails = [c for c in flat if c.tail_block_m]
+    assert {(c.block_m, c.block_n, c.tail_block_m, c.tail_block_n) for c in tails} == \
+        {(128, 256, 64, 256), (128, 256, 128, 128), (256, 128, 128, 128)}
+    for c in tails:
+        assert c.flatten and autotune.rejects(c) is None
+        assert replace(c, tail_block_m=0, tail_block_n=0) in flat
+    assert "tail64x256" in autotune._cfg_str(tails[0]) or "tail128x128" in autotune._cfg_str(tails[0])
+    assert not any(c.tail_block_m for c in autotune.shortlist(2048, 1536, 4096, sms=132, flatten=True))
+    assert not any(c.tail_block_m for c in autotune.shortlist(4224, 4096, 4096, sms=132, flatten=True))
+    assert not any(c.tail_block_m for c in autotune.shortlist(8192, 3696, 8192, sms=132))
+    assert autotune.partial_wave(2048, 1536, 128, 256, 132) == 1 - 96 / 132
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    bad = GemmConfig(block_m=128, block_n=256, num_stages=3, flatten=True, tail_block_m=256, tail_block_n=256)
+    assert "tail launch" in (autotune.rejects(bad) or ""), autotune.rejects(bad)
 
 
 # -- the cache -----------------------------------------------------------------------------
