@@ -396,6 +396,9 @@ class OverlapConfig:
             raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
         if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
+        if getattr(self.gemm, "tail_block_m", 0):
+            raise ValueError("GemmConfig.tail_block_m/n is for the GEMM alone (launch_gemm): an op's GEMM is one "
+                             "launch over its table")
         if getattr(self.gemm, "flatten", False) and (self.give_back or self.split_tail > 1 or self.fold_norm):
             # the flattened kernel takes rows statically: a second grid on the same table
             # would compute them again; it has no split tiles and no folded-norm epilogue

@@ -112,6 +112,8 @@ class ChainConfig:
             raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
         p = self.producer or _default_gemm()
         c = self.consumer or p
+        if p.tail_block_m or c.tail_block_m:
+            raise ValueError("GemmConfig.tail_block_m/n is for the GEMM alone (launch_gemm), not the chain's GEMMs")
         if p.block_m != c.block_m:
             raise ValueError(f"producer and consumer must share block_m ({p.block_m} != {c.block_m})")
         if self.sync == "tile" and p.block_n % c.block_k:

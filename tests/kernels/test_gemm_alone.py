@@ -45,6 +45,13 @@ def test_tail_config_and_rules() -> None:
         GemmConfig(tail_block_m=128, tail_block_n=128)
     with pytest.raises(ValueError, match="powers of two"):
         GemmConfig(flatten=True, tail_block_m=128, tail_block_n=0)
+    from overlap.ops import ChainConfig, OverlapConfig
+
+    tail = GemmConfig(flatten=True, tail_block_m=128, tail_block_n=128)
+    with pytest.raises(ValueError, match="GEMM alone"):
+        OverlapConfig(gemm=tail, give_back=False)
+    with pytest.raises(ValueError, match="GEMM alone"):
+        ChainConfig(producer=tail)
 
 
 @interpreted
