@@ -608,6 +608,7 @@ def tile_gemm_flat_kernel(
 # launcher
 # --------------------------------------------------------------------------
 import os  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
 
 from ._launch import CachedLauncher as _CachedLauncher  # noqa: E402
@@ -873,23 +874,35 @@ def tail_rows(m: int, n: int, config: GemmConfig, grid: int) -> int:
 
 _alone_tables: dict[tuple, Any] = {}
 _ALONE_TABLES_MAX = 64
+_captured_tables: list[Any] = []
+_alone_lock = threading.Lock()
 
 
 def _alone_table(rows: int, n: int, cfg: GemmConfig, device: Any) -> Any:
     """The GEMM alone's tile table for ``rows`` x ``n`` (GROUP_M order), kept per shape (at
-    most ``_ALONE_TABLES_MAX``, the oldest dropped first)."""
+    most ``_ALONE_TABLES_MAX``, the oldest dropped first; one a CUDA graph captured is kept
+    for the life of the process). A shape's first table cannot be made inside a capture
+    (its upload would be captured): run the shape once first."""
     import torch
 
-    from ..policies import Segment, build_tile_table
+    from ..policies import Segment, build_tile_table, table_tensor
 
     key = (rows, n, cfg.block_m, cfg.block_n, cfg.group_m, str(device))
-    t = _alone_tables.pop(key, None)
-    if t is None:
-        t = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=rows)], n, cfg.block_m,
-                                          cfg.block_n, group_m=cfg.group_m), dtype=torch.int32, device=device)
-    _alone_tables[key] = t  # (re)inserted last: the dict's order is the age
-    while len(_alone_tables) > _ALONE_TABLES_MAX:
-        _alone_tables.pop(next(iter(_alone_tables)))
+    with _alone_lock:
+        t = _alone_tables.pop(key, None)
+        if t is None:
+            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"launch_gemm: the tile table of {rows}x{n} ({cfg.block_m}x{cfg.block_n} tiles) "
+                                   "is made at the shape's first call, which a CUDA graph capture cannot hold: "
+                                   "call it once before capturing")
+            t = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=rows)], n, cfg.block_m,
+                                              cfg.block_n, group_m=cfg.group_m), device)
+        _alone_tables[key] = t  # (re)inserted last: the dict's order is the age
+        while len(_alone_tables) > _ALONE_TABLES_MAX:
+            _alone_tables.pop(next(iter(_alone_tables)))
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if not any(x is t for x in _captured_tables):
+                _captured_tables.append(t)  # a graph reads it at every replay: never dropped
     return t
 
 
