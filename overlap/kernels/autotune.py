@@ -29,13 +29,14 @@ Rules drop what cannot or should not run, before anything is timed:
   deepest warp-specialized; plus BLOCK_K 128 and 4 warps where the rules allow them
   (the deepest ring each). GROUP_M 16 is tried on the winner alone: it
   changes only the table's order, so it costs no compile.
-- ``flatten=True`` (callers whose tiles wait on nothing: the GEMM alone, the producer
-  ops): each plain pick also with ``GemmConfig.flatten`` (one software pipeline over a
-  program's tiles; benchmarks/results/2026-12-02_1xH200_608f1c4); and where a 128x256 or
-  256x128 tile runs at least one full wave and its last partial wave idles
-  ``TAIL_MIN_IDLE`` of the run, the tile's first pick flattened with a tail launch of
-  half-size tiles after its whole waves (``GemmConfig.tail_block_m``, ``TAIL_OF``; the
-  GEMM alone, ``launch_gemm``; benchmarks/results/2026-12-02_1xH200_7ecc691).
+- ``flatten=True`` (the GEMM alone, through ``launch_gemm``): each plain pick also with
+  ``GemmConfig.flatten`` (one software pipeline over a program's tiles;
+  benchmarks/results/2026-12-02_1xH200_608f1c4); and where a 128x256 or 256x128 tile's
+  last partial wave idles ``TAIL_MIN_IDLE`` of the run, the tile's first pick flattened
+  with a tail launch of half-size tiles (``GemmConfig.tail_block_m``, ``TAIL_OF``) where
+  its first launch has rows and the rest fit one wave of the small tiles (``tail_fits``;
+  benchmarks/results/2026-12-02_1xH200_7ecc691). Such a pick is for ``launch_gemm`` only:
+  an op takes one launch (``replace(cfg, tail_block_m=0, tail_block_n=0)``).
 
 Each candidate is timed in CUDA-graph replays (host launch cost left out, so small
 shapes rank by their kernels) for a few milliseconds of GPU time; then the three fastest
@@ -101,8 +102,8 @@ TAIL_OF: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {(128, 256): ((64,
 """Tail tiles tried after each big tile (``GemmConfig.tail_block_m``): half its size."""
 TAIL_MIN_IDLE = 0.02
 """With ``flatten`` (the GEMM alone), a big tile whose last partial wave leaves at least this
-part of the run idle (``partial_wave``), over at least one full wave, is also tried with a
-tail launch of each ``TAIL_OF`` tile after its whole waves."""
+part of the run idle (``partial_wave``) is also tried with a tail launch of each ``TAIL_OF``
+tile where that splits the shape usefully (``tail_fits``)."""
 KEEP_WITHIN = 1.10
 MAX_TILES = 2
 SPACE_VERSION = 5
@@ -209,13 +210,21 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
             if flatten and c is not None and not c.warp_specialize and replace(c, flatten=True) not in out:
                 out.append(replace(c, flatten=True))
         first = picks[0]
-        if (flatten and first is not None and (bm, bn) in TAIL_OF and _cdiv(m, bm) * _cdiv(n, bn) >= sms
-                and partial_wave(m, n, bm, bn, sms) >= TAIL_MIN_IDLE):
+        if flatten and first is not None and (bm, bn) in TAIL_OF and partial_wave(m, n, bm, bn, sms) >= TAIL_MIN_IDLE:
             for tm, tn in TAIL_OF[(bm, bn)]:
                 tc = replace(first, flatten=True, tail_block_m=tm, tail_block_n=tn)
-                if rejects(tc, smem_limit=smem_limit, elem_bytes=elem_bytes) is None:
+                if tail_fits(m, n, tc, sms) and rejects(tc, smem_limit=smem_limit, elem_bytes=elem_bytes) is None:
                     out.append(tc)
     return out
+
+
+def tail_fits(m: int, n: int, cfg: GemmConfig, sms: int) -> bool:
+    """Whether a tail config splits this shape usefully: its first launch has rows
+    (``tail_rows`` > 0) and the rows left fit one wave of the tail's tiles."""
+    from .tile_gemm import tail_rows
+
+    m1 = tail_rows(m, n, cfg, sms)
+    return 0 < m1 < m and _cdiv(m - m1, cfg.tail_block_m) * _cdiv(n, cfg.tail_block_n) <= sms
 
 
 def partial_wave(m: int, n: int, bm: int, bn: int, sms: int) -> float:

@@ -649,11 +649,12 @@ class GemmConfig:
     rows p, p + G, ... statically: no dispatch counter, so no second grid can join (an op's
     give-back grid is refused with it: ``OverlapConfig``)."""
     tail_block_m: int = 0
-    """With ``tail_block_n``, for the GEMM alone (``launch_gemm``; 0: off): the rows whose
-    tiles fill whole waves of the grid run first, then the rows left as a second launch
-    of ``tail_block_m x tail_block_n`` tiles (``tail_config``), so a last partial wave of
-    big tiles becomes a wave of smaller ones (benchmarks/results/2026-12-02_1xH200_7ecc691).
-    Needs ``flatten``; an op's GEMM takes none."""
+    """With ``tail_block_n``, for the GEMM alone (``launch_gemm``; 0: off): the most whole
+    row blocks whose tiles fit the grid's whole waves run first (``tail_rows``), then the
+    rows left as a second launch of ``tail_block_m x tail_block_n`` tiles (``tail_config``),
+    so a last partial wave of big tiles becomes a wave of smaller ones where they fit one
+    (benchmarks/results/2026-12-02_1xH200_7ecc691). Needs ``flatten``; an op's GEMM takes
+    none."""
     tail_block_n: int = 0
     """Columns of the tail launch's tiles (see ``tail_block_m``)."""
     group_m: int = 8
@@ -863,8 +864,9 @@ def tail_config(config: GemmConfig) -> GemmConfig:
 
 def tail_rows(m: int, n: int, config: GemmConfig, grid: int) -> int:
     """Rows of the first launch of a tail config: the most ``block_m`` row blocks whose
-    tiles (blocks x column tiles) fill whole waves of ``grid`` programs; ``m`` when the
-    waves are whole anyway, 0 when not one wave fills."""
+    tiles (blocks x column tiles) fit the whole waves of ``grid`` programs (up to one row
+    of tiles short of filling them); ``m`` when the waves are whole anyway, 0 when not
+    one wave fills."""
     bm, nt = config.block_m, -(-n // config.block_n)
     tiles = -(-m // bm) * nt
     if tiles % grid == 0:
@@ -872,37 +874,61 @@ def tail_rows(m: int, n: int, config: GemmConfig, grid: int) -> int:
     return min(m, (tiles // grid) * grid // nt * bm)
 
 
-_alone_tables: dict[tuple, Any] = {}
+_alone_tables: dict[tuple, tuple[Any, Any]] = {}
 _ALONE_TABLES_MAX = 64
-_captured_tables: list[Any] = []
+_captured_tables: dict[tuple, list[Any]] = {}
 _alone_lock = threading.Lock()
 
 
 def _alone_table(rows: int, n: int, cfg: GemmConfig, device: Any) -> Any:
-    """The GEMM alone's tile table for ``rows`` x ``n`` (GROUP_M order), kept per shape (at
-    most ``_ALONE_TABLES_MAX``, the oldest dropped first; one a CUDA graph captured is kept
-    for the life of the process). A shape's first table cannot be made inside a capture
-    (its upload would be captured): run the shape once first."""
+    """The GEMM alone's tile table for ``rows`` x ``n`` (GROUP_M order), kept per shape: at
+    most ``_ALONE_TABLES_MAX`` (the oldest dropped first), and any table a CUDA graph
+    captured for the life of the process (its replays read it; like the ops' captured
+    words, these are not freed with the graph).
+
+    A new table is uploaded on the current stream without a host wait (``table_tensor``);
+    a call on another stream waits for that upload's event until it has landed. A shape's
+    first table cannot be made inside a capture (its upload would be captured): run the
+    shape once first."""
     import torch
 
     from ..policies import Segment, build_tile_table, table_tensor
 
     key = (rows, n, cfg.block_m, cfg.block_n, cfg.group_m, str(device))
+    cuda = torch.device(device).type == "cuda"
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
     with _alone_lock:
-        t = _alone_tables.pop(key, None)
-        if t is None:
-            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        got = _alone_tables.pop(key, None)
+        if got is None and key in _captured_tables:
+            got = (_captured_tables[key][-1], None)
+        if got is None:
+            if capturing:
                 raise RuntimeError(f"launch_gemm: the tile table of {rows}x{n} ({cfg.block_m}x{cfg.block_n} tiles) "
                                    "is made at the shape's first call, which a CUDA graph capture cannot hold: "
                                    "call it once before capturing")
             t = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=rows)], n, cfg.block_m,
                                               cfg.block_n, group_m=cfg.group_m), device)
-        _alone_tables[key] = t  # (re)inserted last: the dict's order is the age
+            ev = None
+            if cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            got = (t, ev)
+        t, ev = got
+        if ev is not None:
+            if ev.query():
+                ev = None  # landed: later calls need no wait
+            elif capturing:
+                ev.synchronize()  # an event from outside a capture cannot be waited on inside it
+                ev = None
+            else:
+                torch.cuda.current_stream(device).wait_event(ev)
+        _alone_tables[key] = (t, ev)  # (re)inserted last: the dict's order is the age
         while len(_alone_tables) > _ALONE_TABLES_MAX:
             _alone_tables.pop(next(iter(_alone_tables)))
-        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-            if not any(x is t for x in _captured_tables):
-                _captured_tables.append(t)  # a graph reads it at every replay: never dropped
+        if capturing:
+            kept = _captured_tables.setdefault(key, [])
+            if not any(x is t for x in kept):
+                kept.append(t)
     return t
 
 

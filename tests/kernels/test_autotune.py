@@ -135,6 +135,10 @@ def test_shortlist_tail_launches_only_for_the_gemm_alone_past_a_whole_wave(autot
         assert replace(c, tail_block_m=0, tail_block_n=0) in flat
     assert "tail64x256" in autotune._cfg_str(tails[0]) or "tail128x128" in autotune._cfg_str(tails[0])
     assert not any(c.tail_block_m for c in autotune.shortlist(2048, 1536, 4096, sms=132, flatten=True))
+    # 2048x4096: 128 tiles of 128x256 then 256 of 64x256, two waves of the small ones: no tail
+    assert autotune.partial_wave(2048, 4096, 128, 256, 132) >= autotune.TAIL_MIN_IDLE
+    assert not any(c.tail_block_m for c in autotune.shortlist(2048, 4096, 1024, sms=132, flatten=True))
+    assert all(autotune.tail_fits(8192, 3696, c, 132) for c in tails)
     assert not any(c.tail_block_m for c in autotune.shortlist(4224, 4096, 4096, sms=132, flatten=True))
     assert not any(c.tail_block_m for c in autotune.shortlist(8192, 3696, 8192, sms=132))
     assert autotune.partial_wave(2048, 1536, 128, 256, 132) == 1 - 96 / 132

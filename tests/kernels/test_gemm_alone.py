@@ -71,7 +71,7 @@ def test_launch_gemm_with_a_tail() -> None:
             w = torch.randn(n, k, generator=g).to(dt)
             for b in (w.t(), w.t().contiguous()):
                 for cfg, grid, act in ((big, 3, None), (tail, 3, "gelu"), (tail, 2, None), (tail, 4, None),
-                                       (tail, 64, None)):
+                                       (tail, 5, None), (tail, 64, None)):
                     a = torch.randn(m, k, generator=g).to(dt)
                     c = torch.full((m, n), float("nan"), dtype=dt)
                     launch_gemm(a, b, c, grid=grid, config=cfg, activation=act)
@@ -81,9 +81,11 @@ def test_launch_gemm_with_a_tail() -> None:
                     assert _rel(c, ref) < TOL[dt], (dt, m, n, k, grid, _rel(c, ref))
                     if cfg is tail:
                         splits.add((m, grid, tail_rows(m, n, cfg, grid)))
-    # the cases cover a split inside M, none (all rows whole waves) and all rows in the tail
-    got = {s for _, _, s in splits}
-    assert any(0 < s < m for m, _, s in splits) and 0 in got, splits
+    # the cases cover a split inside M (with a ragged last row block: m = 100), none (all
+    # rows whole waves) and all rows in the tail
+    assert (100, 5, 96) in splits, splits  # 3 row blocks of 32 in 2 waves of 5, 4 rows left
+    assert any(0 < s < m for m, _, s in splits if m == 64), splits
+    assert any(s == m for m, _, s in splits) and any(s == 0 for _, _, s in splits), splits
 
 
 @interpreted
