@@ -10,6 +10,13 @@ output in the failure message); in the child, the test body runs.
         ...  # launches kernels on CPU tensors
 
 Parametrized tests work: the child gets the test's node id.
+
+One child per module, not per test: the first interpreted test of a module to run starts a
+child for all of the session's selected interpreted tests of that module (their node ids
+noted at the end of collection, ``note_selected``) and reads each one's outcome from the
+child's JUnit XML; each test then passes on its own outcome. A test that did not pass
+there (failed, skipped, or no outcome: the child crashed or ran out of time) runs again in
+a child of its own, whose output is the failure message, so the batch can only save time.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
 from typing import Any, Callable
 
 import pytest
@@ -24,6 +33,40 @@ import pytest
 from tests._procs import REPO, run_cmd
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+_selected: dict[str, float] = {}
+"""Node id -> time bound of every interpreted test the session selected, in order."""
+_batches: dict[str, dict[str, str]] = {}
+"""Module path -> {test name: outcome} of its batch child."""
+
+
+def note_selected(items: Any) -> None:
+    """Note the session's selected interpreted tests (``conftest``, at the end of collection)."""
+    for item in items:
+        bound = getattr(getattr(item, "function", None), "_interpreted_timeout_s", None)
+        if bound is not None:
+            _selected[item.nodeid] = bound
+
+
+def _batch(path: str) -> dict[str, str]:
+    """One child for the selected interpreted tests of module ``path``: {test name: outcome}."""
+    nodes = [n for n in _selected if n.split("::", 1)[0] == path]
+    if len(nodes) < 2:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "junit.xml")
+        run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodes],
+                timeout_s=sum(_selected[n] for n in nodes), env={"TRITON_INTERPRET": "1"})
+        try:
+            root = ET.parse(report).getroot()
+        except (OSError, ET.ParseError):
+            return {}
+    out = {}
+    for case in root.iter("testcase"):
+        bad = case.find("failure") is not None or case.find("error") is not None
+        out[case.get("name", "")] = "failed" if bad else ("skipped" if case.find("skipped") is not None
+                                                          else "passed")
+    return out
 
 
 def interpreted(fn: Callable[..., Any] | None = None, *, timeout_s: float = 240.0) -> Any:
@@ -34,10 +77,17 @@ def interpreted(fn: Callable[..., Any] | None = None, *, timeout_s: float = 240.
                 return f(*args, **kwargs)
             pytest.importorskip("triton")
             node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+            path, name = node.split("::", 1)
+            if node in _selected:
+                if path not in _batches:
+                    _batches[path] = _batch(path)
+                if _batches[path].get(name) == "passed":
+                    return None
             r = run_cmd([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node],
                         timeout_s=timeout_s, env={"TRITON_INTERPRET": "1"})
             assert r.returncode == 0 and " passed" in r.out, f"{node} under TRITON_INTERPRET=1:\n{r.out[-6000:]}"
 
+        run._interpreted_timeout_s = timeout_s  # type: ignore[attr-defined]  (note_selected reads it)
         return run
 
     return wrap(fn) if fn is not None else wrap

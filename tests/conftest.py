@@ -46,3 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if item.get_closest_marker("mpi") is not None and (why := mpi_missing()):
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # the interpreted tests the session runs, for one child per module (tests._interp)
+    from tests._interp import note_selected
+
+    note_selected(session.items)
