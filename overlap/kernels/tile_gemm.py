@@ -914,12 +914,11 @@ def _alone_table(rows: int, n: int, cfg: GemmConfig, device: Any) -> Any:
                 ev.record()
             got = (t, ev)
         t, ev = got
-        if ev is not None:
+        # (inside a capture an event from outside it cannot be waited on, nor queried; the
+        # captured launch reads the table at its replays, after the capture)
+        if ev is not None and not capturing:
             if ev.query():
                 ev = None  # landed: later calls need no wait
-            elif capturing:
-                ev.synchronize()  # an event from outside a capture cannot be waited on inside it
-                ev = None
             else:
                 torch.cuda.current_stream(device).wait_event(ev)
         _alone_tables[key] = (t, ev)  # (re)inserted last: the dict's order is the age
