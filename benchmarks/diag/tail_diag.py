@@ -5,10 +5,11 @@ against the one-launch flattened GEMM and cuBLAS (one GPU).
 
     python benchmarks/diag/tail_diag.py [--out DIR] [--rounds 5]
 
-Per shape: M1 = the most 128-row blocks whose tiles (blocks x column tiles) fit the full
-waves of the big tiles' grid; launch 1 on rows [0, M1) with 128x256, launch 2 on rows
-[M1, M) with 64x256 or 128x128 (both flattened). Checked against cuBLAS; CUDA-graph
-replays in interleaved rounds (medians). Writes ``tail_diag.json``.
+Per shape, through ``launch_gemm``: one launch of flattened 128x256 tiles, and the same
+config with a tail (``GemmConfig.tail_block_m``) of 64x256 or 128x128: rows [0, M1)
+(``tail_rows``) with 128x256, then rows [M1, M) with the tail's tiles. Checked against
+cuBLAS; CUDA-graph replays in interleaved rounds (medians). Writes ``tail_diag.json``.
+(Its first run, at 7ecc691, made the two launches by hand with the same split.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -38,18 +40,13 @@ def main() -> None:
 
     from benchmarks.context import run_context
     from overlap.kernels.autotune import GraphTimer
-    from overlap.kernels.tile_gemm import GemmConfig, launch_tile_gemm
-    from overlap.policies import Segment, build_tile_table
+    from overlap.kernels.tile_gemm import GemmConfig, launch_gemm, tail_rows
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     dev = torch.device("cuda")
     big = GemmConfig(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8, flatten=True)
-    small = {"64x256": GemmConfig(block_m=64, block_n=256, block_k=64, num_stages=4, num_warps=8, flatten=True),
-             "128x128": GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=4, flatten=True)}
-
-    def table(rows: int, n: int, cfg: GemmConfig):
-        return torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=rows)], n, cfg.block_m,
-                                             cfg.block_n, group_m=8), dtype=torch.int32, device=dev)
+    tails = {"64x256": replace(big, tail_block_m=64, tail_block_n=256),
+             "128x128": replace(big, tail_block_m=128, tail_block_n=128)}
 
     rows_out = []
     for m, n, k, dt in SHAPES:
@@ -58,23 +55,14 @@ def main() -> None:
         w = torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5
         b = w.t()
         ref = torch.mm(a, b)
-        nt = cdiv(n, 256)
-        tiles = cdiv(m, 128) * nt
-        m1 = (tiles // sms) * sms // nt * 128
-        cs = {}
-        fns = {"cublas": lambda: torch.mm(a, b, out=ref)}
-        t_all = table(m, n, big)
-        cs["one launch"] = torch.empty(m, n, device=dev, dtype=dtype)
-        fns["one launch"] = lambda: launch_tile_gemm(a, b, cs["one launch"], t_all, grid=sms, config=big)
-        t1 = table(m1, n, big)
-        for name, cfg in small.items():
-            t2 = table(m - m1, n, cfg)
-            c = cs[f"tail {name}"] = torch.empty(m, n, device=dev, dtype=dtype)
-
-            def two(c=c, t2=t2, cfg=cfg):
-                launch_tile_gemm(a[:m1], b, c[:m1], t1, grid=sms, config=big)
-                launch_tile_gemm(a[m1:], b, c[m1:], t2, grid=sms, config=cfg)
-            fns[f"tail {name}"] = two
+        tiles = cdiv(m, 128) * cdiv(n, 256)
+        m1 = tail_rows(m, n, tails["128x128"], sms)
+        cs = {name: torch.empty(m, n, device=dev, dtype=dtype)
+              for name in ("one launch", *[f"tail {t}" for t in tails])}
+        fns = {"cublas": lambda: torch.mm(a, b, out=ref),
+               "one launch": lambda: launch_gemm(a, b, cs["one launch"], grid=sms, config=big)}
+        for name, cfg in tails.items():
+            fns[f"tail {name}"] = lambda c=cs[f"tail {name}"], cfg=cfg: launch_gemm(a, b, c, grid=sms, config=cfg)
         timers = {kk: GraphTimer(f) for kk, f in fns.items()}
         torch.cuda.synchronize()
         errs = {kk: ((c.float() - ref.float()).norm() / ref.float().norm()).item() for kk, c in cs.items()}

@@ -607,6 +607,7 @@ def tile_gemm_flat_kernel(
 # --------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------
+import functools  # noqa: E402
 import os  # noqa: E402
 import threading  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
@@ -680,7 +681,8 @@ class GemmConfig:
             if any(v < 16 or v & (v - 1) for v in tail):
                 raise ValueError(f"GemmConfig.tail_block_m/n must both be 0 or powers of two >= 16, got {tail}")
             if not self.flatten:
-                raise ValueError("GemmConfig.tail_block_m/n need flatten=True (the GEMM alone's two flattened launches)")
+                raise ValueError("GemmConfig.tail_block_m/n need flatten=True (the GEMM alone's two flattened "
+                                 "launches)")
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -862,6 +864,13 @@ def tail_config(config: GemmConfig) -> GemmConfig:
                       flatten=True, group_m=config.group_m)
 
 
+@functools.lru_cache(maxsize=64)
+def _split_configs(config: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
+    """(the first launch's config, the tail's) of a tail config, made once per config, not
+    per call (a frozen dataclass's ``replace`` runs its checks again)."""
+    return replace(config, tail_block_m=0, tail_block_n=0), tail_config(config)
+
+
 def tail_rows(m: int, n: int, config: GemmConfig, grid: int) -> int:
     """Rows of the first launch of a tail config: the most ``block_m`` row blocks whose
     tiles (blocks x column tiles) fit the whole waves of ``grid`` programs (up to one row
@@ -946,12 +955,11 @@ def launch_gemm(a: Any, b: Any, c: Any, *, grid: int, config: GemmConfig = DEFAU
                          activation=activation)
         return
     m1 = tail_rows(m, n, config, grid)
-    main = replace(config, tail_block_m=0, tail_block_n=0)
+    main, tail = _split_configs(config)
     if m1 > 0:
         launch_tile_gemm(a[:m1], b, c[:m1], _alone_table(m1, n, main, c.device), grid=grid, config=main,
                          activation=activation)
     if m1 < m:
-        tail = tail_config(config)
         launch_tile_gemm(a[m1:], b, c[m1:], _alone_table(m - m1, n, tail, c.device), grid=grid, config=tail,
                          activation=activation)
 

@@ -4,6 +4,8 @@ inside a capture refused with a clear error."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def test_launch_gemm_tail_matches_torch_and_replays() -> None:
         for dtype in (torch.bfloat16, torch.float16):
             w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5
             for tail in ((0, 0), (64, 256), (128, 128)):
-                cfg = GemmConfig(**{**big.__dict__, "tail_block_m": tail[0], "tail_block_n": tail[1]})
+                cfg = replace(big, tail_block_m=tail[0], tail_block_n=tail[1])
                 for b in (w.t(), w.t().contiguous()):
                     for _ in range(2):
                         a = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
@@ -33,7 +35,7 @@ def test_launch_gemm_tail_matches_torch_and_replays() -> None:
                         torch.cuda.synchronize()
                         assert not torch.isnan(c).any(), (m, n, tail, "an element not written")
                         assert _rel(c, a, w) < 1e-2, (m, n, k, tail, dtype, _rel(c, a, w))
-    cfg = GemmConfig(**{**big.__dict__, "tail_block_m": 128, "tail_block_n": 128})
+    cfg = replace(big, tail_block_m=128, tail_block_n=128)
     m, n, k = 8192, 3696, 1024
     assert 0 < tail_rows(m, n, cfg, sms) < m
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g)
