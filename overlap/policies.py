@@ -450,13 +450,13 @@ def row_chunk_segments(m: int, chunks: int, block_m: int) -> tuple[list[int], li
 
 
 def _row_blocks(m: int, n: int, block_m: int, block_n: int, *, wait: "RowSync | TileSync | None" = None,
-                post: bool = False) -> Any:
+                post: bool = False, group_m: int = 1) -> Any:
     """``build_tile_table(row_block_segments(m, block_m, wait=wait, post=post), n, block_m,
-    block_n, array=True)`` without a segment per row block: one segment swept a row block
-    at a time (``group_m=1``), the per-block wait filled in after (the chain builds these
-    per new M; 128 segment objects cost most of a millisecond)."""
+    block_n, array=True)`` without a segment per row block: one segment in ``group_m``
+    order (1: a row block at a time), the per-block wait filled in after from each tile's
+    row (the chain builds these per new M; 128 segment objects cost most of a millisecond)."""
     t = build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m, post_base=0 if post else NO_FLAG)], n,
-                         block_m, block_n, group_m=1, array=True)
+                         block_m, block_n, group_m=group_m, array=True)
     if wait is not None:
         first, mult = wait.wait(1)
         step = first - wait.wait(0)[0]  # flags per row block (both policies: affine in the block)
@@ -466,15 +466,17 @@ def _row_blocks(m: int, n: int, block_m: int, block_n: int, *, wait: "RowSync | 
 
 
 def rowsync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int,
-                         cons_block_n: int, *, array: bool = False) -> tuple[Any, Any]:
+                         cons_block_n: int, *, array: bool = False, prod_group_m: int = 1,
+                         cons_group_m: int = 1) -> tuple[Any, Any]:
     """Tile tables of a producer GEMM [m, f] feeding a consumer GEMM [m, f] x [f, n]
-    through RowSync, both in row-block order (a row block's N tiles, then the
-    next's): every producer tile posts once to flags[row block]; a consumer tile
-    of row block i waits for flags[i] >= epoch * (producer N tiles). ``array``: numpy
-    tables (``build_tile_table``)."""
+    through RowSync: every producer tile posts once to flags[row block]; a consumer tile
+    of row block i waits for flags[i] >= epoch * (producer N tiles). Each table in
+    ``build_tile_table``'s order with its ``group_m`` (1: row-block order, a row block's
+    N tiles, then the next's; more: groups of row blocks sweeping the N tiles together,
+    B shared through L2, the flags the same). ``array``: numpy tables."""
     n_prod = _cdiv(f, prod_block_n)
-    prod = _row_blocks(m, f, block_m, prod_block_n, post=True)
-    cons = _row_blocks(m, n, block_m, cons_block_n, wait=RowSync(n_prod))
+    prod = _row_blocks(m, f, block_m, prod_block_n, post=True, group_m=prod_group_m)
+    cons = _row_blocks(m, n, block_m, cons_block_n, wait=RowSync(n_prod), group_m=cons_group_m)
     return (prod, cons) if array else (prod.tolist(), cons.tolist())
 
 
@@ -510,19 +512,20 @@ class TileSync:
 
 
 def tilesync_chain_tables(m: int, f: int, n: int, block_m: int, prod_block_n: int, cons_block_n: int,
-                          cons_block_k: int, *, array: bool = False) -> tuple[Any, Any, TileSync]:
+                          cons_block_k: int, *, array: bool = False, prod_group_m: int = 1,
+                          cons_group_m: int = 1) -> tuple[Any, Any, TileSync]:
     """Tile tables of a producer GEMM [m, f] feeding a consumer [m, f] x [f, n]
-    through TileSync, both in row-block order: producer tile (i, j) posts once to
-    flags[i * n_prod + j]; a consumer tile of row block i waits on flags[i * n_prod + j]
-    >= epoch before its K steps over columns [j * prod_block_n, (j + 1) * prod_block_n)
-    of the producer's output. Flags used: cdiv(m, block_m) * n_prod. ``array``: numpy
-    tables (``build_tile_table``)."""
+    through TileSync: producer tile (i, j) posts once to flags[i * n_prod + j]; a
+    consumer tile of row block i waits on flags[i * n_prod + j] >= epoch before its K
+    steps over columns [j * prod_block_n, (j + 1) * prod_block_n) of the producer's
+    output. Flags used: cdiv(m, block_m) * n_prod. Orders and ``array`` as in
+    ``rowsync_chain_tables``."""
     n_prod = _cdiv(f, prod_block_n)
     pol = TileSync(n_prod, prod_block_n, cons_block_k)
-    prod = _row_blocks(m, f, block_m, prod_block_n, post=True)
+    prod = _row_blocks(m, f, block_m, prod_block_n, post=True, group_m=prod_group_m)
     # post per tile (``TileSync.post``), not per row block
     prod[:, P.COL_POST] = prod[:, P.COL_POST] * n_prod + prod[:, P.COL_N_TILE]
-    cons = _row_blocks(m, n, block_m, cons_block_n, wait=pol)
+    cons = _row_blocks(m, n, block_m, cons_block_n, wait=pol, group_m=cons_group_m)
     return (prod, cons, pol) if array else (prod.tolist(), cons.tolist(), pol)
 
 

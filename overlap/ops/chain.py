@@ -4,10 +4,18 @@ The seed's own case (cuSync, Jangda et al., CGO 2024): the MLP of a GPT layer
 on one GPU, two GEMMs in two kernels on two streams. A consumer (fc2) tile
 of row block i needs every producer (fc1) tile of row block i (RowSync):
 
-    producer  (high-priority stream): tiles of mid = act(x @ w1), row blocks in
-              order; each tile, once stored, adds 1 to flags[row block]
-    consumer  (current stream):       tiles of y = mid @ w2, row blocks in order;
-              a tile of row block i waits until flags[i] >= epoch * (N tiles of mid)
+    producer  (high-priority stream): tiles of mid = act(x @ w1), groups of row
+              blocks in order; each tile, once stored, adds 1 to flags[row block]
+    consumer  (current stream):       tiles of y = mid @ w2, groups of row blocks
+              in order; a tile of row block i waits until
+              flags[i] >= epoch * (N tiles of mid)
+
+Each GEMM's tiles run in its config's ``group_m`` order (``build_tile_table``):
+``group_m`` row blocks sweep the N tiles together, so a wave shares B's columns
+through L2; with ``group_m`` 1 a row block's tiles come before the next's, so the
+first row blocks are done soonest but every wave reads all of B (at M = 1024 with
+64-row tiles, 1.5x the time of the grouped order:
+benchmarks/results/2026-12-02_1xH200_89b319c). ``tune_mlp_chain`` tries both.
 
 With stream order instead, fc2 waits for the last fc1 tile: the SMs that run
 out of fc1 tiles in its last wave idle until the whole kernel ends, then fc2
@@ -200,10 +208,11 @@ def _tables(rt: Runtime, m: int, f: int, n: int, cfg: ChainConfig) -> tuple[torc
                                       "graph capture yet; call it once before capturing it")
         if cfg.sync == "tile":
             prod, cons, pol = tilesync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, cc.block_k,
-                                                    array=True)
+                                                    array=True, prod_group_m=pc.group_m, cons_group_m=cc.group_m)
             n_flags, mult, k_wait = -(-m // pc.block_m) * pol.producer_n_tiles, 1, pol.k_wait
         else:
-            prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, array=True)
+            prod, cons = rowsync_chain_tables(m, f, n, pc.block_m, pc.block_n, cc.block_n, array=True,
+                                              prod_group_m=pc.group_m, cons_group_m=cc.group_m)
             n_flags, mult, k_wait = -(-m // pc.block_m), -(-f // pc.block_n), 0
         t = (table_tensor(prod, rt.device), table_tensor(cons, rt.device),
              n_flags + 1, mult, k_wait)  # + the producer's start flag
@@ -402,7 +411,8 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
     of ``mlp_chain`` and ``mlp_chain_stream_sync`` without a config use them).
 
     For each BLOCK_M, each GEMM's fastest config alone (``tune_gemm``); then the
-    pair whose chained run is fastest."""
+    pair whose chained run is fastest, each pair in its configs' ``group_m`` order and
+    in row-block order (``group_m`` 1: the first row blocks done soonest)."""
     from ..kernels.autotune import _time, tune_gemm
     from ..kernels.tile_gemm import b_operand
 
@@ -415,17 +425,22 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
     for bm in block_ms:
         pc = tune_gemm(m, f, k, dtype=x.dtype, device=x.device, b_kn=b_operand(w1)[1], block_m=bm)
         cc = tune_gemm(m, n, f, dtype=x.dtype, device=x.device, b_kn=b_operand(w2)[1], block_m=bm)
-        cfg = ChainConfig(producer=pc, consumer=cc, check="none")
-        ms = _time(lambda: mlp_chain(x, w1, w2, activation=activation, config=cfg))
-        try:
-            _runtime(x.device).err(OP).check(block=True)
-        except _flags.FlagTimeoutError as e:  # a pair that timed out is skipped, not fatal
-            warn_once(f"chain-tune-timeout-{bm}", f"tune_mlp_chain: BLOCK_M {bm} timed out ({e}); skipped")
-            continue
-        if verbose:
-            print(f"  tune chain {m}x{k}x{f}x{n} bm={bm}: fc1 {pc}, fc2 {cc}: {ms:.3f} ms", flush=True)
-        if ms < best_ms:
-            best, best_ms = ChainConfig(producer=pc, consumer=cc), ms
+        pairs = [(pc, cc)]
+        if (pc.group_m, cc.group_m) != (1, 1):
+            pairs.append((dataclasses.replace(pc, group_m=1), dataclasses.replace(cc, group_m=1)))
+        for p, c in pairs:
+            cfg = ChainConfig(producer=p, consumer=c, check="none")
+            ms = _time(lambda: mlp_chain(x, w1, w2, activation=activation, config=cfg))
+            try:
+                _runtime(x.device).err(OP).check(block=True)
+            except _flags.FlagTimeoutError as e:  # a pair that timed out is skipped, not fatal
+                warn_once(f"chain-tune-timeout-{bm}-{p.group_m}",
+                          f"tune_mlp_chain: BLOCK_M {bm} (group_m {p.group_m}) timed out ({e}); skipped")
+                continue
+            if verbose:
+                print(f"  tune chain {m}x{k}x{f}x{n} bm={bm}: fc1 {p}, fc2 {c}: {ms:.3f} ms", flush=True)
+            if ms < best_ms:
+                best, best_ms = ChainConfig(producer=p, consumer=c), ms
     if best is None:
         raise RuntimeError(f"tune_mlp_chain: every config timed out for {m}x{k}x{f}x{n}")
     _tuned(_runtime(x.device))[_tune_key(x, w1, w2, activation)] = best

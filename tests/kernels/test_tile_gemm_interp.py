@@ -221,17 +221,20 @@ def test_chain() -> None:
     """fc1 (GeLU epilogue, posts) -> fc2 (RowSync waits) through the chain's tables:
     the result matches torch; fc2 run before fc1 (the interpreter runs one kernel
     to the end before the next) times out on row block 0 instead of hanging,
-    and the previous call's flags do not satisfy it."""
+    and the previous call's flags do not satisfy it. The second call runs both tables in
+    grouped order (``group_m`` 2), as a tuned chain does."""
     g = torch.Generator().manual_seed(7)
     m, k, f, n = 40, 32, 48, 24
     x = torch.randn(m, k, generator=g, dtype=torch.float16)
     w1 = torch.randn(f, k, generator=g, dtype=torch.float16) / k ** 0.5  # nn.Linear layouts
     w2 = torch.randn(n, f, generator=g, dtype=torch.float16) / f ** 0.5
-    prod_l, cons_l = rowsync_chain_tables(m, f, n, CFG.block_m, CFG.block_n, CFG.block_n)
-    prod, cons = (torch.tensor(t, dtype=torch.int32) for t in (prod_l, cons_l))
     n_prod = -(-f // CFG.block_n)
     flags = torch.zeros(8, dtype=torch.int32)
     for epoch in (1, 2):
+        grp = epoch  # row-block order, then groups of 2 row blocks
+        prod_l, cons_l = rowsync_chain_tables(m, f, n, CFG.block_m, CFG.block_n, CFG.block_n, prod_group_m=grp,
+                                              cons_group_m=grp)
+        prod, cons = (torch.tensor(t, dtype=torch.int32) for t in (prod_l, cons_l))
         xe = x * epoch  # inputs change every call
         mid = torch.full((m, f), float("nan"), dtype=torch.float16)
         y = torch.full((m, n), float("nan"), dtype=torch.float16)
@@ -246,6 +249,7 @@ def test_chain() -> None:
         ref = torch.nn.functional.gelu(xe.double() @ w1.double().t()) @ w2.double().t()
         assert _rel(y, ref) < 3e-3, _rel(y, ref)
     # consumer alone in epoch 3: flags hold epoch 2's counts
+    cons = torch.tensor(rowsync_chain_tables(m, f, n, CFG.block_m, CFG.block_n, CFG.block_n)[1], dtype=torch.int32)
     y = torch.full((m, n), float("nan"), dtype=torch.float16)
     ew = ErrorWord("cpu", what="chain")
     launch_tile_gemm(mid, w2.t(), y, cons, flags=flags, err=ew.word, epoch=3, grid=2, config=CFG, wait=True,

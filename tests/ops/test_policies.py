@@ -101,6 +101,35 @@ def test_chain_tables_are_the_row_block_segments_tables(m: int) -> None:
         assert (tp == prod).all() and (tc == cons).all() and tpol == pol
 
 
+@pytest.mark.parametrize("group_m", [2, 8])
+def test_chain_tables_in_group_order_keep_each_tiles_flags(group_m: int) -> None:
+    """With a ``group_m`` the chain's tables hold the same tiles as in row-block order, in
+    ``build_tile_table``'s grouped order, and every tile still waits on and posts to its
+    own row block's (TileSync: its own tile's) flag."""
+    from overlap import protocol as P
+    from overlap.policies import rowsync_chain_tables, tilesync_chain_tables
+
+    m, f, n, bm, pbn, cbn, cbk = 1000, 1280, 384, 64, 256, 128, 64
+    n_prod = -(-f // pbn)
+    rows = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
+    flat_p, flat_c = rowsync_chain_tables(m, f, n, bm, pbn, cbn, array=True)
+    prod, cons = rowsync_chain_tables(m, f, n, bm, pbn, cbn, array=True, prod_group_m=group_m,
+                                      cons_group_m=group_m)
+    assert rows(prod) == rows(flat_p) and rows(cons) == rows(flat_c)
+    assert prod.tolist() != flat_p.tolist()  # the order did change
+    for t, width in ((prod, f), (cons, n)):
+        want = build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], width, bm,
+                                pbn if t is prod else cbn, group_m=group_m, array=True)
+        assert (t[:, [P.COL_A_ROW, P.COL_N_TILE]] == want[:, [P.COL_A_ROW, P.COL_N_TILE]]).all()
+    assert (prod[:, P.COL_POST] == prod[:, P.COL_A_ROW] // bm).all()
+    assert (cons[:, P.COL_WAIT] == cons[:, P.COL_A_ROW] // bm).all() and (cons[:, P.COL_WAIT_MULT] == n_prod).all()
+    tp, tc, pol = tilesync_chain_tables(m, f, n, bm, pbn, cbn, cbk, array=True, prod_group_m=group_m,
+                                        cons_group_m=1)
+    assert (tp[:, P.COL_POST] == tp[:, P.COL_A_ROW] // bm * n_prod + tp[:, P.COL_N_TILE]).all()
+    assert (tc[:, P.COL_WAIT] == tc[:, P.COL_A_ROW] // bm * n_prod).all() and pol.k_wait == pbn // cbk
+    assert rows(tc) == rows(tilesync_chain_tables(m, f, n, bm, pbn, cbn, cbk, array=True)[1])
+
+
 def test_table_order_is_segment_order_then_grouped() -> None:
     segs = [Segment(a_src=0, a_row=0, c_row=0, rows=256), Segment(a_src=0, a_row=256, c_row=256, rows=128, wait_idx=0)]
     t = build_tile_table(segs, 256, 64, 128, group_m=2)
