@@ -208,7 +208,7 @@ def _latest(results_dir: str, name: str) -> tuple[dict, str] | None:
 
 def _context_line(c: dict) -> str:
     return (f"{str(c.get('date'))[:10]}, {c.get('gpu')}, torch {c.get('torch')}, Triton {c.get('triton')}, "
-            f"commit {c.get('commit')}")
+            f"commit {str(c.get('commit'))[:7]}")
 
 
 def gemm_sweep_md(found: tuple[dict, str]) -> list[str]:
