@@ -13,6 +13,9 @@ two kernels):
 - ``stream-sync``: the two tile kernels one after the other, each over every SM;
 - ``row``: the chain with RowSync (fc2's tiles of a row block start once fc1 stored it);
 - ``tile``: the chain with TileSync (each K group of an fc2 tile waits for the fc1 tile it reads);
+- ``row pdl``: RowSync with both kernels on one stream, fc2 a programmatic dependent launch
+  of fc1 (``ChainConfig.launch="pdl"``; where ``pdl_supported``); ``row`` and ``tile`` take
+  the other launch, two streams and a start gate;
 - ``fc1``, ``fc2``: each tile kernel alone over every SM (their sum is what stream sync
   costs without the gap between them).
 
@@ -44,7 +47,7 @@ from benchmarks.context import run_context  # noqa: E402
 
 MODELS = {"gpt3-175b": (12288, 49152), "llama2-70b": (8192, 28672)}
 TPS = (4, 8)
-VARIANTS = ("torch", "stream-sync", "row", "tile", "fc1", "fc2")
+VARIANTS = ("torch", "stream-sync", "row", "tile", "row pdl", "fc1", "fc2")
 
 
 def shapes(rows: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -90,7 +93,9 @@ def waves(tiles: int, sms: int) -> float:
 
 
 def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
-    from overlap.kernels.tile_gemm import launch_tile_gemm
+    from dataclasses import replace
+
+    from overlap.kernels.tile_gemm import launch_tile_gemm, pdl_supported
     from overlap.ops import chain as ch
     from overlap.ops import mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
 
@@ -101,8 +106,11 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     w1 = (torch.randn(f, k, device=dev, dtype=torch.bfloat16, generator=gen) * k ** -0.5).t()  # fc1.weight.t()
     w2 = (torch.randn(k, f, device=dev, dtype=torch.bfloat16, generator=gen) * f ** -0.5).t()  # fc2.weight.t()
     t0 = time.perf_counter()
-    cfg = tune_mlp_chain(x, w1, w2)
+    tuned = tune_mlp_chain(x, w1, w2)
     tune_s = time.perf_counter() - t0
+    cfg = replace(tuned, launch="streams")
+    pdl = replace(tuned, launch="pdl") if pdl_supported(dev) else None
+    variants = [v for v in VARIANTS if v != "row pdl" or pdl is not None]
     rt = ch._runtime(dev)
     prod, cons, *_ = ch._tables(rt, m, f, k, cfg)
     pc = cfg.producer or ch._default_gemm()
@@ -114,16 +122,17 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
         "stream-sync": lambda: mlp_chain_stream_sync(x, w1, w2, config=cfg),
         "row": lambda: mlp_chain(x, w1, w2, config=cfg, sync="row"),
         "tile": lambda: mlp_chain(x, w1, w2, config=cfg, sync="tile"),
+        "row pdl": lambda: mlp_chain(x, w1, w2, config=pdl, sync="row"),
         "fc1": lambda: launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms, config=pc, activation="gelu"),
         "fc2": lambda: launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms, config=cc),
     }
-    row: dict[str, Any] = dict(sh, tune_s=round(tune_s, 3), producer=str(pc), consumer=str(cc),
+    row: dict[str, Any] = dict(sh, tune_s=round(tune_s, 3), producer=str(pc), consumer=str(cc), launch=tuned.launch,
                                fc1_tiles=len(prod), fc2_tiles=len(cons), sms=rt.num_sms)
     row["fc1_waves"] = waves(len(prod), rt.num_sms)
     row["fc2_waves"] = waves(len(cons), rt.num_sms)
     graphs: dict[str, Any] = {}
     errs: dict[str, float] = {}
-    for name in ("torch", "stream-sync", "row", "tile"):
+    for name in [v for v in variants if v not in ("fc1", "fc2")]:
         fns[name]()  # eager warm call (plans, compiles) before any capture
         g, out = _graph(fns[name], calls)
         # a new x, then a replay: the captured calls must read it (a stale read fails here)
@@ -136,9 +145,9 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     for name in ("fc1", "fc2"):
         fns[name]()
         graphs[name] = _graph(fns[name], calls)[0]
-    times: dict[str, list[float]] = {f"{v} {mode}": [] for v in VARIANTS for mode in ("eager", "graph")}
+    times: dict[str, list[float]] = {f"{v} {mode}": [] for v in variants for mode in ("eager", "graph")}
     for _ in range(rounds):
-        for v in VARIANTS:
+        for v in variants:
             times[f"{v} eager"].append(_timed(fns[v], calls))
             times[f"{v} graph"].append(_timed(graphs[v].replay, 1) / calls)
     row["ms"] = {key: statistics.median(t) for key, t in times.items()}
@@ -146,7 +155,7 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     row["rel_err"] = errs
     ms = row["ms"]
     for mode in ("eager", "graph"):
-        best = min(ms[f"row {mode}"], ms[f"tile {mode}"])
+        best = min(ms[f"{v} {mode}"] for v in ("row", "tile", "row pdl") if f"{v} {mode}" in ms)
         row[f"flag_over_sync_{mode}"] = ms[f"stream-sync {mode}"] / best
         row[f"flag_over_torch_{mode}"] = ms[f"torch {mode}"] / best
     row["fc1_plus_fc2_ms"] = ms["fc1 graph"] + ms["fc2 graph"]
@@ -177,7 +186,7 @@ def main() -> None:
         ms = r["ms"]
         print(f"{r['model']:10s} TP{r['tp']} M={r['m']:5d} K={r['k']:5d} F={r['f']:5d} | graph ms: torch "
               f"{ms['torch graph']:.4f} sync {ms['stream-sync graph']:.4f} row {ms['row graph']:.4f} "
-              f"tile {ms['tile graph']:.4f} fc1+fc2 {r['fc1_plus_fc2_ms']:.4f} | flag/sync {r['flag_over_sync_graph']:.3f}"
+              f"tile {ms['tile graph']:.4f} pdl {ms.get('row pdl graph', float('nan')):.4f} fc1+fc2 {r['fc1_plus_fc2_ms']:.4f} | flag/sync {r['flag_over_sync_graph']:.3f}"
               f" flag/torch {r['flag_over_torch_graph']:.3f} | eager flag/sync {r['flag_over_sync_eager']:.3f} "
               f"flag/torch {r['flag_over_torch_eager']:.3f} | waves {r['fc1_waves']:.2f}/{r['fc2_waves']:.2f} | "
               f"err {max(r['rel_err'].values()):.1e}", flush=True)

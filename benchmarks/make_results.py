@@ -238,8 +238,11 @@ def chain_graph_md(found: tuple[dict, str]) -> list[str]:
     lines = ["## MLP chain, eager and as a CUDA graph, one GPU (`benchmarks/chain_graph.py`)", "",
              f"Run: {_context_line(doc['context'])}; `results/{folder}/chain_graph.json`. ms per call, "
              "median of interleaved rounds; \"graph\": the calls captured in one CUDA graph; \"tile-flag\": "
-             "the faster of RowSync and TileSync; \"fc1 + fc2\": the two tile kernels each alone (graph).", ""]
+             "the fastest of RowSync, TileSync and RowSync with fc2 a programmatic dependent launch (\"row "
+             "pdl\", where run); \"fc1 + fc2\": the two tile kernels each alone (graph).", ""]
+    pdl = any("row pdl graph" in r["ms"] for r in rows)
     head = ["model", "TP", "M", "K", "F", "torch (graph)", "stream-sync (graph)", "row (graph)", "tile (graph)",
+            *(["row pdl (graph)"] if pdl else []),
             "fc1 + fc2", "tile-flag / stream-sync", "tile-flag / torch", "eager: / stream-sync", "eager: / torch",
             "waves fc1 / fc2"]
     body = []
@@ -247,6 +250,7 @@ def chain_graph_md(found: tuple[dict, str]) -> list[str]:
         ms = r["ms"]
         body.append([r["model"], r["tp"], r["m"], r["k"], r["f"], report.fmt(ms["torch graph"]),
                      report.fmt(ms["stream-sync graph"]), report.fmt(ms["row graph"]), report.fmt(ms["tile graph"]),
+                     *([report.fmt(ms["row pdl graph"]) if "row pdl graph" in ms else "-"] if pdl else []),
                      report.fmt(r["fc1_plus_fc2_ms"]), f"{r['flag_over_sync_graph']:.3f}x",
                      f"{r['flag_over_torch_graph']:.3f}x", f"{r['flag_over_sync_eager']:.3f}x",
                      f"{r['flag_over_torch_eager']:.3f}x", f"{r['fc1_waves']:.2f} / {r['fc2_waves']:.2f}"])

@@ -85,12 +85,15 @@ class CachedLauncher:
 
     def launch(self, grid: int, args: Sequence[Any], constexprs: dict[str, Any], *, key: Any,
                num_warps: int, num_stages: int | None = None, interpret: bool = False,
-               device: int | None = None, aligned: Sequence[Any] = ()) -> Any:
+               device: int | None = None, aligned: Sequence[Any] = (), launch_pdl: bool = False) -> Any:
         """Launch; returns ``(compiled kernel, device, integer widths)`` when the compiled
-        kernel is cached for this launch (for ``PreparedLaunch``), else None."""
+        kernel is cached for this launch (for ``PreparedLaunch``), else None. ``launch_pdl``:
+        Triton's option of that name (a programmatic dependent launch: another compiled kernel)."""
         opts: dict[str, Any] = {"num_warps": num_warps}
         if num_stages is not None:
             opts["num_stages"] = num_stages
+        if launch_pdl:
+            opts["launch_pdl"] = True
         enter, leave = _hooks()
         fast = self.enabled and not interpret and not _hook_set(enter) and not _hook_set(leave)
         if fast and device is None:
@@ -98,7 +101,7 @@ class CachedLauncher:
         # Triton types every integer argument by its width (i32, i64, u64), even those it
         # does not specialize on: a value past int32 needs another compiled kernel
         widths = _widths(args)
-        full_key = (key, widths, num_warps, num_stages, device)
+        full_key = (key, widths, num_warps, num_stages, device, bool(launch_pdl))
         if fast:
             for t in aligned:
                 if t.data_ptr() % 16:

@@ -72,6 +72,11 @@ from .. import observe as _observe
 
 from .. import protocol as _p
 
+try:  # Programmatic dependent launch (Hopper); Triton 3.4 and later
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+except ImportError:  # pragma: no cover - an older Triton: pdl_supported() says no
+    _gdc_launch_dependents = None
+
 __all__ = ["tile_gemm_kernel", "tile_gemm_flat_kernel"]
 
 # the protocol's numbers (overlap/protocol.py) as the kernels read them
@@ -372,8 +377,13 @@ def tile_gemm_kernel(
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
     SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1, CLIP: tl.constexpr = 0,
+    PDL_TRIGGER: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    if PDL_TRIGGER:
+        # a kernel launched after this one with programmatic dependent launch may start
+        # once every program of this grid got here: all of them hold their SMs then
+        _gdc_launch_dependents()
     if POST_START:
         # "this grid is running": a dependent launch held back by a stream wait on
         # this flag is dispatched only after this grid's programs took their SMs
@@ -688,6 +698,17 @@ class GemmConfig:
 DEFAULT_CONFIG = GemmConfig()
 
 
+def pdl_supported(device: Any = None) -> bool:
+    """Whether programmatic dependent launch is taken here (``launch_tile_gemm``'s
+    ``pdl_trigger`` / ``pdl_dependent``): a Triton with ``gdc_launch_dependents`` and a GPU
+    of compute capability 9.0 or later; False under the interpreter."""
+    import torch
+
+    if interpreting() or _gdc_launch_dependents is None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def warp_specialize_supported(device: Any = None) -> bool:
     """Whether ``GemmConfig.warp_specialize`` is taken here: Triton 3.6 or later
     (earlier ones are not tried; docs/experiments.md, 2026-12-01) and a GPU of
@@ -746,7 +767,7 @@ def launch_tile_gemm(
     counter: Any = None, start_flag: int | None = None, k_wait: int = 0,
     rowstat: Any = None, colvec: Any = None, split: tuple[int, int] | None = None, workspace: Any = None,
     sig: tuple[int, int] | None = None, groups: Any = None, rows: tuple[int, int] | None = None,
-    cut: str = "c",
+    cut: str = "c", pdl_trigger: bool = False, pdl_dependent: bool = False,
 ) -> None:
     """Launch ``tile_gemm_kernel`` over ``table`` on the current stream.
 
@@ -788,6 +809,14 @@ def launch_tile_gemm(
     several weights or ``rows``); with ``wait``, ``post`` or ``a2`` it needs ``groups``: int32 [G, 6]
     on the device, ``policies.flat_groups`` of the table.
 
+    Programmatic dependent launch (``pdl_supported``; the per-tile kernel only):
+    ``pdl_trigger``: every program lets a dependent launch start as soon as it runs;
+    ``pdl_dependent``: this grid is launched as such a dependent of the kernel before it
+    on the stream, so it may start while that kernel still runs (once all its programs
+    triggered). Nothing then orders this grid's reads after that kernel's writes but the
+    flags it waits on: only a grid whose every read of that kernel's output waits on a
+    flag (a chain's consumer) may take it.
+
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
     several launches.
@@ -804,6 +833,10 @@ def launch_tile_gemm(
         _check_flat(wait, post, k_wait, split, a2, len(cs), rowstat is not None, groups, rows is not None)
     clip = _check_rows(rows)
     mode = _cut_mode(cut if rows is not None else None)
+    if (pdl_trigger or pdl_dependent) and (config.flatten or not pdl_supported(a.device)):
+        raise ValueError("pdl_trigger / pdl_dependent: programmatic dependent launch needs the per-tile kernel "
+                         "(not GemmConfig.flatten), a GPU of compute capability 9.0+ and a Triton with "
+                         "gdc_launch_dependents (overlap.kernels.tile_gemm.pdl_supported)")
     if num_tiles == 0:
         return
     if config.flatten:
@@ -837,7 +870,7 @@ def launch_tile_gemm(
                for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
-                 sig is not None, len(b_stores), mode)
+                 sig is not None, len(b_stores), mode, pdl_trigger)
     key = _key(meta, a, a2, b_stores, cs, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
@@ -848,7 +881,8 @@ def launch_tile_gemm(
             int(start_flag) if start_flag is not None else 0, *sp, *(sig or (0, 1)), *clip, c.stride(0), c.stride(1),
             *_more_weights(b_descs[1:], cs[1:]))
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                     interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws))
+                     interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws),
+                     launch_pdl=bool(pdl_dependent))
 
 
 TAIL_RINGS: dict[tuple[int, int], tuple[int, int]] = {(128, 128): (4, 4), (64, 256): (4, 8)}
@@ -1131,7 +1165,8 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
-          split: Any = None, sig: bool = False, num_b: int = 1, clip: int = 0) -> dict[str, Any]:
+          split: Any = None, sig: bool = False, num_b: int = 1, clip: int = 0,
+          pdl_trigger: bool = False) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
@@ -1139,7 +1174,7 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
                 SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig),
-                NUM_B=int(num_b), CLIP=int(clip))
+                NUM_B=int(num_b), CLIP=int(clip), PDL_TRIGGER=bool(pdl_trigger))
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_stores: Any, cs: Any, table: Any, flags: Any, err: Any,

@@ -108,10 +108,18 @@ class ChainConfig:
     """'sync', 'async' or 'none', as in ``OverlapConfig``."""
     sync: str = "row"
     """'row' (RowSync) or 'tile' (TileSync); see the module docstring."""
+    launch: str = "streams"
+    """How the consumer's grid gets its SMs after the producer's. 'streams': the producer on
+    the runtime's high-priority aux stream, the consumer on the caller's behind a stream
+    wait on the producer's start flag (see the module docstring). 'pdl': both on the
+    caller's stream, the consumer as a programmatic dependent launch that starts once every
+    producer program runs (Hopper or later: ``overlap.kernels.tile_gemm.pdl_supported``)."""
 
     def __post_init__(self) -> None:
         if self.sync not in ("row", "tile"):
             raise ValueError(f"sync must be 'row' or 'tile', got {self.sync!r}")
+        if self.launch not in ("streams", "pdl"):
+            raise ValueError(f"launch must be 'streams' or 'pdl', got {self.launch!r}")
         if self.reserve_sms < 1:
             raise ValueError(f"reserve_sms must be >= 1 (the producer needs an SM), got {self.reserve_sms}")
         if self.check not in ("sync", "async", "none"):
@@ -331,10 +339,14 @@ def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activatio
 
 def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None,
            cfg: ChainConfig, consumer_first: bool, producer_delay_cycles: int) -> torch.Tensor:
-    from ..kernels.tile_gemm import launch_tile_gemm
+    from ..kernels.tile_gemm import launch_tile_gemm, pdl_supported
 
     # SMs left free for other work on the GPU (OVERLAP_SM_MARGIN: e.g. data-parallel NCCL)
     margin = env_sm_margin() or 0
+    pdl = cfg.launch == "pdl" and not consumer_first
+    if pdl and not pdl_supported(x.device):
+        raise ValueError("mlp_chain: ChainConfig(launch='pdl') needs programmatic dependent launch (a GPU of "
+                         "compute capability 9.0+ and a Triton with gdc_launch_dependents); use launch='streams'")
     if cfg.reserve_sms + margin >= rt.num_sms:
         raise ValueError(f"reserve_sms={cfg.reserve_sms} and OVERLAP_SM_MARGIN={margin} leave no SM for the "
                          f"consumer ({rt.num_sms} SMs)")
@@ -362,24 +374,37 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
         ps = rt.aux_stream  # the producer's: high priority, so its programs take the SMs first
         order.begin(cur)
         _flags.stream_zero(cur, w.buf, w.buf.numel())
-        ps.wait_stream(cur)  # the producer must not wait on the consumer
+        if not pdl:
+            ps.wait_stream(cur)  # the producer must not wait on the consumer
         common = dict(flags=w.flags, err=err.word, epoch=1, timeout_ns=timeout_ns)
         start_idx = n_flags - 1
 
         def producer() -> None:
-            with on_stream(ps, cur):
+            with on_stream(cur if pdl else ps, cur):
                 if producer_delay_cycles:
                     torch.cuda._sleep(int(producer_delay_cycles))
+                # under PDL the producer takes its tiles statically (no dispatch counter): its
+                # last memory operation is then a post the consumer waits for, so nothing of it
+                # can land after the consumer ends (and after work queued behind the consumer,
+                # such as the next call's zeroing of the counters)
                 launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms - margin, config=pc, activation=activation,
-                                 post=True,
-                                 counter=w.counters[0:1], start_flag=start_idx, **common)
+                                 post=True, counter=None if pdl else w.counters[0:1], start_flag=start_idx,
+                                 pdl_trigger=pdl, **common)
 
         def consumer() -> None:
             launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms - cfg.reserve_sms - margin, config=cc, wait=True,
-                             counter=w.counters[4:5], k_wait=k_wait, **common)
+                             counter=w.counters[4:5], k_wait=k_wait, pdl_dependent=pdl, **common)
 
         try:
-            if consumer_first:
+            if pdl:
+                # one stream: the consumer launched as a programmatic dependent of the
+                # producer starts once every producer program runs (so it never holds an
+                # SM a producer program still needs); its reads of mid wait on the flags
+                with gpu_range("producer", "grid"):
+                    producer()
+                with gpu_range("gemm", "consumer"):
+                    consumer()
+            elif consumer_first:
                 with gpu_range("gemm", "consumer"):
                     consumer()
                 with gpu_range("producer", "grid"):
@@ -397,7 +422,8 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
             # also after an exception: whatever was queued on the producer's stream is
             # ordered before the next call's zeroing, and no record_stream is needed
             # (the caching allocator reuses x, w1 and mid only after this wait on cur)
-            cur.wait_stream(ps)
+            if not pdl:
+                cur.wait_stream(ps)
             order.end(cur)
         rt.seen.add((OP, sig))
         report_errors(err, cfg.check)  # under the lock, as all_gather_matmul's

@@ -4,7 +4,9 @@ Fresh inputs on every call (a consumer tile reading fc1's rows before they
 were stored would read the last call's and fail), M not a multiple of the
 tile, both weight layouts, fp16 and bf16, RowSync and TileSync, many epochs, and the consumer
 enqueued first with the producer held back on its stream: it must still
-finish, correct, without a timeout. Prints ``PASS chain``.
+finish, correct, without a timeout. Where programmatic dependent launch is taken
+(``pdl_supported``), the same with ``ChainConfig(launch="pdl")``, back to back over
+many epochs and replayed in a CUDA graph with new inputs. Prints ``PASS chain``.
 """
 
 from __future__ import annotations
@@ -43,10 +45,19 @@ def main() -> None:
         (777, 768, 512, 1024, torch.bfloat16, "wt", small),
         (2048, 2048, 2048, 2048, torch.bfloat16, "kn", small),
     ]
+    from overlap.kernels.tile_gemm import pdl_supported
+
+    pdl = pdl_supported(dev)
+    runs = [(False, "row", "streams"), (True, "row", "streams"), (False, "tile", "streams"),
+            (True, "tile", "streams")]
+    if pdl:
+        # the producer held back on the stream ahead of both kernels (consumer_first is
+        # not a PDL order: the dependent launch is the consumer's by construction)
+        runs += [(False, "row", "pdl"), (False, "tile", "pdl")]
     calls = 0
     for (m, k, f, n, dt, layout, gcfg) in cases:
-        for consumer_first, sync in ((False, "row"), (True, "row"), (False, "tile"), (True, "tile")):
-            cfg = chmod.ChainConfig(producer=gcfg, check="sync", sync=sync)
+        for consumer_first, sync, launch in runs:
+            cfg = chmod.ChainConfig(producer=gcfg, check="sync", sync=sync, launch=launch)
             for it in range(5):
                 g = torch.Generator(device=dev).manual_seed(100 * it + m + int(consumer_first))
                 x = torch.randn(m, k, device=dev, dtype=dt, generator=g)
@@ -61,7 +72,7 @@ def main() -> None:
                 y_t = chmod.mlp_chain_ref(x, b1, b2)
                 r64 = ref64(x, b1, b2)
                 e, e_t = rel(y, r64), rel(y_t, r64)  # (stream-sync: bit-equal to the chain, below)
-                what = (m, k, f, n, dt, layout, consumer_first, sync)
+                what = (m, k, f, n, dt, layout, consumer_first, sync, launch)
                 assert torch.equal(y, y_ss), f"chain differs from stream-sync: {what} it {it}"
                 assert e <= 2 * e_t + 2e-3, f"case {what} it {it}: {e:.2e} vs {e_t:.2e}"
                 calls += 1
@@ -82,11 +93,39 @@ def main() -> None:
             assert torch.equal(y, chmod.mlp_chain_stream_sync(xi, w1, w2)), f"epoch {it}"
     torch.cuda.synchronize()
     chmod._runtime(dev).err(chmod.OP).check(block=True)
+    if pdl:
+        # back to back, no sync between calls: a producer that wrote anything after the
+        # consumer ended would race the next call's zeroing of the counters and flags
+        pc = chmod.ChainConfig(launch="pdl")
+        outs = []
+        for it in range(300):
+            xi = x * (1 + it % 7)
+            outs.append((it, xi, chmod.mlp_chain(xi, w1, w2, config=pc, sync="tile" if it % 3 == 2 else "row")))
+            if len(outs) == 50:
+                for j, xj, yj in outs[::7]:
+                    assert torch.equal(yj, chmod.mlp_chain_stream_sync(xj, w1, w2)), f"pdl epoch {j}"
+                outs.clear()
+        torch.cuda.synchronize()
+        chmod._runtime(dev).err(chmod.OP).check(block=True)
+        # captured in a CUDA graph, replayed with new inputs (a stale read fails)
+        xg = x.clone()
+        chmod.mlp_chain(xg, w1, w2, config=pc)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            yg = chmod.mlp_chain(xg, w1, w2, config=pc)
+        for it in range(5):
+            xg.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(yg, chmod.mlp_chain_stream_sync(xg, w1, w2)), f"pdl graph replay {it}"
+        chmod._runtime(dev).err(chmod.OP).check(block=True)
     # after the first call of each kernel and policy, every launch reuses the compiled
     # kernel (an argument Triton would specialize differently, e.g. an unaligned
     # pointer, sends every launch through Triton's slower path)
-    assert lc.misses - misses0 <= 8 and lc.hits - hits0 >= 550, (lc.hits - hits0, lc.misses - misses0)
-    print(f"PASS chain calls={calls} epochs=300 ({time.time() - t0:.1f} s) stats={chmod.stats}", flush=True)
+    assert lc.misses - misses0 <= 8 + 8 * pdl and lc.hits - hits0 >= 550, (lc.hits - hits0, lc.misses - misses0)
+    print(f"PASS chain calls={calls} epochs=300 pdl={pdl} ({time.time() - t0:.1f} s) stats={chmod.stats}",
+          flush=True)
 
 
 if __name__ == "__main__":

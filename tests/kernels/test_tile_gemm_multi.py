@@ -8,6 +8,8 @@ The interpreted tests run in a child process with TRITON_INTERPRET=1 (``tests._i
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -203,6 +205,14 @@ def test_launch_refuses_bad_weight_lists() -> None:
 
 def _ptx_params(num_b: int) -> list[str]:
     """The sm_90 kernel's parameters (Triton's own ptxas, no GPU needed) at ``num_b`` weights."""
+    ptx = sm90_kernel(num_b).asm["ptx"]
+    entry = ptx[ptx.index(".entry"):]
+    return [ln.strip() for ln in entry[:entry.index(")")].splitlines() if ".param" in ln]
+
+
+def sm90_kernel(num_b: int = 1, *, pdl_trigger: bool = False, launch_pdl: bool = False) -> Any:
+    """``tile_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas), waiting with
+    split tiles, at ``num_b`` weights."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
@@ -223,7 +233,7 @@ def _ptx_params(num_b: int) -> list[str]:
         vals.update({f"b{i}_desc": bd if on else None, f"c{i}_ptr": c if on else None, f"N{i}": 512 if on else None,
                      f"stride_c{i}m": 512 if on else None})
     meta = tg._meta(tg.DEFAULT_CONFIG, torch.empty(1, dtype=torch.bfloat16), 1, False, True, False, None, False,
-                    1, None, 0, split=(0, 2), num_b=num_b)
+                    1, None, 0, split=(0, 2), num_b=num_b, pdl_trigger=pdl_trigger)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         v = meta[nm] if nm in meta else vals.get(nm, 7)
@@ -231,11 +241,10 @@ def _ptx_params(num_b: int) -> list[str]:
             sig[nm], consts[nm] = "constexpr", v
         else:
             sig[nm] = mangle_type(v)
-    k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=8, num_stages=3))
-    ptx = k.asm["ptx"]
-    entry = ptx[ptx.index(".entry"):]
-    return [ln.strip() for ln in entry[:entry.index(")")].splitlines() if ".param" in ln]
+    opts: dict[str, Any] = dict(num_warps=8, num_stages=3)
+    if launch_pdl:
+        opts["launch_pdl"] = True
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def test_sm90_build_one_weight_has_no_extra_operands() -> None:
@@ -250,3 +259,18 @@ def test_sm90_build_one_weight_has_no_extra_operands() -> None:
     descs = lambda ps: sum("[128]" in p for p in ps)  # noqa: E731
     assert descs(one) == 3 and descs(three) == 5, (one, three)
     assert len(three) > len(one) + 2, (len(one), len(three))
+
+
+def test_sm90_build_pdl_trigger_and_dependent_launch() -> None:
+    """Programmatic dependent launch, compiled for sm_90 on the CPU: with ``PDL_TRIGGER``
+    every program runs ``griddepcontrol.launch_dependents`` (the chain's producer lets its
+    consumer start), without it no griddepcontrol at all; Triton's ``launch_pdl`` option
+    (the consumer's launch) is a compiled kernel of its own."""
+    pytest.importorskip("triton")
+    try:
+        plain, trig, dep = sm90_kernel(), sm90_kernel(pdl_trigger=True), sm90_kernel(launch_pdl=True)
+    except Exception as e:  # noqa: BLE001 - a Triton without the CUDA backend's tools here
+        pytest.skip(f"no sm_90 build here: {type(e).__name__}: {e}")
+    assert "griddepcontrol.launch_dependents" in trig.asm["ptx"]
+    assert "griddepcontrol" not in plain.asm["ptx"] and "griddepcontrol" not in dep.asm["ptx"]
+    assert dep.metadata.launch_pdl and not plain.metadata.launch_pdl and not trig.metadata.launch_pdl

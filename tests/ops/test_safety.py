@@ -5,6 +5,7 @@ peer-copy call's failure handling (``run_p2p``) and quiet calls."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -191,3 +192,24 @@ def test_post_sig_refreshes_idle_chunk_flags(monkeypatch: pytest.MonkeyPatch) ->
     writes.clear()
     rtmod.post_sig("cur", [(object(), 0)], rtmod.REFRESH_EVERY + 1, 8, 9)
     assert len(writes) == 1
+
+
+def test_dependent_launch_is_checked() -> None:
+    """``ChainConfig.launch`` takes 'streams' or 'pdl' only; a tile GEMM asked for a
+    programmatic dependent launch where it is not taken (here: no GPU) refuses with a
+    clear error before launching anything."""
+    from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig, launch_tile_gemm, pdl_supported
+    from overlap.policies import Segment, build_tile_table
+
+    assert ChainConfig(launch="pdl").launch == "pdl" and ChainConfig().launch == "streams"
+    with pytest.raises(ValueError, match="launch must be"):
+        ChainConfig(launch="graph")
+    assert not pdl_supported()
+    a, w, c = torch.zeros(32, 32).half(), torch.zeros(32, 32).half(), torch.zeros(32, 32).half()
+    tab = torch.tensor(build_tile_table([Segment(0, 0, 0, 32)], 32, 16, 16), dtype=torch.int32)
+    small = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
+    for kw in (dict(pdl_trigger=True), dict(pdl_dependent=True)):
+        with pytest.raises(ValueError, match="programmatic dependent launch"):
+            launch_tile_gemm(a, w.t(), c, tab, grid=1, config=small, **kw)
+        with pytest.raises(ValueError, match="programmatic dependent launch"):
+            launch_tile_gemm(a, w.t(), c, tab, grid=1, config=replace(DEFAULT_CONFIG, flatten=True), **kw)
