@@ -432,22 +432,28 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
 
 
 def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
-                   block_ms: tuple[int, ...] = (128, 64), verbose: bool = False) -> ChainConfig:
+                   block_ms: tuple[int, ...] = (128, 64), rounds: int = 5, verbose: bool = False) -> ChainConfig:
     """Pick the chain's GEMM configs for this shape and cache them (later calls
     of ``mlp_chain`` and ``mlp_chain_stream_sync`` without a config use them).
 
-    For each BLOCK_M, each GEMM's fastest config alone (``tune_gemm``); then the
-    pair whose chained run is fastest, each pair in its configs' ``group_m`` order and
-    in row-block order (``group_m`` 1: the first row blocks done soonest)."""
-    from ..kernels.autotune import _time, tune_gemm
-    from ..kernels.tile_gemm import b_operand
+    For each BLOCK_M, each GEMM's fastest config alone (``tune_gemm``); that pair in its
+    configs' ``group_m`` order and in row-block order (``group_m`` 1: the first row blocks
+    done soonest), each with both launches where programmatic dependent launch is taken
+    (``ChainConfig.launch``). Every candidate is captured in a CUDA graph and timed by
+    its replays, in ``rounds`` interleaved rounds (eager calls would time the host: a
+    chain call's host time is about its GPU time at these sizes); the fastest median wins."""
+    import statistics
+
+    from ..kernels.autotune import GraphTimer, tune_gemm
+    from ..kernels.tile_gemm import b_operand, pdl_supported
 
     _check_inputs(x, w1, w2, activation)
     if not _takes_fast_path(x):
         return ChainConfig()
     m, k = x.shape
     f, n = w1.shape[1], w2.shape[1]
-    best, best_ms = None, float("inf")
+    launches = ("streams", "pdl") if pdl_supported(x.device) else ("streams",)
+    timers: dict[ChainConfig, Any] = {}
     for bm in block_ms:
         pc = tune_gemm(m, f, k, dtype=x.dtype, device=x.device, b_kn=b_operand(w1)[1], block_m=bm)
         cc = tune_gemm(m, n, f, dtype=x.dtype, device=x.device, b_kn=b_operand(w2)[1], block_m=bm)
@@ -455,19 +461,30 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
         if (pc.group_m, cc.group_m) != (1, 1):
             pairs.append((dataclasses.replace(pc, group_m=1), dataclasses.replace(cc, group_m=1)))
         for p, c in pairs:
-            cfg = ChainConfig(producer=p, consumer=c, check="none")
-            ms = _time(lambda: mlp_chain(x, w1, w2, activation=activation, config=cfg))
-            try:
-                _runtime(x.device).err(OP).check(block=True)
-            except _flags.FlagTimeoutError as e:  # a pair that timed out is skipped, not fatal
-                warn_once(f"chain-tune-timeout-{bm}-{p.group_m}",
-                          f"tune_mlp_chain: BLOCK_M {bm} (group_m {p.group_m}) timed out ({e}); skipped")
-                continue
-            if verbose:
-                print(f"  tune chain {m}x{k}x{f}x{n} bm={bm}: fc1 {p}, fc2 {c}: {ms:.3f} ms", flush=True)
-            if ms < best_ms:
-                best, best_ms = ChainConfig(producer=p, consumer=c), ms
-    if best is None:
+            for launch in launches:
+                cfg = ChainConfig(producer=p, consumer=c, check="none", launch=launch)
+                try:
+                    timers[cfg] = GraphTimer(lambda cfg=cfg: mlp_chain(x, w1, w2, activation=activation, config=cfg))
+                    _runtime(x.device).err(OP).check(block=True)
+                except _flags.FlagTimeoutError as e:  # a candidate that timed out is skipped, not fatal
+                    timers.pop(cfg, None)
+                    warn_once(f"chain-tune-timeout-{bm}-{p.group_m}-{launch}",
+                              f"tune_mlp_chain: BLOCK_M {bm} (group_m {p.group_m}, launch {launch}) timed out "
+                              f"({e}); skipped")
+    if not timers:
         raise RuntimeError(f"tune_mlp_chain: every config timed out for {m}x{k}x{f}x{n}")
+    times: dict[ChainConfig, list[float]] = {cfg: [] for cfg in timers}
+    for _ in range(max(1, rounds)):
+        for cfg, t in timers.items():
+            times[cfg].append(t.ms())
+    _runtime(x.device).err(OP).check(block=True)
+    med = {cfg: statistics.median(v) for cfg, v in times.items()}
+    pick = min(med, key=med.__getitem__)
+    if verbose:
+        for cfg, ms in sorted(med.items(), key=lambda kv: kv[1]):
+            print(f"  tune chain {m}x{k}x{f}x{n}: fc1 {cfg.producer}, fc2 {cfg.consumer}, {cfg.launch}: "
+                  f"{ms:.4f} ms", flush=True)
+    best = dataclasses.replace(pick, check=ChainConfig().check)
+    del timers
     _tuned(_runtime(x.device))[_tune_key(x, w1, w2, activation)] = best
     return best

@@ -124,6 +124,18 @@ def main() -> None:
     # kernel (an argument Triton would specialize differently, e.g. an unaligned
     # pointer, sends every launch through Triton's slower path)
     assert lc.misses - misses0 <= 8 + 8 * pdl and lc.hits - hits0 >= 550, (lc.hits - hits0, lc.misses - misses0)
+    # the tuner: its pick (graph-timed candidates) is cached and taken by calls without a
+    # config, with the default error check, and matches the stream-synced kernels
+    xt = torch.randn(1000, 1024, device=dev, dtype=torch.bfloat16)
+    w1t = torch.randn(1536, 1024, device=dev, dtype=torch.bfloat16).t() / 32
+    w2t = torch.randn(1024, 1536, device=dev, dtype=torch.bfloat16).t() / 39
+    tuned = chmod.tune_mlp_chain(xt, w1t, w2t, rounds=2)
+    key = chmod._tune_key(xt, w1t, w2t, "gelu")
+    assert chmod._tuned(chmod._runtime(dev)).get(key) == tuned and tuned.check == chmod.ChainConfig().check, tuned
+    assert tuned.launch in (("streams", "pdl") if pdl else ("streams",)), tuned
+    for it in range(3):
+        xt.normal_()
+        assert torch.equal(chmod.mlp_chain(xt, w1t, w2t), chmod.mlp_chain_stream_sync(xt, w1t, w2t)), f"tuned {it}"
     print(f"PASS chain calls={calls} epochs=300 pdl={pdl} ({time.time() - t0:.1f} s) stats={chmod.stats}",
           flush=True)
 
