@@ -48,6 +48,16 @@ timeout raises ``overlap.flags.FlagTimeoutError``. The stream wait of the start
 gate has no bound of its own: it waits on the producer's launch, and the
 producer depends on nothing but work already queued before it.
 
+``ChainConfig(launch="pdl")`` (Hopper): both kernels on the caller's stream, the consumer
+a programmatic dependent launch of the producer. Every producer program triggers it as
+it starts, so the consumer is launched once all producer programs hold their SMs (what
+the start gate does, without a second stream, the stream wait and the join); its reads
+of fc1's rows are ordered by the flags alone. The producer takes its tiles statically
+then (no counter): its last memory operation is a post the consumer waits for, so none
+of its writes can come after the consumer ends. Faster than the two streams on 11 and 10
+of 12 MLP shapes in two runs, by up to 10% (benchmarks/results/2026-12-02_1xH200_76bcb2b,
+``..._6fdfb5b``); ``tune_mlp_chain`` tries both.
+
 Two sync policies (``ChainConfig.sync``, cuSync's names):
 
     "row"   RowSync: a consumer tile waits once, before its K loop, for every
