@@ -74,8 +74,9 @@ from .. import protocol as _p
 
 try:  # Programmatic dependent launch (Hopper); Triton 3.4 and later
     from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
 except ImportError:  # pragma: no cover - an older Triton: pdl_supported() says no
-    _gdc_launch_dependents = None
+    _gdc_launch_dependents = _gdc_wait = None
 
 __all__ = ["tile_gemm_kernel", "tile_gemm_flat_kernel"]
 
@@ -377,7 +378,7 @@ def tile_gemm_kernel(
     DYNAMIC: tl.constexpr, POST_START: tl.constexpr, K_WAIT: tl.constexpr = 0,
     NORM_EPI: tl.constexpr = False, SPLIT: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
     SIG: tl.constexpr = False, NUM_B: tl.constexpr = 1, CLIP: tl.constexpr = 0,
-    PDL_TRIGGER: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = False, PDL_JOIN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if PDL_TRIGGER:
@@ -527,6 +528,11 @@ def tile_gemm_kernel(
             t = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:
             t += num_progs
+    if PDL_JOIN:
+        # a grid launched as a programmatic dependent ends only after the grid it depends
+        # on has: whatever that grid still writes (after a failed wait here let this grid's
+        # tiles skip their waits) lands before any work queued behind this one
+        _gdc_wait()
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_groups", "epoch", "rank", "timeout_ns", "max_spins", "num_progs",
@@ -706,7 +712,17 @@ def pdl_supported(device: Any = None) -> bool:
 
     if interpreting() or _gdc_launch_dependents is None or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return False
+    return _capability_major(dev.index if dev.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=16)
+def _capability_major(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def warp_specialize_supported(device: Any = None) -> bool:
@@ -815,7 +831,8 @@ def launch_tile_gemm(
     on the stream, so it may start while that kernel still runs (once all its programs
     triggered). Nothing then orders this grid's reads after that kernel's writes but the
     flags it waits on: only a grid whose every read of that kernel's output waits on a
-    flag (a chain's consumer) may take it.
+    flag (a chain's consumer) may take it. Its programs end with a wait for that kernel
+    (``griddepcontrol.wait``), so the work queued behind this grid comes after both.
 
     An op that launches the same GEMM call after call can keep a ``TileGemmPlan``
     instead: its checks and key are then made once, and one call's descriptors serve
@@ -870,7 +887,7 @@ def launch_tile_gemm(
                for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
-                 sig is not None, len(b_stores), mode, pdl_trigger)
+                 sig is not None, len(b_stores), mode, pdl_trigger, pdl_dependent)
     key = _key(meta, a, a2, b_stores, cs, table, flags, err, cnt)
     nprog = max(1, min(int(grid), num_tiles))
     rowstat = rowstat if rowstat is not None else table  # never read: NORM_EPI is off
@@ -1166,7 +1183,7 @@ def _check_launch(a: Any, a2: Any, b: Any, c: Any, wait: bool, post: bool, start
 def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, activation: str | None,
           interp: bool, counter: Any, start_flag: Any, k_wait: int, rowstat: Any = None,
           split: Any = None, sig: bool = False, num_b: int = 1, clip: int = 0,
-          pdl_trigger: bool = False) -> dict[str, Any]:
+          pdl_trigger: bool = False, pdl_join: bool = False) -> dict[str, Any]:
     return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 HAS_A2=a2 is not None, B_KN=b_kn,
                 HAS_WAIT=bool(wait), HAS_POST=bool(post), ACTIVATION=ACTIVATIONS[activation],
@@ -1174,7 +1191,7 @@ def _meta(cfg: GemmConfig, a: Any, a2: Any, b_kn: bool, wait: bool, post: bool, 
                 UPCAST=interp and str(a.dtype) == "torch.bfloat16", DYNAMIC=counter is not None,
                 POST_START=start_flag is not None, K_WAIT=int(k_wait), NORM_EPI=rowstat is not None,
                 SPLIT=split is not None, WARP_SPEC=bool(cfg.warp_specialize) and not interp, SIG=bool(sig),
-                NUM_B=int(num_b), CLIP=int(clip), PDL_TRIGGER=bool(pdl_trigger))
+                NUM_B=int(num_b), CLIP=int(clip), PDL_TRIGGER=bool(pdl_trigger), PDL_JOIN=bool(pdl_join))
 
 
 def _key(meta: dict[str, Any], a: Any, a2: Any, b_stores: Any, cs: Any, table: Any, flags: Any, err: Any,

@@ -35,7 +35,13 @@ the producer never waits on anything, and the consumer's grid leaves
 order, a producer program finds an SM and every producer tile is done by the
 programs that run; consumer tiles then find their flags set. Launched consumer
 first, the producer runs on the reserved SMs only until consumer programs
-finish (slow, never stuck); tests launch it that way on purpose.
+finish (slow, never stuck); tests launch it that way on purpose. Under
+``launch="pdl"`` the consumer is launched only once every producer program has
+started (each triggers the launch as it begins), so no consumer program can take an
+SM a producer program still needs, and the producer's programs, all running, take
+their tiles statically; the consumer's programs end with a wait for the producer's
+grid (``griddepcontrol.wait``), so work queued behind the consumer comes after both,
+even when a failed wait let consumer tiles skip theirs.
 
 One hazard is outside the kernels: loading a kernel's module (CUDA loads
 modules lazily, Triton on first launch) waits while a spinning kernel holds
@@ -53,8 +59,9 @@ a programmatic dependent launch of the producer. Every producer program triggers
 it starts, so the consumer is launched once all producer programs hold their SMs (what
 the start gate does, without a second stream, the stream wait and the join); its reads
 of fc1's rows are ordered by the flags alone. The producer takes its tiles statically
-then (no counter): its last memory operation is a post the consumer waits for, so none
-of its writes can come after the consumer ends. Faster than the two streams on 11 and 10
+then (no counter), and the consumer's programs end with a wait for the producer's grid
+(``griddepcontrol.wait``), so none of the producer's writes can come after the consumer
+ends, even when a recorded failure let consumer tiles skip their waits. Faster than the two streams on 11 and 10
 of 12 MLP shapes in two runs, by up to 10% (benchmarks/results/2026-12-02_1xH200_76bcb2b,
 ``..._6fdfb5b``); ``tune_mlp_chain`` tries both.
 
@@ -140,6 +147,9 @@ class ChainConfig:
         c = self.consumer or p
         if p.tail_block_m or c.tail_block_m:
             raise ValueError("GemmConfig.tail_block_m/n is for the GEMM alone (launch_gemm), not the chain's GEMMs")
+        if p.flatten or c.flatten:
+            raise ValueError("GemmConfig.flatten is not for the chain's GEMMs (their tiles are handed out one by one "
+                             "from a counter); use flatten=False")
         if p.block_m != c.block_m:
             raise ValueError(f"producer and consumer must share block_m ({p.block_m} != {c.block_m})")
         if self.sync == "tile" and p.block_n % c.block_k:
@@ -337,7 +347,7 @@ def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activatio
     cfg = config or tuned or ChainConfig()
     if sync is not None and sync != cfg.sync:
         cfg = dataclasses.replace(cfg, sync=sync)
-    if not consumer_first and not _flags._cuda_driver():
+    if not consumer_first and cfg.launch != "pdl" and not _flags._cuda_driver():
         # the start gate needs cuStreamWaitValue32 (cuda-bindings); checked before
         # anything is queued. Without it the kernels still chain correctly, only slower
         warn_once("chain-no-gate", "mlp_chain: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12]); "
@@ -462,7 +472,16 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
         return ChainConfig()
     m, k = x.shape
     f, n = w1.shape[1], w2.shape[1]
+
+    def _skip(cfg: ChainConfig, e: Exception) -> None:
+        p = cfg.producer
+        warn_once(f"chain-tune-timeout-{p.block_m}-{p.group_m}-{cfg.launch}",
+                  f"tune_mlp_chain: BLOCK_M {p.block_m} (group_m {p.group_m}, launch {cfg.launch}) timed out "
+                  f"({e}); skipped")
+
     launches = ("streams", "pdl") if pdl_supported(x.device) else ("streams",)
+    err = _runtime(x.device).err(OP)
+    err.check(block=True)  # an earlier call's unreported failure is the caller's, not a candidate's
     timers: dict[ChainConfig, Any] = {}
     for bm in block_ms:
         pc = tune_gemm(m, f, k, dtype=x.dtype, device=x.device, b_kn=b_operand(w1)[1], block_m=bm)
@@ -474,20 +493,28 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
             for launch in launches:
                 cfg = ChainConfig(producer=p, consumer=c, check="none", launch=launch)
                 try:
-                    timers[cfg] = GraphTimer(lambda cfg=cfg: mlp_chain(x, w1, w2, activation=activation, config=cfg))
-                    _runtime(x.device).err(OP).check(block=True)
+                    # few calls per graph: each captured call keeps its flag words for good
+                    timers[cfg] = GraphTimer(lambda cfg=cfg: mlp_chain(x, w1, w2, activation=activation, config=cfg),
+                                             max_iters=8)
+                    err.check(block=True)
                 except _flags.FlagTimeoutError as e:  # a candidate that timed out is skipped, not fatal
                     timers.pop(cfg, None)
-                    warn_once(f"chain-tune-timeout-{bm}-{p.group_m}-{launch}",
-                              f"tune_mlp_chain: BLOCK_M {bm} (group_m {p.group_m}, launch {launch}) timed out "
-                              f"({e}); skipped")
-    if not timers:
-        raise RuntimeError(f"tune_mlp_chain: every config timed out for {m}x{k}x{f}x{n}")
+                    _skip(cfg, e)
+    if any(t.graph is not None for t in timers.values()):
+        # a candidate whose capture failed would be timed as eager calls (its host time):
+        # not comparable with the others
+        timers = {cfg: t for cfg, t in timers.items() if t.graph is not None}
     times: dict[ChainConfig, list[float]] = {cfg: [] for cfg in timers}
     for _ in range(max(1, rounds)):
-        for cfg, t in timers.items():
-            times[cfg].append(t.ms())
-    _runtime(x.device).err(OP).check(block=True)
+        for cfg, t in list(timers.items()):
+            try:
+                times[cfg].append(t.ms())
+                err.check(block=True)
+            except _flags.FlagTimeoutError as e:
+                del timers[cfg], times[cfg]
+                _skip(cfg, e)
+    if not times:
+        raise RuntimeError(f"tune_mlp_chain: every config timed out for {m}x{k}x{f}x{n}")
     med = {cfg: statistics.median(v) for cfg, v in times.items()}
     pick = min(med, key=med.__getitem__)
     if verbose:

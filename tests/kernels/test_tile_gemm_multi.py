@@ -233,7 +233,7 @@ def sm90_kernel(num_b: int = 1, *, pdl_trigger: bool = False, launch_pdl: bool =
         vals.update({f"b{i}_desc": bd if on else None, f"c{i}_ptr": c if on else None, f"N{i}": 512 if on else None,
                      f"stride_c{i}m": 512 if on else None})
     meta = tg._meta(tg.DEFAULT_CONFIG, torch.empty(1, dtype=torch.bfloat16), 1, False, True, False, None, False,
-                    1, None, 0, split=(0, 2), num_b=num_b, pdl_trigger=pdl_trigger)
+                    1, None, 0, split=(0, 2), num_b=num_b, pdl_trigger=pdl_trigger, pdl_join=launch_pdl)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         v = meta[nm] if nm in meta else vals.get(nm, 7)
@@ -264,13 +264,15 @@ def test_sm90_build_one_weight_has_no_extra_operands() -> None:
 def test_sm90_build_pdl_trigger_and_dependent_launch() -> None:
     """Programmatic dependent launch, compiled for sm_90 on the CPU: with ``PDL_TRIGGER``
     every program runs ``griddepcontrol.launch_dependents`` (the chain's producer lets its
-    consumer start), without it no griddepcontrol at all; Triton's ``launch_pdl`` option
-    (the consumer's launch) is a compiled kernel of its own."""
+    consumer start); a dependent (Triton's ``launch_pdl`` option, a compiled kernel of its
+    own) ends with ``griddepcontrol.wait`` (``PDL_JOIN``); a plain kernel has neither."""
     pytest.importorskip("triton")
     try:
-        plain, trig, dep = sm90_kernel(), sm90_kernel(pdl_trigger=True), sm90_kernel(launch_pdl=True)
+        plain = sm90_kernel()
     except Exception as e:  # noqa: BLE001 - a Triton without the CUDA backend's tools here
         pytest.skip(f"no sm_90 build here: {type(e).__name__}: {e}")
-    assert "griddepcontrol.launch_dependents" in trig.asm["ptx"]
-    assert "griddepcontrol" not in plain.asm["ptx"] and "griddepcontrol" not in dep.asm["ptx"]
+    trig, dep = sm90_kernel(pdl_trigger=True), sm90_kernel(launch_pdl=True)
+    assert "griddepcontrol.launch_dependents" in trig.asm["ptx"] and "griddepcontrol.wait" not in trig.asm["ptx"]
+    assert "griddepcontrol.wait" in dep.asm["ptx"] and "griddepcontrol.launch" not in dep.asm["ptx"]
+    assert "griddepcontrol" not in plain.asm["ptx"]
     assert dep.metadata.launch_pdl and not plain.metadata.launch_pdl and not trig.metadata.launch_pdl

@@ -194,17 +194,22 @@ def test_post_sig_refreshes_idle_chunk_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert len(writes) == 1
 
 
-def test_dependent_launch_is_checked() -> None:
-    """``ChainConfig.launch`` takes 'streams' or 'pdl' only; a tile GEMM asked for a
-    programmatic dependent launch where it is not taken (here: no GPU) refuses with a
-    clear error before launching anything."""
+def test_dependent_launch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ChainConfig.launch`` takes 'streams' or 'pdl' only, and the chain's GEMMs no
+    flattened config; a tile GEMM asked for a programmatic dependent launch where it is not
+    taken (no GPU, or faked so) refuses with a clear error before launching anything."""
+    from overlap.kernels import tile_gemm as tg
     from overlap.kernels.tile_gemm import DEFAULT_CONFIG, GemmConfig, launch_tile_gemm, pdl_supported
     from overlap.policies import Segment, build_tile_table
 
     assert ChainConfig(launch="pdl").launch == "pdl" and ChainConfig().launch == "streams"
     with pytest.raises(ValueError, match="launch must be"):
         ChainConfig(launch="graph")
-    assert not pdl_supported()
+    with pytest.raises(ValueError, match="flatten"):
+        ChainConfig(consumer=replace(DEFAULT_CONFIG, flatten=True))
+    if not torch.cuda.is_available():
+        assert not pdl_supported()
+    monkeypatch.setattr(tg, "pdl_supported", lambda device=None: False)
     a, w, c = torch.zeros(32, 32).half(), torch.zeros(32, 32).half(), torch.zeros(32, 32).half()
     tab = torch.tensor(build_tile_table([Segment(0, 0, 0, 32)], 32, 16, 16), dtype=torch.int32)
     small = GemmConfig(block_m=16, block_n=16, block_k=16, num_stages=1, num_warps=4)
