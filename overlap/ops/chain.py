@@ -353,7 +353,8 @@ def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activatio
         warn_once("chain-no-gate", "mlp_chain: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12]); "
                   "running the chain without its start gate")
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
-    return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), f"tile-flag {cfg.sync}", why,
+    path = f"tile-flag {cfg.sync}" + (" pdl" if cfg.launch == "pdl" and not consumer_first else "")
+    return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), path, why,
                     x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first, producer_delay_cycles)
 
 
