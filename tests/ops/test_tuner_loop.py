@@ -258,3 +258,56 @@ def test_split_and_ws_passes_skip_flattened_configs(monkeypatch: pytest.MonkeyPa
     assert split_variants(results) == [replace(plain, split_tail=s) for s in (2, 8)]
     monkeypatch.setattr(tg, "warp_specialize_supported", lambda device=None: True)
     assert [c.chunks for c in ws_variants(results, "cpu")] == [4]
+
+
+def test_chain_tuner_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune_mlp_chain``'s loop on the CPU with a fake GEMM tuner, graph timer and error
+    word: 2 BLOCK_M x 2 tile orders x 2 launches; a candidate whose capture failed (timed as
+    eager calls) and one that times out during the rounds are dropped however fast they
+    look; the fastest of the rest comes back with the default error check and is cached."""
+    from overlap.kernels import autotune, tile_gemm
+    from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.ops import ChainConfig
+    from overlap.ops import chain as ch
+
+    from overlap.ops import _runtime as rtmod
+
+    monkeypatch.setattr(rtmod, "_warned", set())  # warn_once's memory: this test's warning fires
+    err = _Err()
+    caches: dict[str, dict] = {}
+    rt = types.SimpleNamespace(err=lambda op: err, cache=lambda name, size: caches.setdefault(name, {}))
+    monkeypatch.setattr(ch, "_takes_fast_path", lambda x: True)
+    monkeypatch.setattr(ch, "_runtime", lambda device: rt)
+    monkeypatch.setattr(tile_gemm, "pdl_supported", lambda device=None: True)
+    monkeypatch.setattr(autotune, "tune_gemm",
+                        lambda m, n, k, *, block_m, **kw: GemmConfig(block_m=block_m, block_n=128, group_m=8))
+    # ms per (BLOCK_M, group_m, launch); (64, 1, "pdl") is fastest but its capture failed,
+    # (128, 8, "streams") next but it times out in the second round
+    fast = {(128, 8, "streams"): 0.5, (128, 8, "pdl"): 0.9, (128, 1, "streams"): 1.2, (128, 1, "pdl"): 1.1,
+            (64, 8, "streams"): 1.0, (64, 8, "pdl"): 0.8, (64, 1, "streams"): 1.3, (64, 1, "pdl"): 0.1}
+    made: list[Any] = []
+
+    class FakeTimer:
+        def __init__(self, fn: Any, target_ms: float = 2.0, max_iters: int = 64) -> None:
+            cfg = fn.__defaults__[0]  # the candidate the tuner's lambda closes over
+            self.key = (cfg.producer.block_m, cfg.producer.group_m, cfg.launch)
+            assert cfg.check == "none" and max_iters <= 8, (cfg, max_iters)
+            self.graph = None if self.key == (64, 1, "pdl") else object()
+            self.calls = 0
+            made.append(self.key)
+
+        def ms(self) -> float:
+            self.calls += 1
+            if self.key == (128, 8, "streams") and self.calls == 2:
+                err.fail_next = True
+            return fast[self.key]
+
+    monkeypatch.setattr(autotune, "GraphTimer", FakeTimer)
+    x = torch.zeros(512, 256, dtype=torch.bfloat16)
+    w1, w2 = torch.zeros(256, 384, dtype=torch.bfloat16), torch.zeros(384, 256, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="timed out"):
+        best = ch.tune_mlp_chain(x, w1, w2, rounds=3)
+    assert sorted(made) == sorted(fast), made
+    assert (best.producer.block_m, best.producer.group_m, best.launch) == (64, 8, "pdl"), best
+    assert best.consumer.group_m == best.producer.group_m and best.check == ChainConfig().check
+    assert caches["mlp_chain.tuned"][ch._tune_key(x, w1, w2, "gelu")] == best
