@@ -1056,7 +1056,9 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
     bucket. What is compared when the check runs is every value, M included. Between
     checks, ranks that pass different M of one bucket are caught on the peer-copy
     transport by the kernels' signature comparison (``RanksDisagreeError``); on the NCCL
-    transport they are not (NCCL calls of different sizes: a flag timeout, bounded), and
+    transport they are not: where the NCCL calls then differ in size (the all-reduce ops)
+    a flag timeout, bounded; where they match (the all-gather and the reduce-scatter send
+    their bucket's chunks whole) a wrong result (docs/guarantees.md, "NCCL transport").
     ``OVERLAP_CHECK_RANKS=every`` checks every call."""
     if rows_at is not None:
         from ..policies import row_bucket
