@@ -186,7 +186,8 @@ def main() -> None:
         ms = r["ms"]
         print(f"{r['model']:10s} TP{r['tp']} M={r['m']:5d} K={r['k']:5d} F={r['f']:5d} | graph ms: torch "
               f"{ms['torch graph']:.4f} sync {ms['stream-sync graph']:.4f} row {ms['row graph']:.4f} "
-              f"tile {ms['tile graph']:.4f} pdl {ms.get('row pdl graph', float('nan')):.4f} fc1+fc2 {r['fc1_plus_fc2_ms']:.4f} | flag/sync {r['flag_over_sync_graph']:.3f}"
+              f"tile {ms['tile graph']:.4f} pdl {ms.get('row pdl graph', float('nan')):.4f} "
+              f"fc1+fc2 {r['fc1_plus_fc2_ms']:.4f} | flag/sync {r['flag_over_sync_graph']:.3f}"
               f" flag/torch {r['flag_over_torch_graph']:.3f} | eager flag/sync {r['flag_over_sync_eager']:.3f} "
               f"flag/torch {r['flag_over_torch_eager']:.3f} | waves {r['fc1_waves']:.2f}/{r['fc2_waves']:.2f} | "
               f"err {max(r['rel_err'].values()):.1e}", flush=True)

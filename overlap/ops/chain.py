@@ -61,9 +61,10 @@ the start gate does, without a second stream, the stream wait and the join); its
 of fc1's rows are ordered by the flags alone. The producer takes its tiles statically
 then (no counter), and the consumer's programs end with a wait for the producer's grid
 (``griddepcontrol.wait``), so none of the producer's writes can come after the consumer
-ends, even when a recorded failure let consumer tiles skip their waits. Faster than the two streams on 11 and 10
-of 12 MLP shapes in two runs, by up to 10% (benchmarks/results/2026-12-02_1xH200_76bcb2b,
-``..._6fdfb5b``); ``tune_mlp_chain`` tries both.
+ends, even when a recorded failure let consumer tiles skip their waits. Faster than the
+two streams on 11 and 10 of 12 MLP shapes in two runs, by up to 10%
+(benchmarks/results/2026-12-02_1xH200_76bcb2b, ``..._6fdfb5b``, both before the wait at
+the consumer's end was added); ``tune_mlp_chain`` tries both.
 
 Two sync policies (``ChainConfig.sync``, cuSync's names):
 
@@ -404,10 +405,10 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
             with on_stream(cur if pdl else ps, cur):
                 if producer_delay_cycles:
                     torch.cuda._sleep(int(producer_delay_cycles))
-                # under PDL the producer takes its tiles statically (no dispatch counter): its
-                # last memory operation is then a post the consumer waits for, so nothing of it
-                # can land after the consumer ends (and after work queued behind the consumer,
-                # such as the next call's zeroing of the counters)
+                # under PDL the producer takes its tiles statically (no dispatch counter: all
+                # its programs run before the consumer launches, and no second grid joins);
+                # the consumer's closing griddepcontrol.wait orders the producer's last writes
+                # before the work queued behind the consumer (the next call's zeroing)
                 launch_tile_gemm(x, w1, mid, prod, grid=rt.num_sms - margin, config=pc, activation=activation,
                                  post=True, counter=None if pdl else w.counters[0:1], start_flag=start_idx,
                                  pdl_trigger=pdl, **common)
