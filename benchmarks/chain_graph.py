@@ -11,6 +11,9 @@ two kernels):
 
 - ``torch``: cuBLAS + gelu + cuBLAS (``mlp_chain_ref``);
 - ``stream-sync``: the two tile kernels one after the other, each over every SM;
+- ``sync own``: the same with each GEMM's own pick alone (``tune_gemm``, BLOCK_M 128), the
+  baseline where the tuner took other tiles for the chain; the ``flag / sync`` figures
+  divide by the faster of the two;
 - ``row``: the chain with RowSync (fc2's tiles of a row block start once fc1 stored it);
 - ``tile``: the chain with TileSync (each K group of an fc2 tile waits for the fc1 tile it reads);
 - ``row pdl``: RowSync with both kernels on one stream, fc2 a programmatic dependent launch
@@ -24,7 +27,9 @@ of the host, so host time is hidden) and as a CUDA graph of ``calls`` calls, in
 interleaved rounds, medians of ms per call. Before timing, each captured graph is
 replayed with a new x copied into its input and checked against ``mlp_chain_ref`` (a
 stale read fails the check). The waves columns say how many waves of tiles each GEMM has
-on the SMs it gets (the tail of fc1's last wave is what tile flags can fill).
+on the SMs it gets (the tail of fc1's last wave is what tile flags can fill);
+``wave_model`` is the chain model's bound (``overlap.kernels.chain_model``) on flags over
+the best stream sync: with the best tiles and orders (``ceiling``) and with the tuned ones.
 
 Writes ``chain_graph.json`` ({"context", "rows"}) and prints a table.
 """
@@ -47,7 +52,7 @@ from benchmarks.context import run_context  # noqa: E402
 
 MODELS = {"gpt3-175b": (12288, 49152), "llama2-70b": (8192, 28672)}
 TPS = (4, 8)
-VARIANTS = ("torch", "stream-sync", "row", "tile", "row pdl", "fc1", "fc2")
+VARIANTS = ("torch", "stream-sync", "sync own", "row", "tile", "row pdl", "fc1", "fc2")
 
 
 def shapes(rows: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -95,9 +100,11 @@ def waves(tiles: int, sms: int) -> float:
 def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     from dataclasses import replace
 
+    from overlap.kernels import chain_model
+    from overlap.kernels.autotune import tune_gemm
     from overlap.kernels.tile_gemm import launch_tile_gemm, pdl_supported
+    from overlap.ops import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
     from overlap.ops import chain as ch
-    from overlap.ops import mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
 
     dev = torch.device("cuda", torch.cuda.current_device())
     m, k, f = sh["m"], sh["k"], sh["f"]
@@ -115,11 +122,16 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     prod, cons, *_ = ch._tables(rt, m, f, k, cfg)
     pc = cfg.producer or ch._default_gemm()
     cc = cfg.consumer or pc
+    # each GEMM's own pick alone (per-tile kernel, BLOCK_M 128): the stream-synced baseline
+    # when the chain's tuner took other tiles for the flags' sake
+    own = ChainConfig(producer=tune_gemm(m, f, k, dtype=x.dtype, device=dev, block_m=128),
+                      consumer=tune_gemm(m, k, f, dtype=x.dtype, device=dev, block_m=128))
     mid = torch.empty(m, f, device=dev, dtype=torch.bfloat16)
     y = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
     fns: dict[str, Callable[[], Any]] = {
         "torch": lambda: mlp_chain_ref(x, w1, w2),
         "stream-sync": lambda: mlp_chain_stream_sync(x, w1, w2, config=cfg),
+        "sync own": lambda: mlp_chain_stream_sync(x, w1, w2, config=own),
         "row": lambda: mlp_chain(x, w1, w2, config=cfg, sync="row"),
         "tile": lambda: mlp_chain(x, w1, w2, config=cfg, sync="tile"),
         "row pdl": lambda: mlp_chain(x, w1, w2, config=pdl, sync="row"),
@@ -130,6 +142,13 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
                                fc1_tiles=len(prod), fc2_tiles=len(cons), sms=rt.num_sms)
     row["fc1_waves"] = waves(len(prod), rt.num_sms)
     row["fc2_waves"] = waves(len(cons), rt.num_sms)
+    row["own"] = [str(own.producer), str(own.consumer)]
+    # the chain model (overlap.kernels.chain_model): flags over the best stream sync at best
+    # (its ceiling) and with the tuned tiles and orders
+    best_sync = chain_model.best_sync(m, k, f, k, rt.num_sms)
+    tuned_plan = chain_model.plan(m, k, f, k, pc.block_m, pc.block_n, cc.block_n, pc.group_m, cc.group_m, rt.num_sms)
+    row["wave_model"] = {"ceiling": best_sync / chain_model.plans(m, k, f, k, rt.num_sms)[0].flag,
+                         "tuned": best_sync / tuned_plan.flag}
     graphs: dict[str, Any] = {}
     errs: dict[str, float] = {}
     for name in [v for v in variants if v not in ("fc1", "fc2")]:
@@ -156,7 +175,7 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     ms = row["ms"]
     for mode in ("eager", "graph"):
         best = min(ms[f"{v} {mode}"] for v in ("row", "tile", "row pdl") if f"{v} {mode}" in ms)
-        row[f"flag_over_sync_{mode}"] = ms[f"stream-sync {mode}"] / best
+        row[f"flag_over_sync_{mode}"] = min(ms[f"stream-sync {mode}"], ms[f"sync own {mode}"]) / best
         row[f"flag_over_torch_{mode}"] = ms[f"torch {mode}"] / best
     row["fc1_plus_fc2_ms"] = ms["fc1 graph"] + ms["fc2 graph"]
     del graphs
@@ -186,10 +205,11 @@ def main() -> None:
         ms = r["ms"]
         print(f"{r['model']:10s} TP{r['tp']} M={r['m']:5d} K={r['k']:5d} F={r['f']:5d} | graph ms: torch "
               f"{ms['torch graph']:.4f} sync {ms['stream-sync graph']:.4f} row {ms['row graph']:.4f} "
-              f"tile {ms['tile graph']:.4f} pdl {ms.get('row pdl graph', float('nan')):.4f} "
+              f"own {ms['sync own graph']:.4f} tile {ms['tile graph']:.4f} pdl {ms.get('row pdl graph', float('nan')):.4f} "
               f"fc1+fc2 {r['fc1_plus_fc2_ms']:.4f} | flag/sync {r['flag_over_sync_graph']:.3f}"
               f" flag/torch {r['flag_over_torch_graph']:.3f} | eager flag/sync {r['flag_over_sync_eager']:.3f} "
-              f"flag/torch {r['flag_over_torch_eager']:.3f} | waves {r['fc1_waves']:.2f}/{r['fc2_waves']:.2f} | "
+              f"flag/torch {r['flag_over_torch_eager']:.3f} | model {r['wave_model']['ceiling']:.3f} "
+              f"tuned {r['wave_model']['tuned']:.3f} | waves {r['fc1_waves']:.2f}/{r['fc2_waves']:.2f} | "
               f"err {max(r['rel_err'].values()):.1e}", flush=True)
     out = {"context": run_context(1), "rows": rows, "left_out": left_out,
            "args": {"rows": rows_m, "rounds": args.rounds, "calls": args.calls}}

@@ -241,19 +241,33 @@ def chain_graph_md(found: tuple[dict, str]) -> list[str]:
              "the fastest of RowSync, TileSync and RowSync with fc2 a programmatic dependent launch (\"row "
              "pdl\", where run); \"fc1 + fc2\": the two tile kernels each alone (graph).", ""]
     pdl = any("row pdl graph" in r["ms"] for r in rows)
-    head = ["model", "TP", "M", "K", "F", "torch (graph)", "stream-sync (graph)", "row (graph)", "tile (graph)",
-            *(["row pdl (graph)"] if pdl else []),
+    own = any("sync own graph" in r["ms"] for r in rows)
+    model = any("wave_model" in r for r in rows)
+    if own:
+        lines[-1:-1] = ["\"sync own\": the stream-synced kernels with each GEMM's own pick alone (BLOCK_M 128); "
+                        "\"/ stream-sync\" divides by the faster stream sync."]
+    if model:
+        lines[-1:-1] = ["\"model bound\": the chain model's ceiling on tile flags over the best stream sync "
+                        "(waves of equal tiles on the SMs, no memory or flag cost; `overlap/kernels/chain_model.py`), "
+                        "with the best tiles and orders / with the tuned ones."]
+    head = ["model", "TP", "M", "K", "F", "torch (graph)", "stream-sync (graph)", *(["sync own (graph)"] if own else []),
+            "row (graph)", "tile (graph)", *(["row pdl (graph)"] if pdl else []),
             "fc1 + fc2", "tile-flag / stream-sync", "tile-flag / torch", "eager: / stream-sync", "eager: / torch",
-            "waves fc1 / fc2"]
+            *(["model bound best / tuned"] if model else []), "waves fc1 / fc2"]
     body = []
     for r in rows:
         ms = r["ms"]
+        wm = r.get("wave_model")
         body.append([r["model"], r["tp"], r["m"], r["k"], r["f"], report.fmt(ms["torch graph"]),
-                     report.fmt(ms["stream-sync graph"]), report.fmt(ms["row graph"]), report.fmt(ms["tile graph"]),
+                     report.fmt(ms["stream-sync graph"]),
+                     *([report.fmt(ms["sync own graph"]) if "sync own graph" in ms else "-"] if own else []),
+                     report.fmt(ms["row graph"]), report.fmt(ms["tile graph"]),
                      *([report.fmt(ms["row pdl graph"]) if "row pdl graph" in ms else "-"] if pdl else []),
                      report.fmt(r["fc1_plus_fc2_ms"]), f"{r['flag_over_sync_graph']:.3f}x",
                      f"{r['flag_over_torch_graph']:.3f}x", f"{r['flag_over_sync_eager']:.3f}x",
-                     f"{r['flag_over_torch_eager']:.3f}x", f"{r['fc1_waves']:.2f} / {r['fc2_waves']:.2f}"])
+                     f"{r['flag_over_torch_eager']:.3f}x",
+                     *([f"{wm['ceiling']:.3f}x / {wm['tuned']:.3f}x" if wm else "-"] if model else []),
+                     f"{r['fc1_waves']:.2f} / {r['fc2_waves']:.2f}"])
     return lines + [report.md_table(head, [[str(v) for v in row] for row in body]), ""]
 
 
