@@ -28,7 +28,7 @@ interleaved rounds, medians of ms per call. Before timing, each captured graph i
 replayed with a new x copied into its input and checked against ``mlp_chain_ref`` (a
 stale read fails the check). The waves columns say how many waves of tiles each GEMM has
 on the SMs it gets (the tail of fc1's last wave is what tile flags can fill);
-``wave_model`` is the chain model's bound (``overlap.kernels.chain_model``) on flags over
+``wave_model`` is the chain model's bound (``benchmarks/chain_model.py``) on flags over
 the best stream sync: with the best tiles and orders (``ceiling``) and with the tuned ones.
 
 Writes ``chain_graph.json`` ({"context", "rows"}) and prints a table.
@@ -100,7 +100,7 @@ def waves(tiles: int, sms: int) -> float:
 def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     from dataclasses import replace
 
-    from overlap.kernels import chain_model
+    from benchmarks import chain_model
     from overlap.kernels.autotune import tune_gemm
     from overlap.kernels.tile_gemm import launch_tile_gemm, pdl_supported
     from overlap.ops import ChainConfig, mlp_chain, mlp_chain_ref, mlp_chain_stream_sync, tune_mlp_chain
@@ -143,7 +143,7 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     row["fc1_waves"] = waves(len(prod), rt.num_sms)
     row["fc2_waves"] = waves(len(cons), rt.num_sms)
     row["own"] = [str(own.producer), str(own.consumer)]
-    # the chain model (overlap.kernels.chain_model): flags over the best stream sync at best
+    # the chain model (benchmarks/chain_model.py): flags over the best stream sync at best
     # (its ceiling) and with the tuned tiles and orders
     best_sync = chain_model.best_sync(m, k, f, k, rt.num_sms)
     tuned_plan = chain_model.plan(m, k, f, k, pc.block_m, pc.block_n, cc.block_n, pc.group_m, cc.group_m, rt.num_sms)

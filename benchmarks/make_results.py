@@ -244,11 +244,11 @@ def chain_graph_md(found: tuple[dict, str]) -> list[str]:
     own = any("sync own graph" in r["ms"] for r in rows)
     model = any("wave_model" in r for r in rows)
     if own:
-        lines[-1:-1] = ["\"sync own\": the stream-synced kernels with each GEMM's own pick alone (BLOCK_M 128); "
+        lines[-1:-1] = ["", "\"sync own\": the stream-synced kernels with each GEMM's own pick alone (BLOCK_M 128); "
                         "\"/ stream-sync\" divides by the faster stream sync."]
     if model:
-        lines[-1:-1] = ["\"model bound\": the chain model's ceiling on tile flags over the best stream sync "
-                        "(waves of equal tiles on the SMs, no memory or flag cost; `overlap/kernels/chain_model.py`), "
+        lines[-1:-1] = ["", "\"model bound\": the chain model's ceiling on tile flags over the best stream sync "
+                        "(waves of equal tiles on the SMs, no memory or flag cost; `benchmarks/chain_model.py`), "
                         "with the best tiles and orders / with the tuned ones."]
     head = ["model", "TP", "M", "K", "F", "torch (graph)", "stream-sync (graph)", *(["sync own (graph)"] if own else []),
             "row (graph)", "tile (graph)", *(["row pdl (graph)"] if pdl else []),

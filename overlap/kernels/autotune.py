@@ -176,33 +176,6 @@ def wave_model(m: int, n: int, bm: int, bn: int, sms: int) -> float:
     return _cdiv(tiles, sms) * (bm * bn / (128 * 256)) / TILE_RATE[(bm, bn)]
 
 
-def _tile_picks(ok: list[GemmConfig], bm: int, bn: int, ws: bool) -> list[GemmConfig | None]:
-    """``shortlist``'s configs of one tile shape among ``ok`` (None where the space has none):
-    the deepest pipelines at BLOCK_K 64 and 8 warps (two), warp-specialized, BLOCK_K 128,
-    4 warps."""
-    mine = [c for c in ok if (c.block_m, c.block_n) == (bm, bn) and c.group_m == GROUP_MS[0]]
-
-    def deepest(bk: int, nw: int, w: bool, skip: int = 0) -> GemmConfig | None:
-        got = sorted((c for c in mine if (c.block_k, c.num_warps, c.warp_specialize) == (bk, nw, w)),
-                     key=lambda c: -c.num_stages)
-        return got[skip] if len(got) > skip else None
-
-    picks = [deepest(64, 8, False), deepest(64, 8, False, 1)]
-    if ws:
-        picks.append(deepest(64, 8, True))
-    return picks + [deepest(128, 8, False), deepest(64, 4, False)]
-
-
-def tile_configs(bm: int, bn: int, *, ws: bool = True, smem_limit: int = SMEM_LIMIT,
-                 elem_bytes: int = 2) -> list[GemmConfig]:
-    """The configs ``shortlist`` would time for the tile shape ``bm`` x ``bn`` (per-tile
-    kernel), for ``tune_gemm(candidates=...)`` when a caller needs that tile."""
-    if (bm, bn) not in TILES:
-        raise ValueError(f"tile {bm}x{bn} is not in the space {TILES}")
-    ok = space(ws=ws, smem_limit=smem_limit, elem_bytes=elem_bytes)
-    return [c for c in _tile_picks(ok, bm, bn, ws) if c is not None]
-
-
 def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, ws: bool = True,
               smem_limit: int = SMEM_LIMIT, elem_bytes: int = 2, flatten: bool = False) -> list[GemmConfig]:
     """The configs ``tune_gemm`` times for this shape (before its GROUP_M step), best
@@ -220,7 +193,17 @@ def shortlist(m: int, n: int, k: int, *, sms: int, block_m: int | None = None, w
     ok = space(ws=ws, smem_limit=smem_limit, elem_bytes=elem_bytes)
     out: list[GemmConfig] = []
     for bm, bn in kept:
-        picks = _tile_picks(ok, bm, bn, ws)
+        mine = [c for c in ok if (c.block_m, c.block_n) == (bm, bn) and c.group_m == GROUP_MS[0]]
+
+        def deepest(bk: int, nw: int, w: bool, skip: int = 0) -> GemmConfig | None:
+            got = sorted((c for c in mine if (c.block_k, c.num_warps, c.warp_specialize) == (bk, nw, w)),
+                         key=lambda c: -c.num_stages)
+            return got[skip] if len(got) > skip else None
+
+        picks = [deepest(64, 8, False), deepest(64, 8, False, 1)]
+        if ws:
+            picks.append(deepest(64, 8, True))
+        picks += [deepest(128, 8, False), deepest(64, 4, False)]
         for c in picks:
             if c is not None and c not in out:
                 out.append(c)

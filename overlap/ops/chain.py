@@ -453,29 +453,6 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
     return y
 
 
-MODEL_GAIN = 0.03
-"""``tune_mlp_chain`` adds the chain model's best tile pair when the model puts it this much
-under the own picks' pair (``overlap.kernels.chain_model``)."""
-
-
-def _model_pair(m: int, k: int, f: int, n: int, bm: int, pc: Any, cc: Any, *,
-                sms: int) -> tuple[int, int, int, int] | None:
-    """(fc1 BLOCK_N, fc2 BLOCK_N, fc1 group_m, fc2 group_m; 0: the tuned one) of the tile
-    pair the chain model puts at least ``MODEL_GAIN`` under the pair of each GEMM's own
-    pick (``pc``, ``cc``) in either order, or None (the same tiles, or no gain)."""
-    from ..kernels import chain_model
-
-    if (bm, pc.block_n) not in chain_model.TILES or (bm, cc.block_n) not in chain_model.TILES:
-        return None
-    own = min(chain_model.plan(m, k, f, n, bm, pc.block_n, cc.block_n, gp, gc, sms).flag
-              for gp, gc in ((1, 1), (pc.group_m, cc.group_m)))
-    best = chain_model.plans(m, k, f, n, sms, block_ms=(bm,))[0]
-    if (best.prod_block_n, best.cons_block_n) == (pc.block_n, cc.block_n) or best.flag > (1 - MODEL_GAIN) * own:
-        return None
-    return (best.prod_block_n, best.cons_block_n, 1 if best.prod_group_m == 1 else 0,
-            1 if best.cons_group_m == 1 else 0)
-
-
 def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
                    block_ms: tuple[int, ...] = (128, 64), rounds: int = 5, verbose: bool = False) -> ChainConfig:
     """Pick the chain's GEMM configs for this shape and cache them (later calls
@@ -483,17 +460,14 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
 
     For each BLOCK_M, each GEMM's fastest config alone (``tune_gemm``); that pair in its
     configs' ``group_m`` order and in row-block order (``group_m`` 1: the first row blocks
-    done soonest); and where the chain model (``overlap.kernels.chain_model``) puts another
-    tile pair ``MODEL_GAIN`` under that pair with flags (tiles whose waves let fc2 run
-    beside fc1's last wave, where each GEMM alone is faster with others), that pair too,
-    each GEMM's config for its tile tuned alone. Each pair with both launches where
-    programmatic dependent launch is taken (``ChainConfig.launch``). Every candidate is captured in a CUDA graph and timed by
+    done soonest), each with both launches where programmatic dependent launch is taken
+    (``ChainConfig.launch``). Every candidate is captured in a CUDA graph and timed by
     its replays, in ``rounds`` interleaved rounds (eager calls would time the host: a
     chain call's host time is about its GPU time at these sizes); the fastest median wins."""
     import statistics
 
-    from ..kernels.autotune import GraphTimer, tile_configs, tune_gemm
-    from ..kernels.tile_gemm import b_operand, pdl_supported, warp_specialize_supported
+    from ..kernels.autotune import GraphTimer, tune_gemm
+    from ..kernels.tile_gemm import b_operand, pdl_supported
 
     _check_inputs(x, w1, w2, activation)
     if not _takes_fast_path(x):
@@ -517,17 +491,6 @@ def tune_mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activ
         pairs = [(pc, cc)]
         if (pc.group_m, cc.group_m) != (1, 1):
             pairs.append((dataclasses.replace(pc, group_m=1), dataclasses.replace(cc, group_m=1)))
-        alt = _model_pair(m, k, f, n, bm, pc, cc, sms=_runtime(x.device).num_sms)
-        if alt is not None:
-            bp, bc, gp, gc = alt
-            ws = warp_specialize_supported(x.device)
-            ap = tune_gemm(m, f, k, dtype=x.dtype, device=x.device, b_kn=b_operand(w1)[1], block_m=bm,
-                           candidates=tuple(tile_configs(bm, bp, ws=ws)))
-            ac = tune_gemm(m, n, f, dtype=x.dtype, device=x.device, b_kn=b_operand(w2)[1], block_m=bm,
-                           candidates=tuple(tile_configs(bm, bc, ws=ws)))
-            pair = (dataclasses.replace(ap, group_m=gp or ap.group_m), dataclasses.replace(ac, group_m=gc or ac.group_m))
-            if pair not in pairs:
-                pairs.append(pair)
         for p, c in pairs:
             for launch in launches:
                 cfg = ChainConfig(producer=p, consumer=c, check="none", launch=launch)

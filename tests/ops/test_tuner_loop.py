@@ -275,10 +275,9 @@ def test_chain_tuner_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rtmod, "_warned", set())  # warn_once's memory: this test's warning fires
     err = _Err()
     caches: dict[str, dict] = {}
-    rt = types.SimpleNamespace(err=lambda op: err, cache=lambda name, size: caches.setdefault(name, {}), num_sms=132)
+    rt = types.SimpleNamespace(err=lambda op: err, cache=lambda name, size: caches.setdefault(name, {}))
     monkeypatch.setattr(ch, "_takes_fast_path", lambda x: True)
     monkeypatch.setattr(ch, "_runtime", lambda device: rt)
-    monkeypatch.setattr(ch, "_model_pair", lambda *a, **kw: None)  # the model's pair: the next test
     monkeypatch.setattr(tile_gemm, "pdl_supported", lambda device=None: True)
     monkeypatch.setattr(autotune, "tune_gemm",
                         lambda m, n, k, *, block_m, **kw: GemmConfig(block_m=block_m, block_n=128, group_m=8))
@@ -312,54 +311,3 @@ def test_chain_tuner_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (best.producer.block_m, best.producer.group_m, best.launch) == (64, 8, "pdl"), best
     assert best.consumer.group_m == best.producer.group_m and best.check == ChainConfig().check
     assert caches["mlp_chain.tuned"][ch._tune_key(x, w1, w2, "gelu")] == best
-
-
-def test_chain_tuner_adds_the_models_pair(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the chain model names another tile pair (``_model_pair``), ``tune_mlp_chain``
-    tunes each GEMM alone over that tile's configs (``tile_configs``), times the pair in the
-    model's order with both launches beside the own picks, and takes it when fastest."""
-    from overlap.kernels import autotune, tile_gemm
-    from overlap.kernels.tile_gemm import GemmConfig
-    from overlap.ops import chain as ch
-
-    err = _Err()
-    caches: dict[str, dict] = {}
-    rt = types.SimpleNamespace(err=lambda op: err, cache=lambda name, size: caches.setdefault(name, {}), num_sms=132)
-    monkeypatch.setattr(ch, "_takes_fast_path", lambda x: True)
-    monkeypatch.setattr(ch, "_runtime", lambda device: rt)
-    monkeypatch.setattr(tile_gemm, "pdl_supported", lambda device=None: True)
-    monkeypatch.setattr(tile_gemm, "warp_specialize_supported", lambda device=None: True)
-    asked: list[Any] = []
-    monkeypatch.setattr(ch, "_model_pair", lambda m, k, f, n, bm, pc, cc, *, sms: (
-        asked.append((m, k, f, n, bm, pc.block_n, cc.block_n, sms)) or ((256, 256, 1, 0) if bm == 128 else None)))
-
-    def fake_tune(m: int, n: int, k: int, *, block_m: int, candidates: Any = None, **kw: Any) -> Any:
-        if candidates is None:
-            return GemmConfig(block_m=block_m, block_n=128, group_m=8)
-        assert list(candidates) == autotune.tile_configs(block_m, 256, ws=True), candidates
-        return replace(candidates[1], group_m=16)
-
-    monkeypatch.setattr(autotune, "tune_gemm", fake_tune)
-    made: list[Any] = []
-
-    class FakeTimer:
-        def __init__(self, fn: Any, target_ms: float = 2.0, max_iters: int = 64) -> None:
-            cfg = fn.__defaults__[0]
-            self.key = (cfg.producer.block_m, cfg.producer.block_n, cfg.consumer.block_n, cfg.producer.group_m,
-                        cfg.consumer.group_m, cfg.launch)
-            self.graph = object()
-            made.append(self.key)
-
-        def ms(self) -> float:
-            return 0.5 if self.key == (128, 256, 256, 1, 16, "streams") else 1.0
-
-    monkeypatch.setattr(autotune, "GraphTimer", FakeTimer)
-    x = torch.zeros(512, 256, dtype=torch.bfloat16)
-    w1, w2 = torch.zeros(256, 384, dtype=torch.bfloat16), torch.zeros(384, 256, dtype=torch.bfloat16)
-    best = ch.tune_mlp_chain(x, w1, w2, rounds=2)
-    assert asked == [(512, 256, 384, 256, 128, 128, 128, 132), (512, 256, 384, 256, 64, 128, 128, 132)]
-    # BLOCK_M 128: the own pair in two orders and the model's; 64: the own pair; both launches
-    assert len(made) == (3 + 2) * 2 and (128, 256, 256, 1, 16, "pdl") in made, made
-    assert (best.producer.block_n, best.consumer.block_n, best.producer.group_m, best.consumer.group_m,
-            best.launch) == (256, 256, 1, 16, "streams"), best
-    assert best.producer == replace(autotune.tile_configs(128, 256, ws=True)[1], group_m=1)

@@ -1,4 +1,7 @@
-"""A model of the MLP chain's two tile grids on the SMs: where tile flags can beat stream sync.
+"""A model of the MLP chain's two tile grids on the SMs: a bound on what tile flags can buy over
+stream sync.
+
+    python benchmarks/chain_model.py   (the bound on the shapes of ``chain_graph.py``)
 
 Stream sync runs fc1's tiles in waves over every SM, then fc2's; each GEMM's last wave
 leaves SMs idle when its tile count is not a multiple of the SMs. Tile flags (RowSync)
@@ -12,11 +15,15 @@ The model lays the tables' tiles on ``sms`` SMs as the kernels hand them out (ea
 in table order, to the SM that frees first; fc2's grid leaves ``reserve`` SMs to fc1, and
 an fc2 tile holds its SM while it waits), every tile of one GEMM taking the same time: the
 tile's work over its shape's relative rate (``autotune.TILE_RATE``). Units are one
-128x256 tile's time per K element. It ignores memory traffic (row-block order reads B
-once per row block, GROUP_M order once per group), the flags' own cost, and a partial
-wave running faster than a full one; so it bounds what flags can buy, it does not
-predict it. ``tune_mlp_chain`` uses it to add a candidate whose tiles differ from each
-GEMM's own pick when the model says the chain gains by it; the timing decides.
+128x256 tile's time per K element. It ignores memory traffic, the flags' own cost and a
+partial wave running faster than a full one: it bounds what flags can buy, it does not
+predict it. What it ignores decides on the GPU: the order that stores row blocks early
+(``group_m`` 1) reads each weight about once per wave instead of once, and at M <= 1024
+the GEMMs stream weights of up to 300 MB. GPT-3 175B at TP 4, M 512: the model's best
+pair (128x256 tiles in row-block order, modelled 1.14x over the best stream sync) took
+0.52 ms where the own picks in GROUP_M order took 0.45 (and 0.60 in row-block order);
+``docs/experiments.md``, 2026-12-02. ``benchmarks/chain_graph.py`` reports the bound
+beside the measured chain.
 
 After the wave-quantization argument of cuSync (Jangda et al., "A Framework for
 Fine-Grained Synchronization of Dependent GPU Kernels", CGO 2024).
@@ -28,9 +35,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .. import protocol as P
-from ..policies import rowsync_chain_tables
-from .autotune import TILE_RATE, TILES
+from overlap import protocol as P
+from overlap.kernels.autotune import TILE_RATE, TILES
+from overlap.policies import rowsync_chain_tables
 
 ORDERS = (1, 8)
 """``group_m`` values the model tries for each table (1: row-block order)."""
@@ -130,3 +137,23 @@ def best_sync(m: int, k: int, f: int, n: int, sms: int, *, block_ms: Iterable[in
             best = min(best, min(sync_time(m, f, k, bm, bn, sms) for bn in widths)
                        + min(sync_time(m, n, f, bm, bn, sms) for bn in widths))
     return best
+
+
+def main() -> None:
+    """The bound on ``chain_graph.py``'s shapes (132 SMs)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.chain_graph import shapes
+
+    for sh in shapes((512, 1024, 2048)):
+        m, k, f = sh["m"], sh["k"], sh["f"]
+        best = plans(m, k, f, k, 132)[0]
+        print(f"{sh['model']:10s} TP{sh['tp']} M={m:5d}: bound {best_sync(m, k, f, k, 132) / best.flag:.3f}x "
+              f"(fc1 {best.block_m}x{best.prod_block_n} group_m {best.prod_group_m}, "
+              f"fc2 {best.block_m}x{best.cons_block_n} group_m {best.cons_group_m})")
+
+
+if __name__ == "__main__":
+    main()

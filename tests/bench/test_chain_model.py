@@ -1,12 +1,11 @@
-"""The chain model (``overlap.kernels.chain_model``): waves of tiles on the SMs, stream sync
-against RowSync flags, and the tile pair ``tune_mlp_chain`` adds from it."""
+"""The chain model (``benchmarks/chain_model.py``): waves of tiles on the SMs, stream sync
+against RowSync flags."""
 
 from __future__ import annotations
 
 import pytest
 
-from overlap.kernels import chain_model as cm
-from overlap.kernels.tile_gemm import GemmConfig
+from benchmarks import chain_model as cm
 
 SMS = 132
 
@@ -55,15 +54,3 @@ def test_best_sync_takes_each_gemms_fastest_tile() -> None:
     assert cm.sync_time(512, 12288, 12288, 128, 128, SMS) == 3 * t128
     assert cm.sync_time(512, 12288, 12288, 128, 256, SMS) == 2 * t256
     assert cm.best_sync(512, 12288, 12288, 12288, SMS) == 2 * min(3 * t128, 2 * t256)
-
-
-def test_model_pair_for_the_tuner() -> None:
-    """``tune_mlp_chain``'s extra candidate: the model's pair where it beats the own picks'
-    pair by ``MODEL_GAIN``; none where the tiles are the same or nothing is gained."""
-    from overlap.ops.chain import _model_pair
-
-    g128 = GemmConfig(block_m=128, block_n=128, group_m=8)
-    g256 = GemmConfig(block_m=128, block_n=256, group_m=8)
-    assert _model_pair(512, 12288, 12288, 12288, 128, g128, g128, sms=SMS) == (256, 256, 1, 1)
-    assert _model_pair(512, 12288, 12288, 12288, 128, g256, g256, sms=SMS) is None  # the same tiles
-    assert _model_pair(512, 8192, 3584, 8192, 128, g128, g256, sms=SMS) is None  # one wave: no gain
