@@ -16,8 +16,8 @@ in table order, to the SM that frees first; fc2's grid leaves ``reserve`` SMs to
 an fc2 tile holds its SM while it waits), every tile of one GEMM taking the same time: the
 tile's work over its shape's relative rate (``autotune.TILE_RATE``). Units are one
 128x256 tile's time per K element. It ignores memory traffic, the flags' own cost and a
-partial wave running faster than a full one: it bounds what flags can buy, it does not
-predict it. What it ignores decides on the GPU: the order that stores row blocks early
+partial wave running faster than a full one: an optimistic estimate of what flags can
+buy (a bound in that sense), not a prediction. What it ignores decides on the GPU: the order that stores row blocks early
 (``group_m`` 1) reads each weight about once per wave instead of once, and at M <= 1024
 the GEMMs stream weights of up to 300 MB. GPT-3 175B at TP 4, M 512: the model's best
 pair (128x256 tiles in row-block order, modelled 1.14x over the best stream sync) took
