@@ -11,9 +11,9 @@ two kernels):
 
 - ``torch``: cuBLAS + gelu + cuBLAS (``mlp_chain_ref``);
 - ``stream-sync``: the two tile kernels one after the other, each over every SM;
-- ``sync own``: the same with each GEMM's own pick alone (``tune_gemm``, BLOCK_M 128), the
-  baseline where the tuner took other tiles for the chain; the ``flag / sync`` figures
-  divide by the faster of the two;
+- ``sync own``: the same with each GEMM's own pick alone (``tune_gemm``, BLOCK_M 128, its
+  GROUP_M order), the baseline where the chain's tuner took BLOCK_M 64 or row-block
+  order; the ``flag / sync`` figures divide by the faster of the two;
 - ``row``: the chain with RowSync (fc2's tiles of a row block start once fc1 stored it);
 - ``tile``: the chain with TileSync (each K group of an fc2 tile waits for the fc1 tile it reads);
 - ``row pdl``: RowSync with both kernels on one stream, fc2 a programmatic dependent launch
@@ -122,8 +122,8 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     prod, cons, *_ = ch._tables(rt, m, f, k, cfg)
     pc = cfg.producer or ch._default_gemm()
     cc = cfg.consumer or pc
-    # each GEMM's own pick alone (per-tile kernel, BLOCK_M 128): the stream-synced baseline
-    # when the chain's tuner took other tiles for the flags' sake
+    # each GEMM's own pick alone (per-tile kernel, BLOCK_M 128, its GROUP_M order): the
+    # stream-synced baseline when the chain's tuner took BLOCK_M 64 or row-block order
     own = ChainConfig(producer=tune_gemm(m, f, k, dtype=x.dtype, device=dev, block_m=128),
                       consumer=tune_gemm(m, k, f, dtype=x.dtype, device=dev, block_m=128))
     mid = torch.empty(m, f, device=dev, dtype=torch.bfloat16)

@@ -17,8 +17,8 @@ an fc2 tile holds its SM while it waits), every tile of one GEMM taking the same
 tile's work over its shape's relative rate (``autotune.TILE_RATE``). Units are one
 128x256 tile's time per K element. It ignores memory traffic, the flags' own cost and a
 partial wave running faster than a full one: an optimistic estimate of what flags can
-buy (a bound in that sense), not a prediction. What it ignores decides on the GPU: the order that stores row blocks early
-(``group_m`` 1) reads each weight about once per wave instead of once, and at M <= 1024
+buy (a bound in that sense), not a prediction. What it ignores decides on the GPU: the
+order that stores row blocks early (``group_m`` 1) reads each weight about once per wave instead of once, and at M <= 1024
 the GEMMs stream weights of up to 300 MB. GPT-3 175B at TP 4, M 512: the model's best
 pair (128x256 tiles in row-block order, modelled 1.14x over the best stream sync) took
 0.52 ms where the own picks in GROUP_M order took 0.45 (and 0.60 in row-block order);
@@ -36,15 +36,11 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from overlap import protocol as P
-from overlap.kernels.autotune import TILE_RATE, TILES
+from overlap.kernels.autotune import TILE_RATE, TILES, wave_model
 from overlap.policies import rowsync_chain_tables
 
 ORDERS = (1, 8)
 """``group_m`` values the model tries for each table (1: row-block order)."""
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def tile_time(bm: int, bn: int, k: int) -> float:
@@ -53,8 +49,9 @@ def tile_time(bm: int, bn: int, k: int) -> float:
 
 
 def sync_time(m: int, n: int, k: int, bm: int, bn: int, sms: int) -> float:
-    """Modelled time of one GEMM's grid alone on ``sms`` SMs: whole waves of its tiles."""
-    return _cdiv(_cdiv(m, bm) * _cdiv(n, bn), sms) * tile_time(bm, bn, k)
+    """Modelled time of one GEMM's grid alone on ``sms`` SMs: whole waves of its tiles
+    (the GEMM tuner's ``wave_model``, per K element)."""
+    return wave_model(m, n, bm, bn, sms) * k
 
 
 def flag_time(prod_rows: Sequence[int], cons_rows: Sequence[int], t_prod: float, t_cons: float, sms: int,
