@@ -1,0 +1,203 @@
+"""Host cost of one eager call of each op and layer, beside torch.mm, on a shape already run.
+
+    python benchmarks/host_overhead.py --out DIR                 # world size 1 (a GPU, or the CPU)
+    bash launch/torchrun.sh 2 benchmarks/host_overhead.py --out DIR
+
+Every row times the fused path, the one a call takes at 2 or more ranks (at world size 1
+the ops run it too: a one-rank group on the NCCL transport, ``OverlapConfig(transport=
+"nccl", chunks=2)``). Without a GPU the ops run their reference paths: the rows then time
+the host-side checks and agreement plus the plain collective and matmul, in fp32.
+
+Per row, rank 0 writes (``DIR/host_overhead.json``)::
+
+    {"context": {...}, "rows": [{"op", "host_us_p50", "host_us_p99", "gpu_us"}]}
+
+host_us: wall time to queue one call, each call timed alone (``--calls`` calls after a
+warm-up), the slowest rank's median and 99th percentile. The shapes are small
+(M x N x K = 512 x 1024 x 1024, bf16: about 10 us of GPU work; 64 x 128 x 128 in fp32 on
+the CPU), so the host sets the pace and a call returns as soon as it is queued. gpu_us: GPU time per call with the host far
+ahead (the calls queued behind a sleep kernel, timed from its end); None on the CPU.
+Layers time forward + backward (``y.backward(dy)``) of one layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from benchmarks.context import run_context  # noqa: E402
+
+
+def _slowest(v: float, group: Any) -> float:
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized() or tdist.get_world_size(group) == 1:
+        return v
+    t = torch.tensor([v], dtype=torch.float64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def host_times(fn: Callable[[], Any], calls: int, dev: torch.device, barrier: Callable[[], None]) -> list[float]:
+    """Microseconds to queue each of ``calls`` calls of ``fn`` (after a warm-up)."""
+    for _ in range(10):
+        fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    barrier()
+    out = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return out
+
+
+def gpu_us(fn: Callable[[], Any], host_us: float, dev: torch.device, barrier: Callable[[], None],
+           calls: int = 50) -> float | None:
+    """GPU microseconds per call, the calls queued behind a sleep long enough to cover
+    their queueing; None where the sleep ended before the last call was queued."""
+    if dev.type != "cuda":
+        return None
+    barrier()
+    torch.cuda.synchronize(dev)
+    cycles = int(max(2e7, host_us * calls * 2e3 * 2))  # about 2 GHz; twice the host time
+    torch.cuda._sleep(cycles)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(calls):
+        fn()
+    e.record()
+    behind = not s.query()
+    e.synchronize()
+    return round(s.elapsed_time(e) * 1e3 / calls, 2) if behind else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for host_overhead.json")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"), default=None,
+                    help="default 512 1024 1024 on a GPU, 64 128 128 on the CPU (where the arithmetic "
+                         "of the GPU's shape would outweigh the host work it is to show)")
+    ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
+    args = ap.parse_args()
+
+    import overlap
+    from overlap import dist
+    from overlap import nn as onn
+    from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,
+                             matmul_all_reduce_matmul, matmul_reduce_scatter)
+
+    ctx = dist.init()
+    dev, R, group = ctx.device, ctx.tp_size, ctx.tp_group
+    gpu = dev.type == "cuda"
+    dt = torch.bfloat16 if gpu else torch.float32
+    M, N, K = args.shape or ((512, 1024, 1024) if gpu else (64, 128, 128))
+    cfg = OverlapConfig(transport="nccl", chunks=2) if gpu else None
+    only = {s for s in args.only.split(",") if s}
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dt, generator=gen)
+
+    import torch.distributed as tdist
+
+    def barrier() -> None:
+        if R > 1:
+            tdist.barrier(group)
+
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, fn: Callable[[], Any]) -> None:
+        if only and name not in only:
+            return
+        ts = host_times(fn, args.calls, dev, barrier)
+        p50 = _slowest(statistics.median(ts), group)
+        p99 = _slowest(sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))], group)
+        g = gpu_us(fn, p50, dev, barrier)
+        r = {"op": name, "host_us_p50": round(p50, 1), "host_us_p99": round(p99, 1), "gpu_us": g}
+        rows.append(r)
+        if ctx.rank == 0:
+            print(json.dumps(r), flush=True)
+
+    # torch's own, the yardsticks
+    a, w = rnd(M, K), rnd(N, K) / K ** 0.5
+    ln = torch.nn.LayerNorm(K, device=dev, dtype=dt)
+    with torch.no_grad():
+        row("torch.mm", lambda: torch.mm(a, w.t()))
+        row("torch layer_norm + mm", lambda: torch.mm(ln(a), w.t()))
+
+        # the ops, each on inputs of its own layout (M rows in all, K the reduced dim)
+        a_shard = rnd(M // R, K)                                   # [M/R, K]
+        row("all_gather_matmul", lambda: all_gather_matmul(a_shard, w.t(), group=group, config=cfg))
+        x, res = rnd(M, K), rnd(M, K)                              # partial sums, residual
+        norm = Norm.from_module(ln)
+        row("all_reduce_matmul + layernorm",
+            lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm, config=cfg))
+        a_k = rnd(M, K // R)                                       # [M, K/R]
+        w_k = rnd(N, K // R) / K ** 0.5                            # [N, K/R]
+        row("matmul_reduce_scatter", lambda: matmul_reduce_scatter(a_k, w_k.t(), group=group, config=cfg))
+        row("matmul_all_reduce", lambda: matmul_all_reduce(a_k, w_k.t(), group=group, config=cfg))
+        w_proj = rnd(K, K // R) / K ** 0.5                         # [K, K/R]: a row layer's weight
+        w_next = rnd(N // R, K) / K ** 0.5                         # [N/R, K]: the next column layer's
+        row("matmul_all_reduce_matmul + layernorm",
+            lambda: matmul_all_reduce_matmul(a_k, w_proj.t(), w_next.t(), group=group, residual=res, norm=norm,
+                                             config=cfg))
+        if gpu:
+            w1, w2 = rnd(4 * K, K) / K ** 0.5, rnd(K, 4 * K) / (4 * K) ** 0.5
+            row("mlp_chain", lambda: overlap.mlp_chain(a, w1.t(), w2.t()))
+
+    # the layers, forward + backward
+    kw = {"group": group, "device": dev, "dtype": dt, "config": cfg}
+    col = onn.ColumnParallelLinear(K, N, sequence_parallel=R > 1, **kw)
+    rowl = onn.RowParallelLinear(N, K, sequence_parallel=R > 1, **kw)
+    ncol = onn.NormColumnParallelLinear(K, N, **kw)
+    xs = rnd(M // R if R > 1 else M, K).requires_grad_()
+    dy_col = rnd(M, N // R)
+    xr = rnd(M, N // R).requires_grad_()
+    dy_row = rnd(M // R if R > 1 else M, K)
+    xn = rnd(M, K).requires_grad_()
+
+    def fb_col() -> None:
+        col(xs).backward(dy_col)
+
+    def fb_row() -> None:
+        rowl(xr).backward(dy_row)
+
+    def fb_ncol() -> None:
+        y, h = ncol(xn)
+        torch.autograd.backward([y, h], [dy_col, xn.detach()])
+
+    row("ColumnParallelLinear fwd+bwd", fb_col)
+    row("RowParallelLinear fwd+bwd", fb_row)
+    row("NormColumnParallelLinear fwd+bwd", fb_ncol)
+
+    if ctx.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        out = {"context": {**run_context(R), "shape": [M, N, K], "dtype": str(dt).replace("torch.", ""),
+                           "path": "fused (nccl x2)" if gpu else "reference (no GPU)"}, "rows": rows}
+        with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
+            json.dump(out, fh, indent=1)
+        mm = next((r["host_us_p50"] for r in rows if r["op"] == "torch.mm"), None)
+        print(f"{'op':40s} {'p50 us':>8s} {'p99 us':>8s} {'gpu us':>8s} {'p50/mm':>7s}")
+        for r in rows:
+            ratio = f"{r['host_us_p50'] / mm:.1f}x" if mm else ""
+            print(f"{r['op']:40s} {r['host_us_p50']:8.1f} {r['host_us_p99']:8.1f} "
+                  f"{r['gpu_us'] if r['gpu_us'] is not None else '-':>8} {ratio:>7s}")
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
