@@ -84,6 +84,47 @@ def test_report_counts_paths_warnings_timeouts_tuning() -> None:
     assert observe.report().rows == []
 
 
+def test_report_shapeless_records_are_notes_not_rows() -> None:
+    """A warning or timeout an op recorded without a shape (a process-wide fallback warning)
+    is a note under the table, not a row with an empty shape and 0 calls; the table has one
+    "calls" column."""
+    observe.record_call("all_gather_matmul", SHAPE, "reference", observe.Why.NO_GPU)
+    observe.record_warning("all_gather_matmul", (), "all_gather_matmul: no tile-flag path for float32")
+    observe.record_timeout("all_reduce_matmul", (), "rank 1 chunk 0: flag 3 < 4")
+    rep = observe.report()
+    assert [(r["op"], r["shape"], r["calls"]) for r in rep.rows] == [("all_gather_matmul", list(SHAPE), 1)]
+    assert rep.notes == [
+        {"op": "all_gather_matmul", "warnings": [{"msg": "all_gather_matmul: no tile-flag path for float32",
+                                                  "count": 1}], "timeouts": None},
+        {"op": "all_reduce_matmul", "warnings": [], "timeouts": {"count": 1, "last": "rank 1 chunk 0: flag 3 < 4"}}]
+    assert json.loads(rep.to_json())["notes"] == rep.notes
+    lines = str(rep).splitlines()
+    assert lines[0].split().count("calls") == 1, lines[0]
+    assert len(lines) == 5, lines  # header, rule, one row, two notes
+    assert lines[2].split()[:2] == ["all_gather_matmul", "4096x2048x8192"]
+    assert "warning x1: all_gather_matmul: no tile-flag path" in lines[3]
+    assert "all_reduce_matmul: 1 timeout(s)" in lines[4]
+
+
+def test_report_is_linear_in_records() -> None:
+    """10,000 shapes, each with a call, a warning, a tuning and timings: the report and its
+    table under a second (a scan of every record per row took a minute at 8,000)."""
+    for m in range(10_000):
+        shape = (m + 1, 64, 64)
+        observe.record_call("all_gather_matmul", shape, "reference", observe.Why.NO_GPU)
+        observe.record_warning("all_gather_matmul", shape, "w")
+        observe.record_tuning("all_gather_matmul", shape, [("p2p x1", 1.0)], "p2p x1")
+        observe.record_phases("all_gather_matmul", shape, "p2p x1",
+                              {"op": (_FakeEvent(0.0), _FakeEvent(1.0))})
+    t0 = time.perf_counter()
+    rep = observe.report()
+    text = str(rep)
+    elapsed = time.perf_counter() - t0
+    assert len(rep.rows) == 10_000 and all(r["calls"] == 1 and r["timing"] for r in rep.rows)
+    assert text.count("\n") >= 2 * 10_000
+    assert elapsed < 1.0, f"report() of 10,000 shapes took {elapsed:.2f} s"
+
+
 class _FakeEvent:
     """Stands in for a CUDA event: completes when the test says so; times in ms."""
 
@@ -357,7 +398,8 @@ def test_trace_ops_on_cpu(tmp_path) -> None:
     (p,) = run_ranks(REPO / "benchmarks" / "diag" / "trace_ops.py", 1, ["--out", str(out), "--calls", "2"],
                      timeout_s=120)
     assert p.returncode == 0, p
-    rows = json.loads((out / "report.json").read_text())["rows"]
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["rows"]
     by = {(r["op"], tuple(r["shape"])): r for r in rows}
     shapes = {"mlp_chain": (512, 1024, 2048, 1024), "all_gather_matmul": (1024, 768, 1024),
               "all_reduce_matmul": (1024, 512, 1024)}
@@ -365,7 +407,7 @@ def test_trace_ops_on_cpu(tmp_path) -> None:
         r = by[(op, shape)]
         assert r["paths"] == [{"path": "reference", "why": "no GPU", "calls": 4}], r  # 2 warm + 2 traced
         assert r["timing"] == [] and r["timeouts"] is None, r
-        warned = [w for r2 in rows if r2["op"] == op for w in r2["warnings"]]
+        warned = [w for r2 in rows + rep["notes"] if r2["op"] == op for w in r2["warnings"]]
         assert any("no tile-flag path" in w["msg"] for w in warned), (op, rows)
         calls = timeline.find_calls(timeline.load(str(out / "trace.json")), op)
         assert [c.path for c in calls] == ["reference"] * 2, (op, calls)
