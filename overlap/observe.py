@@ -56,6 +56,7 @@ import os
 import statistics
 import itertools
 import threading
+import warnings
 from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -217,9 +218,56 @@ def record_call(op: str, shape: Sequence[int], path: str, why: str) -> None:
     O(1), no tensors, no synchronization; call it once per call, after the path is decided."""
     key = (op, shape, path, why)
     c = _calls.get(key)
-    if c is None:
+    if c is None:  # the first call of this op, shape, path and reason: the only costly branch
+        _first_call(op, path, why)
         c = _calls.setdefault(key, itertools.count())
     next(c)  # one C call: atomic under the GIL, and no lock to take (a lock doubled the cost)
+
+
+_noted: set[str] = set()
+
+
+def _device_info() -> tuple[int, int, str] | None:
+    """(major, minor, name) of the current CUDA device; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    i = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(i)
+    return major, minor, torch.cuda.get_device_name(i)
+
+
+def _first_call(op: str, path: str, why: str) -> None:
+    """Say once per process what a GPU run gets when it is not what the library was built
+    for: fp32 (or any dtype but fp16/bf16) runs the references, with no overlap; a GPU
+    other than Hopper runs the fused paths untested. Shown as a warning and in the
+    report's notes."""
+    dev = _device_info()
+    if dev is None:  # CPU: the ops' own warnings say they run their reference
+        return
+    major, minor, name = dev
+    if path == "reference" and why.startswith("dtype "):
+        dtype = why.removeprefix("dtype ")
+        msg = (f"{op}: {dtype} on a GPU runs the reference (the collective, then torch.matmul): no "
+               "overlap. The tile GEMM and its flag waits take fp16/bf16 only (tensor-core tiles); "
+               "use bf16 or fp16 for the overlapped paths")
+        key = f"dtype {dtype}"
+    elif path != "reference" and major != 9:
+        family = ("Ampere or Ada: Triton lowers the tile GEMM's TMA descriptors to plain loads, so "
+                  "the fused paths run, but untested and never measured (expect them below cuBLAS)"
+                  if major == 8 else
+                  "Blackwell: untested; the tile GEMM's configs are tuned for Hopper's SMs and shared memory"
+                  if major >= 10 else "older than Ampere: untested")
+        msg = (f"{op}: the fused paths are built, tested and measured on Hopper (compute capability "
+               f"9.0) only; this GPU is {name} ({major}.{minor}), {family}. Compare with the "
+               "overlap.ops.*_ref references before relying on it")
+        key = "arch"
+    else:
+        return
+    if key in _noted:
+        return
+    _noted.add(key)
+    record_warning(op, (), msg)
+    warnings.warn(msg, stacklevel=4)
 
 
 def _count(c: Any) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import timeit
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -123,6 +124,40 @@ def test_report_is_linear_in_records() -> None:
     assert len(rep.rows) == 10_000 and all(r["calls"] == 1 and r["timing"] for r in rep.rows)
     assert text.count("\n") >= 2 * 10_000
     assert elapsed < 1.0, f"report() of 10,000 shapes took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("gpu,dtype_note,arch_note", [
+    ((9, 0, "NVIDIA H200"), True, None),
+    ((8, 0, "NVIDIA A100"), True, "Ampere or Ada"),
+    ((8, 9, "NVIDIA L40S"), True, "Ampere or Ada"),
+    ((10, 0, "NVIDIA B200"), True, "Blackwell"),
+    (None, False, None),
+])
+def test_first_call_says_why_on_a_gpu(monkeypatch: pytest.MonkeyPatch, gpu, dtype_note: bool,
+                                      arch_note: str | None) -> None:
+    """On a GPU: fp32 (reference, no overlap) and a GPU other than Hopper (fused paths
+    untested) each warn once per process, on the first call, saying why; on a CPU
+    nothing (the ops' own warnings say they run their reference)."""
+    monkeypatch.setattr(observe, "_device_info", lambda: gpu)
+    monkeypatch.setattr(observe, "_noted", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (256, 512):  # two shapes, two calls each: still one warning per reason
+            for _ in range(2):
+                observe.record_call("all_gather_matmul", (m, 64, 64), "reference", "dtype torch.float32")
+                observe.record_call("all_reduce_matmul", (m, 64, 64), "p2p x4", observe.Why.TUNER)
+    msgs = [str(w.message) for w in caught]
+    fp32 = [m for m in msgs if "torch.float32 on a GPU runs the reference" in m]
+    arch = [m for m in msgs if "built, tested and measured on Hopper" in m]
+    assert len(fp32) == (1 if dtype_note else 0), msgs
+    assert "fp16/bf16" in "".join(fp32) or not dtype_note
+    if arch_note is None:
+        assert not arch, msgs
+    else:
+        assert len(arch) == 1 and arch_note in arch[0] and gpu[2] in arch[0], msgs
+    assert len(msgs) == len(fp32) + len(arch)
+    notes = [w["msg"] for n in observe.report().notes for w in n["warnings"]]
+    assert sorted(notes) == sorted(fp32 + arch)
 
 
 class _FakeEvent:
