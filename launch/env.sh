@@ -9,7 +9,7 @@
 
 # NVLink multicast (NVLS) stays off everywhere: NCCL's NVLS algorithms, torch symmetric
 # memory and NVSHMEM would each use it, and the library's measurements and its SM budget
-# for NCCL assume it is off (see DESIGN.md).
+# for NCCL assume it is off (see docs/design.md, the SM budget).
 export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1

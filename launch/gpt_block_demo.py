@@ -36,7 +36,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from overlap import dist
+import overlap
 
 # Error allowed beyond twice the unsharded computation's own error against fp32, per dtype
 # (the sharded sum of partial products rounds differently, not worse).
@@ -161,14 +161,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ctx = dist.init(tp_size=args.tp, timeout_s=args.timeout)
+    try:
+        ctx = overlap.init(tp_size=args.tp, timeout_s=args.timeout)
+    except overlap.DistInitError as exc:  # a start-up problem: the message, no traceback
+        print(f"gpt_block_demo.py: {exc}", file=sys.stderr)
+        return 2
     try:
         return run(args, ctx)
     finally:
-        dist.shutdown()
+        overlap.shutdown()
 
 
-def run(args: argparse.Namespace, ctx: dist.DistContext) -> int:
+def run(args: argparse.Namespace, ctx: overlap.DistContext) -> int:
     dev, R = ctx.device, ctx.tp_size
     if args.heads % R:
         raise SystemExit(f"--heads {args.heads} is not a multiple of the tp size {R}")

@@ -56,6 +56,7 @@ import os
 import statistics
 import itertools
 import threading
+import warnings
 from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -217,9 +218,56 @@ def record_call(op: str, shape: Sequence[int], path: str, why: str) -> None:
     O(1), no tensors, no synchronization; call it once per call, after the path is decided."""
     key = (op, shape, path, why)
     c = _calls.get(key)
-    if c is None:
+    if c is None:  # the first call of this op, shape, path and reason: the only costly branch
+        _first_call(op, path, why)
         c = _calls.setdefault(key, itertools.count())
     next(c)  # one C call: atomic under the GIL, and no lock to take (a lock doubled the cost)
+
+
+_noted: set[str] = set()
+
+
+def _device_info() -> tuple[int, int, str] | None:
+    """(major, minor, name) of the current CUDA device; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    i = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(i)
+    return major, minor, torch.cuda.get_device_name(i)
+
+
+def _first_call(op: str, path: str, why: str) -> None:
+    """Say once per process what a GPU run gets when it is not what the library was built
+    for: fp32 (or any dtype but fp16/bf16) runs the references, with no overlap; a GPU
+    other than Hopper runs the fused paths untested. Shown as a warning and in the
+    report's notes."""
+    dev = _device_info()
+    if dev is None:  # CPU: the ops' own warnings say they run their reference
+        return
+    major, minor, name = dev
+    if path == "reference" and why.startswith("dtype "):
+        dtype = why.removeprefix("dtype ")
+        msg = (f"{op}: {dtype} on a GPU runs the reference (the collective, then torch.matmul): no "
+               "overlap. The tile GEMM and its flag waits take fp16/bf16 only (tensor-core tiles); "
+               "use bf16 or fp16 for the overlapped paths")
+        key = f"dtype {dtype}"
+    elif path != "reference" and major != 9:
+        family = ("Ampere or Ada: Triton lowers the tile GEMM's TMA descriptors to plain loads, so "
+                  "the fused paths run, but untested and never measured (expect them below cuBLAS)"
+                  if major == 8 else
+                  "Blackwell: untested; the tile GEMM's configs are tuned for Hopper's SMs and shared memory"
+                  if major >= 10 else "older than Ampere: untested")
+        msg = (f"{op}: the fused paths are built, tested and measured on Hopper (compute capability "
+               f"9.0) only; this GPU is {name} ({major}.{minor}), {family}. Compare with the "
+               "overlap.ops.*_ref references before relying on it")
+        key = "arch"
+    else:
+        return
+    if key in _noted:
+        return
+    _noted.add(key)
+    record_warning(op, (), msg)
+    warnings.warn(msg, stacklevel=4)
 
 
 def _count(c: Any) -> int:
@@ -382,43 +430,46 @@ def _shape_str(shape: Any) -> str:
 
 
 class Report:
-    """What ``report()`` returns: ``rows`` (one dict per op and shape), ``to_json()``, and
+    """What ``report()`` returns: ``rows`` (one dict per op and shape), ``notes`` (what an
+    op recorded without a shape: process-wide warnings and timeouts), ``to_json()``, and
     ``str()`` a table.
 
     A row: ``op``, ``shape``, ``calls``; ``paths`` [{path, why, calls}]; ``tuning``
     {candidates [[label, ms]], picked} or None; ``warnings`` [{msg, count}]; ``timeouts``
     {count, last} or None; ``timing`` [{path, serial, calls, op_ms, comm_ms, gemm_ms,
     other phases' medians, comm_alone_ms, gemm_alone_ms, hidden}] (ms are medians;
-    ``hidden`` None where an alone-time is missing)."""
+    ``hidden`` None where an alone-time is missing). A note: ``op``, ``warnings``,
+    ``timeouts`` as in a row."""
 
-    def __init__(self, rows: list[dict], dropped: int = 0, pending: int = 0) -> None:
+    def __init__(self, rows: list[dict], dropped: int = 0, pending: int = 0,
+                 notes: list[dict] | None = None) -> None:
         self.rows = rows
+        self.notes = notes or []
         self.dropped = dropped
         self.pending = pending
 
     def to_json(self, **kw: Any) -> str:
-        return json.dumps({"rows": self.rows, "dropped_timings": self.dropped, "pending_timings": self.pending},
-                          **kw)
+        return json.dumps({"rows": self.rows, "notes": self.notes, "dropped_timings": self.dropped,
+                           "pending_timings": self.pending}, **kw)
 
     def __repr__(self) -> str:
         return f"Report({len(self.rows)} rows)"
 
     def __str__(self) -> str:
-        if not self.rows:
+        if not self.rows and not self.notes:
             return "overlap report: no calls recorded"
-        head = ("op", "shape", "calls", "path (why)", "calls", "op ms", "comm alone", "gemm alone", "hidden")
+        head = ("op", "shape", "path (why)", "calls", "op ms", "comm alone", "gemm alone", "hidden")
         lines: list[tuple] = []
         notes: list[str] = []
         for r in self.rows:
             timing = {t["path"]: t for t in r["timing"] if not t["serial"]}
             # each path once: counted calls first, then paths only timed (no record_call)
             paths = [(f"{p['path']} ({p['why']})", str(p["calls"]), timing.pop(p["path"], {}))
-                     if p["path"] in timing else (f"{p['path']} ({p['why']})", str(p["calls"]), {})
                      for p in r["paths"]]
             paths += [(path, "-", t) for path, t in timing.items()]
-            for i, (label, calls, t) in enumerate(paths or [("-", "-", {})]):
+            for i, (label, calls, t) in enumerate(paths):  # a row with no call (tuned only): notes only
                 lines.append((r["op"] if i == 0 else "", _shape_str(r["shape"]) if i == 0 else "",
-                              str(r["calls"]) if i == 0 else "", label, calls,
+                              label, calls,
                               _fmt(t.get("op_ms")), _fmt(t.get("comm_alone_ms")), _fmt(t.get("gemm_alone_ms")),
                               "-" if t.get("hidden") is None else f"{100 * t['hidden']:.0f}%"))
             tag = f"{r['op']} {_shape_str(r['shape'])}"
@@ -430,9 +481,15 @@ class Report:
                 notes.append(f"{tag}: warning x{w['count']}: {w['msg']}")
             if r["timeouts"]:
                 notes.append(f"{tag}: {r['timeouts']['count']} timeout(s), last: {r['timeouts']['last']}")
-        widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
-        out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-        out += ["  ".join(v.ljust(w) for v, w in zip(l, widths)).rstrip() for l in lines]
+        for n in self.notes:  # the messages name their op
+            notes += [f"warning x{w['count']}: {w['msg']}" for w in n["warnings"]]
+            if n["timeouts"]:
+                notes.append(f"{n['op']}: {n['timeouts']['count']} timeout(s), last: {n['timeouts']['last']}")
+        out: list[str] = []
+        if lines:
+            widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+            out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+            out += ["  ".join(v.ljust(w) for v, w in zip(l, widths)).rstrip() for l in lines]
         if self.pending or self.dropped:
             notes.append(f"timings: {self.pending} call(s) not complete yet, {self.dropped} dropped")
         return "\n".join(out + notes)
@@ -445,39 +502,56 @@ def _fmt(v: float | None) -> str:
 def report() -> Report:
     """The record so far: calls per op, shape, path and reason, tuning, warnings, timeouts,
     and (from calls timed while profiling was on, whose events have completed) phase
-    times and the hidden fraction. Reads only events that completed; never waits."""
+    times and the hidden fraction. Reads only events that completed; never waits.
+
+    One pass over each record groups it by (op, shape), so the report takes time
+    linear in the number of records (plus sorting the rows). What an op recorded
+    without a shape (``shape == ()``: a process-wide warning) goes to ``notes``."""
     with _lock:
         _resolve_locked()
-        keys = {k[:2] for k in list(_calls)} | {k[:2] for k in _warnings} | set(_timeouts) | set(_tunings) \
-            | {k[:2] for k in _samples} | set(_alone)
-        rows = [_row(op, shape) for op, shape in sorted(keys, key=lambda k: (k[0], str(k[1])))]
-        return Report(rows, _dropped[0], len(_pending))
+        by: dict[tuple, dict] = {}
+
+        def entry(op: str, shape: Any) -> dict:
+            e = by.get((op, shape))
+            if e is None:
+                e = by[(op, shape)] = {"paths": [], "warnings": [], "samples": {}}
+            return e
+
+        for (op, shape, path, why), c in list(_calls.items()):
+            entry(op, shape)["paths"].append({"path": path, "why": why, "calls": _count(c)})
+        for (op, shape, msg), n in _warnings.items():
+            entry(op, shape)["warnings"].append({"msg": msg, "count": n})
+        for (op, shape, path, serial, ph), q in _samples.items():
+            if q:
+                entry(op, shape)["samples"].setdefault((path, serial), {})[ph] = q
+        for key in (*_timeouts, *_tunings, *_alone):
+            entry(*key)
+        rows, notes = [], []
+        for (op, shape), e in sorted(by.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            to = _timeouts.get((op, shape))
+            timeouts = {"count": to[0], "last": to[1]} if to else None
+            if shape == ():
+                notes.append({"op": op, "warnings": e["warnings"], "timeouts": timeouts})
+                continue
+            paths = sorted(e["paths"], key=lambda d: -d["calls"])
+            tun = _tunings.get((op, shape))
+            rows.append({
+                "op": op, "shape": list(shape) if isinstance(shape, tuple) else shape,
+                "calls": sum(d["calls"] for d in paths),
+                "paths": paths,
+                "tuning": {"candidates": [list(c) for c in tun[0]], "picked": tun[1]} if tun else None,
+                "warnings": e["warnings"],
+                "timeouts": timeouts,
+                "timing": _timing(e["samples"], _alone.get((op, shape), {})),
+            })
+        return Report(rows, _dropped[0], len(_pending), notes)
 
 
-def _row(op: str, shape: Any) -> dict:
-    paths = [{"path": p, "why": w, "calls": _count(c)} for (o, s, p, w), c in list(_calls.items())
-             if (o, s) == (op, shape)]
-    paths.sort(key=lambda d: -d["calls"])
-    tun = _tunings.get((op, shape))
-    to = _timeouts.get((op, shape))
-    return {
-        "op": op, "shape": list(shape) if isinstance(shape, tuple) else shape,
-        "calls": sum(d["calls"] for d in paths),
-        "paths": paths,
-        "tuning": {"candidates": [list(c) for c in tun[0]], "picked": tun[1]} if tun else None,
-        "warnings": [{"msg": m, "count": n} for (o, s, m), n in _warnings.items() if (o, s) == (op, shape)],
-        "timeouts": {"count": to[0], "last": to[1]} if to else None,
-        "timing": _timing(op, shape),
-    }
-
-
-def _timing(op: str, shape: Any) -> list[dict]:
-    by: dict[tuple, dict] = {}
-    for (o, s, path, serial, ph), q in _samples.items():
-        if (o, s) == (op, shape) and q:
-            by.setdefault((path, serial), {})[ph] = q
+def _timing(by: dict[tuple, dict], alone_given: dict) -> list[dict]:
+    """Per (path, serial): the phases' medians and the hidden fraction; ``by`` maps
+    (path, serial) to {phase: samples} of one op and shape."""
     # alone-times: given apart, else the medians of the serial calls' spans
-    alone = dict(_alone.get((op, shape), {}))
+    alone = dict(alone_given)
     for ph in ("comm", "gemm"):
         if ph not in alone:
             ser = [v for (path, serial), d in by.items() if serial for v in d.get(ph, ())]

@@ -10,7 +10,8 @@ What it gives every layer above it:
 - the library's own NCCL communicators (``nccl_comm``), made over the same ranks as a
   torch group. They are separate from torch's so the comm layer can drive NCCL on its own
   stream with capped CTAs (the GEMM grid is sized to the SMs NCCL leaves free; see
-  DESIGN.md), and their bootstrap rides on the same store, with the same timeout.
+  docs/design.md, the SM budget), and their bootstrap rides on the same store, with the
+  same timeout.
 
 Nothing here may hang: every wait on other ranks is bounded by ``timeout_s`` and a rank that
 never arrives becomes a ``DistInitError`` naming the ranks, the world size and the store

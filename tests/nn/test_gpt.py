@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlap.models import GPT, GPTConfig, corpus, get_batch
+from overlap.models import GPT, GPTConfig, checkpoint, corpus, get_batch
 from overlap.models.corpus import CharTokenizer, corpus_text
 from tests._procs import REPO, run_cmd
 from tests.conftest import mpi_missing
@@ -157,10 +157,27 @@ def test_get_batch() -> None:
 
 def test_train_args_checked() -> None:
     train = _load_train()
-    for argv in (["--sp"], ["--tp", "3"], ["--n-embd", "30"], ["--tp", "2", "--sp", "--block", "33"]):
+    for argv in (["--sp"], ["--tp", "3"], ["--n-embd", "30"], ["--tp", "2", "--sp", "--block", "33"],
+                 ["--eval-every", "-1"]):
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         assert e.value.code == 2, argv
+
+
+def test_train_help_names_outputs(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        _load_train().parse_args(["--help"])
+    text = capsys.readouterr().out
+    for s in ("train.json", "loss.png", "ckpt/rank{r}.pt", "checkpoints are off by default", "launch/torchrun.sh"):
+        assert s in text, (s, text)
+
+
+def test_train_tp2_without_launcher() -> None:
+    """--tp 2 in one process: the reason and the launcher commands, no traceback."""
+    r = run_cmd([sys.executable, "launch/train_gpt.py", "--tp", "2", "--steps", "3"], timeout_s=60)
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.out and "does not divide world_size=1" in r.out, r
+    assert "bash launch/torchrun.sh 2 launch/train_gpt.py --tp 2 --steps 3" in r.out, r
 
 
 _RUNS: dict[tuple, dict] = {}
@@ -211,6 +228,9 @@ def test_single_process_training(reference: dict) -> None:
     assert ctx["torch"] == torch.__version__ and ctx["device"].startswith("cpu") and ctx["date"]
     assert "step    20/20  loss" in reference["log"] and "tokens/s" in reference["log"]
     assert (reference["out"] / "loss.png").stat().st_size > 0
+    assert [v["step"] for v in reference["val"]] == [10, 20]  # --eval-every 10, and at the end
+    assert reference["val"][-1]["loss"] == reference["val_loss"]
+    assert "step    10/20  val loss" in reference["log"]
 
 
 @pytest.mark.slow
@@ -226,6 +246,11 @@ def test_single_process_resume(reference: dict, tmp_path_factory: pytest.TempPat
     other = run_cmd([sys.executable, "launch/train_gpt.py", "--resume", "--batch", "4", "--steps", "21",
                      "--out", str(out)], timeout_s=60)  # another layout: refused, with the reason
     assert other.returncode not in (0, None) and "was written by" in other.out, other
+    before = (out / "train.json").read_bytes()
+    back = run_cmd([sys.executable, "launch/train_gpt.py", "--resume", "--steps", "15", "--out", str(out)],
+                   timeout_s=60)  # a checkpoint at step 20, --steps 15: refused, nothing written
+    assert back.returncode not in (0, None) and "is at step 20, --steps is 15" in back.out, back
+    assert (out / "train.json").read_bytes() == before
 
 
 @pytest.mark.slow
@@ -253,7 +278,7 @@ def test_tp2_checkpoint_round_trip(reference: dict, tmp_path_factory: pytest.Tem
     out = tmp_path_factory.mktemp("resume2")
     first = train_run(tmp_path_factory, 2, "--tp", "2", "--steps", "10", "--save-every", "10", out=out)
     assert first["losses"] == full["losses"][:10]
-    shards = [torch.load(out / "ckpt" / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    shards = [checkpoint.load(out / "ckpt" / f"rank{r}.pt")[0] for r in (0, 1)]
     w0, w1 = (s["model"]["h.0.attn.qkv.weight"] for s in shards)
     assert w0.shape == w1.shape == (3 * 64 // 2, 64) and not torch.equal(w0, w1)
     assert shards[0]["model"]["h.0.attn.proj.weight"].shape == (64, 32)
@@ -263,6 +288,19 @@ def test_tp2_checkpoint_round_trip(reference: dict, tmp_path_factory: pytest.Tem
     assert "resumed at step 10" in resumed["log"] and resumed["context"]["launcher"] == launcher
     assert resumed["losses"] == full["losses"]
     _match(resumed["losses"], reference["losses"])
+
+    # a damaged shard on rank 0 only: both ranks stop within seconds, each saying which rank's
+    # file is bad (rank 1's file is fine and it would otherwise wait in a collective)
+    raw = bytearray((out / "ckpt" / "rank0.pt").read_bytes())
+    w = shards[0]["model"]["h.0.mlp.fc1.weight"]
+    at = bytes(raw).find(w.numpy().tobytes())
+    assert at > 0
+    raw[at + 256:at + 320] = b"\x7f" * 64
+    (out / "ckpt" / "rank0.pt").write_bytes(bytes(raw))
+    r = run_cmd(["bash", "launch/torchrun.sh", "2", "launch/train_gpt.py", "--tp", "2", "--resume",
+                 "--steps", "12", "--timeout", "120", "--out", str(out)], timeout_s=60)
+    assert r.returncode not in (0, None) and r.elapsed_s < 30, r
+    assert "rank0.pt is corrupt" in r.out and r.out.count("checkpoints of rank(s) [0] cannot be used") == 2, r
 
 
 @pytest.mark.slow

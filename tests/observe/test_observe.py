@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import timeit
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -82,6 +83,81 @@ def test_report_counts_paths_warnings_timeouts_tuning() -> None:
 
     observe.reset_report()
     assert observe.report().rows == []
+
+
+def test_report_shapeless_records_are_notes_not_rows() -> None:
+    """A warning or timeout an op recorded without a shape (a process-wide fallback warning)
+    is a note under the table, not a row with an empty shape and 0 calls; the table has one
+    "calls" column."""
+    observe.record_call("all_gather_matmul", SHAPE, "reference", observe.Why.NO_GPU)
+    observe.record_warning("all_gather_matmul", (), "all_gather_matmul: no tile-flag path for float32")
+    observe.record_timeout("all_reduce_matmul", (), "rank 1 chunk 0: flag 3 < 4")
+    rep = observe.report()
+    assert [(r["op"], r["shape"], r["calls"]) for r in rep.rows] == [("all_gather_matmul", list(SHAPE), 1)]
+    assert rep.notes == [
+        {"op": "all_gather_matmul", "warnings": [{"msg": "all_gather_matmul: no tile-flag path for float32",
+                                                  "count": 1}], "timeouts": None},
+        {"op": "all_reduce_matmul", "warnings": [], "timeouts": {"count": 1, "last": "rank 1 chunk 0: flag 3 < 4"}}]
+    assert json.loads(rep.to_json())["notes"] == rep.notes
+    lines = str(rep).splitlines()
+    assert lines[0].split().count("calls") == 1, lines[0]
+    assert len(lines) == 5, lines  # header, rule, one row, two notes
+    assert lines[2].split()[:2] == ["all_gather_matmul", "4096x2048x8192"]
+    assert "warning x1: all_gather_matmul: no tile-flag path" in lines[3]
+    assert "all_reduce_matmul: 1 timeout(s)" in lines[4]
+
+
+def test_report_is_linear_in_records() -> None:
+    """10,000 shapes, each with a call, a warning, a tuning and timings: the report and its
+    table under a second (a scan of every record per row took a minute at 8,000)."""
+    for m in range(10_000):
+        shape = (m + 1, 64, 64)
+        observe.record_call("all_gather_matmul", shape, "reference", observe.Why.NO_GPU)
+        observe.record_warning("all_gather_matmul", shape, "w")
+        observe.record_tuning("all_gather_matmul", shape, [("p2p x1", 1.0)], "p2p x1")
+        observe.record_phases("all_gather_matmul", shape, "p2p x1",
+                              {"op": (_FakeEvent(0.0), _FakeEvent(1.0))})
+    t0 = time.perf_counter()
+    rep = observe.report()
+    text = str(rep)
+    elapsed = time.perf_counter() - t0
+    assert len(rep.rows) == 10_000 and all(r["calls"] == 1 and r["timing"] for r in rep.rows)
+    assert text.count("\n") >= 2 * 10_000
+    assert elapsed < 1.0, f"report() of 10,000 shapes took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize("gpu,dtype_note,arch_note", [
+    ((9, 0, "NVIDIA H200"), True, None),
+    ((8, 0, "NVIDIA A100"), True, "Ampere or Ada"),
+    ((8, 9, "NVIDIA L40S"), True, "Ampere or Ada"),
+    ((10, 0, "NVIDIA B200"), True, "Blackwell"),
+    (None, False, None),
+])
+def test_first_call_says_why_on_a_gpu(monkeypatch: pytest.MonkeyPatch, gpu, dtype_note: bool,
+                                      arch_note: str | None) -> None:
+    """On a GPU: fp32 (reference, no overlap) and a GPU other than Hopper (fused paths
+    untested) each warn once per process, on the first call, saying why; on a CPU
+    nothing (the ops' own warnings say they run their reference)."""
+    monkeypatch.setattr(observe, "_device_info", lambda: gpu)
+    monkeypatch.setattr(observe, "_noted", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (256, 512):  # two shapes, two calls each: still one warning per reason
+            for _ in range(2):
+                observe.record_call("all_gather_matmul", (m, 64, 64), "reference", "dtype torch.float32")
+                observe.record_call("all_reduce_matmul", (m, 64, 64), "p2p x4", observe.Why.TUNER)
+    msgs = [str(w.message) for w in caught]
+    fp32 = [m for m in msgs if "torch.float32 on a GPU runs the reference" in m]
+    arch = [m for m in msgs if "built, tested and measured on Hopper" in m]
+    assert len(fp32) == (1 if dtype_note else 0), msgs
+    assert "fp16/bf16" in "".join(fp32) or not dtype_note
+    if arch_note is None:
+        assert not arch, msgs
+    else:
+        assert len(arch) == 1 and arch_note in arch[0] and gpu[2] in arch[0], msgs
+    assert len(msgs) == len(fp32) + len(arch)
+    notes = [w["msg"] for n in observe.report().notes for w in n["warnings"]]
+    assert sorted(notes) == sorted(fp32 + arch)
 
 
 class _FakeEvent:
@@ -357,7 +433,8 @@ def test_trace_ops_on_cpu(tmp_path) -> None:
     (p,) = run_ranks(REPO / "benchmarks" / "diag" / "trace_ops.py", 1, ["--out", str(out), "--calls", "2"],
                      timeout_s=120)
     assert p.returncode == 0, p
-    rows = json.loads((out / "report.json").read_text())["rows"]
+    rep = json.loads((out / "report.json").read_text())
+    rows = rep["rows"]
     by = {(r["op"], tuple(r["shape"])): r for r in rows}
     shapes = {"mlp_chain": (512, 1024, 2048, 1024), "all_gather_matmul": (1024, 768, 1024),
               "all_reduce_matmul": (1024, 512, 1024)}
@@ -365,7 +442,7 @@ def test_trace_ops_on_cpu(tmp_path) -> None:
         r = by[(op, shape)]
         assert r["paths"] == [{"path": "reference", "why": "no GPU", "calls": 4}], r  # 2 warm + 2 traced
         assert r["timing"] == [] and r["timeouts"] is None, r
-        warned = [w for r2 in rows if r2["op"] == op for w in r2["warnings"]]
+        warned = [w for r2 in rows + rep["notes"] if r2["op"] == op for w in r2["warnings"]]
         assert any("no tile-flag path" in w["msg"] for w in warned), (op, rows)
         calls = timeline.find_calls(timeline.load(str(out / "trace.json")), op)
         assert [c.path for c in calls] == ["reference"] * 2, (op, calls)
