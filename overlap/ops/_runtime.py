@@ -30,6 +30,7 @@ import torch
 
 from .. import flags as _flags
 from .. import observe as _observe
+from . import _agree
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
@@ -774,13 +775,9 @@ REFRESH_EVERY = 1 << 24
 """Calls between refreshes of a peer-copy sender's idle chunk flags (``post_sig``)."""
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
-           torch.uint8)
-
-
 def dtype_code(dtype: torch.dtype) -> int:
     """A number for ``dtype`` that every rank computes alike (for ``check_agree``)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
+    return _agree.dtype_code(dtype)
 
 
 _EVERY_CALL: list[bool] = []
@@ -961,21 +958,23 @@ def reset(group: Any = None) -> None:
     waits (bounded by ``shutdown_timeout_s``) until this rank's work of the ops has
     ended, meets the other ranks, zeroes this rank's shared flags and epochs and the
     error words, and meets them again; the next call of every op is then epoch 1 on
-    every rank. The NCCL transport and the chain keep no state across calls and need no
-    reset. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
+    every rank. It also ends an out-of-step state (``overlap.ops._agree``: the group's call
+    counters start again from 0 and a group ended on a rank is usable again). The NCCL
+    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
     whose peer is gone): then ``overlap.dist.shutdown`` is the way out."""
     import torch.distributed as tdist
 
     group = resolve_group(group)
     rt = None
+    ranks, _ = group_key(group)
     if torch.cuda.is_available():
-        ranks, _ = group_key(group)
         with _lock:
             rt = next((r for (rk, _), r in _runtimes.items() if rk == ranks), None)
     if rt is not None and not _drain(rt, shutdown_timeout_s(group)):
         raise RuntimeError(f"overlap.reset: rank {rt.rank}: the ops' work did not end within "
                            f"{shutdown_timeout_s(group):.0f} s; shut down instead (overlap.dist.shutdown)")
     tdist.barrier(group=group)  # every rank's pushes have ended: nothing lands after this
+    _agree.reset_steps(ranks)  # the group's call counters from 0, the group no longer ended here
     if rt is not None:
         with rt.order.lock:
             if rt._heap is not None:
@@ -1015,6 +1014,7 @@ def reset_runtimes() -> None:
                 pass
         _runtimes.clear()
         _by_group.clear()
+    _agree.reset_steps()
 
 
 def _register() -> None:
@@ -1046,9 +1046,11 @@ AGREED_CAP = 1024
 
 def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...],
                 rows_at: int | None = None) -> None:
-    """Sizes that must agree across the group's ranks (else NCCL sizes disagree
-    and peers hang). Checked with a tiny blocking all-gather on torch's group the first
-    time a key is seen; a rank that disagrees makes every rank raise.
+    """The call's agreement point on the tile-flag path (``overlap.ops._agree``): sizes that
+    must agree across the group's ranks (else NCCL sizes disagree and peers hang). Checked
+    with a tiny blocking all-gather on torch's group the first time a key is seen; the
+    exchange also carries every rank's verdict, the group's call counter and the calling
+    thread, and a rank that disagrees (or refused the call) makes every rank raise.
 
     ``rows_at``: the index in ``values`` of the row count (M or M/R), which enters the
     key by its bucket (``overlap.policies.row_bucket``): a new M in a bucket seen before
@@ -1068,17 +1070,14 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         kv = values
     key = (op, names, kv)
     agreed = rt.cache("agreed", AGREED_CAP)
-    if agreed.get(key) and (not every_call_checked() or capturing()):
-        return
     if capturing():
-        raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
-                                  "capture yet; call it once with the same shapes before capturing it")
-    vals = gather_ints(rt.group, rt.world, list(values), rt.device)
-    if any(v != vals[0] for v in vals):
-        bad = [i for i, v in enumerate(vals) if v != vals[0]]
-        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
-                         f"group ranks {bad} differ from group rank 0)")
-    agreed.add(key)
+        if not agreed.get(key):
+            raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
+                                      "capture yet; call it once with the same shapes before capturing it")
+        _agree.group_step(rt.group).calls += 1  # counted as its eager call was; never an exchange in a capture
+        return
+    _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=agreed, key=key,
+                     every=every_call_checked(), then_collective=False)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
@@ -1143,8 +1142,10 @@ def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tupl
                        device: torch.device) -> None:
     """The ranks' agreement on a call the op sends to its reference path (a plain
     collective, where sizes that differ make gloo abort a rank and NCCL hang or
-    corrupt): checked on every such call (a small all-gather; the reference path is
-    not the fast path), every rank raising the same error. Not inside a capture."""
+    corrupt): exchanged on every such call (a small all-gather; the reference path is
+    not the fast path) with every rank's verdict and the group's call counter
+    (``overlap.ops._agree``), every rank raising the same error. The reference's data
+    collective follows it (``_agree.collective_done``). Not inside a capture."""
     import torch.distributed as tdist
 
     if capturing():
@@ -1156,11 +1157,7 @@ def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tupl
     if world == 1:
         return
     dev = device if tdist.get_backend(group) == "nccl" else torch.device("cpu")
-    vals = gather_ints(group, world, list(values), dev)
-    if any(v != vals[0] for v in vals):
-        bad = [i for i, v in enumerate(vals) if v != vals[0]]
-        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
-                         f"group ranks {bad} differ from group rank 0)")
+    _agree.agreement(group, world, dev, op, names, values, then_collective=True)
 
 
 def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:
