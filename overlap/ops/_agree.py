@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
            "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "name_op", "WIDTH"]
+           "agree_extra", "reset_steps", "group_call", "named", "name_op", "WIDTH"]
 
 
 class RanksRefusedError(ValueError):
@@ -240,6 +240,22 @@ def name_op(exc: BaseException, op: str) -> None:
         exc.args = (f"{op}: {exc.args[0]}",) + exc.args[1:]
 
 
+def named(op: str) -> Any:
+    """Decorator of an op that takes no group (the chain): its errors name it (``name_op``)."""
+    import functools
+
+    def deco(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kw: Any) -> Any:
+            try:
+                return fn(*args, **kw)
+            except Exception as e:
+                name_op(e, op)
+                raise
+        return call
+    return deco
+
+
 def group_call(op: str) -> Any:
     """Decorator of a group op's public function (its ``group`` keyword resolved here):
     the call runs inside ``call_step(group, op)``."""
@@ -248,11 +264,19 @@ def group_call(op: str) -> Any:
     def deco(fn: Any) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, group: Any = None, **kw: Any) -> Any:
+            if not _initialized():  # no group: the op's checks, then its clear error
+                return fn(*args, group=group, **kw)
             g = _resolve(group)
             with call_step(g, op):
                 return fn(*args, group=g, **kw)
         return call
     return deco
+
+
+def _initialized() -> bool:
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized()
 
 
 def _resolve(group: Any) -> Any:

@@ -30,6 +30,7 @@ import torch
 
 from .. import flags as _flags
 from .. import observe as _observe
+from .._fields import bool_field, choice_field, float_field, int_field
 from . import _agree
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
@@ -193,9 +194,27 @@ def warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
-def _check_range(name: str, v: int | None, lo: int, hi: int) -> None:
-    if v is not None and not (lo <= v <= hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+MAX_SMS = 512
+"""Bound of the config fields that count SMs (margins, reduce programs): more than any GPU has."""
+MAX_CHUNKS = 64
+"""Bound of ``OverlapConfig.chunks`` (each chunk is an NCCL call or a push and a flag)."""
+MIN_TIMEOUT_MS = 1e-3
+"""Shortest wait bound a config takes (1 us; a shorter one rounds to no wait at all)."""
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000.0
+"""Longest wait bound a config takes (a week: a bound, never a hang)."""
+
+
+def check_gemm_field(owner: str, name: str, v: Any) -> None:
+    """``v`` None or an ``overlap.kernels.tile_gemm.GemmConfig`` (looked up only where that
+    module is loaded: a GemmConfig cannot exist before)."""
+    if v is None:
+        return
+    import sys
+
+    mod = sys.modules.get("overlap.kernels.tile_gemm")
+    if mod is None or not isinstance(v, mod.GemmConfig):
+        raise TypeError(f"{owner}.{name} must be an overlap.kernels.tile_gemm.GemmConfig or None, got {v!r} "
+                        f"({type(v).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,7 +230,7 @@ class NcclTransport:
     budget); ``None``: 16."""
 
     def __post_init__(self) -> None:
-        _check_range("NcclTransport.ctas", self.ctas, 1, 64)
+        int_field("NcclTransport", "ctas", self.ctas, 1, 64, none_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,7 +264,9 @@ class PeerCopyTransport:
     call, the GEMM's epilogue applies the rest). Ignored without a norm."""
 
     def __post_init__(self) -> None:
-        _check_range("PeerCopyTransport.reduce_ctas", self.reduce_ctas, 1, 1024)
+        int_field("PeerCopyTransport", "reduce_ctas", self.reduce_ctas, 1, MAX_SMS, none_ok=True)
+        for f in ("reduce_shared", "two_shot", "fold_norm"):
+            bool_field("PeerCopyTransport", f, getattr(self, f))
 
 
 # each typed transport's options: (its field, OverlapConfig's flat field of the same meaning)
@@ -371,6 +392,7 @@ class OverlapConfig:
     (raise on a later call once the copy of the error word has landed), 'none'."""
 
     def __post_init__(self) -> None:
+        self._check_fields()
         typed = self.transport
         if isinstance(typed, (NcclTransport, PeerCopyTransport)):
             # the typed form into the flat fields: equal (and hashing equal) to the flat spelling
@@ -382,21 +404,6 @@ class OverlapConfig:
                 if mine != _FLAT_DEFAULTS[ff]:
                     object.__setattr__(self, ff, mine)
             object.__setattr__(self, "transport", typed.name)
-        if self.chunks is not None and self.chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
-        _check_range("nccl_ctas", self.nccl_ctas, 1, 64)
-        if self.sm_margin is not None and self.sm_margin < 0:
-            raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
-        if self.transport not in (None, "nccl", "p2p"):
-            raise ValueError("transport must be 'nccl', 'p2p', NcclTransport(...), PeerCopyTransport(...) or None, "
-                             f"got {self.transport!r}")
-        if not (0 <= self.split_tail <= 64):
-            raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
-        _check_range("reduce_ctas", self.reduce_ctas, 1, 1024)
-        if self.check not in ("sync", "async", "none"):
-            raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
-        if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
-            raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
         if getattr(self.gemm, "tail_block_m", 0):
             raise ValueError("GemmConfig.tail_block_m/n is for the GEMM alone (launch_gemm): an op's GEMM is one "
                              "launch over its table")
@@ -407,6 +414,25 @@ class OverlapConfig:
                              "norm: give_back=False, split_tail 0 or 1, fold_norm=False")
         if self.transport is not None:  # else each transport's rules apply where the call picks it
             self.check_for(self.transport)
+
+    def _check_fields(self) -> None:
+        """Every field's type and range (``overlap._fields``); the cross-field rules follow."""
+        o = "OverlapConfig"
+        int_field(o, "chunks", self.chunks, 1, MAX_CHUNKS, none_ok=True)
+        int_field(o, "nccl_ctas", self.nccl_ctas, 1, 64, none_ok=True)
+        int_field(o, "sm_margin", self.sm_margin, 0, MAX_SMS, none_ok=True)
+        bool_field(o, "give_back", self.give_back)
+        check_gemm_field(o, "gemm", self.gemm)
+        float_field(o, "timeout_ms", self.timeout_ms, MIN_TIMEOUT_MS, MAX_TIMEOUT_MS, none_ok=True)
+        if not (self.transport is None or isinstance(self.transport, (NcclTransport, PeerCopyTransport))
+                or (isinstance(self.transport, str) and self.transport in ("nccl", "p2p"))):
+            raise ValueError("OverlapConfig.transport must be 'nccl', 'p2p', NcclTransport(...), "
+                             f"PeerCopyTransport(...) or None, got {self.transport!r}")
+        int_field(o, "reduce_ctas", self.reduce_ctas, 1, MAX_SMS, none_ok=True)
+        for f in ("reduce_shared", "two_shot", "fold_norm"):
+            bool_field(o, f, getattr(self, f))
+        int_field(o, "split_tail", self.split_tail, 0, 64)
+        choice_field(o, "check", self.check, ("sync", "async", "none"))
 
     def check_for(self, transport: str) -> None:
         """Raise ValueError where a field set here cannot apply on ``transport`` ("nccl" or
