@@ -106,8 +106,9 @@ def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: 
     need_gathered)``, where given, the 2-D op on a list of weights (returning the list of
     outputs, and the gathered rows when asked); see the module docstring."""
     op = "all_gather_matmul"
-    if a_shard.dim() < 2:
-        raise ValueError(f"{op}: a_shard must have at least 2 dims [..., K], got {tuple(a_shard.shape)}")
+    if not isinstance(a_shard, torch.Tensor) or a_shard.dim() < 2:
+        raise ValueError(f"{op}: a_shard must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(a_shard.shape) if isinstance(a_shard, torch.Tensor) else type(a_shard).__name__}")
     d = norm_dim(op, gather_dim, a_shard.dim(), "gather_dim")
     bs, many = weights(op, b, a_shard.shape[-1], a_shard.dtype)
     rows, lead = to_rows(a_shard, d)
@@ -138,8 +139,9 @@ def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatt
     op = "matmul_reduce_scatter"
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    if a.dim() < 2:
-        raise ValueError(f"{op}: a must have at least 2 dims [..., K], got {tuple(a.shape)}")
+    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+        raise ValueError(f"{op}: a must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
     d = norm_dim(op, scatter_dim, a.dim(), "scatter_dim")
     weights(op, b, a.shape[-1], a.dtype, many_ok=False)
 
@@ -164,8 +166,9 @@ def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatt
 
 def flat(op: str, x: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
     """[..., K] -> [prod(...), K] and the leading shape."""
-    if x.dim() < 2:
-        raise ValueError(f"{op}: {name} must have at least 2 dims [..., K], got {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"{op}: {name} must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
@@ -215,7 +218,7 @@ def matmul_all_reduce(fused: Any, a: torch.Tensor, b: torch.Tensor, *, residual:
 
 def simple(x: torch.Tensor, b: Any, dim: int = 0) -> bool:
     """The 2-D, dim 0, one-weight call: straight to the op."""
-    return x.dim() == 2 and dim in (0, -2) and isinstance(b, torch.Tensor)
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and dim in (0, -2) and isinstance(b, torch.Tensor)
 
 
 __all__: Sequence[str] = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce_matmul", "matmul_all_reduce")

@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
            "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "named", "name_op", "WIDTH"]
+           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step", "WIDTH"]
 
 
 class RanksRefusedError(ValueError):
@@ -113,41 +113,40 @@ class GroupStep:
         self.depth = 0
 
 
-_steps: dict[tuple[int, ...], GroupStep] = {}
-_by_id: dict[int, tuple[Any, GroupStep]] = {}
+_steps: dict[int, tuple[Any, GroupStep]] = {}
+"""By ``id(group)`` (the group held, so the id stays its own): a step per communicator, as two
+groups of the same ranks make their collectives apart."""
 _steps_lock = threading.Lock()
 _tls = threading.local()
 
 
 def group_step(group: Any) -> GroupStep:
     """The ``GroupStep`` of ``group`` (resolved: a process group) on this rank."""
-    hit = _by_id.get(id(group))
+    hit = _steps.get(id(group))
     if hit is not None and hit[0] is group:
         return hit[1]
     from ._runtime import group_key
 
     ranks, rank = group_key(group)  # ValueError for a process outside the group
     with _steps_lock:
-        st = _steps.get(ranks)
-        if st is None:
-            st = _steps[ranks] = GroupStep(ranks, rank)
-        _by_id[id(group)] = (group, st)
-    return st
+        hit = _steps.get(id(group))
+        if hit is None or hit[0] is not group:
+            hit = _steps[id(group)] = (group, GroupStep(ranks, rank))
+    return hit[1]
 
 
 def reset_steps(ranks: tuple[int, ...] | None = None) -> None:
-    """Forget the steps of the group ``ranks`` (all groups: None): counters from 0, the
+    """Forget the steps of the groups of ``ranks`` (all groups: None): counters from 0, the
     group no longer ended. Every rank of the group must do it at the same point
     (``overlap.reset``, ``overlap.dist.shutdown``)."""
     with _steps_lock:
         if ranks is None:
             _steps.clear()
-            _by_id.clear()
             return
-        st = _steps.get(ranks)
-        if st is not None:
-            with st.lock:
-                st.calls, st.broken, st.pending = 0, None, None
+        for _, st in _steps.values():
+            if st.ranks == ranks:
+                with st.lock:
+                    st.calls, st.broken, st.pending = 0, None, None
 
 
 class call_step:
@@ -265,12 +264,33 @@ def group_call(op: str) -> Any:
         @functools.wraps(fn)
         def call(*args: Any, group: Any = None, **kw: Any) -> Any:
             if not _initialized():  # no group: the op's checks, then its clear error
-                return fn(*args, group=group, **kw)
+                try:
+                    return fn(*args, group=group, **kw)
+                except Exception as e:
+                    name_op(e, op)
+                    raise
             g = _resolve(group)
             with call_step(g, op):
                 return fn(*args, group=g, **kw)
         return call
     return deco
+
+
+def step_of(group: Any, op: str) -> Any:
+    """``call_step(group, op)`` for a caller above the ops (the N-D wrappers: their own
+    checks come before the op's); a no-op context where no process group is initialized."""
+    if not _initialized():
+        import contextlib
+
+        return contextlib.nullcontext()
+    return call_step(_resolve(group), op)
+
+
+def raise_in_step(group: Any, op: str, error: BaseException) -> None:
+    """Raise ``error``, a refusal found above the op, as the op's refusals are: through
+    the agreement exchange, so the peers raise with this rank."""
+    with step_of(group, op):
+        raise error
 
 
 def _initialized() -> bool:
@@ -316,9 +336,9 @@ class agree_extra:
 
 
 def _current(group: Any) -> call_step | None:
-    """The call in flight in this thread on ``group``'s step, if any."""
-    cs = getattr(_tls, "cur", None)
-    return cs if cs is not None and (cs.group is group or cs.step is group_step(group)) else None
+    """The op call in flight in this thread, if any (its agreement may name the group by
+    another object of the same ranks: the runtime's)."""
+    return getattr(_tls, "cur", None)
 
 
 def agreement(group: Any, world: int, device: torch.device, op: str, names: tuple[str, ...],
@@ -341,7 +361,8 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
             key = (key, extra[1])
     st = cs.step if cs is not None else group_step(group)
     st.calls += 1
-    contended = cs.contended if cs is not None else None
+    # one rank alone: no peer whose calls could be in another order
+    contended = cs.contended if cs is not None and world > 1 else None
     if contended is None and agreed is not None and not every and agreed.get(key):
         return False
     refusal = ValueError(contended) if contended is not None else None

@@ -430,6 +430,8 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
         warn_once(f"{op}-ref-{a.device.type}-{a.dtype}",
                   f"{op}: no tile-flag path for {a.dtype} on {a.device.type}; running the reference "
                   f"(matmul, then {'reduce-scatter' if scatter else 'all-reduce'})")
+        if scatter and m % _world(group):  # before the agreement: a refusal, not a failed collective
+            raise ValueError(f"{op}: M={m} is not a multiple of the {_world(group)} ranks")
         agree_on_reference(group, op, ("M", "K/R", "N", "dtype", "residual"),
                            (m, k, n, dtype_code(a.dtype), int(residual is not None)), a.device)
         why = "no GPU" if not a.is_cuda else f"dtype {a.dtype}"
