@@ -32,6 +32,8 @@ from .ops import all_reduce as _ar
 from .ops import boundary as _boundary
 from .ops import chain as _chain
 from .ops import matmul_reduce as _mr
+from .ops._agree import raise_in_step as _raise_in_step
+from .ops._agree import step_of as _step_of
 from .ops._runtime import resolve_group as _resolve_default
 from .ops import ChainConfig, Norm, OverlapConfig
 
@@ -118,6 +120,16 @@ def _refuse_grad(op: str, *ts: Any) -> None:
         raise _no_backward(op)
 
 
+def _nd_call(group: Any, op: str, fn: Any) -> Any:
+    """``fn()``, an N-D wrapper's call: eager, inside the op's step on the group, so that a
+    refusal of the wrapper's own checks (a dim, a weight) reaches the peers as the op's do
+    (``overlap.ops._agree``); compiling, as it is."""
+    if _compiling():
+        return fn()
+    with _step_of(group, op):
+        return fn()
+
+
 def _forward_only(op: Any, name: str) -> None:
     """Raise at forward time (setup_context runs as the op's forward returns, before any
     graph is built on it) when autograd would have to record the op."""
@@ -189,7 +201,6 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     torch.compile. ``a_shard`` [..., K] with any ``gather_dim`` but the last; ``b`` [K, N] or a
     list of such weights (one gather; a list of outputs). See ``overlap._shapes``."""
     if not _shapes.simple(a_shard, b, gather_dim):
-        _refuse_grad("all_gather_matmul", a_shard, *(b if isinstance(b, (list, tuple)) else [b]))
         # a list of weights goes to the op whole (one grid over their GEMMs); compiled, through
         # the list-taking custom op
         def many(rows: torch.Tensor, bs: list[torch.Tensor], need_g: bool) -> Any:
@@ -198,14 +209,19 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
                 return (cs, g) if need_g else cs
             return _ag_impl(rows, bs, group=group, return_gathered=need_g, config=config)
 
-        return _shapes.all_gather_matmul(
-            lambda rows, b0, need_g: all_gather_matmul(rows, b0, group=group, return_gathered=need_g, config=config),
-            a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered, fused_many=many)
+        def nd() -> Any:
+            _refuse_grad("all_gather_matmul", a_shard, *(b if isinstance(b, (list, tuple)) else [b]))
+            return _shapes.all_gather_matmul(
+                lambda rows, b0, need_g: all_gather_matmul(rows, b0, group=group, return_gathered=need_g,
+                                                           config=config),
+                a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered, fused_many=many)
+
+        return _nd_call(group, "all_gather_matmul", nd)
     if _compiling():
         c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
         return (c, gathered) if return_gathered else c
     if (a_shard.requires_grad or b.requires_grad) and _grad_enabled():
-        raise _no_backward("all_gather_matmul")
+        _raise_in_step(group, "all_gather_matmul", _no_backward("all_gather_matmul"))
     return _ag_impl(a_shard, b, group=group, return_gathered=return_gathered, config=config)
 
 
@@ -271,7 +287,6 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
     traceable by torch.compile. ``x_partial`` [..., K]; ``b`` [K, N] or a list of such weights
     (one all-reduce and norm; a list of outputs)."""
     if not _shapes.simple(x_partial, b):
-        _refuse_grad("all_reduce_matmul", *(b if isinstance(b, (list, tuple)) else [b]))
 
         # a list of weights goes to the op whole (one all-reduce and norm, one grid over the
         # GEMMs); compiled, through the list-taking custom op
@@ -283,9 +298,14 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
                                                   config_id(config))
             return _ar_impl(rows, bs, group=group, residual=res, norm=norm, config=config)
 
-        return _shapes.all_reduce_matmul(
-            lambda rows, b0, res: all_reduce_matmul(rows, b0, group=group, residual=res, norm=norm, config=config),
-            x_partial, b, residual=residual, norm=norm, fused_many=many)
+        def nd() -> Any:
+            _refuse_grad("all_reduce_matmul", *(b if isinstance(b, (list, tuple)) else [b]))
+            return _shapes.all_reduce_matmul(
+                lambda rows, b0, res: all_reduce_matmul(rows, b0, group=group, residual=res, norm=norm,
+                                                        config=config),
+                x_partial, b, residual=residual, norm=norm, fused_many=many)
+
+        return _nd_call(group, "all_reduce_matmul", nd)
     if _compiling():
         if norm is None:
             return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,
@@ -295,7 +315,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
     if (x_partial.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)
             or (norm is not None and (norm.weight.requires_grad
                                       or (norm.bias is not None and norm.bias.requires_grad)))) and _grad_enabled():
-        raise _no_backward("all_reduce_matmul")
+        _raise_in_step(group, "all_reduce_matmul", _no_backward("all_reduce_matmul"))
     return _ar_impl(x_partial, b, group=group, residual=residual, norm=norm, config=config)
 
 
@@ -359,14 +379,14 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
     ``overlap.ops.matmul_reduce_scatter``, traceable by torch.compile. ``a`` [..., K] with any
     ``scatter_dim`` but the last."""
     if reduce_op != "sum" or not _shapes.simple(a, b, scatter_dim):
-        return _shapes.matmul_reduce_scatter(
+        return _nd_call(group, "matmul_reduce_scatter", lambda: _shapes.matmul_reduce_scatter(
             lambda rows, b0: matmul_reduce_scatter(rows, b0, group=group, config=config),
             a, b, scatter_dim=scatter_dim, reduce_op=reduce_op,
-            world=None if _compiling() else _world_size(_group_name(group)))
+            world=None if _compiling() else _world_size(_group_name(group))))
     if _compiling():
         return _matmul_reduce_scatter_op(a, b, _group_name(group), config_id(config))
     if (a.requires_grad or b.requires_grad) and _grad_enabled():
-        raise _no_backward("matmul_reduce_scatter")
+        _raise_in_step(group, "matmul_reduce_scatter", _no_backward("matmul_reduce_scatter"))
     return _mr.matmul_reduce_scatter(a, b, group=group, config=config)
 
 
@@ -392,14 +412,14 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
                       config: OverlapConfig | None = None) -> torch.Tensor:
     """``all_reduce(a @ b) (+ residual)``: ``overlap.ops.matmul_all_reduce``, traceable by torch.compile.
     ``a`` [..., K], ``residual`` [..., N]."""
-    if a.dim() != 2 or not isinstance(b, torch.Tensor):
-        return _shapes.matmul_all_reduce(
+    if not isinstance(a, torch.Tensor) or a.dim() != 2 or not isinstance(b, torch.Tensor):
+        return _nd_call(group, "matmul_all_reduce", lambda: _shapes.matmul_all_reduce(
             lambda rows, b0, res: matmul_all_reduce(rows, b0, group=group, residual=res, config=config),
-            a, b, residual=residual)
+            a, b, residual=residual))
     if _compiling():
         return _matmul_all_reduce_op(a, b, _group_name(group), residual, config_id(config))
     if (a.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)) and _grad_enabled():
-        raise _no_backward("matmul_all_reduce")
+        _raise_in_step(group, "matmul_all_reduce", _no_backward("matmul_all_reduce"))
     return _mr.matmul_all_reduce(a, b, group=group, residual=residual, config=config)
 
 
@@ -441,6 +461,9 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
                                                 config_id(config))
         return _matmul_all_reduce_matmul_op(a, b, b_next, _group_name(group), residual, norm.kind, norm.weight,
                                             norm.bias, float(norm.eps), config_id(config))
-    _refuse_grad("matmul_all_reduce_matmul", a, b, b_next, residual,
-                 *(() if norm is None else (norm.weight, norm.bias)))
+    try:
+        _refuse_grad("matmul_all_reduce_matmul", a, b, b_next, residual,
+                     *(() if norm is None else (norm.weight, norm.bias)))
+    except RuntimeError as e:
+        _raise_in_step(group, "matmul_all_reduce_matmul", e)
     return _boundary.matmul_all_reduce_matmul(a, b, b_next, group=group, residual=residual, norm=norm, config=config)

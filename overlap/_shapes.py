@@ -26,9 +26,22 @@ once; the outputs come back in the weights' order, each its own tensor.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Sequence
 
 import torch
+
+
+def agreed(lead: tuple[int, ...], dim: int | None, what: str = "gather_dim") -> Any:
+    """The N-D call's own values for the 2-D op's agreement across ranks (the leading shape,
+    and the dim moved first): ranks whose rows match but whose leading shape or dim differ
+    would combine rows that do not belong together. A context for the 2-D op's call."""
+    from .ops._agree import agree_extra
+
+    code = zlib.crc32(repr(tuple(int(x) for x in lead)).encode())
+    if dim is None:
+        return agree_extra(("dims", "leading shape"), (len(lead) + 1, code))
+    return agree_extra(("dims", what, "leading shape"), (len(lead) + 1, dim, code))
 
 
 def norm_dim(op: str, dim: int, nd: int, what: str, last_ok: bool = False) -> int:
@@ -93,18 +106,21 @@ def all_gather_matmul(fused: Any, a_shard: torch.Tensor, b: Any, *, gather_dim: 
     need_gathered)``, where given, the 2-D op on a list of weights (returning the list of
     outputs, and the gathered rows when asked); see the module docstring."""
     op = "all_gather_matmul"
-    if a_shard.dim() < 2:
-        raise ValueError(f"{op}: a_shard must have at least 2 dims [..., K], got {tuple(a_shard.shape)}")
+    if not isinstance(a_shard, torch.Tensor) or a_shard.dim() < 2:
+        raise ValueError(f"{op}: a_shard must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(a_shard.shape) if isinstance(a_shard, torch.Tensor) else type(a_shard).__name__}")
     d = norm_dim(op, gather_dim, a_shard.dim(), "gather_dim")
     bs, many = weights(op, b, a_shard.shape[-1], a_shard.dtype)
     rows, lead = to_rows(a_shard, d)
     if len(bs) > 1 and fused_many is not None:
-        out = fused_many(rows, bs, return_gathered)
+        with agreed(lead, d):
+            out = fused_many(rows, bs, return_gathered)
         cs, g = out if return_gathered else (out, None)
     else:
         need_g = return_gathered or len(bs) > 1
         first = longest(bs)
-        out = fused(rows, bs[first], need_g)
+        with agreed(lead, d):
+            out = fused(rows, bs[first], need_g)
         c0, g = out if need_g else (out, None)
         cs = [c0 if i == first else g @ w for i, w in enumerate(bs)]
     world = cs[0].shape[0] // rows.shape[0]
@@ -123,8 +139,9 @@ def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatt
     op = "matmul_reduce_scatter"
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"{op}: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
-    if a.dim() < 2:
-        raise ValueError(f"{op}: a must have at least 2 dims [..., K], got {tuple(a.shape)}")
+    if not isinstance(a, torch.Tensor) or a.dim() < 2:
+        raise ValueError(f"{op}: a must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__}")
     d = norm_dim(op, scatter_dim, a.dim(), "scatter_dim")
     weights(op, b, a.shape[-1], a.dtype, many_ok=False)
 
@@ -137,7 +154,8 @@ def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatt
     if world is not None:
         check(world)
     rows, lead = to_rows(a, d)
-    y = fused(rows, b)  # raises unless the rows divide by the ranks
+    with agreed(lead, d, "scatter_dim"):
+        y = fused(rows, b)  # raises unless the rows divide by the ranks
     world = rows.shape[0] // y.shape[0]
     check(world)  # (traced calls: after the call, the same on every rank)
     if reduce_op == "avg":
@@ -148,8 +166,9 @@ def matmul_reduce_scatter(fused: Any, a: torch.Tensor, b: torch.Tensor, *, scatt
 
 def flat(op: str, x: torch.Tensor, name: str) -> tuple[torch.Tensor, tuple[int, ...]]:
     """[..., K] -> [prod(...), K] and the leading shape."""
-    if x.dim() < 2:
-        raise ValueError(f"{op}: {name} must have at least 2 dims [..., K], got {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"{op}: {name} must be a tensor of at least 2 dims [..., K], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
 
 
@@ -172,10 +191,12 @@ def all_reduce_matmul(fused: Any, x_partial: torch.Tensor, b: Any, *, residual: 
     bs, many = weights(op, b, x2.shape[1], x2.dtype)
     res2 = like_rows(op, residual, lead, "residual")
     if len(bs) > 1 and fused_many is not None:
-        cs, h = fused_many(x2, bs, res2)
+        with agreed(lead, None):
+            cs, h = fused_many(x2, bs, res2)
         return [c.view(*lead, c.shape[-1]) for c in cs], h.view(*lead, h.shape[-1])
     first = longest(bs)
-    c0, h = fused(x2, bs[first], res2)
+    with agreed(lead, None):
+        c0, h = fused(x2, bs[first], res2)
     if len(bs) > 1:
         y = norm.apply(h) if norm is not None else h
         cs = [c0 if i == first else y @ w for i, w in enumerate(bs)]
@@ -189,13 +210,15 @@ def matmul_all_reduce(fused: Any, a: torch.Tensor, b: torch.Tensor, *, residual:
     op = "matmul_all_reduce"
     a2, lead = flat(op, a, "a")
     weights(op, b, a2.shape[1], a2.dtype, many_ok=False)
-    c = fused(a2, b, like_rows(op, residual, lead, "residual"))
+    res2 = like_rows(op, residual, lead, "residual")
+    with agreed(lead, None):
+        c = fused(a2, b, res2)
     return c.view(*lead, c.shape[-1])
 
 
 def simple(x: torch.Tensor, b: Any, dim: int = 0) -> bool:
     """The 2-D, dim 0, one-weight call: straight to the op."""
-    return x.dim() == 2 and dim in (0, -2) and isinstance(b, torch.Tensor)
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and dim in (0, -2) and isinstance(b, torch.Tensor)
 
 
 __all__: Sequence[str] = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce_matmul", "matmul_all_reduce")

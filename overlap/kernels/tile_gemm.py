@@ -681,14 +681,21 @@ class GemmConfig:
     sees it, and ops that order tiles by their schedule keep their own order."""
 
     def __post_init__(self) -> None:
+        from .._fields import bool_field, int_field
+
+        for name in ("block_m", "block_n", "block_k", "tail_block_m", "tail_block_n"):
+            int_field("GemmConfig", name, getattr(self, name), 0 if name.startswith("tail") else 16, 1024)
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
-            if v < 16 or v & (v - 1):
+            if v & (v - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
-        if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"bad num_stages/num_warps: {self.num_stages}/{self.num_warps}")
-        if self.group_m < 1:
-            raise ValueError(f"GemmConfig.group_m must be >= 1, got {self.group_m}")
+        int_field("GemmConfig", "num_stages", self.num_stages, 1, 16)
+        int_field("GemmConfig", "num_warps", self.num_warps, 1, 16)
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        int_field("GemmConfig", "group_m", self.group_m, 1, 1 << 16)
+        bool_field("GemmConfig", "warp_specialize", self.warp_specialize)
+        bool_field("GemmConfig", "flatten", self.flatten)
         if self.flatten and self.warp_specialize:
             raise ValueError("GemmConfig: flatten and warp_specialize do not combine (the flattened loop is "
                              "not warp-specialized)")

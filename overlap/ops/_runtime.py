@@ -30,6 +30,8 @@ import torch
 
 from .. import flags as _flags
 from .. import observe as _observe
+from .._fields import bool_field, choice_field, float_field, int_field
+from . import _agree
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
            "report_errors", "fused_call", "on_stream", "time_candidates", "split_variants", "ws_variants", "gemm_plan",
@@ -192,9 +194,27 @@ def warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, stacklevel=3)
 
 
-def _check_range(name: str, v: int | None, lo: int, hi: int) -> None:
-    if v is not None and not (lo <= v <= hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+MAX_SMS = 512
+"""Bound of the config fields that count SMs (margins, reduce programs): more than any GPU has."""
+MAX_CHUNKS = 64
+"""Bound of ``OverlapConfig.chunks`` (each chunk is an NCCL call or a push and a flag)."""
+MIN_TIMEOUT_MS = 1e-3
+"""Shortest wait bound a config takes (1 us; a shorter one rounds to no wait at all)."""
+MAX_TIMEOUT_MS = 7 * 24 * 3600 * 1000.0
+"""Longest wait bound a config takes (a week: a bound, never a hang)."""
+
+
+def check_gemm_field(owner: str, name: str, v: Any) -> None:
+    """``v`` None or an ``overlap.kernels.tile_gemm.GemmConfig`` (looked up only where that
+    module is loaded: a GemmConfig cannot exist before)."""
+    if v is None:
+        return
+    import sys
+
+    mod = sys.modules.get("overlap.kernels.tile_gemm")
+    if mod is None or not isinstance(v, mod.GemmConfig):
+        raise TypeError(f"{owner}.{name} must be an overlap.kernels.tile_gemm.GemmConfig or None, got {v!r} "
+                        f"({type(v).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,7 +230,7 @@ class NcclTransport:
     budget); ``None``: 16."""
 
     def __post_init__(self) -> None:
-        _check_range("NcclTransport.ctas", self.ctas, 1, 64)
+        int_field("NcclTransport", "ctas", self.ctas, 1, 64, none_ok=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,7 +264,9 @@ class PeerCopyTransport:
     call, the GEMM's epilogue applies the rest). Ignored without a norm."""
 
     def __post_init__(self) -> None:
-        _check_range("PeerCopyTransport.reduce_ctas", self.reduce_ctas, 1, 1024)
+        int_field("PeerCopyTransport", "reduce_ctas", self.reduce_ctas, 1, MAX_SMS, none_ok=True)
+        for f in ("reduce_shared", "two_shot", "fold_norm"):
+            bool_field("PeerCopyTransport", f, getattr(self, f))
 
 
 # each typed transport's options: (its field, OverlapConfig's flat field of the same meaning)
@@ -370,6 +392,7 @@ class OverlapConfig:
     (raise on a later call once the copy of the error word has landed), 'none'."""
 
     def __post_init__(self) -> None:
+        self._check_fields()
         typed = self.transport
         if isinstance(typed, (NcclTransport, PeerCopyTransport)):
             # the typed form into the flat fields: equal (and hashing equal) to the flat spelling
@@ -381,21 +404,6 @@ class OverlapConfig:
                 if mine != _FLAT_DEFAULTS[ff]:
                     object.__setattr__(self, ff, mine)
             object.__setattr__(self, "transport", typed.name)
-        if self.chunks is not None and self.chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
-        _check_range("nccl_ctas", self.nccl_ctas, 1, 64)
-        if self.sm_margin is not None and self.sm_margin < 0:
-            raise ValueError(f"sm_margin must be >= 0, got {self.sm_margin}")
-        if self.transport not in (None, "nccl", "p2p"):
-            raise ValueError("transport must be 'nccl', 'p2p', NcclTransport(...), PeerCopyTransport(...) or None, "
-                             f"got {self.transport!r}")
-        if not (0 <= self.split_tail <= 64):
-            raise ValueError(f"split_tail must be in [0, 64], got {self.split_tail}")
-        _check_range("reduce_ctas", self.reduce_ctas, 1, 1024)
-        if self.check not in ("sync", "async", "none"):
-            raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
-        if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
-            raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
         if getattr(self.gemm, "tail_block_m", 0):
             raise ValueError("GemmConfig.tail_block_m/n is for the GEMM alone (launch_gemm): an op's GEMM is one "
                              "launch over its table")
@@ -406,6 +414,25 @@ class OverlapConfig:
                              "norm: give_back=False, split_tail 0 or 1, fold_norm=False")
         if self.transport is not None:  # else each transport's rules apply where the call picks it
             self.check_for(self.transport)
+
+    def _check_fields(self) -> None:
+        """Every field's type and range (``overlap._fields``); the cross-field rules follow."""
+        o = "OverlapConfig"
+        int_field(o, "chunks", self.chunks, 1, MAX_CHUNKS, none_ok=True)
+        int_field(o, "nccl_ctas", self.nccl_ctas, 1, 64, none_ok=True)
+        int_field(o, "sm_margin", self.sm_margin, 0, MAX_SMS, none_ok=True)
+        bool_field(o, "give_back", self.give_back)
+        check_gemm_field(o, "gemm", self.gemm)
+        float_field(o, "timeout_ms", self.timeout_ms, MIN_TIMEOUT_MS, MAX_TIMEOUT_MS, none_ok=True)
+        if not (self.transport is None or isinstance(self.transport, (NcclTransport, PeerCopyTransport))
+                or (isinstance(self.transport, str) and self.transport in ("nccl", "p2p"))):
+            raise ValueError("OverlapConfig.transport must be 'nccl', 'p2p', NcclTransport(...), "
+                             f"PeerCopyTransport(...) or None, got {self.transport!r}")
+        int_field(o, "reduce_ctas", self.reduce_ctas, 1, MAX_SMS, none_ok=True)
+        for f in ("reduce_shared", "two_shot", "fold_norm"):
+            bool_field(o, f, getattr(self, f))
+        int_field(o, "split_tail", self.split_tail, 0, 64)
+        choice_field(o, "check", self.check, ("sync", "async", "none"))
 
     def check_for(self, transport: str) -> None:
         """Raise ValueError where a field set here cannot apply on ``transport`` ("nccl" or
@@ -774,13 +801,9 @@ REFRESH_EVERY = 1 << 24
 """Calls between refreshes of a peer-copy sender's idle chunk flags (``post_sig``)."""
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
-           torch.uint8)
-
-
 def dtype_code(dtype: torch.dtype) -> int:
     """A number for ``dtype`` that every rank computes alike (for ``check_agree``)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
+    return _agree.dtype_code(dtype)
 
 
 _EVERY_CALL: list[bool] = []
@@ -961,21 +984,23 @@ def reset(group: Any = None) -> None:
     waits (bounded by ``shutdown_timeout_s``) until this rank's work of the ops has
     ended, meets the other ranks, zeroes this rank's shared flags and epochs and the
     error words, and meets them again; the next call of every op is then epoch 1 on
-    every rank. The NCCL transport and the chain keep no state across calls and need no
-    reset. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
+    every rank. It also ends an out-of-step state (``overlap.ops._agree``: the group's call
+    counters start again from 0 and a group ended on a rank is usable again). The NCCL
+    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
     whose peer is gone): then ``overlap.dist.shutdown`` is the way out."""
     import torch.distributed as tdist
 
     group = resolve_group(group)
     rt = None
+    ranks, _ = group_key(group)
     if torch.cuda.is_available():
-        ranks, _ = group_key(group)
         with _lock:
             rt = next((r for (rk, _), r in _runtimes.items() if rk == ranks), None)
     if rt is not None and not _drain(rt, shutdown_timeout_s(group)):
         raise RuntimeError(f"overlap.reset: rank {rt.rank}: the ops' work did not end within "
                            f"{shutdown_timeout_s(group):.0f} s; shut down instead (overlap.dist.shutdown)")
     tdist.barrier(group=group)  # every rank's pushes have ended: nothing lands after this
+    _agree.reset_steps(ranks)  # the group's call counters from 0, the group no longer ended here
     if rt is not None:
         with rt.order.lock:
             if rt._heap is not None:
@@ -1015,6 +1040,7 @@ def reset_runtimes() -> None:
                 pass
         _runtimes.clear()
         _by_group.clear()
+    _agree.reset_steps()
 
 
 def _register() -> None:
@@ -1046,9 +1072,11 @@ AGREED_CAP = 1024
 
 def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...],
                 rows_at: int | None = None) -> None:
-    """Sizes that must agree across the group's ranks (else NCCL sizes disagree
-    and peers hang). Checked with a tiny blocking all-gather on torch's group the first
-    time a key is seen; a rank that disagrees makes every rank raise.
+    """The call's agreement point on the tile-flag path (``overlap.ops._agree``): sizes that
+    must agree across the group's ranks (else NCCL sizes disagree and peers hang). Checked
+    with a tiny blocking all-gather on torch's group the first time a key is seen; the
+    exchange also carries every rank's verdict, the group's call counter and the calling
+    thread, and a rank that disagrees (or refused the call) makes every rank raise.
 
     ``rows_at``: the index in ``values`` of the row count (M or M/R), which enters the
     key by its bucket (``overlap.policies.row_bucket``): a new M in a bucket seen before
@@ -1068,17 +1096,14 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         kv = values
     key = (op, names, kv)
     agreed = rt.cache("agreed", AGREED_CAP)
-    if agreed.get(key) and (not every_call_checked() or capturing()):
-        return
     if capturing():
-        raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
-                                  "capture yet; call it once with the same shapes before capturing it")
-    vals = gather_ints(rt.group, rt.world, list(values), rt.device)
-    if any(v != vals[0] for v in vals):
-        bad = [i for i, v in enumerate(vals) if v != vals[0]]
-        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
-                         f"group ranks {bad} differ from group rank 0)")
-    agreed.add(key)
+        if not agreed.get(key):
+            raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
+                                      "capture yet; call it once with the same shapes before capturing it")
+        _agree.group_step(rt.group).calls += 1  # counted as its eager call was; never an exchange in a capture
+        return
+    _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=agreed, key=key,
+                     every=every_call_checked(), then_collective=False)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
@@ -1143,8 +1168,10 @@ def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tupl
                        device: torch.device) -> None:
     """The ranks' agreement on a call the op sends to its reference path (a plain
     collective, where sizes that differ make gloo abort a rank and NCCL hang or
-    corrupt): checked on every such call (a small all-gather; the reference path is
-    not the fast path), every rank raising the same error. Not inside a capture."""
+    corrupt): exchanged on every such call (a small all-gather; the reference path is
+    not the fast path) with every rank's verdict and the group's call counter
+    (``overlap.ops._agree``), every rank raising the same error. The reference's data
+    collective follows it (``_agree.collective_done``). Not inside a capture."""
     import torch.distributed as tdist
 
     if capturing():
@@ -1156,11 +1183,7 @@ def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tupl
     if world == 1:
         return
     dev = device if tdist.get_backend(group) == "nccl" else torch.device("cpu")
-    vals = gather_ints(group, world, list(values), dev)
-    if any(v != vals[0] for v in vals):
-        bad = [i for i, v in enumerate(vals) if v != vals[0]]
-        raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {vals} (rank order of the group; "
-                         f"group ranks {bad} differ from group rank 0)")
+    _agree.agreement(group, world, dev, op, names, values, then_collective=True)
 
 
 def time_ms(fn: Any, iters: int, group: Any, batches: int = 3) -> float:

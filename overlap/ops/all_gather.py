@@ -43,6 +43,7 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
+from ._agree import check_dtype, collective_done, group_call
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
@@ -79,17 +80,23 @@ def _world(group: Any) -> tuple[int, int]:
 
 
 def _check_inputs(a_shard: torch.Tensor, b: torch.Tensor) -> None:
+    op = "all_gather_matmul"
+    for name, t in (("a_shard", a_shard), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if a_shard.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"a_shard must be [M/R, K] and b [K, N]; got {tuple(a_shard.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"{op}: a_shard must be [M/R, K] and b [K, N]; got {tuple(a_shard.shape)} and "
+                         f"{tuple(b.shape)}")
     if a_shard.shape[1] != b.shape[0]:
-        raise ValueError(f"K mismatch: a_shard is {tuple(a_shard.shape)} (K={a_shard.shape[1]}), "
+        raise ValueError(f"{op}: K mismatch: a_shard is {tuple(a_shard.shape)} (K={a_shard.shape[1]}), "
                          f"b is {tuple(b.shape)} (K={b.shape[0]})")
+    check_dtype(op, "a_shard", a_shard.dtype)
     if a_shard.dtype != b.dtype:
-        raise TypeError(f"dtype mismatch: a_shard {a_shard.dtype}, b {b.dtype}")
+        raise TypeError(f"{op}: dtype mismatch: a_shard {a_shard.dtype}, b {b.dtype}")
     if a_shard.device != b.device:
-        raise ValueError(f"device mismatch: a_shard on {a_shard.device}, b on {b.device}")
+        raise ValueError(f"{op}: device mismatch: a_shard on {a_shard.device}, b on {b.device}")
     if a_shard.shape[0] == 0 or b.shape[1] == 0 or b.shape[0] == 0:
-        raise ValueError(f"empty operand: a_shard {tuple(a_shard.shape)}, b {tuple(b.shape)}")
+        raise ValueError(f"{op}: empty operand: a_shard {tuple(a_shard.shape)}, b {tuple(b.shape)}")
 
 
 def check_weight_list(op: str, x: torch.Tensor, x_name: str, bs: list[torch.Tensor], check_one: Any) -> None:
@@ -107,7 +114,8 @@ def check_weight_list(op: str, x: torch.Tensor, x_name: str, bs: list[torch.Tens
         try:
             check_one(w)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{op}: b[{i}]: {e}") from None
+            why = str(e).removeprefix(f"{op}: ")
+            raise ValueError(f"{op}: b[{i}]: {why}") from None
 
 
 def _check_many(a_shard: torch.Tensor, bs: list[torch.Tensor]) -> None:
@@ -139,6 +147,7 @@ def all_gather_matmul_ref(a_shard: torch.Tensor, b: Any, *, group: Any = None,
     if tm:
         tm.start("comm")
     all_gather_single(gathered, a_shard, group=group)
+    collective_done()
     if tm:
         tm.stop("comm")
         tm.start("gemm")
@@ -324,7 +333,7 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
             rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
         grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
-            raise ValueError(f"no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
+            raise ValueError(f"all_gather_matmul: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
         # the give-back grid takes every SM the main grid left: NCCL's and the margin
         give_back = rt.num_sms - grid if (cfg.give_back and transport == "nccl") else 0
         # the tiles left after the last full wave of the GEMM's SMs run on a part of the
@@ -350,6 +359,7 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
     return p
 
 
+@group_call("all_gather_matmul")
 def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, return_gathered: bool = False,
                       config: OverlapConfig | None = None) -> Any:
     """``all_gather(a_shard, dim=0) @ b`` with GEMM tiles starting as chunks land.

@@ -60,6 +60,7 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
                         tail_parts, upload)
+from ._agree import check_dtype, collective_done, float_code, group_call
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
@@ -94,12 +95,14 @@ class Norm:
     eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.kind not in ("layernorm", "rmsnorm"):
+        if not isinstance(self.kind, str) or self.kind not in ("layernorm", "rmsnorm"):
             raise ValueError(f"Norm.kind must be 'layernorm' or 'rmsnorm', got {self.kind!r}")
         if self.kind == "rmsnorm" and self.bias is not None:
             raise ValueError("rmsnorm takes no bias")
-        if self.eps <= 0:
-            raise ValueError(f"Norm.eps must be > 0, got {self.eps}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (0 < self.eps < 1):
+            raise ValueError(f"Norm.eps must be a number in (0, 1), got {self.eps!r}")
+        if not isinstance(self.weight, torch.Tensor):
+            raise TypeError(f"Norm.weight must be a tensor [K], got {type(self.weight).__name__}")
 
     @classmethod
     def from_module(cls, m: torch.nn.Module) -> "Norm":
@@ -124,35 +127,56 @@ class Norm:
         return torch.nn.functional.rms_norm(h, (k,), self.weight, self.eps)
 
 
-def _check_inputs(x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> None:
+def _check_inputs(x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
+                  op: str = "all_reduce_matmul") -> None:
+    for name, t in (("x_partial", x), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if x.dim() != 2 or b.dim() != 2:
-        raise ValueError(f"x_partial must be [M, K] and b [K, N]; got {tuple(x.shape)} and {tuple(b.shape)}")
+        raise ValueError(f"{op}: x_partial must be [M, K] and b [K, N]; got {tuple(x.shape)} and {tuple(b.shape)}")
     if x.shape[1] != b.shape[0]:
-        raise ValueError(f"K mismatch: x_partial is {tuple(x.shape)} (K={x.shape[1]}), "
+        raise ValueError(f"{op}: K mismatch: x_partial is {tuple(x.shape)} (K={x.shape[1]}), "
                          f"b is {tuple(b.shape)} (K={b.shape[0]})")
+    check_dtype(op, "x_partial", x.dtype)
     if x.dtype != b.dtype:
-        raise TypeError(f"dtype mismatch: x_partial {x.dtype}, b {b.dtype}")
+        raise TypeError(f"{op}: dtype mismatch: x_partial {x.dtype}, b {b.dtype}")
     if x.device != b.device:
-        raise ValueError(f"device mismatch: x_partial on {x.device}, b on {b.device}")
+        raise ValueError(f"{op}: device mismatch: x_partial on {x.device}, b on {b.device}")
     if x.numel() == 0 or b.numel() == 0:
-        raise ValueError(f"empty operand: x_partial {tuple(x.shape)}, b {tuple(b.shape)}")
+        raise ValueError(f"{op}: empty operand: x_partial {tuple(x.shape)}, b {tuple(b.shape)}")
     if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{op}: residual must be a tensor or None, got {type(residual).__name__}")
         if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"residual must be {tuple(x.shape)} like x_partial, got {tuple(residual.shape)}")
+            raise ValueError(f"{op}: residual must be {tuple(x.shape)} like x_partial, got {tuple(residual.shape)}")
         if residual.dtype != x.dtype or residual.device != x.device:
-            raise TypeError(f"residual is {residual.dtype} on {residual.device}; "
+            raise TypeError(f"{op}: residual is {residual.dtype} on {residual.device}; "
                             f"x_partial is {x.dtype} on {x.device}")
-    if norm is not None:
-        if not isinstance(norm, Norm):
-            raise TypeError(f"norm must be overlap.ops.Norm or None, got {type(norm).__name__}")
-        k = x.shape[1]
-        for name, t in (("weight", norm.weight), ("bias", norm.bias)):
-            if t is None:
-                continue
-            if tuple(t.shape) != (k,):
-                raise ValueError(f"norm {name} must be [K] = [{k}], got {tuple(t.shape)}")
-            if t.device != x.device:
-                raise ValueError(f"norm {name} on {t.device}, x_partial on {x.device}")
+    check_norm(op, norm, x, "x_partial", x.shape[1])
+
+
+def check_norm(op: str, norm: "Norm | None", x: torch.Tensor, x_name: str, k: int) -> None:
+    """``norm`` fits the rows it normalizes (of ``x``'s dtype and device, ``k`` wide) in
+    ``op``: an ``overlap.ops.Norm`` whose weight and bias are [k] on x's device, of x's dtype
+    or float32 with a float16 / bfloat16 input (what torch's norms and the kernels take);
+    else an error naming the op and the norm."""
+    if norm is None:
+        return
+    if not isinstance(norm, Norm):
+        raise TypeError(f"{op}: norm must be overlap.ops.Norm or None, got {type(norm).__name__}")
+    for name, t in (("weight", norm.weight), ("bias", norm.bias)):
+        if t is None:
+            continue
+        what = f"{op}: the norm's {name} ({norm.kind})"
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (k,):
+            raise ValueError(f"{what} must be [K] = [{k}], got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{what} is on {t.device}, {x_name} on {x.device}")
+        if t.dtype != x.dtype and not (t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
+            raise TypeError(f"{what} is {t.dtype}, {x_name} is {x.dtype}: a norm's weight and bias take the "
+                            "input's dtype (or float32 with a float16 / bfloat16 input)")
 
 
 def _finish(h: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +201,7 @@ def all_reduce_matmul_ref(x_partial: torch.Tensor, b: torch.Tensor, *, group: An
     if tm:
         tm.start("comm")
     tdist.all_reduce(s, group=group)
+    collective_done()
     if tm:
         tm.stop("comm")
         tm.start("gemm")
@@ -370,6 +395,7 @@ def _tune_key(x: torch.Tensor, n: int, residual: Any, norm: Norm | None) -> tupl
     return (x.shape[0], n, x.shape[1], x.dtype, residual is not None, norm.kind if norm else None)
 
 
+@group_call("all_reduce_matmul")
 def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                       residual: torch.Tensor | None = None, norm: Norm | None = None,
                       config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -550,11 +576,14 @@ def _widest(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residua
 
 
 def _norm_code(norm: Norm | None) -> int:
-    """The norm as one int for the ranks' agreement: 0 none, then kind, weight dtype and bias."""
+    """The norm as one int for the ranks' agreement: 0 none, else a CRC-32 (never 0) of its
+    kind, eps (its exact bits) and the weight's and bias's dtypes, the same on every rank."""
     if norm is None:
         return 0
-    kind = ("layernorm", "rmsnorm").index(norm.kind)
-    return 1 + kind + 2 * dtype_code(norm.weight.dtype) + 10_000 * int(norm.bias is not None)
+    import zlib
+
+    bias = None if norm.bias is None else str(norm.bias.dtype)
+    return zlib.crc32(repr((norm.kind, float_code(norm.eps), str(norm.weight.dtype), bias)).encode()) | 1
 
 
 def _contiguous(residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor | None, Norm | None]:

@@ -35,6 +35,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
+from ._agree import group_call
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
                        get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
@@ -59,13 +60,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: tor
         raise TypeError(f"{OP}: b_next is {b_next.dtype} on {b_next.device}; a is {a.dtype} on {a.device}")
     if b_next.numel() == 0:
         raise ValueError(f"{OP}: empty operand: b_next {tuple(b_next.shape)}")
-    if norm is not None:
-        if not isinstance(norm, _ar.Norm):
-            raise TypeError(f"{OP}: norm must be overlap.ops.Norm or None, got {type(norm).__name__}")
-        for name, t in (("weight", norm.weight), ("bias", norm.bias)):
-            if t is not None and (tuple(t.shape) != (n,) or t.device != a.device):
-                raise ValueError(f"{OP}: norm {name} must be [N] = [{n}] on {a.device}, got {tuple(t.shape)} "
-                                 f"on {t.device}")
+    _ar.check_norm(OP, norm, a, "a", n)
 
 
 def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
@@ -80,6 +75,7 @@ def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch
     return y @ b_next, h
 
 
+@group_call(OP)
 def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
                              residual: torch.Tensor | None = None, norm: Any = None,
                              config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:

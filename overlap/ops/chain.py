@@ -89,7 +89,10 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
+from .._fields import choice_field, float_field, int_field
 from ..observe import gpu_range
+from ._agree import check_dtype, named
+from ._runtime import (MAX_SMS, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, check_gemm_field)
 from ._runtime import (LRU, OverlapCaptureError, Runtime, capturing, env_sm_margin, keep_for_capture,
                        local_runtime, local_runtime_if_made, observed, on_stream, refuse_grad, report_errors,
                        serial_phases, warn_once)
@@ -134,16 +137,15 @@ class ChainConfig:
     producer program runs (Hopper or later: ``overlap.kernels.tile_gemm.pdl_supported``)."""
 
     def __post_init__(self) -> None:
-        if self.sync not in ("row", "tile"):
-            raise ValueError(f"sync must be 'row' or 'tile', got {self.sync!r}")
-        if self.launch not in ("streams", "pdl"):
-            raise ValueError(f"launch must be 'streams' or 'pdl', got {self.launch!r}")
-        if self.reserve_sms < 1:
-            raise ValueError(f"reserve_sms must be >= 1 (the producer needs an SM), got {self.reserve_sms}")
-        if self.check not in ("sync", "async", "none"):
-            raise ValueError(f"check must be 'sync', 'async' or 'none', got {self.check!r}")
-        if self.timeout_ms is not None and not (0 < self.timeout_ms < float("inf")):
-            raise ValueError(f"timeout_ms must be a finite number > 0, got {self.timeout_ms}")
+        o = "ChainConfig"
+        check_gemm_field(o, "producer", self.producer)
+        check_gemm_field(o, "consumer", self.consumer)
+        # >= 1: the producer needs an SM
+        int_field(o, "reserve_sms", self.reserve_sms, 1, MAX_SMS)
+        float_field(o, "timeout_ms", self.timeout_ms, MIN_TIMEOUT_MS, MAX_TIMEOUT_MS, none_ok=True)
+        choice_field(o, "check", self.check, ("sync", "async", "none"))
+        choice_field(o, "sync", self.sync, ("row", "tile"))
+        choice_field(o, "launch", self.launch, ("streams", "pdl"))
         p = self.producer or _default_gemm()
         c = self.consumer or p
         if p.tail_block_m or c.tail_block_m:
@@ -191,21 +193,25 @@ def _tune_key(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: s
 
 
 def _check_inputs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None) -> None:
+    for name, t in (("x", x), ("w1", w1), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a tensor, got {type(t).__name__}")
     if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2:
-        raise ValueError(f"x [M, K], w1 [K, F] and w2 [F, N] must be 2-D; got {tuple(x.shape)}, "
+        raise ValueError(f"{OP}: x [M, K], w1 [K, F] and w2 [F, N] must be 2-D; got {tuple(x.shape)}, "
                          f"{tuple(w1.shape)}, {tuple(w2.shape)}")
     if x.shape[1] != w1.shape[0]:
-        raise ValueError(f"K mismatch: x is {tuple(x.shape)}, w1 is {tuple(w1.shape)}")
+        raise ValueError(f"{OP}: K mismatch: x is {tuple(x.shape)}, w1 is {tuple(w1.shape)}")
     if w1.shape[1] != w2.shape[0]:
-        raise ValueError(f"F mismatch: w1 is {tuple(w1.shape)}, w2 is {tuple(w2.shape)}")
+        raise ValueError(f"{OP}: F mismatch: w1 is {tuple(w1.shape)}, w2 is {tuple(w2.shape)}")
+    check_dtype(OP, "x", x.dtype)
     if not (x.dtype == w1.dtype == w2.dtype):
-        raise TypeError(f"dtype mismatch: x {x.dtype}, w1 {w1.dtype}, w2 {w2.dtype}")
+        raise TypeError(f"{OP}: dtype mismatch: x {x.dtype}, w1 {w1.dtype}, w2 {w2.dtype}")
     if not (x.device == w1.device == w2.device):
-        raise ValueError(f"device mismatch: x on {x.device}, w1 on {w1.device}, w2 on {w2.device}")
+        raise ValueError(f"{OP}: device mismatch: x on {x.device}, w1 on {w1.device}, w2 on {w2.device}")
     if x.numel() == 0 or w1.numel() == 0 or w2.numel() == 0:
-        raise ValueError("empty operand")
+        raise ValueError(f"{OP}: empty operand: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
     if activation not in _ACTS:
-        raise ValueError(f"activation must be one of {_ACTS}, got {activation!r}")
+        raise ValueError(f"{OP}: activation must be one of {_ACTS}, got {activation!r}")
 
 
 def mlp_chain_ref(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
@@ -326,6 +332,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     return _mlp_chain(x, w1, w2, activation=activation, config=config, sync=sync)
 
 
+@named(OP)
 def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation: str | None = "gelu",
                config: ChainConfig | None = None, sync: str | None = None, consumer_first: bool = False,
                producer_delay_cycles: int = 0) -> torch.Tensor:
@@ -335,7 +342,9 @@ def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activatio
     _check_inputs(x, w1, w2, activation)
     refuse_grad("mlp_chain", x, w1, w2)
     if sync not in (None, "row", "tile"):
-        raise ValueError(f"sync must be 'row' or 'tile', got {sync!r}")
+        raise ValueError(f"{OP}: sync must be 'row' or 'tile', got {sync!r}")
+    if config is not None and not isinstance(config, ChainConfig):
+        raise TypeError(f"{OP}: config must be a ChainConfig or None, got {type(config).__name__}")
     if not _takes_fast_path(x):
         warn_once(f"chain-ref-{x.device.type}-{x.dtype}",
                   f"mlp_chain: no tile-flag path for {x.dtype} on {x.device.type}; running torch")

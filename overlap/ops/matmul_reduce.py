@@ -57,6 +57,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
+from ._agree import check_dtype, collective_done, group_call
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
@@ -91,10 +92,14 @@ def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> 
 
 
 def _check_inputs(op: str, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    for name, t in (("a", a), ("b", b)) + ((("residual", residual),) if residual is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"{op}: a must be [M, K/R] and b [K/R, N]; got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{op}: K mismatch: a is {tuple(a.shape)}, b is {tuple(b.shape)}")
+    check_dtype(op, "a", a.dtype)
     if a.dtype != b.dtype:
         raise TypeError(f"{op}: dtype mismatch: a {a.dtype}, b {b.dtype}")
     if a.device != b.device:
@@ -136,6 +141,7 @@ def matmul_reduce_scatter_ref(a: torch.Tensor, b: torch.Tensor, *, group: Any = 
         tm.start("comm")
     out = c.new_empty((m // world, c.shape[1]))
     _reduce_scatter_single(out, c.contiguous(), group)
+    collective_done()
     if tm:
         tm.stop("comm")
         tm.commit()
@@ -158,6 +164,7 @@ def matmul_all_reduce_ref(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
         tm.stop("gemm")
         tm.start("comm")
     tdist.all_reduce(c, group=group)
+    collective_done()
     if tm:
         tm.stop("comm")
         tm.commit()
@@ -423,6 +430,8 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
         warn_once(f"{op}-ref-{a.device.type}-{a.dtype}",
                   f"{op}: no tile-flag path for {a.dtype} on {a.device.type}; running the reference "
                   f"(matmul, then {'reduce-scatter' if scatter else 'all-reduce'})")
+        if scatter and m % _world(group):  # before the agreement: a refusal, not a failed collective
+            raise ValueError(f"{op}: M={m} is not a multiple of the {_world(group)} ranks")
         agree_on_reference(group, op, ("M", "K/R", "N", "dtype", "residual"),
                            (m, k, n, dtype_code(a.dtype), int(residual is not None)), a.device)
         why = "no GPU" if not a.is_cuda else f"dtype {a.dtype}"
@@ -486,6 +495,7 @@ def _transport(rt: Runtime, cfg: OverlapConfig) -> str:
     return rt.transport(cfg)
 
 
+@group_call("matmul_reduce_scatter")
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None,
                           config: OverlapConfig | None = None) -> torch.Tensor:
     """``reduce_scatter(a @ b, dim=0)``: each chunk's reduce-scatter starts as its tiles finish.
@@ -511,6 +521,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
                 lambda: matmul_reduce_scatter_ref(a, b, group=group))
 
 
+@group_call("matmul_all_reduce")
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, residual: torch.Tensor | None = None,
                       config: OverlapConfig | None = None) -> torch.Tensor:
     """``all_reduce(a @ b) (+ residual)``: each chunk's all-reduce starts as its tiles finish.

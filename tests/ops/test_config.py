@@ -176,3 +176,69 @@ def test_bucketed_plans_are_an_agreed_value() -> None:
     for mod in (all_gather, all_reduce, matmul_reduce):
         src = inspect.getsource(mod)
         assert src.count('"bucketed"') == src.count("check_agree(rt,") >= 1, mod.__name__
+
+
+# every field of every config type: the type first (bools are not ints, strings are not
+# numbers, nan and inf are not numbers), then the range; the error names the field
+_BAD_FIELDS = [
+    (OverlapConfig, "chunks", [10**9, 2.5, True, float("nan"), "4", 0, -1]),
+    (OverlapConfig, "nccl_ctas", [2.5, 0, 65, True, "8"]),
+    (OverlapConfig, "sm_margin", [10**6, -1, 1.5, False, "0"]),
+    (OverlapConfig, "give_back", ["no", 1, 0, None]),
+    (OverlapConfig, "gemm", ["fast", 1, {"block_m": 64}]),
+    (OverlapConfig, "timeout_ms", [1e-9, 0, -5, float("nan"), float("inf"), "100", True, 1e12]),
+    (OverlapConfig, "transport", ["NCCL", 1, True]),
+    (OverlapConfig, "reduce_ctas", [0, 10**6, 2.5, True]),
+    (OverlapConfig, "reduce_shared", ["yes", 1]),
+    (OverlapConfig, "two_shot", ["yes", 1]),
+    (OverlapConfig, "fold_norm", ["yes", 1]),
+    (OverlapConfig, "split_tail", [-1, 65, 2.0, True, None]),
+    (OverlapConfig, "check", ["never", 1, None]),
+    (NcclTransport, "ctas", [0, 65, 2.5, True, "8"]),
+    (PeerCopyTransport, "reduce_ctas", [0, 10**6, 2.5, True]),
+    (PeerCopyTransport, "reduce_shared", ["no", 1]),
+    (PeerCopyTransport, "two_shot", ["no", 1]),
+    (PeerCopyTransport, "fold_norm", ["no", 1]),
+    (GemmConfig, "block_m", [True, 8, 96, 2048, 64.0, "64"]),
+    (GemmConfig, "block_n", [True, 100, "128"]),
+    (GemmConfig, "block_k", [False, 0, 48]),
+    (GemmConfig, "num_stages", [0, 100, 2.5, True, "3"]),
+    (GemmConfig, "num_warps", [3, 32, True, 8.0]),
+    (GemmConfig, "warp_specialize", [1, "yes"]),
+    (GemmConfig, "flatten", [1, "yes"]),
+    (GemmConfig, "group_m", [0, 2.5, True]),
+    (GemmConfig, "tail_block_m", [True, -16, 2.5]),
+]
+
+
+def _chain_bad() -> list:
+    from overlap.ops import ChainConfig
+
+    return [(ChainConfig, "reserve_sms", [10**9, 0, 1.5, True, "1"]),
+            (ChainConfig, "timeout_ms", [1e-9, float("nan"), "5", True]),
+            (ChainConfig, "check", ["never", None]),
+            (ChainConfig, "sync", ["rows", None, 1]),
+            (ChainConfig, "launch", ["graph", None]),
+            (ChainConfig, "producer", ["fast", 1]),
+            (ChainConfig, "consumer", ["fast", 1])]
+
+
+@pytest.mark.parametrize("cls,field,values", _BAD_FIELDS + _chain_bad(),
+                         ids=[f"{c.__name__}.{f}" for c, f, _ in _BAD_FIELDS + _chain_bad()])
+def test_bad_field_values_refused_at_construction(cls: type, field: str, values: list) -> None:
+    for v in values:
+        with pytest.raises((TypeError, ValueError), match=rf"\b{field}\b") as e:
+            cls(**{field: v})
+        assert "not supported between" not in str(e.value), (field, v, e.value)  # a comparison, not a check
+
+
+def test_good_field_values_still_accepted() -> None:
+    import numpy as np
+
+    from overlap.ops import ChainConfig
+
+    OverlapConfig(chunks=np.int64(4), nccl_ctas=8, sm_margin=0, give_back=False, gemm=GemmConfig(block_m=64),
+                  timeout_ms=50, transport="nccl", split_tail=8, check="sync")
+    OverlapConfig(timeout_ms=2.5, transport=PeerCopyTransport(reduce_ctas=24, two_shot=True, fold_norm=True))
+    ChainConfig(reserve_sms=2, timeout_ms=1000, producer=GemmConfig(block_n=128), sync="tile", launch="pdl")
+    GemmConfig(block_m=256, block_n=128, num_stages=4, num_warps=4, flatten=True, tail_block_m=64, tail_block_n=64)
