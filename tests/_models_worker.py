@@ -1,0 +1,162 @@
+"""One rank of the gloo tests of ``parallelize`` on real model families (started by
+tests/nn/test_models.py): HF transformers' Llama (GQA), Mistral, Qwen2 (q/k/v biases, tied
+embeddings), Qwen3 (per-head q/k norms) and GPT-2 (Conv1D, fused ``c_attn``), tiny and built
+from their configs (never downloaded), through ``parallelize(model)`` with no plan.
+
+Per family, sequence-parallel and not, against the unsharded model built from the same
+seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
+unsharded layout) and 5 AdamW steps (new tokens each step); the number of data
+all-gathers in one forward; then the failures that must raise, leaving the model as it
+was. Prints ``PASS models world=W rank=R`` at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+
+# run as a script, this folder leads sys.path, and its kernels/ would shadow the `kernels`
+# package that transformers imports
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch
+import torch.distributed as tdist
+
+from overlap import dist
+from overlap.nn import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, parallelize, unshard
+
+RANK, WS = 0, 1
+TOL = {"rtol": 2e-4, "atol": 2e-5}  # fp32, sums over ranks in another order than the unsharded model's
+# after AdamW steps: Adam divides by the gradient's own scale, so rounding differences of
+# near-zero gradient entries become differences of up to lr in the weights
+TOL_STEPS = {"rtol": 2e-3, "atol": 2e-4}
+B, T, V, C = 2, 8, 96, 64
+
+
+def families() -> dict:
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=C, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=None)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16,
+                                                            tie_word_embeddings=True)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=C, n_layer=2, n_head=4,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    }
+
+
+def build(family: str) -> torch.nn.Module:
+    torch.manual_seed(1234)  # the same weights on every rank
+    m = families()[family]()
+    with torch.no_grad():  # norms away from 1 / 0 so that their gradients mean something
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return m.float().train()
+
+
+def tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1000 + step))  # new every step
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: dict = TOL) -> None:
+    torch.testing.assert_close(got, want, **tol, msg=lambda s: f"rank {RANK}: {what}: {s}")
+
+
+class GatherCount:
+    """Counts the all-gathers of floating-point data torch.distributed runs (the ops' agreement
+    checks gather ints; they are not data)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.saved = {}
+        for fn in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
+            if hasattr(tdist, fn):
+                self.saved[fn] = getattr(tdist, fn)
+                setattr(tdist, fn, self._wrap(self.saved[fn]))
+
+    def _wrap(self, f):
+        def g(out, inp, *a, **k):
+            t = inp if isinstance(inp, torch.Tensor) else None
+            if t is not None and t.is_floating_point():
+                self.n += 1
+            return f(out, inp, *a, **k)
+        return g
+
+    def close(self) -> None:
+        for fn, f in self.saved.items():
+            setattr(tdist, fn, f)
+
+
+def check_family(family: str, sp: bool) -> None:
+    what = f"{family} sp={sp}"
+    ref = build(family)
+    tp = parallelize(copy.deepcopy(ref), sequence_parallel=sp)
+    layers = ref.config.num_hidden_layers
+    assert tp.overlap_parallel.recognized and len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
+    assert tp.state_dict().keys() == ref.state_dict().keys(), what  # names kept: checkpoints load either way
+    cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear)]
+    rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
+    assert len(rows) == 2 * layers and cols and all(m.sequence_parallel == sp for m in cols + rows), what
+    assert sp == any(isinstance(m, SequenceParallelNorm) for m in tp.modules()), what
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(5):
+        ids = tokens(step + 10 * sp)
+        out_ref = ref(input_ids=ids, labels=ids)
+        count = GatherCount()
+        try:
+            out = tp(input_ids=ids, labels=ids)
+        finally:
+            count.close()
+        # one data all-gather per layer input (attention's and MLP's), and the stream's
+        # gather after the last block; none without sequence parallelism
+        want = 2 * layers + 1 if sp else 0
+        assert count.n == want, f"rank {RANK}: {what}: {count.n} all-gathers in one forward, want {want}"
+        tol = TOL if step == 0 else TOL_STEPS
+        close(out.logits, out_ref.logits, f"{what} step {step}: logits", tol)
+        close(out.loss, out_ref.loss, f"{what} step {step}: loss", tol)
+        out_ref.loss.backward()
+        out.loss.backward()
+        grads = unshard(tp, grads=True)
+        for name, p in ref.named_parameters():
+            assert grads[name] is not None, f"{what}: no gradient for {name}"
+            close(grads[name], p.grad, f"{what} step {step}: grad {name}", tol)
+        opt_ref.step()
+        opt_tp.step()
+        opt_ref.zero_grad()
+        opt_tp.zero_grad()
+    full = unshard(tp)
+    for name, p in ref.named_parameters():
+        close(full[name], p.detach(), f"{what}: {name} after 5 AdamW steps", TOL_STEPS)
+
+
+def main() -> None:
+    global RANK, WS
+    warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
+    ctx = dist.init(backend="gloo", timeout_s=60)
+    RANK, WS = ctx.rank, ctx.world_size
+    torch.set_num_threads(1)
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:  # the test skips before starting ranks; this is the backstop
+        print(f"SKIP models: transformers not importable ({e})", flush=True)
+        return
+    only = sys.argv[1:] or list(families())
+    for family in only:
+        for sp in (False, True):
+            check_family(family, sp)
+    tdist.barrier()
+    dist.shutdown()
+    print(f"PASS models world={WS} rank={RANK}", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()
