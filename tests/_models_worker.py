@@ -35,25 +35,26 @@ TOL_STEPS = {"rtol": 2e-3, "atol": 2e-4}
 B, T, V, C = 2, 8, 96, 64
 
 
-def families() -> dict:
+def families(kv: int = 0) -> dict:
     import transformers as tf
 
+    kv = kv or max(2, WS)  # GQA at 2 ranks; at 4, one key/value head per rank
     common = dict(vocab_size=V, hidden_size=C, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=64)
     return {
-        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2)),
-        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=None)),
-        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True)),
-        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16,
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=kv)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=None)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=kv, head_dim=16,
                                                             tie_word_embeddings=True)),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=C, n_layer=2, n_head=4,
                                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     }
 
 
-def build(family: str) -> torch.nn.Module:
+def build(family: str, kv: int = 0) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
-    m = families()[family]()
+    m = families(kv)[family]()
     with torch.no_grad():  # norms away from 1 / 0 so that their gradients mean something
         for name, p in m.named_parameters():
             if p.dim() == 1:
@@ -137,6 +138,112 @@ def check_family(family: str, sp: bool) -> None:
         close(full[name], p.detach(), f"{what}: {name} after 5 AdamW steps", TOL_STEPS)
 
 
+def snapshot(m: torch.nn.Module) -> tuple:
+    """What parallelize may change: the module tree, parameters, hooks, head counts."""
+    return ([(n, type(x).__name__, len(x._forward_pre_hooks), len(x._forward_hooks),
+              {a: v for a, v in vars(x).items() if isinstance(v, int)}) for n, x in m.named_modules()],
+            {k: v.clone() for k, v in m.state_dict().items()})
+
+
+def unchanged(m: torch.nn.Module, before: tuple, what: str) -> None:
+    after = snapshot(m)
+    assert after[0] == before[0], f"rank {RANK}: {what}: the module tree changed"
+    assert after[1].keys() == before[1].keys() and all(torch.equal(after[1][k], v) for k, v in before[1].items()), what
+    assert getattr(m, "overlap_parallel", None) is None, what
+
+
+def raises(fn, exc: type, text: str, what: str) -> Exception:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"rank {RANK}: {what}: {e}"
+        return e
+    raise AssertionError(f"rank {RANK}: {what}: accepted")
+
+
+class NotRowWise(torch.nn.Module):
+    """A 'norm' with a weight [C] that normalizes over the sequence: no per-token norm."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-2, keepdim=True) * self.weight
+
+
+def check_failures() -> None:
+    """Each of these raised late, or gave a wrong result with no error, before."""
+    from torch import nn
+
+    # fewer key/value heads than ranks: raised at parallelize, the model unchanged
+    if WS > 1:
+        m = build("llama", kv=1)
+        before = snapshot(m)
+        e = raises(lambda: parallelize(m), ValueError, "key/value heads", "one kv head")
+        assert "self_attn" in str(e) and "tensor-parallel size" in str(e), e
+        unchanged(m, before, "one kv head")
+    # a parameter-holding module in a block that is not a row-wise norm, under sequence
+    # parallelism: raised, model unchanged (its gradient would be silently wrong)
+    m = build("llama")
+    for layer in m.model.layers:
+        layer.scale = NotRowWise(C)
+    before = snapshot(m)
+    raises(lambda: parallelize(m, sequence_parallel=True), ValueError, "not row-wise", "non-row-wise norm")
+    unchanged(m, before, "non-row-wise norm")
+    parallelize(m)  # without sequence parallelism it is replicated, run on every token: fine
+    # a linear in a block outside attention and MLP (a router, an adapter): raised, unchanged
+    m = build("llama")
+    m.model.layers[1].router = nn.Linear(C, 4)
+    before = snapshot(m)
+    raises(lambda: parallelize(m), ValueError, "model.layers.1.router", "stray linear")
+    unchanged(m, before, "stray linear")
+    # an nn.Linear subclass is accepted, one overriding forward is refused by name
+    class Plain(nn.Linear):
+        pass
+
+    class Lora(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    m, ref = build("llama"), build("llama")
+    for mod in (m, ref):
+        old = mod.model.layers[0].self_attn.q_proj
+        new = Plain(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        mod.model.layers[0].self_attn.q_proj = new
+    ids = tokens(77)
+    close(parallelize(m)(input_ids=ids).logits, ref(input_ids=ids).logits, "nn.Linear subclass")
+    m = build("llama")
+    old = m.model.layers[0].mlp.up_proj
+    m.model.layers[0].mlp.up_proj = Lora(old.in_features, old.out_features, bias=False)
+    before = snapshot(m)
+    raises(lambda: parallelize(m), TypeError, "overrides forward", "Linear subclass with its own forward")
+    unchanged(m, before, "Linear subclass with its own forward")
+    # twice: refused
+    m = parallelize(build("gpt2"))
+    raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")
+    # under sequence parallelism an attention module that computes on its input other than
+    # through its projections raises (it would see the shard's values as the sequence's);
+    # the model works again once that is gone
+    m, ref = parallelize(build("llama"), sequence_parallel=True), build("llama")
+    attn = m.model.layers[1].self_attn
+    seen = []
+    h = attn.register_forward_pre_hook(lambda _m, args, kw: seen.append(float(kw["hidden_states"].abs().sum())),
+                                       with_kwargs=True)  # reads the values of its input
+    raises(lambda: m(input_ids=tokens(5)), RuntimeError, "model.layers.1.self_attn used its input", "stand-in read")
+    h.remove()
+    assert not seen, seen
+    h = attn.register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, "hidden_states": kw["hidden_states"] * 1}),
+                                       with_kwargs=True)  # hands its projections a tensor of its own
+    raises(lambda: m(input_ids=tokens(5)), RuntimeError, "model.layers.1.self_attn", "stand-in replaced")
+    h.remove()
+    close(m(input_ids=tokens(6)).logits, ref(input_ids=tokens(6)).logits, "after the stand-in error")
+    # a sequence not divisible by the ranks: a clear error, not a wrong split
+    if WS > 1:
+        raises(lambda: m(input_ids=tokens(7)[:, :T - 1]), ValueError, "not a multiple", "odd sequence")
+
+
 def main() -> None:
     global RANK, WS
     warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
@@ -152,6 +259,7 @@ def main() -> None:
     for family in only:
         for sp in (False, True):
             check_family(family, sp)
+    check_failures()
     tdist.barrier()
     dist.shutdown()
     print(f"PASS models world={WS} rank={RANK}", flush=True)
