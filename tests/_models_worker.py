@@ -1,7 +1,9 @@
 """One rank of the gloo tests of ``parallelize`` on real model families (started by
 tests/nn/test_models.py): HF transformers' Llama (GQA), Mistral, Qwen2 (q/k/v biases, tied
 embeddings), Qwen3 (per-head q/k norms) and GPT-2 (Conv1D, fused ``c_attn``), tiny and built
-from their configs (never downloaded), through ``parallelize(model)`` with no plan.
+from their configs (never downloaded), and a model built like torchtitan's Llama (an
+``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally), through
+``parallelize(model)`` with no plan.
 
 Per family, sequence-parallel and not, against the unsharded model built from the same
 seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
@@ -52,9 +54,92 @@ def families(kv: int = 0) -> dict:
     }
 
 
+class TitanLinear(torch.nn.Linear):
+    """A subclass of nn.Linear keeping its forward, as torchtitan's models use."""
+
+
+class TitanAttention(torch.nn.Module):
+    """Laid out as torchtitan's Llama attention: wq, wk, wv, wo; n_heads, n_kv_heads, n_rep."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = TitanLinear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = TitanLinear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = TitanLinear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = TitanLinear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape  # the whole sequence, also under sequence parallelism
+        q = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(bs, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(bs, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope[0, :seqlen], rope[1, :seqlen]  # (T, hd / 2)
+
+        def rot(t: torch.Tensor) -> torch.Tensor:
+            a, b = t[..., ::2], t[..., 1::2]
+            return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+        q, k = rot(q), rot(k).repeat_interleave(self.n_rep, 1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v.repeat_interleave(self.n_rep, 1), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(bs, seqlen, -1))  # (B, T, C)
+
+
+class TitanFeedForward(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (TitanLinear(dim, hidden, bias=False), TitanLinear(hidden, dim, bias=False),
+                                     TitanLinear(dim, hidden, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention = TitanAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = TitanFeedForward(dim, 2 * dim)
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim, eps=1e-5), torch.nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(torch.nn.Module):
+    """Built like torchtitan's Llama (tok_embeddings; layers in a ModuleDict called with the
+    rotary table positionally; norm; output), written here, no torchtitan needed."""
+
+    def __init__(self, n_kv_heads: int) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(V, C)
+        self.layers = torch.nn.ModuleDict({str(i): TitanBlock(C, 4, n_kv_heads) for i in range(2)})
+        self.norm, self.output = torch.nn.RMSNorm(C, eps=1e-5), TitanLinear(C, V, bias=False)
+        hd = C // 4
+        f = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd))  # (T, hd / 2)
+        self.register_buffer("rope", torch.stack((f.cos(), f.sin())), persistent=False)  # (2, T, hd / 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def run(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, loss) of an HF model or the torchtitan-like one."""
+    if isinstance(m, TitanLlama):
+        logits = m(ids)
+        return logits, torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    out = m(input_ids=ids, labels=ids)
+    return out.logits, out.loss
+
+
 def build(family: str, kv: int = 0) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
-    m = families(kv)[family]()
+    m = TitanLlama(kv or max(2, WS)) if family == "titan" else families(kv)[family]()
     with torch.no_grad():  # norms away from 1 / 0 so that their gradients mean something
         for name, p in m.named_parameters():
             if p.dim() == 1:
@@ -99,7 +184,7 @@ def check_family(family: str, sp: bool) -> None:
     what = f"{family} sp={sp}"
     ref = build(family)
     tp = parallelize(copy.deepcopy(ref), sequence_parallel=sp)
-    layers = ref.config.num_hidden_layers
+    layers = 2
     assert tp.overlap_parallel.recognized and len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
     assert tp.state_dict().keys() == ref.state_dict().keys(), what  # names kept: checkpoints load either way
     cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear)]
@@ -110,10 +195,10 @@ def check_family(family: str, sp: bool) -> None:
     opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-3, eps=1e-6)
     for step in range(5):
         ids = tokens(step + 10 * sp)
-        out_ref = ref(input_ids=ids, labels=ids)
+        logits_ref, loss_ref = run(ref, ids)
         count = GatherCount()
         try:
-            out = tp(input_ids=ids, labels=ids)
+            logits, loss = run(tp, ids)
         finally:
             count.close()
         # one data all-gather per layer input (attention's and MLP's), and the stream's
@@ -121,10 +206,10 @@ def check_family(family: str, sp: bool) -> None:
         want = 2 * layers + 1 if sp else 0
         assert count.n == want, f"rank {RANK}: {what}: {count.n} all-gathers in one forward, want {want}"
         tol = TOL if step == 0 else TOL_STEPS
-        close(out.logits, out_ref.logits, f"{what} step {step}: logits", tol)
-        close(out.loss, out_ref.loss, f"{what} step {step}: loss", tol)
-        out_ref.loss.backward()
-        out.loss.backward()
+        close(logits, logits_ref, f"{what} step {step}: logits", tol)
+        close(loss, loss_ref, f"{what} step {step}: loss", tol)
+        loss_ref.backward()
+        loss.backward()
         grads = unshard(tp, grads=True)
         for name, p in ref.named_parameters():
             assert grads[name] is not None, f"{what}: no gradient for {name}"
@@ -255,7 +340,7 @@ def main() -> None:
     except ImportError as e:  # the test skips before starting ranks; this is the backstop
         print(f"SKIP models: transformers not importable ({e})", flush=True)
         return
-    only = sys.argv[1:] or list(families())
+    only = sys.argv[1:] or [*families(), "titan"]
     for family in only:
         for sp in (False, True):
             check_family(family, sp)

@@ -369,9 +369,10 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         for name in found.norms:
             edits.swap(name, SequenceParallelNorm(model.get_submodule(name), group, name))
         first, last = found.blocks[0], found.blocks[-1]
-        bind = _scatter_hook(group, world, seq_dim, f"{found.stack_name}.0")
+        names = {id(m): n for n, m in model.named_modules()}
+        bind = _scatter_hook(group, world, seq_dim, names[id(first)])
         edits.hooks.append(lambda: first.register_forward_pre_hook(bind(first), with_kwargs=True))
-        hook = _gather_output(group, seq_dim, f"{found.stack_name}.{len(found.blocks) - 1}")
+        hook = _gather_output(group, seq_dim, names[id(last)])
         edits.hooks.append(lambda: last.register_forward_hook(hook))
 
 

@@ -1,7 +1,8 @@
 """What ``parallelize`` does to a model given without a plan: found from the module structure
 and the head counts, never from a list of module names.
 
-    decoder stack   the ``nn.ModuleList`` whose every entry holds one attention module
+    decoder stack   the ``nn.ModuleList`` (or ``ModuleDict``, torchtitan's) whose every entry
+                    holds one attention module
     attention       a module with a head count (``num_heads``, ``n_head``, ...; or the model
                     config's) or a ``head_dim``, whose direct linear children are its input
                     projections (q, k, v; or one fused [q | k | v]) and its output projection
@@ -99,7 +100,7 @@ class Unit:
 class Recognized:
     units: list[Unit]
     stack_name: str
-    blocks: list[nn.Module]
+    blocks: list[nn.Module]  # in call order (the list's, or the dict's insertion order)
     norms: list[str]  # qualified names of the parameter-holding non-unit modules inside blocks
 
 
@@ -207,11 +208,12 @@ def recognize(model: nn.Module, world: int) -> Recognized:
     names = {id(m): n for n, m in model.named_modules()}
     stacks = []
     for sname, lst in model.named_modules():
-        if not isinstance(lst, nn.ModuleList) or not len(lst):
+        if not isinstance(lst, (nn.ModuleList, nn.ModuleDict)) or not len(lst):
             continue
+        blks = list(lst.values()) if isinstance(lst, nn.ModuleDict) else list(lst)
         if all(any(_is_attention(s) and sum(is_linear(c) for c in s.children()) >= 2 for s in blk.modules())
-               for blk in lst):
-            stacks.append((sname, lst))
+               for blk in blks):
+            stacks.append((sname, blks))
     if not stacks:
         raise _fail("", "no decoder stack found (an nn.ModuleList of blocks, each with an attention module: "
                         "linear q, k, v (or a fused qkv) and an output projection, and a head count)")
@@ -242,4 +244,4 @@ def recognize(model: nn.Module, world: int) -> Recognized:
                 norms.append(qual)
     if not sum(u.kind == "attention" for u in units) == len(blocks):
         raise _fail(sname, "a block holds more or less than one attention module")
-    return Recognized(units, sname, list(blocks), norms)
+    return Recognized(units, sname, blocks, norms)

@@ -1,6 +1,6 @@
 """``parallelize(model)`` with no plan on tiny HF transformers models built from their
-configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3 and GPT-2 at 2 ranks, Llama
-and GPT-2 at 4, sequence-parallel and not, against the unsharded model; and the failures
+configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3, GPT-2 and a torchtitan-like
+Llama at 2 ranks, Llama and GPT-2 at 4, sequence-parallel and not, against the unsharded model; and the failures
 that must raise with the model left unchanged. One worker process per rank runs every case.
 """
 
