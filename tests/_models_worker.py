@@ -180,12 +180,38 @@ class GatherCount:
             setattr(tdist, fn, f)
 
 
-def check_family(family: str, sp: bool) -> None:
-    what = f"{family} sp={sp}"
+def titan_plan(sp: bool) -> dict:
+    """torchtitan's Llama plan, in torch's styles (what its users pass to parallelize_module)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if not sp:
+        return {"layers.*.attention.w[qkv]": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+                "layers.*.feed_forward.w[13]": ColwiseParallel(), "layers.*.feed_forward.w2": RowwiseParallel()}
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.w[qkv]": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w[13]": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def check_family(family: str, sp: bool, plan: dict | None = None) -> None:
+    what = f"{family} sp={sp}" + (" (torch styles)" if plan else "")
     ref = build(family)
-    tp = parallelize(copy.deepcopy(ref), sequence_parallel=sp)
+    tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp)
     layers = 2
-    assert tp.overlap_parallel.recognized and len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
+    assert tp.overlap_parallel.recognized == (plan is None), tp.overlap_parallel
+    assert plan or len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
     assert tp.state_dict().keys() == ref.state_dict().keys(), what  # names kept: checkpoints load either way
     cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear)]
     rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
@@ -344,6 +370,8 @@ def main() -> None:
     for family in only:
         for sp in (False, True):
             check_family(family, sp)
+            if family == "titan":
+                check_family(family, sp, titan_plan(sp))
     check_failures()
     tdist.barrier()
     dist.shutdown()

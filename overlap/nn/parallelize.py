@@ -29,7 +29,8 @@ from torch import nn
 
 from . import functional as F
 from .layers import ColumnParallelLinear, RowParallelLinear, _group_info, _SequenceDim
-from .recognize import Recognized, Unit, is_linear, recognize
+from .recognize import Recognized, head_counts, is_attention, is_linear, local_attrs, recognize
+from .styles import SEQUENCE_KINDS, is_style, kind_of_style
 
 __all__ = ["parallelize", "unshard", "DEFAULT_PLAN", "SEQUENCE_PARALLEL_PLAN", "SequenceParallelNorm",
            "ReplicatedParameters", "ParallelInfo"]
@@ -54,7 +55,7 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
 shards after the embeddings' dropout and gathered before the final norm; the blocks' norms
 run on this rank's tokens."""
 
-_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence")
+_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
 
 
 @dataclass(frozen=True)
@@ -380,17 +381,24 @@ def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def _planned(model: nn.Module, plan: Mapping[str, str], group: Any, sp: bool, config: Any, overlap: bool,
-             seq_dim: int, edits: _Edits) -> list[str]:
+def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, sp: bool, config: Any,
+             overlap: bool, seq_dim: int, edits: _Edits) -> list[str]:
+    kinds_of: dict[str, str] = {}
     for pattern, kind in plan.items():
-        if kind not in _KINDS:
-            raise ValueError(f"plan[{pattern!r}] = {kind!r}; kinds: {_KINDS}")
-        if kind in ("sequence_norm", "scatter_sequence", "gather_sequence") and not sp:
+        if is_style(kind):
+            kind, needs_sp = kind_of_style(pattern, kind)
+            if needs_sp and not sp:
+                raise ValueError(f"plan[{pattern!r}] = {plan[pattern]!r} shards the sequence: pass "
+                                 "sequence_parallel=True")
+        elif kind not in _KINDS:
+            raise ValueError(f"plan[{pattern!r}] = {kind!r}; kinds: {_KINDS} or torch's tensor-parallel styles")
+        if kind in SEQUENCE_KINDS and not sp:
             raise ValueError(f"plan[{pattern!r}] = {kind!r} needs sequence_parallel=True")
+        kinds_of[pattern] = kind
     hits = {p: 0 for p in plan}
-    done = []
+    done, owners = [], []
     for name, module in model.named_modules():
-        kinds = [(p, k) for p, k in plan.items() if name and _matches(name, p)]
+        kinds = [(p, k) for p, k in kinds_of.items() if name and _matches(name, p)]
         if not kinds:
             continue
         if len(kinds) > 1:
@@ -398,11 +406,45 @@ def _planned(model: nn.Module, plan: Mapping[str, str], group: Any, sp: bool, co
         pattern, kind = kinds[0]
         hits[pattern] += 1
         done.append(name)
-        _convert(name, module, kind, group, sp, config, overlap, seq_dim, edits)
+        if kind == "sequence_input":
+            owners.append(name)
+        else:
+            _convert(name, module, kind, group, sp, config, overlap, seq_dim, edits)
     missing = [p for p, n in hits.items() if not n]
     if missing:
         raise ValueError(f"plan patterns matched no module: {missing}")
+    new = dict(edits.swaps)
+    for owner in owners:  # its column children read its input through one gather
+        members = [(n, m) for n, m in new.items() if isinstance(m, ColumnParallelLinear) and n.rpartition(".")[0] == owner]
+        if not members:
+            raise ValueError(f"plan: {owner!r} takes a sequence-sharded input (PrepareModuleInput) but none of its "
+                             "children is planned column-parallel; plan its input projections ColwiseParallel()")
+        module = model.get_submodule(owner)
+        fusion = _ColumnGroup(owner, members, True, seq_dim, _input_slot(module))
+        for _, col in members:
+            edits.attrs.append((col, "_fusion", fusion))
+        edits.hooks.append(lambda m=module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))
+        edits.hooks.append(lambda m=module, f=fusion: m.register_forward_hook(f.post_hook, with_kwargs=True))
+    _plan_head_counts(model, new, world, edits)
     return done
+
+
+def _plan_head_counts(model: nn.Module, new: dict[str, nn.Module], world: int, edits: _Edits) -> None:
+    """Attention modules whose projections a plan split: their head counts set to the local ones."""
+    config = getattr(model, "config", None)
+    parents = {n.rpartition(".")[0] for n, m in new.items() if isinstance(m, ColumnParallelLinear)}
+    for p in sorted(parents):
+        m = model.get_submodule(p)
+        if not is_attention(m):
+            continue
+        nh, nkv, hd = head_counts(m, config)
+        if nh is None or hd is None:
+            continue
+        if nh % world or nkv % world:
+            raise ValueError(f"plan: {p}: {nh} query / {nkv} key-value heads do not divide over the "
+                             f"tensor-parallel size {world}")
+        for a, v in local_attrs(m, nh, nkv, hd, world).items():
+            edits.attrs.append((m, a, v))
 
 
 def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, config: Any, overlap: bool,
@@ -431,7 +473,7 @@ def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, conf
         edits.hooks.append(lambda: module.register_forward_pre_hook(pre, with_kwargs=True))
 
 
-def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, str] | None = None, *,
+def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | None = None, *,
                 sequence_parallel: bool = False, config: Any = None, overlap: bool = True,
                 sequence_dim: int = 1) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place and return it; all of it or, where
@@ -467,11 +509,18 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, str] | N
     "sequence_norm"     a norm -> ``SequenceParallelNorm`` (sequence_parallel)
     "scatter_sequence"  any: its output split along ``sequence_dim`` (this rank's shard)
     "gather_sequence"   any: its input gathered along ``sequence_dim`` first
+    "sequence_input"    any: its column children read its sequence-sharded input
+                        through one gather (it sees the whole sequence's shape)
     ==================  ===========================================================
 
-    With a plan the model must read the sizes it needs at run time (heads from the qkv
-    output, laid out per head so that a contiguous slice is whole heads), and with
-    ``sequence_parallel`` a column layer returns the whole sequence ``[B, T, N/R]``.
+    A plan's value may also be one of torch's styles (``ColwiseParallel``,
+    ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``: the plans torchtitan
+    users write), mapped as ``overlap.nn.styles`` says; ``PrepareModuleInput`` from
+    ``Shard(1)`` to ``Replicate()`` on a module makes its column children read its input
+    through one gather. With a plan, an attention module whose projections it splits gets
+    its head counts set to the local ones; a column layer takes a contiguous slice of its
+    rows (a fused qkv must be laid out per head), and with ``sequence_parallel`` one not
+    under a ``sequence_input`` module returns the whole sequence ``[B, T, N/R]``.
 
     Deterministic: every rank must pass the same unsharded model (same seed); each keeps
     its slices (``unshard`` puts them back together). ``model.overlap_parallel`` records
@@ -490,7 +539,7 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, str] | N
     else:
         if plan is None:
             plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
-        units = tuple(_planned(model, plan, group, sequence_parallel, config, overlap, sequence_dim, edits))
+        units = tuple(_planned(model, plan, group, world, sequence_parallel, config, overlap, sequence_dim, edits))
     edits.commit()
     model.overlap_parallel = ParallelInfo(world, sequence_parallel, plan is None, units)
     if not hasattr(type(model), "tp_size"):  # HF models have their own (a read-only property)

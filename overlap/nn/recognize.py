@@ -34,7 +34,7 @@ from torch import nn
 
 from .layers import is_conv1d
 
-__all__ = ["Unit", "Recognized", "recognize", "is_linear", "head_counts"]
+__all__ = ["Unit", "Recognized", "recognize", "is_linear", "is_attention", "head_counts", "local_attrs"]
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_local_heads")
@@ -76,6 +76,21 @@ def head_counts(attn: nn.Module, config: Any) -> tuple[int | None, int | None, i
     nkv = _int_attr(attn, KV_ATTRS) or _int_attr(own, KV_ATTRS[:3]) or _int_attr(config, KV_ATTRS[:3]) or nh
     hd = _int_attr(attn, ("head_dim",)) or _int_attr(own, ("head_dim",)) or _int_attr(config, ("head_dim",))
     return nh, nkv, hd
+
+
+def local_attrs(m: nn.Module, nh: int, nkv: int, hd: int, world: int) -> dict[str, int]:
+    """The attention module's head counts and head widths, as the local ones: attribute -> value."""
+    attrs: dict[str, int] = {}
+    for names, glob in ((HEAD_ATTRS, nh), (KV_ATTRS, nkv), (WIDTH_ATTRS, nh * hd)):
+        for a in names:
+            if _int_attr(m, (a,)) == glob:
+                attrs[a] = glob // world
+    return attrs
+
+
+def is_attention(m: nn.Module) -> bool:
+    """A module with a head count or a head_dim of its own."""
+    return _is_attention(m)
 
 
 def _is_attention(m: nn.Module) -> bool:
@@ -157,16 +172,7 @@ def _attention(name: str, m: nn.Module, config: Any, world: int) -> Unit:
     else:
         raise _fail(name, f"{len(ins)} input projections ({[l[0] for l in ins]}); attention has q, k, v or one "
                           "fused qkv")
-    attrs: dict[str, int] = {}
-    for a in HEAD_ATTRS:
-        if _int_attr(m, (a,)) == nh:
-            attrs[a] = nh // world
-    for a in KV_ATTRS:
-        if _int_attr(m, (a,)) == nkv:
-            attrs[a] = nkv // world
-    for a in WIDTH_ATTRS:
-        if _int_attr(m, (a,)) == nh * hd:
-            attrs[a] = nh * hd // world
+    attrs = local_attrs(m, nh, nkv, hd, world)
     per_head = []
     for c, ch in m.named_children():
         if is_linear(ch) or not any(True for _ in ch.parameters()):
