@@ -15,6 +15,13 @@ Megatron-LM's ``mappings.py``; the fused ones run the library's ops for both pas
     all_reduce_norm_linear   h = all_reduce(x) + res;              all_reduce(grad @ w) through
                              norm(h) @ w.t() (all_reduce_matmul)   the norm; grad_x = grad_h
 
+Two take a list of weights that read one input (q, k, v; gate, up): one gather (or
+none), one GEMM grid over the weights, and in backward one reduction of the summed
+input gradient:
+
+    all_gather_linear_many   all_gather(x_shard) @ [w_i.t()]       reduce_scatter(cat(grad_i) @ cat(w_i))
+    copy_linear_many         x @ [w_i.t()]   (local)               all_reduce(cat(grad_i) @ cat(w_i))
+
 and three small ones on plain collectives for the edges of a region:
 
     copy_to_region           identity                              all_reduce(grad)
@@ -55,6 +62,8 @@ __all__ = [
     "copy_linear",
     "linear_all_reduce",
     "all_reduce_norm_linear",
+    "all_gather_linear_many",
+    "copy_linear_many",
     "copy_to_region",
     "gather_from_region",
     "scatter_to_region",
@@ -461,6 +470,140 @@ def linear_all_reduce(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor
     ==========  =========  ===================================================
     """
     return _LinearAllReduce.apply(x, w_shard, bias, group, fused, config)
+
+
+# ---- several column layers on one input (q, k, v; gate, up) -----------------------------
+
+def _grads_or_zeros(grads: tuple, outs_shapes: list[tuple[int, int]], like: torch.Tensor) -> list[torch.Tensor]:
+    """An output nobody used has no gradient: zeros of its shape (its rows still add nothing)."""
+    return [g.contiguous() if g is not None else like.new_zeros(shape) for g, shape in zip(grads, outs_shapes)]
+
+
+class _AllGatherLinearMany(torch.autograd.Function):
+    """forward: one all-gather of the rows, then a GEMM per weight (one grid); backward:
+    one GEMM over the concatenated gradients and weights, then one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x_shard: torch.Tensor, group: Any, fused: bool, config: Any, save_gathered: bool,
+                n: int, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        ws, bs = params[:n], params[n:]
+        with torch.no_grad():
+            ys, gathered = _ag_mm(x_shard, [w.t() for w in ws], group, fused, config, return_gathered=True)
+            ys = [y if b is None else y + b for y, b in zip(ys, bs)]  # [M, N_i/R]
+        ctx.group, ctx.fused, ctx.config, ctx.n, ctx.save_gathered = group, fused, config, n, save_gathered
+        ctx.has_bias = [b is not None for b in bs]
+        ctx.save_for_backward(gathered if save_gathered else x_shard, *ws)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        saved, *ws = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        n = ctx.n
+        m = saved.shape[0] if ctx.save_gathered else saved.shape[0] * _rank_world(ctx.group)[1]
+        with torch.no_grad():
+            gs = _grads_or_zeros(grads, [(m, w.shape[0]) for w in ws], saved)  # [M, N_i/R]
+            need_w = any(need[6:6 + n])
+            pending = _start_gather_rows(saved, ctx.group) if need_w and not ctx.save_gathered else None
+            grad_x = None
+            if need[0]:
+                # sum_i grad_i @ w_i = cat(grad_i) @ cat(w_i): one GEMM, one reduce-scatter
+                grad_x = _mm_rs(torch.cat(gs, 1), torch.cat(ws, 0), ctx.group, ctx.fused, ctx.config)  # [M/R, K]
+            gathered = None
+            if need_w:
+                gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
+            grad_ws = [g.t() @ gathered if need[6 + i] else None for i, g in enumerate(gs)]  # [N_i/R, K]
+            grad_bs = [g.sum(0) if hb and need[6 + n + i] else None
+                       for i, (g, hb) in enumerate(zip(gs, ctx.has_bias))]
+        return (grad_x, None, None, None, None, None, *grad_ws, *grad_bs)
+
+
+class _CopyLinearMany(torch.autograd.Function):
+    """forward: a local GEMM per weight; backward: one GEMM over the concatenated gradients
+    and weights, then one all-reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, fused: bool, config: Any, n: int,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        ws, bs = params[:n], params[n:]
+        with torch.no_grad():
+            ys = [torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)]  # [M, N_i/R]
+        ctx.group, ctx.fused, ctx.config, ctx.n = group, fused, config, n
+        ctx.has_bias = [b is not None for b in bs]
+        ctx.save_for_backward(x, *ws)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        x, *ws = ctx.saved_tensors
+        need, n = ctx.needs_input_grad, ctx.n
+        with torch.no_grad():
+            gs = _grads_or_zeros(grads, [(x.shape[0], w.shape[0]) for w in ws], x)
+            grad_x = _mm_ar(torch.cat(gs, 1), torch.cat(ws, 0), ctx.group, ctx.fused, ctx.config) if need[0] else None
+            grad_ws = [g.t() @ x if need[5 + i] else None for i, g in enumerate(gs)]
+            grad_bs = [g.sum(0) if hb and need[5 + n + i] else None for i, (g, hb) in enumerate(zip(gs, ctx.has_bias))]
+        return (grad_x, None, None, None, None, *grad_ws, *grad_bs)
+
+
+def _check_many(what: str, ws: list[torch.Tensor], biases: list[torch.Tensor | None] | None) -> list:
+    if not ws:
+        raise ValueError(f"{what}: an empty list of weights")
+    biases = [None] * len(ws) if biases is None else list(biases)
+    if len(biases) != len(ws):
+        raise ValueError(f"{what}: {len(ws)} weights but {len(biases)} biases")
+    return biases
+
+
+def all_gather_linear_many(x_shard: torch.Tensor, w_shards: list[torch.Tensor],
+                           biases: list[torch.Tensor | None] | None = None, *, group: Any, fused: bool = True,
+                           config: Any = None, save_gathered: SaveGathered = "auto") -> list[torch.Tensor]:
+    """``[all_gather(x_shard, dim=0) @ w.t() + b for w, b in zip(w_shards, biases)]`` with one gather.
+
+    forward: ``all_gather_matmul`` with the list of weights (one gather, one GEMM grid);
+    backward: ``matmul_reduce_scatter(cat(grad_i, 1), cat(w_i, 0))``, the summed input
+    gradient in one GEMM and one reduce-scatter, and ``grad_i^T @ gathered`` per weight.
+
+    ==========  ===========  =================================================
+    tensor      shape        meaning
+    ==========  ===========  =================================================
+    x_shard     [M/R, K]     this rank's tokens
+    w_shards    [N_i/R, K]   this rank's output rows of each weight
+    biases      [N_i/R]      each weight's slice, or None (the list or an entry)
+    returns     [M, N_i/R]   every token, this rank's features of each weight
+    ==========  ===========  =================================================
+
+    ``save_gathered`` as ``all_gather_linear``'s, "auto" deciding on the weights' summed N/R.
+    """
+    biases = _check_many("all_gather_linear_many", w_shards, biases)
+    _check_save_gathered(save_gathered)
+    if save_gathered == "auto":
+        import torch.distributed as tdist
+
+        world = tdist.get_world_size(group)
+        save_gathered = not regather_plan(world * x_shard.shape[0], sum(w.shape[0] for w in w_shards),
+                                          x_shard.shape[1], world, x_shard.dtype).regather
+    return list(_AllGatherLinearMany.apply(x_shard, group, fused, config, bool(save_gathered), len(w_shards),
+                                           *w_shards, *biases))
+
+
+def copy_linear_many(x: torch.Tensor, w_shards: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
+                     *, group: Any, fused: bool = True, config: Any = None) -> list[torch.Tensor]:
+    """``[x @ w.t() + b for w, b in zip(w_shards, biases)]``: column layers on one replicated input.
+
+    forward: local GEMMs; backward: ``matmul_all_reduce(cat(grad_i, 1), cat(w_i, 0))``, one
+    all-reduce of the summed input gradient (not one per weight).
+
+    ==========  ===========  =================================================
+    tensor      shape        meaning
+    ==========  ===========  =================================================
+    x           [M, K]       replicated
+    w_shards    [N_i/R, K]   this rank's output rows of each weight
+    biases      [N_i/R]      each weight's slice, or None
+    returns     [M, N_i/R]   this rank's features of each weight
+    ==========  ===========  =================================================
+    """
+    biases = _check_many("copy_linear_many", w_shards, biases)
+    return list(_CopyLinearMany.apply(x, group, fused, config, len(w_shards), *w_shards, *biases))
 
 
 # ---- the block boundary: all-reduce -> residual -> norm -> column-parallel GEMM ---------

@@ -31,7 +31,7 @@ from torch import nn
 from ..ops._runtime import resolve_group
 from . import functional as F
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "NormColumnParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "NormColumnParallelLinear", "linear_parts"]
 
 
 def _group_info(group: Any) -> tuple[Any, int, int]:
@@ -100,6 +100,29 @@ class _SequenceDim:
         return y.view(*lead, y.shape[-1])  # (T', ..., N)
 
 
+def linear_parts(linear: nn.Module) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """``(in_features, out_features, weight [N, K], bias)`` of a linear-like module: an
+    ``nn.Linear`` or a subclass that keeps ``nn.Linear.forward`` (torchtitan's), or a GPT-2
+    ``Conv1D`` (``x @ weight + bias``, weight [K, N]: returned transposed, a view). Anything
+    else raises ``TypeError`` naming the class."""
+    if isinstance(linear, nn.Linear):
+        if type(linear).forward is not nn.Linear.forward:
+            raise TypeError(f"{type(linear).__name__} subclasses nn.Linear but overrides forward; its forward "
+                            "would be lost: convert it yourself or leave it out of the plan")
+        return linear.in_features, linear.out_features, linear.weight, linear.bias
+    if is_conv1d(linear):
+        return linear.weight.shape[0], linear.weight.shape[1], linear.weight.t(), linear.bias
+    raise TypeError(f"{type(linear).__name__} is not nn.Linear (or a subclass keeping its forward) nor "
+                    "transformers' Conv1D")
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): ``x @ weight + bias`` with weight [K, N]."""
+    t = type(m)
+    return (t.__name__ == "Conv1D" and t.__module__.startswith("transformers.")
+            and getattr(m, "weight", None) is not None and m.weight.dim() == 2 and m.weight.shape[1] == m.nf)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x @ w.t() + b`` with the output features split over ranks: ``w_shard_n = w[rank rows]``.
 
@@ -140,22 +163,32 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features, **kw))  # [N/R, K]
         self.bias = nn.Parameter(torch.empty(out_features // self.tp_size, **kw)) if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self._fusion: Any = None  # set by parallelize: the layers that share this one's input
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: Any = None, sequence_parallel: bool = False,
-                    **kwargs: Any) -> "ColumnParallelLinear":
-        """This rank's output rows of ``linear`` (the same on every rank that passes the same layer)."""
-        w = linear.weight
-        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype, **kwargs)
+    def from_linear(cls, linear: nn.Module, *, group: Any = None, sequence_parallel: bool = False,
+                    index: torch.Tensor | None = None, **kwargs: Any) -> "ColumnParallelLinear":
+        """This rank's output rows of ``linear`` (the same on every rank that passes the same layer):
+        an ``nn.Linear`` (or a subclass that keeps its forward) or a GPT-2 ``Conv1D`` (weight
+        [K, N]). ``index``: the N/R rows to take (a fused projection's per-rank blocks);
+        default the rank's contiguous block. Kept as ``shard_index``."""
+        k, n_all, w, b = linear_parts(linear)  # w [N, K]
+        m = cls(k, n_all, bias=b is not None, group=group, sequence_parallel=sequence_parallel, device=w.device,
+                dtype=w.dtype, **kwargs)
         n = m.out_features // m.tp_size
+        idx = torch.arange(m.tp_rank * n, (m.tp_rank + 1) * n) if index is None else index
+        if idx.shape != (n,):
+            raise ValueError(f"index of {tuple(idx.shape)} rows; this rank holds {n}")
         with torch.no_grad():
-            m.weight.copy_(w[m.tp_rank * n:(m.tp_rank + 1) * n])
+            m.weight.copy_(w[idx.to(w.device)])
             if m.bias is not None:
-                m.bias.copy_(linear.bias[m.tp_rank * n:(m.tp_rank + 1) * n])
+                m.bias.copy_(b[idx.to(b.device)])
+        m.shard_index, m.source_transposed = idx, w is not linear.weight
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fusion is not None:  # one of several column layers on one input (parallelize)
+            return self._fusion(self, x)
         if self.sequence_parallel:
             x2, lead = _SequenceDim.to_rows(x, self.sequence_dim)  # [T/R * ..., K]
             y = F.all_gather_linear(x2, self.weight, self.bias, group=self.group, fused=self.overlap,
@@ -219,17 +252,19 @@ class RowParallelLinear(nn.Module):
         _init_linear(self.weight, self.bias, in_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: Any = None, sequence_parallel: bool = False,
+    def from_linear(cls, linear: nn.Module, *, group: Any = None, sequence_parallel: bool = False,
                     **kwargs: Any) -> "RowParallelLinear":
-        """This rank's input columns of ``linear``; the bias whole (the same on every rank)."""
-        w = linear.weight
-        m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, group=group,
-                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype, **kwargs)
+        """This rank's input columns of ``linear`` (an ``nn.Linear``, a subclass that keeps its
+        forward, or a GPT-2 ``Conv1D``); the bias whole (the same on every rank)."""
+        k_all, n_all, w, b = linear_parts(linear)  # w [N, K]
+        m = cls(k_all, n_all, bias=b is not None, group=group, sequence_parallel=sequence_parallel,
+                device=w.device, dtype=w.dtype, **kwargs)
         k = m.in_features // m.tp_size
         with torch.no_grad():
             m.weight.copy_(w[:, m.tp_rank * k:(m.tp_rank + 1) * k])
             if m.bias is not None:
-                m.bias.copy_(linear.bias)
+                m.bias.copy_(b)
+        m.shard_index, m.source_transposed = torch.arange(m.tp_rank * k, (m.tp_rank + 1) * k), w is not linear.weight
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,39 @@
 """Tensor parallelism applied to a plain single-device model from outside (gpt-fast's ``tp.py``).
 
-The model holds no distributed code; ``parallelize`` swaps its ``nn.Linear`` modules for
-column- / row-parallel layers in place, by a plan of module-name patterns.
+The model holds no distributed code. ``parallelize(model)`` finds its decoder stack, its
+attention and MLP modules and its norms (``recognize.py``: HF transformers' Llama, Mistral,
+Qwen2/3 and GPT-2, and models built like them), or follows a plan of module-name patterns,
+and converts it in place, whole or not at all:
+
+    attention / MLP      its input projections -> column-parallel (a fused one reordered
+                         into per-rank blocks), computed together from one input (one
+                         gather, one GEMM grid; one reduction of the input gradient); its
+                         output projection -> row-parallel; head counts set to the local ones
+    sequence_parallel    the residual stream split along the sequence from the first block's
+                         input to the last block's output; each block's norms run on this
+                         rank's tokens with their gradients summed over the group; attention
+                         and MLP modules see the whole sequence's shape (rotary embeddings and
+                         masks are built outside the blocks, for every token)
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import functional as F
-from .layers import ColumnParallelLinear, RowParallelLinear, _group_info
+from .layers import ColumnParallelLinear, RowParallelLinear, _group_info, _SequenceDim
+from .recognize import Recognized, head_counts, is_attention, is_linear, local_attrs, recognize
+from .styles import SEQUENCE_KINDS, is_style, kind_of_style
 
-__all__ = ["parallelize", "DEFAULT_PLAN", "SEQUENCE_PARALLEL_PLAN", "SequenceParallelNorm"]
+__all__ = ["parallelize", "unshard", "DEFAULT_PLAN", "SEQUENCE_PARALLEL_PLAN", "SequenceParallelNorm",
+           "ReplicatedParameters", "ParallelInfo"]
 
 DEFAULT_PLAN: dict[str, str] = {
     "*attn.qkv": "column",
@@ -24,7 +41,8 @@ DEFAULT_PLAN: dict[str, str] = {
     "*mlp.fc1": "column",
     "*mlp.fc2": "row",
 }
-"""``overlap.models.gpt.GPT``: attention heads and the MLP's hidden features split over ranks."""
+"""``overlap.models.gpt.GPT``: attention heads and the MLP's hidden features split over ranks
+(its qkv laid out per head, so a contiguous slice is whole heads)."""
 
 SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
     **DEFAULT_PLAN,
@@ -37,122 +55,529 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
 shards after the embeddings' dropout and gathered before the final norm; the blocks' norms
 run on this rank's tokens."""
 
-_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence")
+_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
 
 
-class SequenceParallelNorm(nn.Module):
-    """A LayerNorm / RMSNorm run on this rank's tokens: ``norm(x)`` with the parameters through
-    ``copy_to_region`` (forward identity, backward all-reduce: their gradients sum every
-    rank's tokens, and stay the same on every rank). Holds the norm's own parameters under
-    the same names (``weight``, ``bias``), so a state dict keeps its keys."""
+@dataclass(frozen=True)
+class ParallelInfo:
+    """What ``parallelize`` did to a model (``model.overlap_parallel``)."""
 
-    def __init__(self, norm: nn.Module, group: Any) -> None:
+    tp_size: int
+    """The group's size."""
+    sequence_parallel: bool
+    """The residual stream split along ``sequence_dim`` inside the decoder stack."""
+    recognized: bool
+    """True: no plan given, the structure recognized; False: a plan followed."""
+    units: tuple[str, ...]
+    """Attention and MLP modules converted (recognized), or the modules the plan matched."""
+
+
+# ---- parameters used on this rank's part of the data --------------------------------------
+
+class ReplicatedParameters(nn.Module):
+    """Runs ``module`` with its parameters through ``copy_to_region`` (forward identity,
+    backward all-reduce): for replicated parameters applied to this rank's part of the data
+    only (a norm on this rank's tokens, a per-head norm on this rank's heads), whose true
+    gradient sums every rank's part. Holds the parameters under their own names, so a
+    state dict keeps its keys; the module itself is kept outside the module tree."""
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
         super().__init__()
-        if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) or len(norm.normalized_shape) != 1:
-            raise TypeError(f"sequence_norm needs a LayerNorm or RMSNorm over one dim, got {norm}")
-        self.kind = "layernorm" if isinstance(norm, nn.LayerNorm) else "rmsnorm"
-        self.eps = norm.eps
-        self.weight = norm.weight
-        self.bias = getattr(norm, "bias", None)
+        self.__dict__["inner"] = module  # not a submodule: its parameters are registered here, once
+        for n, p in module.named_parameters(recurse=False):
+            self.register_parameter(n, p)
         self.group, self.tp_size, self.tp_rank = _group_info(group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k = x.shape[-1]
-        w = None if self.weight is None else F.copy_to_region(self.weight, group=self.group)
-        if self.kind == "layernorm":
-            b = None if self.bias is None else F.copy_to_region(self.bias, group=self.group)
-            return torch.nn.functional.layer_norm(x, (k,), w, b, self.eps)
-        return torch.nn.functional.rms_norm(x, (k,), w, self.eps)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        params = {n: F.copy_to_region(p, group=self.group) for n, p in self._parameters.items() if p is not None}
+        return torch.func.functional_call(self.inner, params, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{self.inner!r}, gradients summed over {self.tp_size} ranks"
+
+
+def _check_norm_like(name: str, m: nn.Module) -> None:
+    """A LayerNorm- or RMSNorm-like module: parameters ``weight`` [C] (and ``bias`` [C]) only,
+    no children, no buffers, and row-wise (an output row depends on its input row only)."""
+    params = dict(m.named_parameters())
+    ok = ("weight" in params and set(params) <= {"weight", "bias"} and not list(m.children())
+          and not list(m.buffers()) and all(p.dim() == 1 and p.shape == params["weight"].shape
+                                            for p in params.values()))
+    if not ok:
+        raise ValueError(f"parallelize: {name} ({type(m).__name__}, parameters "
+                         f"{ {n: tuple(p.shape) for n, p in params.items()} }) holds parameters inside the "
+                         "sequence-parallel region and is not a norm (weight [C], optional bias [C]); its "
+                         "gradient would be wrong. Pass a plan, or use sequence_parallel=False")
+    w = params["weight"]
+    if w.device.type == "meta":
+        return
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, w.shape[0], generator=g).to(w.device, w.dtype)
+    x2 = x.clone()
+    x2[1] = torch.randn(w.shape[0], generator=g).to(w.device, w.dtype)
+    try:
+        with torch.no_grad():
+            y, y2 = m(x), m(x2)
+    except Exception as e:  # noqa: BLE001 - any failure means: not a norm we can run on a shard
+        raise ValueError(f"parallelize: {name} ({type(m).__name__}) failed on a [3, {w.shape[0]}] input ({e}); "
+                         "sequence parallelism needs its norms row-wise") from None
+    if not (isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y[0], y2[0])
+            and torch.allclose(y[2], y2[2])):
+        raise ValueError(f"parallelize: {name} ({type(m).__name__}) is not row-wise (an output row depends on "
+                         "other rows); sequence parallelism cannot run it on this rank's tokens")
+
+
+class SequenceParallelNorm(ReplicatedParameters):
+    """A norm of any class (LayerNorm- or RMSNorm-like: ``weight`` [C], optional ``bias``
+    [C], row-wise) run on this rank's tokens, its parameters' gradients summed over the
+    group (and so the same on every rank)."""
+
+    def __init__(self, norm: nn.Module, group: Any, name: str = "norm") -> None:
+        _check_norm_like(name, norm)
+        super().__init__(norm, group)
+
+
+# ---- the sequence-parallel stand-in ---------------------------------------------------------
+
+_SHAPE_OPS: set[Any] = set()
+
+
+class _StandIn(torch.Tensor):
+    """The input an attention / MLP module sees under sequence parallelism: the whole
+    sequence's shape, dtype and device, and no values (those are this rank's shard,
+    which its column layers gather). Anything but a shape query raises, naming the
+    module: a module that computes on its input other than through its projections
+    cannot be run this way."""
+
+    owner: str
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], like: torch.Tensor, owner: str) -> "_StandIn":
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        t.owner = owner
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not _SHAPE_OPS:
+            T = torch.Tensor
+            _SHAPE_OPS.update({T.size, T.dim, T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__,
+                               T.is_cuda.__get__, T.requires_grad.__get__, T.__repr__, T.layout.__get__})
+        if func in _SHAPE_OPS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        owner = next((a.owner for a in args if isinstance(a, _StandIn)), "?")
+        raise RuntimeError(f"parallelize(sequence_parallel=True): {owner} used its input in "
+                           f"{getattr(func, '__name__', func)} other than through its projections; only "
+                           "its column layers can read it (they gather this rank's tokens). Use "
+                           "sequence_parallel=False or a plan for this model")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        raise RuntimeError(f"parallelize(sequence_parallel=True): a stand-in input reached {func}")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        return f"StandIn(shape={tuple(self.shape)}, for={self.owner})"
+
+
+def _input_slot(module: nn.Module) -> str | None:
+    """The name of ``module.forward``'s first parameter (its input, when passed by keyword)."""
+    try:
+        ps = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    return ps[0].name if ps and ps[0].kind in (ps[0].POSITIONAL_ONLY, ps[0].POSITIONAL_OR_KEYWORD) else None
+
+
+def _take_input(what: str, slot: str | None, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
+    """The module's input (first positional, or by keyword) and a function putting a new one in its place."""
+    if args:
+        x = args[0]
+        put = lambda v: ((v, *args[1:]), kwargs)  # noqa: E731
+    elif slot is not None and slot in kwargs:
+        x = kwargs[slot]
+        put = lambda v: (args, {**kwargs, slot: v})  # noqa: E731
+    else:
+        raise RuntimeError(f"parallelize: {what} was called without its input ({slot!r}) positionally or by keyword")
+    if not isinstance(x, torch.Tensor):
+        raise RuntimeError(f"parallelize: {what}'s input is {type(x).__name__}, not a tensor")
+    return x, put
+
+
+# ---- column layers that read one input --------------------------------------------------------
+
+class _ColumnGroup:
+    """The column layers of one attention / MLP module (q, k, v; gate, up; or one fused):
+    the first one called computes every one's output from the shared input, in one call
+    (``all_gather_linear_many`` / ``copy_linear_many``), the others take theirs. The owner's
+    hooks open and close each call; under sequence parallelism the owner's input is this
+    rank's tokens and the owner sees a stand-in of the whole sequence's shape."""
+
+    def __init__(self, owner: str, members: list[tuple[str, ColumnParallelLinear]], sp: bool, seq_dim: int,
+                 slot: str | None) -> None:
+        self.owner, self.sp, self.seq_dim, self.slot = owner, sp, seq_dim, slot
+        self.members = [m for _, m in members]
+        self.names = {id(m): n for n, m in members}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.shard: torch.Tensor | None = None
+        self.stand_in: torch.Tensor | None = None
+        self.src: torch.Tensor | None = None
+        self.version = -1
+        self.outs: dict[int, torch.Tensor] = {}
+
+    def pre_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        self._reset()
+        if not self.sp:
+            return None
+        x, put = _take_input(self.owner, self.slot, args, kwargs)
+        m0 = self.members[0]
+        d = self.seq_dim % x.dim()
+        shape = tuple(s * m0.tp_size if i == d else s for i, s in enumerate(x.shape))
+        self.shard, self.stand_in = x, _StandIn(shape, x, self.owner)
+        return put(self.stand_in)
+
+    def post_hook(self, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> Any:
+        self._reset()  # nothing of this call kept past it
+        return out
+
+    def __call__(self, member: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        if self.sp:
+            if self.stand_in is None or x is not self.stand_in:
+                raise RuntimeError(f"parallelize(sequence_parallel=True): {self.names[id(member)]} was called on "
+                                   f"a tensor other than {self.owner}'s input; its output would be wrong. Use "
+                                   "sequence_parallel=False or a plan for this model")
+            src = self.shard
+        else:
+            src = x
+        if src is not self.src or src._version != self.version or id(member) not in self.outs:
+            self.src, self.version = src, src._version
+            self.outs = dict(zip((id(m) for m in self.members), self._compute(src)))
+        return self.outs.pop(id(member))
+
+    def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
+        ms = self.members
+        m0 = ms[0]
+        ws, bs = [m.weight for m in ms], [m.bias for m in ms]
+        if self.sp:
+            x2, lead = _SequenceDim.to_rows(x, self.seq_dim)  # [T/R * ..., K]
+            ys = F.all_gather_linear_many(x2, ws, bs, group=m0.group, fused=m0.overlap, config=m0.config,
+                                          save_gathered=m0.save_gathered)  # [T * ..., N_i/R]
+            full = (m0.tp_size * lead[0], *lead[1:])
+            return [_SequenceDim.from_rows(y, full, self.seq_dim) for y in ys]
+        lead = x.shape[:-1]
+        ys = F.copy_linear_many(x.reshape(-1, x.shape[-1]), ws, bs, group=m0.group, fused=m0.overlap,
+                                config=m0.config)  # [tokens, N_i/R]
+        return [y.view(*lead, y.shape[-1]) for y in ys]
+
+
+# ---- parallelize -------------------------------------------------------------------------------
+
+class _Edits:
+    """Every change to the model, gathered first and made at the end (nothing in between
+    can fail), so that a model that cannot be converted is left as it was."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.swaps: list[tuple[str, nn.Module]] = []
+        self.attrs: list[tuple[nn.Module, str, Any]] = []
+        self.hooks: list[Callable[[], Any]] = []
+
+    def swap(self, name: str, new: nn.Module) -> None:
+        self.swaps.append((name, new))
+
+    def commit(self) -> None:
+        for name, new in self.swaps:
+            parent, _, child = name.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
+        for obj, attr, value in self.attrs:
+            setattr(obj, attr, value)
+        for h in self.hooks:
+            h()
+
+
+def _segment_index(segments: list[int], rank: int, world: int) -> torch.Tensor:
+    """The rows this rank takes of an output made of ``segments``: its part of each one."""
+    parts, off = [], 0
+    for s in segments:
+        n = s // world
+        parts.append(torch.arange(off + rank * n, off + (rank + 1) * n))
+        off += s
+    return torch.cat(parts)
+
+
+def _scatter_hook(group: Any, world: int, dim: int, where: str) -> Callable:
+    slot = None
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        x, put = _take_input(where, slot, args, kwargs)
+        if x.shape[dim % x.dim()] % world:
+            raise ValueError(f"parallelize(sequence_parallel=True): {where}'s input {tuple(x.shape)} has a sequence "
+                             f"(dim {dim}) that is not a multiple of the tensor-parallel size {world}")
+        return put(F.scatter_to_region(x, group=group, dim=dim))
+
+    def bind(module: nn.Module) -> Callable:
+        nonlocal slot
+        slot = _input_slot(module)
+        return hook
+
+    return bind
+
+
+def _gather_output(group: Any, dim: int, where: str) -> Callable:
+    def hook(_module: nn.Module, _args: tuple, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return F.gather_from_region(out, group=group, dim=dim)
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            return type(out)((F.gather_from_region(out[0], group=group, dim=dim), *out[1:]))
+        raise RuntimeError(f"parallelize(sequence_parallel=True): {where} returned {type(out).__name__}; the "
+                           "sequence-parallel region ends at a block returning a tensor (or a tuple starting "
+                           "with one)")
+    return hook
+
+
+def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, rank: int, sp: bool, config: Any,
+                overlap: bool, seq_dim: int, edits: _Edits) -> None:
+    kw = {"group": group, "config": config, "overlap": overlap}
+    for u in found.units:
+        members = []
+        for c in u.inputs:
+            lin = u.module.get_submodule(c)
+            try:
+                col = ColumnParallelLinear.from_linear(lin, sequence_parallel=sp, sequence_dim=seq_dim if sp else 0,
+                                                       index=_segment_index(u.segments[c], rank, world), **kw)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"parallelize: {u.name}.{c}: {e}") from None
+            members.append((f"{u.name}.{c}", col))
+            edits.swap(f"{u.name}.{c}", col)
+        try:
+            row = RowParallelLinear.from_linear(u.module.get_submodule(u.output), sequence_parallel=sp,
+                                                sequence_dim=seq_dim if sp else 0, **kw)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"parallelize: {u.name}.{u.output}: {e}") from None
+        edits.swap(f"{u.name}.{u.output}", row)
+        fusion = _ColumnGroup(u.name, members, sp, seq_dim, _input_slot(u.module))
+        for _, col in members:
+            edits.attrs.append((col, "_fusion", fusion))
+        edits.hooks.append(lambda m=u.module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))
+        edits.hooks.append(lambda m=u.module, f=fusion: m.register_forward_hook(f.post_hook, with_kwargs=True))
+        for a, v in u.attrs.items():
+            edits.attrs.append((u.module, a, v))
+        for c in u.per_head:  # applied to this rank's heads: gradients summed over the group
+            edits.swap(f"{u.name}.{c}", ReplicatedParameters(u.module.get_submodule(c), group))
+    if sp:
+        for name in found.norms:
+            edits.swap(name, SequenceParallelNorm(model.get_submodule(name), group, name))
+        first, last = found.blocks[0], found.blocks[-1]
+        names = {id(m): n for n, m in model.named_modules()}
+        bind = _scatter_hook(group, world, seq_dim, names[id(first)])
+        edits.hooks.append(lambda: first.register_forward_pre_hook(bind(first), with_kwargs=True))
+        hook = _gather_output(group, seq_dim, names[id(last)])
+        edits.hooks.append(lambda: last.register_forward_hook(hook))
 
 
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, str] | None = None, *,
-                sequence_parallel: bool = False, config: Any = None, overlap: bool = True,
-                sequence_dim: int = 1) -> nn.Module:
-    """Apply tensor parallelism to ``model`` in place and return it.
-
-    ``plan`` maps module-name patterns (``fnmatch`` on the qualified name, e.g. ``"*attn.qkv"``
-    matches ``h.0.attn.qkv``) to what the module becomes:
-
-    ==================  ===========================================================
-    kind                the module (must be) -> becomes
-    ==================  ===========================================================
-    "column"            nn.Linear -> ``ColumnParallelLinear.from_linear`` (this rank's
-                        output rows; its outputs [..., N/R])
-    "row"               nn.Linear -> ``RowParallelLinear.from_linear`` (this rank's
-                        input columns; its outputs reduced)
-    "sequence_norm"     LayerNorm / RMSNorm -> ``SequenceParallelNorm`` (sequence_parallel)
-    "scatter_sequence"  any: its output split along ``sequence_dim`` (this rank's shard)
-    "gather_sequence"   any: its input gathered along ``sequence_dim`` first
-    ==================  ===========================================================
-
-    Default: ``DEFAULT_PLAN`` (the GPT of ``overlap.models.gpt``: attention ``qkv`` column,
-    ``proj`` row, MLP ``fc1`` column, ``fc2`` row), ``SEQUENCE_PARALLEL_PLAN`` with
-    ``sequence_parallel=True`` (adds the norms and the edges of the sequence-parallel region).
-
-    What the model must do (coordination): modules are replaced in place (``setattr`` on
-    the parent), so the model must read the sizes it needs at run time, not cache them at
-    construction: attention reads its local head count from the qkv output,
-    ``nh = qkv.shape[-1] // (3 * head_dim)``, and the qkv output features must be laid out
-    per head so that a contiguous slice is whole heads. Every replaced layer, and the
-    model, gets ``.tp_size`` (and the layers ``.tp_rank``, ``.group``). With
-    ``sequence_parallel`` the residual stream between the scatter and the gather is
-    ``[B, T/R, C]`` (``sequence_dim=1``, batch-first; T a multiple of R), and a column
-    layer returns the whole sequence ``[B, T, N/R]``. Dropout inside that region draws
-    per-rank masks.
-
-    Deterministic: every rank must pass the same unsharded model (same seed); each keeps
-    its slices. Raises ``ValueError`` for a pattern that matches nothing, a kind it does not
-    know, or sizes not divisible by the group's size.
-    """
-    group, world, _ = _group_info(group)
-    if plan is None:
-        plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
+def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, sp: bool, config: Any,
+             overlap: bool, seq_dim: int, edits: _Edits) -> list[str]:
+    kinds_of: dict[str, str] = {}
     for pattern, kind in plan.items():
-        if kind not in _KINDS:
-            raise ValueError(f"plan[{pattern!r}] = {kind!r}; kinds: {_KINDS}")
-        if kind in ("sequence_norm", "scatter_sequence", "gather_sequence") and not sequence_parallel:
+        if is_style(kind):
+            kind, needs_sp = kind_of_style(pattern, kind)
+            if needs_sp and not sp:
+                raise ValueError(f"plan[{pattern!r}] = {plan[pattern]!r} shards the sequence: pass "
+                                 "sequence_parallel=True")
+        elif kind not in _KINDS:
+            raise ValueError(f"plan[{pattern!r}] = {kind!r}; kinds: {_KINDS} or torch's tensor-parallel styles")
+        if kind in SEQUENCE_KINDS and not sp:
             raise ValueError(f"plan[{pattern!r}] = {kind!r} needs sequence_parallel=True")
+        kinds_of[pattern] = kind
     hits = {p: 0 for p in plan}
-    for name, module in list(model.named_modules()):
-        kinds = [(p, k) for p, k in plan.items() if name and _matches(name, p)]
+    done, owners = [], []
+    for name, module in model.named_modules():
+        kinds = [(p, k) for p, k in kinds_of.items() if name and _matches(name, p)]
         if not kinds:
             continue
         if len(kinds) > 1:
             raise ValueError(f"module {name!r} matches several plan entries: {kinds}")
         pattern, kind = kinds[0]
         hits[pattern] += 1
-        new = _convert(name, module, kind, group, sequence_parallel, config, overlap, sequence_dim)
-        if new is not module:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        done.append(name)
+        if kind == "sequence_input":
+            owners.append(name)
+        else:
+            _convert(name, module, kind, group, sp, config, overlap, seq_dim, edits)
     missing = [p for p, n in hits.items() if not n]
     if missing:
         raise ValueError(f"plan patterns matched no module: {missing}")
-    model.tp_size = world
+    new = dict(edits.swaps)
+    for owner in owners:  # its column children read its input through one gather
+        members = [(n, m) for n, m in new.items() if isinstance(m, ColumnParallelLinear) and n.rpartition(".")[0] == owner]
+        if not members:
+            raise ValueError(f"plan: {owner!r} takes a sequence-sharded input (PrepareModuleInput) but none of its "
+                             "children is planned column-parallel; plan its input projections ColwiseParallel()")
+        module = model.get_submodule(owner)
+        fusion = _ColumnGroup(owner, members, True, seq_dim, _input_slot(module))
+        for _, col in members:
+            edits.attrs.append((col, "_fusion", fusion))
+        edits.hooks.append(lambda m=module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))
+        edits.hooks.append(lambda m=module, f=fusion: m.register_forward_hook(f.post_hook, with_kwargs=True))
+    _plan_head_counts(model, new, world, edits)
+    return done
+
+
+def _plan_head_counts(model: nn.Module, new: dict[str, nn.Module], world: int, edits: _Edits) -> None:
+    """Attention modules whose projections a plan split: their head counts set to the local ones."""
+    config = getattr(model, "config", None)
+    parents = {n.rpartition(".")[0] for n, m in new.items() if isinstance(m, ColumnParallelLinear)}
+    for p in sorted(parents):
+        m = model.get_submodule(p)
+        if not is_attention(m):
+            continue
+        nh, nkv, hd = head_counts(m, config)
+        if nh is None or hd is None:
+            continue
+        if nh % world or nkv % world:
+            raise ValueError(f"plan: {p}: {nh} query / {nkv} key-value heads do not divide over the "
+                             f"tensor-parallel size {world}")
+        for a, v in local_attrs(m, nh, nkv, hd, world).items():
+            edits.attrs.append((m, a, v))
+
+
+def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, config: Any, overlap: bool,
+             seq_dim: int, edits: _Edits) -> None:
+    if kind in ("column", "row"):
+        if not is_linear(module):
+            raise TypeError(f"plan: {name!r} is {type(module).__name__}, not nn.Linear (or transformers' Conv1D)")
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        try:
+            edits.swap(name, cls.from_linear(module, group=group, sequence_parallel=sp, config=config,
+                                             overlap=overlap, sequence_dim=seq_dim if sp else 0))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"plan: {name!r}: {e}") from None
+    elif kind == "sequence_norm":
+        edits.swap(name, SequenceParallelNorm(module, group, name))
+    elif kind == "scatter_sequence":
+        edits.hooks.append(lambda: module.register_forward_hook(
+            lambda _m, _args, out: F.scatter_to_region(out, group=group, dim=seq_dim)))
+    else:  # gather_sequence
+        slot = _input_slot(module)
+
+        def pre(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
+            x, put = _take_input(name, slot, args, kwargs)
+            return put(F.gather_from_region(x, group=group, dim=seq_dim))
+
+        edits.hooks.append(lambda: module.register_forward_pre_hook(pre, with_kwargs=True))
+
+
+def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | None = None, *,
+                sequence_parallel: bool = False, config: Any = None, overlap: bool = True,
+                sequence_dim: int = 1) -> nn.Module:
+    """Apply tensor parallelism to ``model`` in place and return it; all of it or, where
+    anything does not fit, none of it (a ``ValueError`` / ``TypeError`` naming the module
+    and what to do, the model unchanged).
+
+    No ``plan``: the model's structure is recognized (``overlap.nn.recognize``): HF
+    transformers' decoders of the Llama family (Llama, Mistral, Qwen2/3: GQA, q/k/v biases,
+    tied embeddings), GPT-2 (Conv1D, fused ``c_attn``), and models built like them: each
+    attention's q/k/v (or fused qkv) column-parallel over whole heads, read from one gather,
+    its output projection row-parallel, its head counts set to the local ones; each MLP's
+    gate/up (or up, or fused gate/up) column-parallel from one gather, its down projection
+    row-parallel. Embeddings, the final norm and the head stay replicated. A model whose
+    names match ``DEFAULT_PLAN`` (``overlap.models.GPT``: qkv laid out per head) follows
+    that plan (``SEQUENCE_PARALLEL_PLAN`` with ``sequence_parallel``).
+
+    ``sequence_parallel``: the residual stream ``[B, T/R, C]`` (``sequence_dim=1``) from
+    the first block's input to the last one's output, T a multiple of R; norms of any
+    class (LayerNorm- or RMSNorm-like, checked by parameters and behavior) run on this
+    rank's tokens with their gradients summed over the group. Position embeddings and
+    masks built before the first block see every token.
+
+    ``plan`` maps module-name patterns (``fnmatch`` on the qualified name, e.g.
+    ``"*attn.qkv"`` matches ``h.0.attn.qkv``) to what the module becomes:
+
+    ==================  ===========================================================
+    kind                the module (must be) -> becomes
+    ==================  ===========================================================
+    "column"            linear -> ``ColumnParallelLinear.from_linear`` (this rank's
+                        output rows; its outputs [..., N/R])
+    "row"               linear -> ``RowParallelLinear.from_linear`` (this rank's
+                        input columns; its outputs reduced)
+    "sequence_norm"     a norm -> ``SequenceParallelNorm`` (sequence_parallel)
+    "scatter_sequence"  any: its output split along ``sequence_dim`` (this rank's shard)
+    "gather_sequence"   any: its input gathered along ``sequence_dim`` first
+    "sequence_input"    any: its column children read its sequence-sharded input
+                        through one gather (it sees the whole sequence's shape)
+    ==================  ===========================================================
+
+    A plan's value may also be one of torch's styles (``ColwiseParallel``,
+    ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``: the plans torchtitan
+    users write), mapped as ``overlap.nn.styles`` says; ``PrepareModuleInput`` from
+    ``Shard(1)`` to ``Replicate()`` on a module makes its column children read its input
+    through one gather. With a plan, an attention module whose projections it splits gets
+    its head counts set to the local ones; a column layer takes a contiguous slice of its
+    rows (a fused qkv must be laid out per head), and with ``sequence_parallel`` one not
+    under a ``sequence_input`` module returns the whole sequence ``[B, T, N/R]``.
+
+    Deterministic: every rank must pass the same unsharded model (same seed); each keeps
+    its slices (``unshard`` puts them back together). ``model.overlap_parallel`` records
+    what was done (``ParallelInfo``); ``model.tp_size`` is set where the model has no
+    ``tp_size`` of its own.
+    """
+    group, world, rank = _group_info(group)
+    if getattr(model, "overlap_parallel", None) is not None:
+        raise ValueError(f"parallelize: {type(model).__name__} is already parallelized ({model.overlap_parallel})")
+    edits = _Edits(model)
+    legacy = plan is None and all(any(_matches(n, p) for n, _ in model.named_modules() if n) for p in DEFAULT_PLAN)
+    if plan is None and not legacy:
+        found = recognize(model, world)
+        _recognized(model, found, group, world, rank, sequence_parallel, config, overlap, sequence_dim, edits)
+        units = tuple(u.name for u in found.units)
+    else:
+        if plan is None:
+            plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
+        units = tuple(_planned(model, plan, group, world, sequence_parallel, config, overlap, sequence_dim, edits))
+    edits.commit()
+    model.overlap_parallel = ParallelInfo(world, sequence_parallel, plan is None, units)
+    if not hasattr(type(model), "tp_size"):  # HF models have their own (a read-only property)
+        model.tp_size = world
     return model
 
 
-def _convert(name: str, module: nn.Module, kind: str, group: Any, sequence_parallel: bool, config: Any,
-             overlap: bool, sequence_dim: int) -> nn.Module:
-    if kind in ("column", "row"):
-        if type(module) is not nn.Linear:
-            raise TypeError(f"plan: {name!r} is {type(module).__name__}, not nn.Linear")
-        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-        try:
-            return cls.from_linear(module, group=group, sequence_parallel=sequence_parallel, config=config,
-                                   overlap=overlap, sequence_dim=sequence_dim if sequence_parallel else 0)
-        except ValueError as e:
-            raise ValueError(f"plan: {name!r}: {e}") from None
-    if kind == "sequence_norm":
-        return SequenceParallelNorm(module, group)
-    if kind == "scatter_sequence":
-        module.register_forward_hook(
-            lambda _m, _args, out: F.scatter_to_region(out, group=group, dim=sequence_dim))
-        return module
-    module.register_forward_pre_hook(  # gather_sequence
-        lambda _m, args: (F.gather_from_region(args[0], group=group, dim=sequence_dim), *args[1:]))
-    return module
+def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor | None]:
+    """Every parameter (``grads=True``: its gradient) of a parallelized model in the unsharded
+    model's layout, by name (a fused projection's rows back in their order, a Conv1D's
+    weight [K, N] again): ``model.state_dict()`` of the model before ``parallelize``.
+    Collective: every rank of the group calls it, and every rank gets the whole."""
+    import torch.distributed as tdist
+
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        parent, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(parent) if parent else model
+        t = p.grad if grads else p.detach()
+        idx = getattr(mod, "shard_index", None)
+        if t is None:
+            out[name] = None
+            continue
+        dim = None
+        if isinstance(mod, ColumnParallelLinear) and idx is not None:
+            dim = 0
+        elif isinstance(mod, RowParallelLinear) and idx is not None and leaf == "weight":
+            dim = 1
+        if dim is not None:
+            world = tdist.get_world_size(mod.group)
+            ts = [torch.empty_like(t) for _ in range(world)]
+            tdist.all_gather(ts, t.contiguous(), group=mod.group)
+            ids = [torch.empty_like(idx) for _ in range(world)]
+            tdist.all_gather(ids, idx.to(t.device), group=mod.group)
+            full_shape = list(t.shape)
+            full_shape[dim] *= world
+            t = t.new_empty(full_shape).index_copy_(dim, torch.cat(ids).to(t.device), torch.cat(ts, dim))
+        if getattr(mod, "source_transposed", False) and leaf == "weight":
+            t = t.t()
+        out[name] = t
+    return out

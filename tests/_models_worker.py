@@ -1,0 +1,383 @@
+"""One rank of the gloo tests of ``parallelize`` on real model families (started by
+tests/nn/test_models.py): HF transformers' Llama (GQA), Mistral, Qwen2 (q/k/v biases, tied
+embeddings), Qwen3 (per-head q/k norms) and GPT-2 (Conv1D, fused ``c_attn``), tiny and built
+from their configs (never downloaded), and a model built like torchtitan's Llama (an
+``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally), through
+``parallelize(model)`` with no plan.
+
+Per family, sequence-parallel and not, against the unsharded model built from the same
+seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
+unsharded layout) and 5 AdamW steps (new tokens each step); the number of data
+all-gathers in one forward; then the failures that must raise, leaving the model as it
+was. Prints ``PASS models world=W rank=R`` at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+
+# run as a script, this folder leads sys.path, and its kernels/ would shadow the `kernels`
+# package that transformers imports
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch
+import torch.distributed as tdist
+
+from overlap import dist
+from overlap.nn import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, parallelize, unshard
+
+RANK, WS = 0, 1
+TOL = {"rtol": 2e-4, "atol": 2e-5}  # fp32, sums over ranks in another order than the unsharded model's
+# after AdamW steps: Adam divides by the gradient's own scale, so rounding differences of
+# near-zero gradient entries become differences of up to lr in the weights
+TOL_STEPS = {"rtol": 2e-3, "atol": 2e-4}
+B, T, V, C = 2, 8, 96, 64
+
+
+def families(kv: int = 0) -> dict:
+    import transformers as tf
+
+    kv = kv or max(2, WS)  # GQA at 2 ranks; at 4, one key/value head per rank
+    common = dict(vocab_size=V, hidden_size=C, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64)
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=kv)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=None)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=kv, head_dim=16,
+                                                            tie_word_embeddings=True)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=C, n_layer=2, n_head=4,
+                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    }
+
+
+class TitanLinear(torch.nn.Linear):
+    """A subclass of nn.Linear keeping its forward, as torchtitan's models use."""
+
+
+class TitanAttention(torch.nn.Module):
+    """Laid out as torchtitan's Llama attention: wq, wk, wv, wo; n_heads, n_kv_heads, n_rep."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.n_rep = n_heads // n_kv_heads
+        self.wq = TitanLinear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = TitanLinear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = TitanLinear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = TitanLinear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape  # the whole sequence, also under sequence parallelism
+        q = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(bs, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(bs, seqlen, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope[0, :seqlen], rope[1, :seqlen]  # (T, hd / 2)
+
+        def rot(t: torch.Tensor) -> torch.Tensor:
+            a, b = t[..., ::2], t[..., 1::2]
+            return torch.stack((a * cos - b * sin, a * sin + b * cos), -1).flatten(-2)
+
+        q, k = rot(q), rot(k).repeat_interleave(self.n_rep, 1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v.repeat_interleave(self.n_rep, 1), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(bs, seqlen, -1))  # (B, T, C)
+
+
+class TitanFeedForward(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (TitanLinear(dim, hidden, bias=False), TitanLinear(hidden, dim, bias=False),
+                                     TitanLinear(dim, hidden, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention = TitanAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = TitanFeedForward(dim, 2 * dim)
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim, eps=1e-5), torch.nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanLlama(torch.nn.Module):
+    """Built like torchtitan's Llama (tok_embeddings; layers in a ModuleDict called with the
+    rotary table positionally; norm; output), written here, no torchtitan needed."""
+
+    def __init__(self, n_kv_heads: int) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(V, C)
+        self.layers = torch.nn.ModuleDict({str(i): TitanBlock(C, 4, n_kv_heads) for i in range(2)})
+        self.norm, self.output = torch.nn.RMSNorm(C, eps=1e-5), TitanLinear(C, V, bias=False)
+        hd = C // 4
+        f = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, hd, 2).float() / hd))  # (T, hd / 2)
+        self.register_buffer("rope", torch.stack((f.cos(), f.sin())), persistent=False)  # (2, T, hd / 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+
+def run(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, loss) of an HF model or the torchtitan-like one."""
+    if isinstance(m, TitanLlama):
+        logits = m(ids)
+        return logits, torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    out = m(input_ids=ids, labels=ids)
+    return out.logits, out.loss
+
+
+def build(family: str, kv: int = 0) -> torch.nn.Module:
+    torch.manual_seed(1234)  # the same weights on every rank
+    m = TitanLlama(kv or max(2, WS)) if family == "titan" else families(kv)[family]()
+    with torch.no_grad():  # norms away from 1 / 0 so that their gradients mean something
+        for name, p in m.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    return m.float().train()
+
+
+def tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1000 + step))  # new every step
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: dict = TOL) -> None:
+    torch.testing.assert_close(got, want, **tol, msg=lambda s: f"rank {RANK}: {what}: {s}")
+
+
+class GatherCount:
+    """Counts the all-gathers of floating-point data torch.distributed runs (the ops' agreement
+    checks gather ints; they are not data)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.saved = {}
+        for fn in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
+            if hasattr(tdist, fn):
+                self.saved[fn] = getattr(tdist, fn)
+                setattr(tdist, fn, self._wrap(self.saved[fn]))
+
+    def _wrap(self, f):
+        def g(out, inp, *a, **k):
+            t = inp if isinstance(inp, torch.Tensor) else None
+            if t is not None and t.is_floating_point():
+                self.n += 1
+            return f(out, inp, *a, **k)
+        return g
+
+    def close(self) -> None:
+        for fn, f in self.saved.items():
+            setattr(tdist, fn, f)
+
+
+def titan_plan(sp: bool) -> dict:
+    """torchtitan's Llama plan, in torch's styles (what its users pass to parallelize_module)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    if not sp:
+        return {"layers.*.attention.w[qkv]": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+                "layers.*.feed_forward.w[13]": ColwiseParallel(), "layers.*.feed_forward.w2": RowwiseParallel()}
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                 desired_input_layouts=(Replicate(), None)),
+        "layers.*.attention.w[qkv]": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w[13]": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def check_family(family: str, sp: bool, plan: dict | None = None) -> None:
+    what = f"{family} sp={sp}" + (" (torch styles)" if plan else "")
+    ref = build(family)
+    tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp)
+    layers = 2
+    assert tp.overlap_parallel.recognized == (plan is None), tp.overlap_parallel
+    assert plan or len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
+    assert tp.state_dict().keys() == ref.state_dict().keys(), what  # names kept: checkpoints load either way
+    cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear)]
+    rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
+    assert len(rows) == 2 * layers and cols and all(m.sequence_parallel == sp for m in cols + rows), what
+    assert sp == any(isinstance(m, SequenceParallelNorm) for m in tp.modules()), what
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-3, eps=1e-6)
+    for step in range(5):
+        ids = tokens(step + 10 * sp)
+        logits_ref, loss_ref = run(ref, ids)
+        count = GatherCount()
+        try:
+            logits, loss = run(tp, ids)
+        finally:
+            count.close()
+        # one data all-gather per layer input (attention's and MLP's), and the stream's
+        # gather after the last block; none without sequence parallelism
+        want = 2 * layers + 1 if sp else 0
+        assert count.n == want, f"rank {RANK}: {what}: {count.n} all-gathers in one forward, want {want}"
+        tol = TOL if step == 0 else TOL_STEPS
+        close(logits, logits_ref, f"{what} step {step}: logits", tol)
+        close(loss, loss_ref, f"{what} step {step}: loss", tol)
+        loss_ref.backward()
+        loss.backward()
+        grads = unshard(tp, grads=True)
+        for name, p in ref.named_parameters():
+            assert grads[name] is not None, f"{what}: no gradient for {name}"
+            close(grads[name], p.grad, f"{what} step {step}: grad {name}", tol)
+        opt_ref.step()
+        opt_tp.step()
+        opt_ref.zero_grad()
+        opt_tp.zero_grad()
+    full = unshard(tp)
+    for name, p in ref.named_parameters():
+        close(full[name], p.detach(), f"{what}: {name} after 5 AdamW steps", TOL_STEPS)
+
+
+def snapshot(m: torch.nn.Module) -> tuple:
+    """What parallelize may change: the module tree, parameters, hooks, head counts."""
+    return ([(n, type(x).__name__, len(x._forward_pre_hooks), len(x._forward_hooks),
+              {a: v for a, v in vars(x).items() if isinstance(v, int)}) for n, x in m.named_modules()],
+            {k: v.clone() for k, v in m.state_dict().items()})
+
+
+def unchanged(m: torch.nn.Module, before: tuple, what: str) -> None:
+    after = snapshot(m)
+    assert after[0] == before[0], f"rank {RANK}: {what}: the module tree changed"
+    assert after[1].keys() == before[1].keys() and all(torch.equal(after[1][k], v) for k, v in before[1].items()), what
+    assert getattr(m, "overlap_parallel", None) is None, what
+
+
+def raises(fn, exc: type, text: str, what: str) -> Exception:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"rank {RANK}: {what}: {e}"
+        return e
+    raise AssertionError(f"rank {RANK}: {what}: accepted")
+
+
+class NotRowWise(torch.nn.Module):
+    """A 'norm' with a weight [C] that normalizes over the sequence: no per-token norm."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-2, keepdim=True) * self.weight
+
+
+def check_failures() -> None:
+    """Each of these raised late, or gave a wrong result with no error, before."""
+    from torch import nn
+
+    # fewer key/value heads than ranks: raised at parallelize, the model unchanged
+    if WS > 1:
+        m = build("llama", kv=1)
+        before = snapshot(m)
+        e = raises(lambda: parallelize(m), ValueError, "key/value heads", "one kv head")
+        assert "self_attn" in str(e) and "tensor-parallel size" in str(e), e
+        unchanged(m, before, "one kv head")
+    # a parameter-holding module in a block that is not a row-wise norm, under sequence
+    # parallelism: raised, model unchanged (its gradient would be silently wrong)
+    m = build("llama")
+    for layer in m.model.layers:
+        layer.scale = NotRowWise(C)
+    before = snapshot(m)
+    raises(lambda: parallelize(m, sequence_parallel=True), ValueError, "not row-wise", "non-row-wise norm")
+    unchanged(m, before, "non-row-wise norm")
+    parallelize(m)  # without sequence parallelism it is replicated, run on every token: fine
+    # a linear in a block outside attention and MLP (a router, an adapter): raised, unchanged
+    m = build("llama")
+    m.model.layers[1].router = nn.Linear(C, 4)
+    before = snapshot(m)
+    raises(lambda: parallelize(m), ValueError, "model.layers.1.router", "stray linear")
+    unchanged(m, before, "stray linear")
+    # an nn.Linear subclass is accepted, one overriding forward is refused by name
+    class Plain(nn.Linear):
+        pass
+
+    class Lora(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    m, ref = build("llama"), build("llama")
+    for mod in (m, ref):
+        old = mod.model.layers[0].self_attn.q_proj
+        new = Plain(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        mod.model.layers[0].self_attn.q_proj = new
+    ids = tokens(77)
+    close(parallelize(m)(input_ids=ids).logits, ref(input_ids=ids).logits, "nn.Linear subclass")
+    m = build("llama")
+    old = m.model.layers[0].mlp.up_proj
+    m.model.layers[0].mlp.up_proj = Lora(old.in_features, old.out_features, bias=False)
+    before = snapshot(m)
+    raises(lambda: parallelize(m), TypeError, "overrides forward", "Linear subclass with its own forward")
+    unchanged(m, before, "Linear subclass with its own forward")
+    # twice: refused
+    m = parallelize(build("gpt2"))
+    raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")
+    # under sequence parallelism an attention module that computes on its input other than
+    # through its projections raises (it would see the shard's values as the sequence's);
+    # the model works again once that is gone
+    m, ref = parallelize(build("llama"), sequence_parallel=True), build("llama")
+    attn = m.model.layers[1].self_attn
+    seen = []
+    h = attn.register_forward_pre_hook(lambda _m, args, kw: seen.append(float(kw["hidden_states"].abs().sum())),
+                                       with_kwargs=True)  # reads the values of its input
+    raises(lambda: m(input_ids=tokens(5)), RuntimeError, "model.layers.1.self_attn used its input", "stand-in read")
+    h.remove()
+    assert not seen, seen
+    h = attn.register_forward_pre_hook(lambda _m, args, kw: (args, {**kw, "hidden_states": kw["hidden_states"] * 1}),
+                                       with_kwargs=True)  # hands its projections a tensor of its own
+    raises(lambda: m(input_ids=tokens(5)), RuntimeError, "model.layers.1.self_attn", "stand-in replaced")
+    h.remove()
+    close(m(input_ids=tokens(6)).logits, ref(input_ids=tokens(6)).logits, "after the stand-in error")
+    # a sequence not divisible by the ranks: a clear error, not a wrong split
+    if WS > 1:
+        raises(lambda: m(input_ids=tokens(7)[:, :T - 1]), ValueError, "not a multiple", "odd sequence")
+
+
+def main() -> None:
+    global RANK, WS
+    warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
+    ctx = dist.init(backend="gloo", timeout_s=60)
+    RANK, WS = ctx.rank, ctx.world_size
+    torch.set_num_threads(1)
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:  # the test skips before starting ranks; this is the backstop
+        print(f"SKIP models: transformers not importable ({e})", flush=True)
+        return
+    only = sys.argv[1:] or [*families(), "titan"]
+    for family in only:
+        for sp in (False, True):
+            check_family(family, sp)
+            if family == "titan":
+                check_family(family, sp, titan_plan(sp))
+    check_failures()
+    tdist.barrier()
+    dist.shutdown()
+    print(f"PASS models world={WS} rank={RANK}", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()
