@@ -646,6 +646,13 @@ class Runtime:
         want = cfg.transport or _env_transport()
         heap = self.p2p()
         if self.shared_gpu and self.world > 1:
+            if capturing():
+                # the peer-copy transport's captured call runs the reference, whose collective
+                # is gloo's here: host work that no CUDA graph can hold
+                raise OverlapCaptureError(
+                    f"shared-GPU mode: rank {self.rank}: the ops of ranks {list(self.ranks)} cannot be captured in "
+                    "a CUDA graph: their host collectives run on gloo, which a capture cannot hold; capture with "
+                    "one GPU per rank")
             if want == "nccl":
                 raise RuntimeError(_share.nccl_refusal("transport 'nccl'", self.rank, list(self.ranks)))
             if heap is None:
@@ -1381,6 +1388,21 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     return meds[best], ranked[best][1]
 
 
+def shared_gpu_choices(rt: Any, op: str, candidates: list[OverlapConfig], baselines: dict[Chunked, Any] | None
+                       ) -> tuple[list[OverlapConfig], dict[Chunked, Any] | None]:
+    """A tuner's candidates and baselines that can run on ``rt``: in shared-GPU mode
+    (``overlap.dist.shared``) neither the NCCL candidates nor the chunked baselines (NCCL
+    calls) can, and they are left out, with a warning where the caller named any."""
+    if not (getattr(rt, "shared_gpu", False) and rt.world > 1):
+        return candidates, baselines
+    keep = [c for c in candidates if not (isinstance(c, OverlapConfig) and c.transport == "nccl")]
+    if len(keep) < len(candidates) or baselines:
+        warn_once(f"shared-gpu-tune-{op}", f"{op}: tuner: shared-GPU mode: {len(candidates) - len(keep)} NCCL "
+                  f"candidate(s) and {len(baselines or {})} chunked baseline(s) (NCCL) left out; NCCL refuses "
+                  "ranks that share a GPU")
+    return keep, None
+
+
 def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref: Any, candidates: list[OverlapConfig],
                run: Any, describe: Any, iters: int, group: Any, verbose: bool, cache: Any, key: Any,
                baselines: dict[Chunked, Any] | None = None, passes: tuple[Any, ...] = ()) -> Path:
@@ -1397,6 +1419,7 @@ def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref:
     from dataclasses import replace
 
     err = rt.err(op)
+    candidates, baselines = shared_gpu_choices(rt, op, candidates, baselines)
     paths: dict[Any, Any] = {SEQUENTIAL: ref, **(baselines or {})}
 
     def label(choice: Any) -> str:

@@ -159,3 +159,46 @@ def test_sharing_found_in_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
     rt = _runtime(monkeypatch, SimpleNamespace(shared_gpu=True, gpu_share=4, device=torch.device("cpu")))
     rtmod._note_sharing(rt, "h", [("h", "gpu-a"), ("h", "gpu-a")])
     assert (rt.num_sms, rt.gpu_share) == (33, 4)
+
+
+def test_capture_refused_in_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture would hold the reference's gloo collective (host work): a clear error."""
+    rt = _runtime(monkeypatch, SimpleNamespace(shared_gpu=True, gpu_share=2, device=torch.device("cpu")))
+    monkeypatch.setattr(rtmod, "capturing", lambda: True)
+    with pytest.raises(rtmod.OverlapCaptureError, match="cannot be captured in a CUDA graph: their host collectives"):
+        rt.transport(OverlapConfig())
+    rt = _runtime(monkeypatch, None)  # one GPU per rank: the transport is chosen as before
+    assert rt.transport(OverlapConfig()) == "p2p"
+
+
+def test_tuners_leave_nccl_out_in_the_mode() -> None:
+    """The tuners' default lists hold NCCL candidates and chunked baselines (NCCL calls):
+    in the mode each would raise the refusal mid-tuning; they are left out, with a warning."""
+    cands = [OverlapConfig(chunks=2, transport="nccl"), OverlapConfig(chunks=2, transport="p2p"), OverlapConfig()]
+    base = {rtmod.Chunked(2): lambda: None}
+    prod = SimpleNamespace(shared_gpu=False, world=2)
+    assert rtmod.shared_gpu_choices(prod, "op", cands, base) == (cands, base)
+    one = SimpleNamespace(shared_gpu=True, world=1)
+    assert rtmod.shared_gpu_choices(one, "op", cands, base) == (cands, base)
+    rt = SimpleNamespace(shared_gpu=True, world=2)
+    with pytest.warns(UserWarning, match=r"op: tuner: shared-GPU mode: 1 NCCL candidate\(s\) and 1 chunked"):
+        keep, kept_base = rtmod.shared_gpu_choices(rt, "op", cands, base)
+    assert keep == cands[1:] and kept_base is None
+
+
+def test_all_reduce_matmul_weight_list_avoids_nccl_in_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of weights with no transport named runs as one grid on NCCL; in the mode it
+    takes the widest weight on the peer-copy transport instead of the refusal."""
+    from overlap.ops import all_reduce as armod
+
+    rt = SimpleNamespace(shared_gpu=True, world=2, p2p=lambda: None)
+    monkeypatch.setattr(armod, "get_runtime", lambda group, device: rt)
+    monkeypatch.setattr(armod, "resolve_group", lambda group: "group")
+    seen: list[str] = []
+    monkeypatch.setattr(armod, "_widest", lambda *args: seen.append(args[-1]) or "widest")
+    x = torch.randn(8, 16, dtype=torch.float16)
+    bs = [torch.randn(16, 8, dtype=torch.float16), torch.randn(16, 16, dtype=torch.float16)]
+    with mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock, return_value=True):
+        for cfg in (None, OverlapConfig(chunks=2)):
+            assert armod.all_reduce_matmul(x, bs, config=cfg) == "widest"
+    assert seen == ["shared-GPU mode: the peer-copy transport takes one weight"] * 2
