@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 # (name, script and arguments, seconds at most, the line that says it passed where it prints no RESULT)
 CASES = [
-    ("ops", ["tests/gpu/shared_gpu_check.py", "ops"], 300, None),
-    ("guarantees", ["tests/gpu/shared_gpu_check.py", "guarantees"], 240, None),
-    ("producer_p2p_check", ["tests/gpu/producer_p2p_check.py"], 300, r"^PASS producer_p2p world="),
-    ("layers", ["tests/gpu/shared_gpu_check.py", "layers"], 300, None),
-    ("kill", ["tests/gpu/shared_gpu_check.py", "kill"], 120, None),
+    ("ops", ["tests/gpu/shared_gpu_check.py", "ops"], 150, None),
+    ("guarantees", ["tests/gpu/shared_gpu_check.py", "guarantees"], 120, None),
+    ("layers", ["tests/gpu/shared_gpu_check.py", "layers"], 150, None),
+    ("kill", ["tests/gpu/shared_gpu_check.py", "kill"], 90, None),
+    ("producer_p2p_check", ["tests/gpu/producer_p2p_check.py"], 240, r"^PASS producer_p2p world="),
 ]
 
 
