@@ -175,8 +175,7 @@ def init(
                 tdist.init_process_group(
                     backend=be, store=store.pg_store, rank=launch.rank,
                     world_size=launch.world_size, timeout=timeout,
-                    # NCCL: bind the device now (eager init; subgroups split from it)
-                    device_id=dev if dev.type == "cuda" else None,
+                    device_id=_bound_device(be, dev),
                 )
             except Exception as exc:
                 raise DistInitError(
@@ -286,6 +285,13 @@ def _resolve_device(device: str | None, launch: LaunchEnv) -> tuple[torch.device
     gpu, share, shared = place_on_gpus(launch.rank, launch.local_rank, launch.local_world_size,
                                        torch.cuda.device_count(), want)
     return torch.device("cuda", gpu), share, shared
+
+
+def _bound_device(backend: str, dev: torch.device) -> torch.device | None:
+    """The device to bind the default group to: NCCL's (eager init; subgroups split from
+    it). None on gloo, also with a CUDA device (shared-GPU mode): a bound gloo group makes
+    torch 2.11's ``new_group`` split it, which gloo cannot (``perform_nocolor_split``)."""
+    return dev if backend == "nccl" and dev.type == "cuda" else None
 
 
 def _resolve_backend(backend: str | None, dev: torch.device, shared: bool = False,

@@ -202,3 +202,12 @@ def test_all_reduce_matmul_weight_list_avoids_nccl_in_the_mode(monkeypatch: pyte
         for cfg in (None, OverlapConfig(chunks=2)):
             assert armod.all_reduce_matmul(x, bs, config=cfg) == "widest"
     assert seen == ["shared-GPU mode: the peer-copy transport takes one weight"] * 2
+
+
+def test_gloo_group_not_bound_to_the_gpu() -> None:
+    """Binding a gloo default group to a CUDA device made every subgroup (the dp groups)
+    fail in torch 2.11: ProcessGroupGloo has no ``perform_nocolor_split``."""
+    cuda = torch.device("cuda", 0)
+    assert context._bound_device("gloo", cuda) is None
+    assert context._bound_device("gloo", torch.device("cpu")) is None
+    assert context._bound_device("nccl", cuda) == cuda
