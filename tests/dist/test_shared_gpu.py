@@ -211,3 +211,17 @@ def test_gloo_group_not_bound_to_the_gpu() -> None:
     assert context._bound_device("gloo", cuda) is None
     assert context._bound_device("gloo", torch.device("cpu")) is None
     assert context._bound_device("nccl", cuda) == cuda
+
+
+def test_producer_ops_take_the_peer_copy_transport_in_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """matmul_reduce_scatter / matmul_all_reduce default to NCCL where no transport is named
+    (on a GPU run at d9c328a, the layers' backward and both ops raised the NCCL refusal)."""
+    from overlap.ops import matmul_reduce as mrmod
+
+    monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+    rt = _runtime(monkeypatch, SimpleNamespace(shared_gpu=True, gpu_share=2, device=torch.device("cpu")))
+    assert mrmod._transport(rt, OverlapConfig()) == "p2p"
+    assert mrmod._transport(rt, OverlapConfig(chunks=2)) == "p2p"
+    prod = _runtime(monkeypatch, None)  # one GPU per rank: NCCL unless the peer-copy one is named
+    assert mrmod._transport(prod, OverlapConfig()) == "nccl"
+    assert mrmod._transport(prod, OverlapConfig(transport="p2p")) == "p2p"
