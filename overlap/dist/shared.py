@@ -57,15 +57,16 @@ def shared_gpu_env(environ: Mapping[str, str] | None = None) -> bool | None:
     Raises:
         DistInitError: any other value.
     """
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV) or "").strip().lower()
+    environ = os.environ if environ is None else environ
+    given = environ.get("OVERLAP_SHARED_GPU")
+    raw = (given or "").strip().lower()
     if raw in ("", "auto"):
         return None
     if raw in _ON:
         return True
     if raw in _OFF:
         return False
-    raise DistInitError(f"{ENV} must be 1, 0 or auto, got {env.get(ENV)!r}")
+    raise DistInitError(f"{ENV} must be 1, 0 or auto, got {given!r}")
 
 
 def place_on_gpus(rank: int, local_rank: int, local_world_size: int, n_gpu: int,
