@@ -131,7 +131,7 @@ def nccl_comm(
     ranks = group_ranks(ctx.tp_group if group is None else group)
     if ctx.rank not in ranks:
         raise ValueError(f"rank {ctx.rank} is not in the group {ranks}")
-    if ctx.shared_gpu and len(ranks) > 1:
+    if getattr(ctx, "shared_gpu", False) and len(ranks) > 1:
         raise DistInitError(nccl_refusal("overlap.dist.nccl_comm()", ctx.rank, ranks))
     if config is not None and getattr(config, "is_default", False):
         config = None  # NcclConfig() and None make the same communicator: share it

@@ -832,7 +832,7 @@ def _context_share(device: torch.device) -> tuple[int, bool]:
     from .. import dist
 
     ctx = dist.get_context()
-    if ctx is None or not ctx.shared_gpu or ctx.device != device:
+    if ctx is None or not getattr(ctx, "shared_gpu", False) or ctx.device != device:
         return 1, False
     return ctx.gpu_share, True
 
