@@ -132,6 +132,13 @@ def run_case(name: str, argv: list[str], limit: float, pass_re: str | None, rank
     log.write(text)
     log.write(f"===== {name}: rc={rc} after {took:.1f} s\n")
     log.flush()
+    return parse_results(name, text, rc, took, limit, pass_re)
+
+
+def parse_results(name: str, text: str, rc: int | None, took: float, limit: float, pass_re: str | None) -> list[dict]:
+    """The tests of one job's output ``text`` (``rc`` None: killed at ``limit``): its RESULT
+    lines, or, for a job that prints a PASS line instead, one test named after the job; a
+    job that failed or timed out without saying which test gets a test of its own."""
     tests = []
     for m in re.finditer(r"^RESULT (\S+) (passed|failed) ([0-9.]+) ?(.*)$", text, re.M):
         tests.append({"name": m.group(1), "outcome": m.group(2), "seconds": float(m.group(3)),
