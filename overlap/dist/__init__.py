@@ -34,6 +34,8 @@ single     No launcher variables: a world of one rank over an in-process HashSto
 The modules, one concern each; each imports only those listed before it:
 
 - ``launch``: ``LaunchEnv`` and ``detect_launch``, the launcher's variables.
+- ``shared``: shared-GPU mode (ranks of a node on one GPU): placement, the SM share,
+  wait bounds, the NCCL refusal.
 - ``store``: the rendezvous store and the bounded arrival checks.
 - ``context``: ``DistContext``, ``init``, ``get_context``, ``shutdown``, ``on_shutdown``.
 - ``comms``: ``group_ranks``, ``nccl_comm`` and its cache, ``set_nccl_backend``.

@@ -22,6 +22,7 @@ import torch.distributed as tdist
 from .._env import require
 from .context import _lock, get_context
 from .launch import DistInitError
+from .shared import nccl_refusal
 from .store import _arrival_barrier
 
 if TYPE_CHECKING:  # overlap._nccl needs cupy; never import it at module load
@@ -118,7 +119,9 @@ def nccl_comm(
     the same libnccl.
 
     Raises:
-        DistInitError: not initialized, a member missing, or members disagree on config.
+        DistInitError: not initialized, a member missing, members disagree on config, or
+            shared-GPU mode (``overlap.dist.shared``: NCCL refuses two ranks on one device)
+            with more than one member.
         ValueError: this rank is not in ``group``.
     """
     global _last_uid_exchange
@@ -128,6 +131,8 @@ def nccl_comm(
     ranks = group_ranks(ctx.tp_group if group is None else group)
     if ctx.rank not in ranks:
         raise ValueError(f"rank {ctx.rank} is not in the group {ranks}")
+    if getattr(ctx, "shared_gpu", False) and len(ranks) > 1:
+        raise DistInitError(nccl_refusal("overlap.dist.nccl_comm()", ctx.rank, ranks))
     if config is not None and getattr(config, "is_default", False):
         config = None  # NcclConfig() and None make the same communicator: share it
     key = (tuple(ranks), config)

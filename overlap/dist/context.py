@@ -24,6 +24,7 @@ import torch.distributed as tdist
 
 from .._env import require
 from .launch import DistInitError, LaunchEnv, detect_launch
+from .shared import nccl_refusal, place_on_gpus, shared_gpu_env
 from .store import _mpi_confirm, _rendezvous
 
 __all__ = ["DistContext", "get_context", "init", "on_shutdown", "shutdown"]
@@ -57,6 +58,11 @@ class DistContext:
     dp_rank: int
     timeout_s: float = 60.0
     """Bound on every rendezvous wait and on torch collectives of these groups."""
+    shared_gpu: bool = False
+    """Shared-GPU mode (``overlap.dist.shared``): ranks of a node share GPUs; groups on
+    gloo, the ops on the peer-copy transport, NCCL refused."""
+    gpu_share: int = 1
+    """Ranks of this node on this rank's GPU (1: a GPU of its own)."""
     _store: Any = field(default=None, repr=False)
     _owns_pg: bool = field(default=True, repr=False)
     _comms: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
@@ -154,8 +160,8 @@ def init(
             mpi = require("mpi4py.MPI", "mpi", purpose="start-up under mpirun")
             launch = _mpi_confirm(mpi, launch, timeout_s)
 
-        dev = _resolve_device(device, launch)
-        be = _resolve_backend(backend, dev)
+        dev, share, shared = _resolve_device(device, launch)
+        be = _resolve_backend(backend, dev, shared, launch)
         timeout = timedelta(seconds=float(timeout_s))
         _generation += 1
 
@@ -169,8 +175,7 @@ def init(
                 tdist.init_process_group(
                     backend=be, store=store.pg_store, rank=launch.rank,
                     world_size=launch.world_size, timeout=timeout,
-                    # NCCL: bind the device now (eager init; subgroups split from it)
-                    device_id=dev if dev.type == "cuda" else None,
+                    device_id=_bound_device(be, dev),
                 )
             except Exception as exc:
                 raise DistInitError(
@@ -199,7 +204,7 @@ def init(
             launch=launch, device=dev, backend=be, world_group=world_group,
             tp_group=tp_group, dp_group=dp_group, tp_size=tp, tp_rank=launch.rank % tp,
             dp_size=ws // tp, dp_rank=launch.rank // tp, timeout_s=float(timeout_s),
-            _store=lib_store, _owns_pg=owns_pg, _store_desc=desc,
+            shared_gpu=shared, gpu_share=share, _store=lib_store, _owns_pg=owns_pg, _store_desc=desc,
         )
         return _ctx
 
@@ -252,38 +257,53 @@ def _resolve_tp_size(tp_size: int | None, world_size: int) -> int:
     return tp_size
 
 
-def _resolve_device(device: str | None, launch: LaunchEnv) -> torch.device:
+def _resolve_device(device: str | None, launch: LaunchEnv) -> tuple[torch.device, int, bool]:
+    """(this rank's device, ranks of this node on it, shared-GPU mode): ``place_on_gpus``
+    where no device is given and CUDA is there (``overlap.dist.shared``)."""
+    want = shared_gpu_env()
     if device is not None:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise DistInitError(f"device={device!r} but CUDA is not available")
+            n_gpu = torch.cuda.device_count()
             if dev.index is None:
-                dev = torch.device("cuda", launch.local_rank)
-            if dev.index >= torch.cuda.device_count():
+                gpu, share, shared = place_on_gpus(launch.rank, launch.local_rank, launch.local_world_size, n_gpu,
+                                                   want)
+                dev = torch.device("cuda", gpu)
+            else:  # the caller placed the rank: shared only where asked for
+                _, share, shared = (place_on_gpus(launch.rank, launch.local_rank, launch.local_world_size, n_gpu,
+                                                  True) if want else (0, 1, False))
+            if dev.index >= n_gpu:
                 raise DistInitError(
-                    f"device {dev} does not exist: {torch.cuda.device_count()} GPU(s) visible"
+                    f"device {dev} does not exist: {n_gpu} GPU(s) visible"
                 )
-        return dev
+            return dev, share, shared
+        return dev, 1, False
     if not torch.cuda.is_available():
-        return torch.device("cpu")
-    n_gpu = torch.cuda.device_count()
-    if launch.local_rank >= n_gpu:
-        # Two ranks on one GPU break NCCL ("duplicate GPU"); say so before NCCL does.
-        raise DistInitError(
-            f"rank {launch.rank} has local rank {launch.local_rank} but only {n_gpu} GPU(s) "
-            f"are visible on this node ({launch.local_world_size} processes here); start at "
-            f"most {n_gpu} processes per node, or pass device='cpu' with backend='gloo'"
-        )
-    return torch.device("cuda", launch.local_rank)
+        return torch.device("cpu"), 1, False
+    gpu, share, shared = place_on_gpus(launch.rank, launch.local_rank, launch.local_world_size,
+                                       torch.cuda.device_count(), want)
+    return torch.device("cuda", gpu), share, shared
 
 
-def _resolve_backend(backend: str | None, dev: torch.device) -> str:
+def _bound_device(backend: str, dev: torch.device) -> torch.device | None:
+    """The device to bind the default group to: NCCL's (eager init; subgroups split from
+    it). None on gloo, also with a CUDA device (shared-GPU mode): a bound gloo group makes
+    torch 2.11's ``new_group`` split it, which gloo cannot (``perform_nocolor_split``)."""
+    return dev if backend == "nccl" and dev.type == "cuda" else None
+
+
+def _resolve_backend(backend: str | None, dev: torch.device, shared: bool = False,
+                     launch: LaunchEnv | None = None) -> str:
     if backend is None:
-        return "nccl" if dev.type == "cuda" else "gloo"
+        return "nccl" if dev.type == "cuda" and not shared else "gloo"
     be = backend.lower()
     if be == "nccl" and dev.type != "cuda":
         raise DistInitError(f"backend 'nccl' needs a CUDA device, this rank has {dev}")
+    if be == "nccl" and shared:
+        rank = launch.rank if launch is not None else 0
+        raise DistInitError(nccl_refusal("overlap.dist.init(backend='nccl')", rank, "of this node"))
     return be
 
 

@@ -31,6 +31,7 @@ import torch
 from .. import flags as _flags
 from .. import observe as _observe
 from .._fields import bool_field, choice_field, float_field, int_field
+from ..dist import shared as _share
 from . import _agree
 
 __all__ = ["LRU", "keep_for_capture", "Runtime", "get_runtime", "local_runtime", "OverlapConfig", "NcclTransport", "PeerCopyTransport", "warn_once", "resolve_group", "check_agree", "time_ms",
@@ -556,7 +557,10 @@ class Runtime:
         self.group, self.ranks, self.rank, self.device = group, ranks, rank, device
         self.world = len(ranks)
         props = torch.cuda.get_device_properties(device)
-        self.num_sms = int(props.multi_processor_count)
+        self.gpu_share, self.shared_gpu = _context_share(device)
+        """Ranks on this device and shared-GPU mode (``overlap.dist.shared``): grids take an
+        equal part of the SMs, the NCCL transport is refused."""
+        self.num_sms = _share.sm_share(int(props.multi_processor_count), self.gpu_share)
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         # prologue work between a chunk landing and its flag (e.g. residual add + norm)
         self.aux_stream = torch.cuda.Stream(device=device, priority=-1)
@@ -668,6 +672,20 @@ class Runtime:
         still meet in the same collective (and then disagree in ``check_agree``)."""
         want = cfg.transport or _env_transport()
         heap = self.p2p()
+        if self.shared_gpu and self.world > 1:
+            if capturing():
+                # the peer-copy transport's captured call runs the reference, whose collective
+                # is gloo's here: host work that no CUDA graph can hold
+                raise OverlapCaptureError(
+                    f"shared-GPU mode: rank {self.rank}: the ops of ranks {list(self.ranks)} cannot be captured in "
+                    "a CUDA graph: their host collectives run on gloo, which a capture cannot hold; capture with "
+                    "one GPU per rank")
+            if want == "nccl":
+                raise RuntimeError(_share.nccl_refusal("transport 'nccl'", self.rank, list(self.ranks)))
+            if heap is None:
+                raise RuntimeError(f"shared-GPU mode: rank {self.rank}: the ranks {list(self.ranks)} share a GPU, "
+                                   f"which needs the peer-copy transport, and it is unavailable: {self.p2p_why}")
+            return "p2p"
         if want == "nccl":
             return "nccl"
         if heap is not None:
@@ -684,6 +702,8 @@ class Runtime:
     def comm(self, max_ctas: int | None) -> Any:
         """The library's communicator over this group, NCCL CTAs capped at ``max_ctas``."""
         if max_ctas not in self._comms:
+            if self.shared_gpu and self.world > 1:
+                raise RuntimeError(_share.nccl_refusal("the NCCL transport", self.rank, list(self.ranks)))
             from .. import dist
             from .._nccl import NcclConfig
 
@@ -830,6 +850,33 @@ def _env_transport() -> str | None:
     return v
 
 
+def _context_share(device: torch.device) -> tuple[int, bool]:
+    """(ranks on ``device``, shared-GPU mode) as ``overlap.dist.init`` placed this rank."""
+    from .. import dist
+
+    ctx = dist.get_context()
+    if ctx is None or not getattr(ctx, "shared_gpu", False) or ctx.device != device:
+        return 1, False
+    return ctx.gpu_share, True
+
+
+def _gpu_id(device: torch.device) -> str:
+    """Which physical GPU ``device`` is, the same text in every process that sees it."""
+    props = torch.cuda.get_device_properties(device)
+    return str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or device)
+
+
+def _note_sharing(rt: Runtime, host: str, gpus: list[tuple[str, str]]) -> None:
+    """Shared-GPU mode for ``rt`` where ranks of its group run on its GPU (``gpus``: every
+    rank's (host, GPU id), this rank's is ``host`` and ``gpus[rt.rank][1]``), however they
+    were placed there: its grids then take an equal part of the SMs, and NCCL is refused."""
+    same = sum(1 for g in gpus if g == (host, gpus[rt.rank][1]))
+    if same > 1 and same > rt.gpu_share:
+        full = rt.num_sms * rt.gpu_share
+        rt.gpu_share, rt.shared_gpu = same, True
+        rt.num_sms = _share.sm_share(full, same)
+
+
 def _open_heap(rt: Runtime) -> tuple[Any, str]:
     """(PeerHeap, "") or (None, why). Collective over the runtime's group."""
     import socket
@@ -840,20 +887,22 @@ def _open_heap(rt: Runtime) -> tuple[Any, str]:
 
     if rt.world == 1:
         return None, "one rank: nothing to move"
+    host, gpu = socket.gethostname(), _gpu_id(rt.device)
     try:
         import cupy  # noqa: F401
 
-        mine = (socket.gethostname(), "")
+        mine = (host, "", gpu)
     except Exception as e:  # noqa: BLE001
-        mine = (socket.gethostname(), f"rank {rt.rank}: cupy: {e}")
+        mine = (host, f"rank {rt.rank}: cupy: {e}", gpu)
     if not mine[1] and not _flags._cuda_driver():
         # the flag writes would fall back to a fill kernel, which finds no SM while
         # the GEMM (all SMs) waits for it: every call would time out
-        mine = (mine[0], f"rank {rt.rank}: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12])")
+        mine = (host, f"rank {rt.rank}: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12])", gpu)
     alls: list[Any] = [None] * rt.world
     tdist.all_gather_object(alls, mine, group=rt.group)
-    hosts = {h for h, _ in alls}
-    errs = [e for _, e in alls if e]
+    _note_sharing(rt, host, [(h, g) for h, _, g in alls])
+    hosts = {h for h, _, _ in alls}
+    errs = [e for _, e, _ in alls if e]
     if errs:
         return None, "; ".join(errs)
     if len(hosts) > 1:
@@ -1236,11 +1285,15 @@ candidate starves its own communication (e.g. NCCL finds no SM): it is dropped w
 seconds, not after the minutes of the default bound (``flags.default_timeout_ms``)."""
 
 
-def tuning_bound(cand: "OverlapConfig") -> "OverlapConfig":
-    """``cand`` with its timed calls' wait bound: its own, else ``TUNE_TIMEOUT_MS``."""
+def tuning_bound(cand: "OverlapConfig", shared: bool = False) -> "OverlapConfig":
+    """``cand`` with its timed calls' wait bound: its own, else ``TUNE_TIMEOUT_MS`` (in
+    shared-GPU mode at least ``overlap.dist.shared.SHARED_WAIT_FLOOR_MS``: a peer's
+    pushes may wait whole time slices behind this rank's kernels)."""
     from dataclasses import replace
 
-    return cand if cand.timeout_ms is not None else replace(cand, timeout_ms=TUNE_TIMEOUT_MS)
+    if cand.timeout_ms is not None:
+        return cand
+    return replace(cand, timeout_ms=_share.library_wait_ms(TUNE_TIMEOUT_MS, shared))
 
 
 def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[OverlapConfig], run: Any, iters: int,
@@ -1265,7 +1318,7 @@ def time_candidates(rt: Runtime, err: _flags.ErrorWord, candidates: list[Overlap
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         tdist.barrier(group=group)
-        timed = tuning_bound(cand)
+        timed = tuning_bound(cand, getattr(rt, "shared_gpu", False))
         t = timer(lambda: run(timed), iters, group)
         ok = _none_timed_out(rt, err, group, f"tune-timeout-{err.what}-{cand}",
                              lambda e, cand=cand: f"tuner: {cand} timed out ({e}); skipped")
@@ -1358,6 +1411,21 @@ def confirm_best(rt: Runtime, err: _flags.ErrorWord, results: list[tuple[float, 
     return meds[best], ranked[best][1]
 
 
+def shared_gpu_choices(rt: Any, op: str, candidates: list[OverlapConfig], baselines: dict[Chunked, Any] | None
+                       ) -> tuple[list[OverlapConfig], dict[Chunked, Any] | None]:
+    """A tuner's candidates and baselines that can run on ``rt``: in shared-GPU mode
+    (``overlap.dist.shared``) neither the NCCL candidates nor the chunked baselines (NCCL
+    calls) can, and they are left out, with a warning where the caller named any."""
+    if not (getattr(rt, "shared_gpu", False) and rt.world > 1):
+        return candidates, baselines
+    keep = [c for c in candidates if not (isinstance(c, OverlapConfig) and c.transport == "nccl")]
+    if len(keep) < len(candidates) or baselines:
+        warn_once(f"shared-gpu-tune-{op}", f"{op}: tuner: shared-GPU mode: {len(candidates) - len(keep)} NCCL "
+                  f"candidate(s) and {len(baselines or {})} chunked baseline(s) (NCCL) left out; NCCL refuses "
+                  "ranks that share a GPU")
+    return keep, None
+
+
 def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref: Any, candidates: list[OverlapConfig],
                run: Any, describe: Any, iters: int, group: Any, verbose: bool, cache: Any, key: Any,
                baselines: dict[Chunked, Any] | None = None, passes: tuple[Any, ...] = ()) -> Path:
@@ -1374,6 +1442,7 @@ def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref:
     from dataclasses import replace
 
     err = rt.err(op)
+    candidates, baselines = shared_gpu_choices(rt, op, candidates, baselines)
     paths: dict[Any, Any] = {SEQUENTIAL: ref, **(baselines or {})}
 
     def label(choice: Any) -> str:
@@ -1393,7 +1462,7 @@ def tune_paths(rt: Runtime, op: str, shape: tuple[int, ...], title: str, *, ref:
     def fn_for(choice: Any) -> Any:
         if not isinstance(choice, OverlapConfig):
             return paths[choice]
-        quiet = tuning_bound(replace(choice, check="none"))
+        quiet = tuning_bound(replace(choice, check="none"), getattr(rt, "shared_gpu", False))
         return lambda: run(quiet)
 
     best_t, best = confirm_best(rt, err, results, fn_for, iters, group, describe=shown, keep=(SEQUENTIAL,))

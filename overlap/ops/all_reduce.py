@@ -524,6 +524,11 @@ def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual:
         why = "no tile-flag path"
     if why is None and config is not None and config.transport == "p2p":
         why = "the peer-copy transport takes one weight"
+    if why is None and (config is None or config.transport is None):
+        rt = get_runtime(group, x_partial.device)
+        rt.p2p()  # collective on the first call (as below): finds ranks sharing this GPU
+        if rt.shared_gpu and rt.world > 1:  # the one grid runs on NCCL, which the mode refuses
+            why = "shared-GPU mode: the peer-copy transport takes one weight"
     if why is not None:
         return _widest(x_partial, bs, group, residual, norm, config, why)
     esize = x_partial.element_size()

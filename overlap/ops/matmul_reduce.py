@@ -487,10 +487,11 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
 def _transport(rt: Runtime, cfg: OverlapConfig) -> str:
     """The call's transport: what ``cfg`` (else ``OVERLAP_TRANSPORT``) asks for, resolved by
     ``Runtime.transport`` (p2p asked for where peer memory is unavailable: RuntimeError);
-    NCCL where neither names one (the peer-copy path is chosen, not the default, here)."""
+    NCCL where neither names one (the peer-copy path is chosen, not the default, here),
+    except in shared-GPU mode, where NCCL cannot run."""
     from ._runtime import _env_transport
 
-    if cfg.transport is None and _env_transport() is None:
+    if cfg.transport is None and _env_transport() is None and not (rt.shared_gpu and rt.world > 1):
         return "nccl"
     return rt.transport(cfg)
 

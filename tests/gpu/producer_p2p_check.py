@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
-from overlap.ops import OverlapConfig, PeerCopyTransport, matmul_all_reduce, matmul_reduce_scatter  # noqa: E402
+from overlap.ops import OverlapCaptureError, OverlapConfig, PeerCopyTransport, matmul_all_reduce, matmul_reduce_scatter  # noqa: E402
 from overlap.ops import matmul_reduce as mr  # noqa: E402
 from overlap.ops._runtime import get_runtime, reset, resolve_group  # noqa: E402
 
@@ -92,7 +92,8 @@ def main() -> None:
         assert torch.equal(ar[:, 0].double(), bump), f"back-to-back all-reduce call {it} differs"
         assert torch.equal(rs[:, 0].double(), bump[rank * (m // world):(rank + 1) * (m // world)]), \
             f"back-to-back reduce-scatter call {it} differs"
-    # a capture runs the reference, with a warning
+    # a capture runs the reference, with a warning (in shared-GPU mode, whose reference is
+    # gloo's host work, it is refused with a clear error)
     a = shared(m, ks, seed=3, dev=dev, dtype=torch.bfloat16)
     b = shared(ks, n, seed=4, dev=dev, dtype=torch.bfloat16)
     matmul_all_reduce(a, b, config=cfg)
@@ -100,10 +101,14 @@ def main() -> None:
     g = torch.cuda.CUDAGraph()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with torch.cuda.graph(g):
-            o = matmul_all_reduce(a, b, config=cfg)
-    assert any("cannot be captured" in str(x.message) for x in caught), [str(x.message) for x in caught]
-    for i in range(5):
+        try:
+            with torch.cuda.graph(g):
+                o = matmul_all_reduce(a, b, config=cfg)
+        except OverlapCaptureError as e:
+            assert rt.shared_gpu and "cannot be captured" in str(e), e
+            o = None
+    assert o is None or any("cannot be captured" in str(x.message) for x in caught), [str(x.message) for x in caught]
+    for i in range(5 if o is not None else 0):
         a.copy_(shared(m, ks, seed=50 + i, dev=dev, dtype=torch.bfloat16))
         g.replay()
         assert rel(o, mr.matmul_all_reduce_ref(a, b)) < 2e-2, ("replay", i)
@@ -130,6 +135,12 @@ def main() -> None:
     a = shared(1024, ks, seed=rank, dev=dev, dtype=torch.bfloat16)
     b = shared(ks, 256, seed=77, dev=dev, dtype=torch.bfloat16)
     cfg = OverlapConfig(chunks=2, check="sync", transport="p2p", timeout_ms=50 if rank == 0 else 5000)
+    # warm first: a bound under 2**31 ns is a kernel variant of its own, and a variant's first
+    # load waits for the device's running work, so a cold call's short bound is not enforced
+    # (docs/guarantees.md, "Known limits"; on one GPU shared by two ranks this call did not time out)
+    matmul_all_reduce(a, b, config=cfg)
+    torch.cuda.synchronize()
+    tdist.barrier()
     with late_pushes(rank == 1):
         try:
             matmul_all_reduce(a, b, config=cfg)
