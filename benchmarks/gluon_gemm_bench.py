@@ -1,0 +1,368 @@
+"""The warp-specialized Gluon GEMM (``overlap.kernels.gluon_gemm``) on one GPU: checks, then timings.
+
+    python benchmarks/gluon_gemm_bench.py [--out DIR] [--rounds 5] [--max-seconds S] [--checks-only]
+
+Checks (``checks``; each raises on a wrong result):
+  * fresh inputs every call, outputs poisoned with NaN first; bf16 and fp16; B as ``w.t()``
+    and row-major [K, N]; ragged M, N, K and segments of C rows that are not whole tiles
+    (masked stores), two A sources; 128x256 and 256x128 tiles. The error against an fp32
+    reference is bounded by twice torch's own (``torch.mm`` in the same dtype) plus 1e-3.
+  * tiles that wait: flags already at the epoch; flags set late, by another stream, after
+    that stream has written the rows the tiles read (a tile that read early reads the
+    last call's rows and fails), and the GEMM's time shows it waited; a flag never set
+    -> error word code 1 with the flag's index, expected and seen values, within its
+    timeout; a flag two epochs ahead -> code 2.
+Timings (``timings``), CUDA-graph replays, rounds interleaved, medians: cuBLAS
+(``torch.mm``); the tile GEMM alone (``launch_gemm``, the sweep's tuned config where it
+has one, else 128x256x64 s3 w8 flat) and as the consumer ops run it (the per-tile
+kernel over a table of 4 chunks whose flags are already set: ``wait_ms``); the Gluon GEMM
+alone and waiting on the same table (best of its 128x256 and 256x128 tiles).
+
+Writes ``gluon_gemm.json`` (context, checks, rows, summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SWEEP = "benchmarks/results/2026-12-02_1xH200_36d04e5/gemm_sweep.json"
+"""The tuned sweep whose configs the tile GEMM runs with here (the last full sweep)."""
+
+# (M, N, K, B layout, dtype): 8 of the sweep's 48 (its slowest and a spread), 3 it never saw
+SHAPES = [
+    (8192, 12288, 6144, "kn", "bfloat16"), (16384, 6144, 4096, "nk", "bfloat16"),
+    (8192, 3696, 8192, "nk", "float16"), (2048, 1536, 4096, "nk", "float16"),
+    (1024, 9216, 6144, "nk", "bfloat16"), (4096, 10752, 3584, "nk", "bfloat16"),
+    (2048, 8192, 14784, "nk", "bfloat16"), (32768, 6144, 8192, "kn", "bfloat16"),
+    (4096, 5120, 5120, "nk", "bfloat16"), (6144, 13824, 5120, "nk", "bfloat16"),
+    (3072, 7168, 2560, "kn", "bfloat16"),
+]
+TILES = ((128, 256), (256, 128))
+
+
+def _b(w: Any, layout: str) -> Any:
+    return w.t().contiguous() if layout == "kn" else w.t()
+
+
+def _close(c: Any, a: Any, b: Any, rows: Any, what: str) -> float:
+    """max |c - ref| over ``rows`` must be <= 2 x torch's own error + 1e-3; returns it."""
+    import torch
+
+    ref = a.float() @ b.float()
+    own = (torch.mm(a, b).float() - ref).abs().max().item()
+    got = (c[rows].float() - ref[rows]).abs().max().item() if c.dtype.is_floating_point else math.inf
+    if not got <= 2 * own + 1e-3:  # NaN fails too
+        raise AssertionError(f"{what}: max error {got:.3e} vs torch's {own:.3e}")
+    return got
+
+
+def _table(segments: list[Any], n: int, bm: int, bn: int) -> Any:
+    import torch
+
+    from overlap.policies import build_tile_table
+
+    return torch.tensor(build_tile_table(segments, n, bm, bn), dtype=torch.int32, device="cuda")
+
+
+def check_plain(log: list[str]) -> None:
+    """Fresh inputs, poisoned outputs, both layouts and dtypes, ragged edges, two A sources."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [(1000, 1000, 1000), (384, 512, 256), (777, 264, 136)]
+    for bm, bn in TILES:
+        cfg = GluonGemmConfig(block_m=bm, block_n=bn)
+        for dt in (torch.bfloat16, torch.float16):
+            for lay in ("nk", "kn"):
+                for m, n, k in cases:
+                    # C rows from two A sources in segments that are not whole tiles
+                    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=300), Segment(a_src=1, a_row=0, c_row=300,
+                                                                                   rows=m - 300 - 77),
+                            Segment(a_src=0, a_row=300, c_row=m - 77, rows=77)]
+                    if m < 400:
+                        segs = [Segment(a_src=0, a_row=0, c_row=0, rows=m)]
+                    table = _table(segs, n, bm, bn)
+                    for it in range(3):  # new inputs each call: a stale read fails
+                        a = torch.randn(m, k, device="cuda", dtype=dt)
+                        a2 = torch.randn(m, k, device="cuda", dtype=dt)
+                        w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+                        b = _b(w, lay)
+                        c = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+                        launch_gluon_gemm(a, b, c, table, grid=min(sms, 7 + it), a2=a2 if m >= 400 else None,
+                                          config=cfg)
+                        torch.cuda.synchronize()
+                        a_full = a if m < 400 else torch.cat([a[:300], a2[:m - 377], a[300:377]])
+                        _close(c, a_full, b, slice(None), f"plain {bm}x{bn} {dt} {lay} {m}x{n}x{k} call {it}")
+    log.append(f"plain: {len(TILES) * 2 * 2 * len(cases) * 3} calls right (fresh inputs, NaN-poisoned C)")
+
+
+def check_waits(log: list[str]) -> None:
+    """Flags already set; set late by another stream after its writes; never set; ahead."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k, chunks = 2048, 2048, 1024, 4
+    rows = m // chunks
+    for bm, bn in TILES:
+        cfg = GluonGemmConfig(block_m=bm, block_n=bn)
+        segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
+        table = _table(segs, n, bm, bn)
+        flags = torch.zeros(chunks + 1, dtype=torch.int32, device="cuda")
+        err = torch.zeros(8, dtype=torch.int32, device="cuda")
+        side = torch.cuda.Stream()
+        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = w.t()
+        epoch = 0
+        # flags already set
+        for it in range(3):
+            epoch += 1
+            a.normal_()
+            flags[:chunks].fill_(epoch)
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, config=cfg)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"set flags: error word {err.tolist()}"
+            _close(c, a, b, slice(None), f"set flags {bm}x{bn} call {it}")
+        # set late by another stream, after it wrote the rows (copy engine), chunk by chunk
+        waited = []
+        for it in range(3):
+            epoch += 1
+            fresh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ep = torch.full((chunks,), epoch, dtype=torch.int32, device="cuda")
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(chunks):
+                    torch.cuda._sleep(2_000_000)  # about 1 ms at 1.98 GHz
+                    a[i * rows:(i + 1) * rows].copy_(fresh[i * rows:(i + 1) * rows])
+                    flags[i:i + 1].copy_(ep[i:i + 1])
+            s0.record()
+            # SMs left to the side stream's kernels (a grid of every SM spinning would hold them)
+            launch_gluon_gemm(a, b, c, table, grid=sms - 8, flags=flags, err=err, epoch=epoch, config=cfg)
+            s1.record()
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"late flags: error word {err.tolist()}"
+            _close(c, fresh, b, slice(None), f"late flags {bm}x{bn} call {it}")
+            waited.append(s0.elapsed_time(s1))
+        if not min(waited) > 2.0:
+            raise AssertionError(f"late flags {bm}x{bn}: the GEMM took {waited} ms; the flags came after ~4 ms, "
+                                 "so its tiles did not wait")
+        # never set: a bounded wait, then the error word
+        epoch += 1
+        flags[:chunks].fill_(epoch)
+        flags[2] = epoch - 1
+        t0 = time.perf_counter()
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, timeout_ns=50_000_000,
+                          config=cfg)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        e = err.tolist()
+        assert e[0] == 1 and e[2] == 2 and e[3] == epoch and e[4] == epoch - 1, f"never set: error word {e}"
+        assert secs < 5.0, f"never set: the kernel took {secs:.2f} s to give up (timeout 50 ms)"
+        # two epochs ahead: code 2
+        err.zero_()
+        epoch += 1
+        flags[:chunks].fill_(epoch)
+        flags[1] = epoch + 2
+        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, timeout_ns=50_000_000,
+                          config=cfg)
+        torch.cuda.synchronize()
+        e = err.tolist()
+        assert e[0] == 2 and e[2] == 1 and e[4] == epoch + 2, f"ahead: error word {e}"
+        err.zero_()
+        log.append(f"waits {bm}x{bn}: set, late (GEMM {min(waited):.1f}-{max(waited):.1f} ms, waited), never set "
+                   f"(code 1 in {secs:.2f} s), ahead (code 2): right")
+
+
+def checks() -> list[str]:
+    log: list[str] = []
+    check_plain(log)
+    check_waits(log)
+    return log
+
+
+def _sweep_configs() -> dict[tuple, dict[str, Any]]:
+    path = os.path.join(os.path.dirname(__file__), "..", SWEEP)
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except OSError:
+        return {}
+    return {(r["m"], r["n"], r["k"], r["b_layout"], r["dtype"]): r["config_fields"] for r in rows
+            if r.get("config_fields")}
+
+
+def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+    import dataclasses
+
+    import torch
+
+    from overlap.kernels.autotune import GraphTimer, _cfg_str
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.kernels.tile_gemm import GemmConfig, launch_gemm, launch_tile_gemm
+    from overlap.policies import Segment
+
+    m, n, k, lay, dts = shape
+    dt = getattr(torch, dts)
+    g = torch.Generator(device="cuda").manual_seed(m + 3 * n + 7 * k)
+    a = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dt, generator=g) / k ** 0.5
+    b = _b(w, lay)
+    ref = torch.empty(m, n, device="cuda", dtype=dt)
+    fields = tuned.get(shape)
+    alone_cfg = GemmConfig(**fields) if fields else GemmConfig(num_stages=3, flatten=True)
+    # the consumer ops' kernel: per tile, no flattening nor tail
+    wait_cfg = dataclasses.replace(alone_cfg, flatten=False, tail_block_m=0, tail_block_n=0)
+    chunks = 4
+    rows = m // chunks
+    flags = torch.ones(chunks, dtype=torch.int32, device="cuda")  # epoch 1: already set
+    err = torch.zeros(8, dtype=torch.int32, device="cuda")
+    segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
+    outs = {}
+
+    def out(name: str) -> Any:
+        outs[name] = torch.empty(m, n, device="cuda", dtype=dt)
+        return outs[name]
+
+    c_tile, c_tw = out("tile"), out("tile_wait")
+    t_wait_table = _table(segs, n, wait_cfg.block_m, wait_cfg.block_n)
+    fns = {"cublas": lambda: torch.mm(a, b, out=ref),
+           "tile": lambda: launch_gemm(a, b, c_tile, grid=sms, config=alone_cfg),
+           "tile_wait": lambda: launch_tile_gemm(a, b, c_tw, t_wait_table, flags=flags, err=err, epoch=1,
+                                                 wait=True, grid=sms, config=wait_cfg)}
+    for bm, bn in TILES:
+        gcfg = GluonGemmConfig(block_m=bm, block_n=bn)
+        alone_t = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+        wait_t = _table(segs, n, bm, bn)
+        ca, cw = out(f"gluon_{bm}x{bn}"), out(f"gluon_wait_{bm}x{bn}")
+        fns[f"gluon_{bm}x{bn}"] = (lambda ca=ca, t=alone_t, c=gcfg:
+                                   launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
+        fns[f"gluon_wait_{bm}x{bn}"] = (lambda cw=cw, t=wait_t, c=gcfg:
+                                        launch_gluon_gemm(a, b, cw, t, grid=sms, flags=flags, err=err, epoch=1,
+                                                          config=c))
+    timers = {}
+    errors = {}
+    for name, fn in fns.items():
+        try:
+            timers[name] = GraphTimer(fn)
+        except Exception as e:  # noqa: BLE001 - one engine failing is recorded, the others timed
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.synchronize()
+    times: dict[str, list[float]] = {kk: [] for kk in timers}
+    for _ in range(rounds):
+        for kk, t in timers.items():
+            times[kk].append(t.ms())
+    torch.cuda.synchronize()
+    refd = ref.float()
+    rel = {kk: ((outs[kk].float() - refd).norm() / refd.norm()).item() for kk in outs if kk in timers}
+    med = {kk: statistics.median(v) for kk, v in times.items()}
+    row: dict[str, Any] = {"m": m, "n": n, "k": k, "b_layout": lay, "dtype": dts, "tuned_in_sweep": bool(fields),
+                           "tile_config": _cfg_str(alone_cfg), "tile_wait_config": _cfg_str(wait_cfg),
+                           "ms": {kk: round(v, 5) for kk, v in med.items()}, "rel_err_vs_cublas": rel,
+                           "errors": errors, "int32_err_word": err.tolist(), "times": times}
+    cb = med.get("cublas")
+    ga = [kk for kk in med if kk.startswith("gluon_") and not kk.startswith("gluon_wait")]
+    gw = [kk for kk in med if kk.startswith("gluon_wait")]
+    if cb:
+        if "tile" in med:
+            row["tile_vs_cublas"] = round(cb / med["tile"], 4)
+        if "tile_wait" in med:
+            row["tile_wait_vs_cublas"] = round(cb / med["tile_wait"], 4)
+        if ga:
+            best = min(ga, key=lambda kk: med[kk])
+            row["gluon_best"] = best
+            row["gluon_vs_cublas"] = round(cb / med[best], 4)
+        if gw:
+            best = min(gw, key=lambda kk: med[kk])
+            row["gluon_wait_best"] = best
+            row["gluon_wait_vs_cublas"] = round(cb / med[best], 4)
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("tile_vs_cublas", "tile_wait_vs_cublas", "gluon_vs_cublas", "gluon_wait_vs_cublas"):
+        v = [r[key] for r in rows if r.get(key)]
+        if v:
+            out[key] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": min(v),
+                        "max": max(v), "shapes": len(v)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=None)
+    ap.add_argument("--checks-only", action="store_true")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gluon_gemm_bench.py runs on a CUDA GPU; none is visible here")
+    from benchmarks.context import run_context
+    from overlap.kernels import gluon_gemm
+
+    os.makedirs(args.out, exist_ok=True)
+    context = run_context()
+    context.update({"gluon": gluon_gemm.AVAILABLE, "gluon_reason": gluon_gemm.REASON, "rounds": args.rounds,
+                    "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP})
+    doc: dict[str, Any] = {"context": context, "checks": [], "check_error": None, "rows": [], "not_run": []}
+
+    def save() -> None:
+        doc["summary"] = summary(doc["rows"])
+        with open(os.path.join(args.out, "gluon_gemm.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+
+    try:
+        doc["checks"] = checks()
+        for line in doc["checks"]:
+            print("CHECK", line, flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded, and the timings are then not run
+        doc["check_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        print("CHECK FAILED", doc["check_error"], flush=True)
+        save()
+        raise
+    save()
+    if args.checks_only:
+        return
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tuned = _sweep_configs()
+    for i, shape in enumerate(SHAPES):
+        if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
+            doc["not_run"] = [list(s) for s in SHAPES[i:]]
+            print(f"--max-seconds spent: {len(SHAPES) - i} shapes not run", flush=True)
+            break
+        r = time_shape(shape, args.rounds, sms, tuned)
+        doc["rows"].append(r)
+        print(f"[{i + 1}/{len(SHAPES)}] {shape}: ms {r['ms']} | tile {r.get('tile_vs_cublas')} tile_wait "
+              f"{r.get('tile_wait_vs_cublas')} gluon {r.get('gluon_vs_cublas')} ({r.get('gluon_best')}) gluon_wait "
+              f"{r.get('gluon_wait_vs_cublas')} | errors {r['errors']} [{time.perf_counter() - t_start:.0f} s]",
+              flush=True)
+        save()
+    save()
+    print(json.dumps(doc["summary"], indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
