@@ -16,7 +16,7 @@ Timings (``timings``), CUDA-graph replays, rounds interleaved, medians: cuBLAS
 (``torch.mm``); the tile GEMM alone (``launch_gemm``, the sweep's tuned config where it
 has one, else 128x256x64 s3 w8 flat) and as the consumer ops run it (the per-tile
 kernel over a table of 4 chunks whose flags are already set: ``wait_ms``); the Gluon GEMM
-alone and waiting on the same table (best of its 128x256 and 256x128 tiles).
+alone and waiting on the same table, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest).
 
 Writes ``gluon_gemm.json`` (context, checks, rows, summary).
 """
@@ -46,7 +46,14 @@ SHAPES = [
     (4096, 5120, 5120, "nk", "bfloat16"), (6144, 13824, 5120, "nk", "bfloat16"),
     (3072, 7168, 2560, "kn", "bfloat16"),
 ]
-TILES = ((128, 256), (256, 128))
+VARIANTS = {  # name: GluonGemmConfig fields
+    "128x256": dict(block_m=128, block_n=256, stages=3),
+    "256x128": dict(block_m=256, block_n=128, stages=3),
+    "128x128": dict(block_m=128, block_n=128, stages=4),
+    "pp128x128": dict(block_m=128, block_n=128, stages=5, pingpong=True),
+    "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
+}
+"""The configs checked and timed: both MMA warpgroups on one tile, and (``pp``) ping-pong."""
 
 
 def _b(w: Any, layout: str) -> Any:
@@ -73,7 +80,7 @@ def _table(segments: list[Any], n: int, bm: int, bn: int) -> Any:
     return torch.tensor(build_tile_table(segments, n, bm, bn), dtype=torch.int32, device="cuda")
 
 
-def check_plain(log: list[str]) -> None:
+def check_plain(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
     """Fresh inputs, poisoned outputs, both layouts and dtypes, ragged edges, two A sources."""
     import torch
 
@@ -82,8 +89,9 @@ def check_plain(log: list[str]) -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = [(1000, 1000, 1000), (384, 512, 256), (777, 264, 136)]
-    for bm, bn in TILES:
-        cfg = GluonGemmConfig(block_m=bm, block_n=bn)
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
         for dt in (torch.bfloat16, torch.float16):
             for lay in ("nk", "kn"):
                 for m, n, k in cases:
@@ -104,11 +112,11 @@ def check_plain(log: list[str]) -> None:
                                           config=cfg)
                         torch.cuda.synchronize()
                         a_full = a if m < 400 else torch.cat([a[:300], a2[:m - 377], a[300:377]])
-                        _close(c, a_full, b, slice(None), f"plain {bm}x{bn} {dt} {lay} {m}x{n}x{k} call {it}")
-    log.append(f"plain: {len(TILES) * 2 * 2 * len(cases) * 3} calls right (fresh inputs, NaN-poisoned C)")
+                        _close(c, a_full, b, slice(None), f"plain {name} {dt} {lay} {m}x{n}x{k} call {it}")
+    log.append(f"plain {', '.join(variants)}: {len(variants) * 2 * 2 * len(cases) * 3} calls right (fresh inputs, NaN-poisoned C)")
 
 
-def check_waits(log: list[str]) -> None:
+def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
     """Flags already set; set late by another stream after its writes; never set; ahead."""
     import torch
 
@@ -118,8 +126,9 @@ def check_waits(log: list[str]) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, n, k, chunks = 2048, 2048, 1024, 4
     rows = m // chunks
-    for bm, bn in TILES:
-        cfg = GluonGemmConfig(block_m=bm, block_n=bn)
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
         segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
         table = _table(segs, n, bm, bn)
         flags = torch.zeros(chunks + 1, dtype=torch.int32, device="cuda")
@@ -138,7 +147,7 @@ def check_waits(log: list[str]) -> None:
             launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, config=cfg)
             torch.cuda.synchronize()
             assert int(err[0]) == 0, f"set flags: error word {err.tolist()}"
-            _close(c, a, b, slice(None), f"set flags {bm}x{bn} call {it}")
+            _close(c, a, b, slice(None), f"set flags {name} call {it}")
         # set late by another stream, after it wrote the rows (copy engine), chunk by chunk
         waited = []
         for it in range(3):
@@ -160,10 +169,10 @@ def check_waits(log: list[str]) -> None:
             s1.record()
             torch.cuda.synchronize()
             assert int(err[0]) == 0, f"late flags: error word {err.tolist()}"
-            _close(c, fresh, b, slice(None), f"late flags {bm}x{bn} call {it}")
+            _close(c, fresh, b, slice(None), f"late flags {name} call {it}")
             waited.append(s0.elapsed_time(s1))
         if not min(waited) > 2.0:
-            raise AssertionError(f"late flags {bm}x{bn}: the GEMM took {waited} ms; the flags came after ~4 ms, "
+            raise AssertionError(f"late flags {name}: the GEMM took {waited} ms; the flags came after ~4 ms, "
                                  "so its tiles did not wait")
         # never set: a bounded wait, then the error word
         epoch += 1
@@ -189,15 +198,26 @@ def check_waits(log: list[str]) -> None:
         e = err.tolist()
         assert e[0] == 2 and e[2] == 1 and e[4] == epoch + 2, f"ahead: error word {e}"
         err.zero_()
-        log.append(f"waits {bm}x{bn}: set, late (GEMM {min(waited):.1f}-{max(waited):.1f} ms, waited), never set "
+        log.append(f"waits {name}: set, late (GEMM {min(waited):.1f}-{max(waited):.1f} ms, waited), never set "
                    f"(code 1 in {secs:.2f} s), ahead (code 2): right")
 
 
-def checks() -> list[str]:
+def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], dict[str, str]]:
+    """Every variant's checks; returns the log and the variants that failed (with why)."""
+    import torch
+
     log: list[str] = []
-    check_plain(log)
-    check_waits(log)
-    return log
+    failed: dict[str, str] = {}
+    for name, fields in variants.items():
+        print(f"checking {name}", flush=True)
+        try:
+            check_plain(log, {name: fields})
+            check_waits(log, {name: fields})
+        except Exception as e:  # noqa: BLE001 - recorded; that variant is then not timed
+            failed[name] = f"{type(e).__name__}: {str(e)[:1000]}"
+            log.append(f"FAILED {name}: {failed[name]}")
+            torch.cuda.synchronize()
+    return log, failed
 
 
 def _sweep_configs() -> dict[tuple, dict[str, Any]]:
@@ -211,7 +231,8 @@ def _sweep_configs() -> dict[tuple, dict[str, Any]]:
             if r.get("config_fields")}
 
 
-def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str, Any]]) -> dict[str, Any]:
+def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str, Any]],
+               variants: dict[str, dict[str, Any]] = VARIANTS) -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -249,14 +270,15 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
            "tile": lambda: launch_gemm(a, b, c_tile, grid=sms, config=alone_cfg),
            "tile_wait": lambda: launch_tile_gemm(a, b, c_tw, t_wait_table, flags=flags, err=err, epoch=1,
                                                  wait=True, grid=sms, config=wait_cfg)}
-    for bm, bn in TILES:
-        gcfg = GluonGemmConfig(block_m=bm, block_n=bn)
+    for name, fields in variants.items():
+        gcfg = GluonGemmConfig(**fields)
+        bm, bn = gcfg.block_m, gcfg.block_n
         alone_t = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
         wait_t = _table(segs, n, bm, bn)
-        ca, cw = out(f"gluon_{bm}x{bn}"), out(f"gluon_wait_{bm}x{bn}")
-        fns[f"gluon_{bm}x{bn}"] = (lambda ca=ca, t=alone_t, c=gcfg:
-                                   launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
-        fns[f"gluon_wait_{bm}x{bn}"] = (lambda cw=cw, t=wait_t, c=gcfg:
+        ca, cw = out(f"gluon_{name}"), out(f"gluon_wait_{name}")
+        fns[f"gluon_{name}"] = (lambda ca=ca, t=alone_t, c=gcfg:
+                                launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
+        fns[f"gluon_wait_{name}"] = (lambda cw=cw, t=wait_t, c=gcfg:
                                         launch_gluon_gemm(a, b, cw, t, grid=sms, flags=flags, err=err, epoch=1,
                                                           config=c))
     timers = {}
@@ -314,6 +336,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--checks-only", action="store_true")
+    ap.add_argument("--checks-from", default=None,
+                    help="a --checks-only JSON of this code from the same machine: its checks, not run again")
+    ap.add_argument("--variants", default=None, help="comma-separated names of VARIANTS to check and time")
+    ap.add_argument("--commit", default=None, help="the commit of the code that runs, where the checkout's is not")
     args = ap.parse_args()
     t_start = time.perf_counter()
     import torch
@@ -326,26 +352,32 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     context = run_context()
     context.update({"gluon": gluon_gemm.AVAILABLE, "gluon_reason": gluon_gemm.REASON, "rounds": args.rounds,
-                    "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP})
-    doc: dict[str, Any] = {"context": context, "checks": [], "check_error": None, "rows": [], "not_run": []}
+                    "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP,
+                    "variants": VARIANTS})
+    if args.commit:
+        context["checkout_commit"], context["commit"] = context.get("commit"), args.commit
+    doc: dict[str, Any] = {"context": context, "checks": [], "check_failed": {}, "rows": [], "not_run": []}
 
     def save() -> None:
         doc["summary"] = summary(doc["rows"])
         with open(os.path.join(args.out, "gluon_gemm.json"), "w") as f:
             json.dump(doc, f, indent=1)
 
-    try:
-        doc["checks"] = checks()
-        for line in doc["checks"]:
-            print("CHECK", line, flush=True)
-    except Exception as e:  # noqa: BLE001 - recorded, and the timings are then not run
-        doc["check_error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-        print("CHECK FAILED", doc["check_error"], flush=True)
-        save()
-        raise
+    variants = VARIANTS if not args.variants else {kk: VARIANTS[kk] for kk in args.variants.split(",")}
+    if args.checks_from:
+        with open(args.checks_from) as f:
+            prior = json.load(f)
+        doc["checks"], doc["check_failed"] = prior["checks"], prior["check_failed"]
+        doc["checks_from"] = args.checks_from
+    else:
+        doc["checks"], doc["check_failed"] = checks(variants)
+    for line in doc["checks"]:
+        print("CHECK", line, flush=True)
     save()
     if args.checks_only:
         return
+    checked = " ".join(doc["checks"])
+    good = {kk: v for kk, v in variants.items() if kk not in doc["check_failed"] and f"waits {kk}:" in checked}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tuned = _sweep_configs()
     for i, shape in enumerate(SHAPES):
@@ -353,7 +385,7 @@ def main() -> None:
             doc["not_run"] = [list(s) for s in SHAPES[i:]]
             print(f"--max-seconds spent: {len(SHAPES) - i} shapes not run", flush=True)
             break
-        r = time_shape(shape, args.rounds, sms, tuned)
+        r = time_shape(shape, args.rounds, sms, tuned, good)
         doc["rows"].append(r)
         print(f"[{i + 1}/{len(SHAPES)}] {shape}: ms {r['ms']} | tile {r.get('tile_vs_cublas')} tile_wait "
               f"{r.get('tile_wait_vs_cublas')} gluon {r.get('gluon_vs_cublas')} ({r.get('gluon_best')}) gluon_wait "

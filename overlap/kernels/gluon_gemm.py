@@ -52,9 +52,12 @@ class GluonGemmConfig:
     """Tile shape and ring depth of the warp-specialized GEMM."""
 
     block_m: int = 128
-    """Rows of a C tile: 128 or 256 (two warpgroups of 64-row wgmma, 1 or 2 per warp)."""
+    """Rows of a C tile: 128 or 256 (both warpgroups on one tile, 64-row wgmmas); with
+    ``pingpong`` 64 or 128 (one warpgroup's tile)."""
     block_n: int = 256
-    """Columns of a C tile: 128 or 256 (a wgmma's N; Gluon's register tiles are powers of two)."""
+    """Columns of a C tile: 128 or 256 (a wgmma's N; Gluon's register tiles are powers of
+    two). With ``pingpong``, block_m x block_n at most 128 x 128 or 64 x 256: one
+    warpgroup holds the fp32 accumulator (128 registers a thread)."""
     block_k: int = 64
     """K step of the ring."""
     stages: int = 3
@@ -63,11 +66,17 @@ class GluonGemmConfig:
     (refused here) unless block_k is 32."""
     loader_regs: int = 48
     """Registers per thread of the loader warp (its spin loop and error record are scalar)."""
+    pingpong: bool = False
+    """Two MMA warpgroups on alternate tiles of the program (CUTLASS's "ping-pong"): one runs
+    its tile's epilogue while the other's K loop keeps the tensor cores busy. A turn barrier
+    passes the ring from one to the other once a warpgroup has taken its tile's last slot,
+    so each waits only on ring phases that its predecessor has seen complete."""
 
     def __post_init__(self) -> None:
-        if self.block_m not in (128, 256) or self.block_n not in (128, 256):
-            raise ValueError(f"GluonGemmConfig: block_m and block_n must be 128 or 256, got "
-                             f"{self.block_m}x{self.block_n}")
+        tiles = ((64, 256), (128, 128)) if self.pingpong else ((128, 128), (128, 256), (256, 128))
+        if (self.block_m, self.block_n) not in tiles:
+            raise ValueError(f"GluonGemmConfig: a {'ping-pong ' if self.pingpong else ''}tile is one of "
+                             f"{', '.join(f'{m}x{n}' for m, n in tiles)}, got {self.block_m}x{self.block_n}")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"GluonGemmConfig.block_k must be 32, 64 or 128, got {self.block_k}")
         if self.stages < 2:
@@ -80,14 +89,15 @@ class GluonGemmConfig:
                              f"{self.loader_regs}")
 
     def smem_bytes(self, elem: int) -> int:
-        """Shared memory of a program: the ring, the C tile and the barriers."""
+        """Shared memory of a program: the ring, the C tile(s) and the barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        return ring + self.block_m * self.block_n * elem + 16 * self.stages + 1024
+        c_tiles = 2 if self.pingpong else 1
+        return ring + c_tiles * self.block_m * self.block_n * elem + 16 * self.stages + 1024
 
     @property
     def num_warps(self) -> int:
-        """Warps of the MMA partition (two warpgroups)."""
-        return 8
+        """Warps of the default partition: both MMA warpgroups, or (``pingpong``) the first."""
+        return 4 if self.pingpong else 8
 
 
 if AVAILABLE:
@@ -229,6 +239,33 @@ if AVAILABLE:
                 cnt += 1
 
     @gluon.jit
+    def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
+                  stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
+                  ACTIVATION: gl.constexpr):
+        """Activation and the C store of one tile: a whole tile through shared memory and one
+        TMA store (clipped at N; the buffer's previous store must have read it first), a
+        ragged one (``c_rows`` < BLOCK_M) by masked stores. Nothing after a failed wait
+        anywhere (this tile's included: its slots were never loaded)."""
+        live = 1
+        if HAS_WAIT:
+            live = (gl.load(err_ptr + _ERR_CODE, volatile=True) == 0).to(gl.int32)
+        if live != 0:
+            if ACTIVATION == 1:
+                acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+            out = acc.to(c_ptr.dtype.element_ty)
+            if c_rows >= BLOCK_M:
+                _c.tma.store_wait(0)
+                c_smem.store(out)
+                _c.fence_async_shared()
+                _c.tma_store(c_desc, [c_row, off_n], c_smem)
+            else:
+                offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+                ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+                gl.store(ptrs, out, mask=mask)
+
+    @gluon.jit
     def _mma(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
              N, K, num_tiles, stride_cm,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -261,28 +298,8 @@ if AVAILABLE:
                 cnt += 1
             acc = _c.warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
-            live = 1
-            if HAS_WAIT:
-                # a failed wait anywhere (this tile's included) leaves this tile unstored
-                live = (gl.load(err_ptr + _ERR_CODE, volatile=True) == 0).to(gl.int32)
-            if live != 0:
-                if ACTIVATION == 1:
-                    acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
-                out = acc.to(c_ptr.dtype.element_ty)
-                if c_rows >= BLOCK_M:
-                    # a whole tile: through shared memory and one TMA store (clipped at N);
-                    # the previous tile's store must have read the buffer first
-                    _c.tma.store_wait(0)
-                    c_smem.store(out)
-                    _c.fence_async_shared()
-                    _c.tma_store(c_desc, [c_row, off_n], c_smem)
-                else:
-                    rows = c_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                    rmask = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)) < c_rows
-                    mask = gl.expand_dims(rmask, 1) & gl.expand_dims(cols < N, 0)
-                    ptrs = c_ptr + gl.expand_dims(rows.to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-                    gl.store(ptrs, out, mask=mask)
+            _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
         _c.tma.store_wait(0)
 
     @gluon.jit
@@ -320,6 +337,90 @@ if AVAILABLE:
                 (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty, K, num_tiles,
                  epoch, rank, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT), [_loader],
                 [1], [LOADER_REGS])
+
+
+    @gluon.jit
+    def _mma_pp(a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
+                N, K, num_tiles, stride_cm,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, WG: gl.constexpr):
+        """One of the two ping-pong MMA warpgroups: the program's tiles WG, WG + 2, ...
+
+        Its n-th tile is the program's tile j = 2n + WG, whose K steps are ring uses
+        j * k_tiles ... Before its first ring wait it waits its turn (the other warpgroup has
+        taken all of tile j - 1's slots, so every ring phase before this tile's has been
+        seen complete: a parity wait cannot be satisfied by a phase two uses old); once it
+        has taken its own last slot it passes the turn, and runs its epilogue while the
+        other's K loop runs."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        c_buf = c_smem.index(WG)
+        n = 0
+        for t in range(pid + WG * num_progs, num_tiles, 2 * num_progs):
+            row = table_ptr + t * _TABLE_COLS
+            c_row = gl.load(row + _COL_C_ROW)
+            c_rows = gl.load(row + _COL_C_ROWS)
+            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            cnt = (2 * n + WG) * k_tiles
+            # warpgroup 0 waits for phase n - 1 of its turn barrier (none at n = 0: parity 1
+            # passes on a fresh barrier), warpgroup 1 for phase n of its own
+            mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for ki in range(k_tiles):
+                s = cnt % STAGES
+                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+                if B_KN:
+                    b_op = b_bufs.index(s)
+                else:
+                    b_op = b_bufs.index(s).permute((1, 0))
+                acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
+                acc = _c.warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+                cnt += 1
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+            acc = _c.warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            _epilogue(acc, acc_layout, c_buf, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            n += 1
+        _c.tma.store_wait(0)
+
+    @gluon.jit
+    def gluon_gemm_pp_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr,
+                             N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                             STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
+                             HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, LOADER_REGS: gl.constexpr,
+                             MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr, num_warps: gl.constexpr):
+        """``gluon_gemm_kernel`` with two MMA warpgroups in ping-pong (``_mma_pp``): the
+        default partition is warpgroup 0, a worker partition of 4 warps warpgroup 1."""
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        # (three partitions of two signatures: only the list form of Triton 3.6 and later)
+        gl.static_assert(WS_LIST, "the ping-pong kernel needs gl.warp_specialize's list form (Triton 3.6+)")
+        if WS_LIST:
+            gl.warp_specialize([
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K,
+                           num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, 0)),
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K,
+                           num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, 1)),
+                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty, K,
+                           num_tiles, epoch, rank, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
+                           HAS_WAIT)),
+            ], [4, 1], [MMA_REGS, LOADER_REGS])
 
 
 def _gl_dtype(dt: torch.dtype) -> Any:
@@ -395,7 +496,14 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     err_t = err if has_wait else table
     nw = cfg.num_warps
     # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
-    # the MMA partition takes what the loader's few leave (setmaxnreg)
+    # the MMA partition(s) take what the loader's few leave (setmaxnreg)
+    if cfg.pingpong:
+        gluon_gemm_pp_kernel[(grid,)](
+            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t,
+            c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
+            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation,
+            cfg.loader_regs, 232, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)
+        return
     gluon_gemm_kernel[(grid,)](
         a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t,
         c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),

@@ -20,13 +20,19 @@ from overlap.kernels.gluon_gemm import GluonGemmConfig  # noqa: E402
 def test_config_refuses_what_does_not_fit() -> None:
     GluonGemmConfig()
     GluonGemmConfig(block_m=256, block_n=128)
-    with pytest.raises(ValueError, match="128 or 256"):
+    with pytest.raises(ValueError, match="tile is one of"):
         GluonGemmConfig(block_m=64)
     with pytest.raises(ValueError, match="block_k"):
         GluonGemmConfig(block_k=48)
     with pytest.raises(ValueError, match="227 KiB"):
         GluonGemmConfig(stages=4)  # 4 x 48 KiB ring + 64 KiB C tile
     assert GluonGemmConfig(stages=4, block_k=32).smem_bytes(2) < 227 * 1024
+    GluonGemmConfig(block_m=128, block_n=128, pingpong=True, stages=5)
+    GluonGemmConfig(block_m=64, block_n=256, pingpong=True, stages=4)
+    with pytest.raises(ValueError, match="ping-pong tile"):
+        GluonGemmConfig(pingpong=True)  # 128x256 fp32 in one warpgroup's registers: 256 a thread
+    with pytest.raises(ValueError, match="227 KiB"):
+        GluonGemmConfig(block_m=128, block_n=128, pingpong=True, stages=6)  # 6 x 32 KiB + 2 x 32 KiB
     with pytest.raises(ValueError, match="loader_regs"):
         GluonGemmConfig(loader_regs=20)
 
@@ -66,7 +72,7 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
-         has_a2: bool = False) -> Any:
+         has_a2: bool = False, pingpong: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -75,18 +81,18 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
 
     from overlap.kernels import gluon_gemm as gg
 
-    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n)
+    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong, stages=5 if pingpong else 3)
     a = torch.empty(512, 512, dtype=torch.bfloat16)
     w = torch.empty(512, 512, dtype=torch.bfloat16)
     c = torch.empty(512, 512, dtype=torch.bfloat16)
     ad, a2d, bd, cd, kn = gg.descriptors(a, w if b_kn else w.t(), c, cfg, a if has_a2 else None)
     assert kn == b_kn
     i32 = torch.empty(8, dtype=torch.int32)
-    fn = gg.gluon_gemm_kernel
+    fn = gg.gluon_gemm_pp_kernel if pingpong else gg.gluon_gemm_kernel
     vals = dict(a_desc=ad, a2_desc=a2d, b_desc=bd, c_desc=cd, c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=3, B_KN=b_kn, HAS_A2=has_a2,
-                HAS_WAIT=has_wait, ACTIVATION=0, LOADER_REGS=cfg.loader_regs, WS_LIST=compat.WS_LIST_FORM,
-                num_warps=8)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
+                HAS_WAIT=has_wait, ACTIVATION=0, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
+                WS_LIST=compat.WS_LIST_FORM, num_warps=cfg.num_warps)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         if nm in meta:
@@ -94,7 +100,7 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
         else:
             sig[nm] = mangle_type(vals.get(nm, 7))
     return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, maxnreg=168))
+                          options=dict(num_warps=cfg.num_warps, maxnreg=168))
 
 
 def _build(**kw: Any) -> Any:
@@ -108,12 +114,13 @@ def _build(**kw: Any) -> Any:
         raise
 
 
-def _regions(k: Any) -> tuple[str, str]:
-    """(default partition, loader partition) of the kernel's TTGIR."""
+def _regions(k: Any) -> tuple[str, ...]:
+    """The kernel's TTGIR by partition: the default one, then the workers in order."""
     ir = k.asm["ttgir"]
-    start = ir.index("ttg.warp_specialize")
-    split = ir.index("partition0(", start)
-    return ir[start:split], ir[split:]
+    cuts = [ir.index("ttg.warp_specialize")]
+    while f"partition{len(cuts) - 1}(" in ir:
+        cuts.append(ir.index(f"partition{len(cuts) - 1}(", cuts[-1]))
+    return tuple(ir[a:b] for a, b in zip(cuts, cuts[1:] + [len(ir)]))
 
 
 def test_sm90_only_the_loader_waits_and_loads() -> None:
@@ -149,3 +156,21 @@ def test_sm90_tiles_layouts_and_second_source() -> None:
     assert "ttg.memdesc_trans" not in mma
     nk_mma, _ = _regions(_build())
     assert "ttg.memdesc_trans" in nk_mma  # w.t(): the [N, K] tile is fed transposed
+
+
+def test_sm90_pingpong_two_mma_warpgroups_take_turns() -> None:
+    """Ping-pong: two MMA partitions (each its own wgmma on a 128x128 tile, its own C
+    store), a turn barrier each waits on and the other arrives at, and still only the
+    loader waits on flags and loads."""
+    k = _build(block_m=128, block_n=128, pingpong=True)
+    parts = _regions(k)
+    assert len(parts) == 3, len(parts)
+    wg0, wg1, loader = parts
+    acquire = "atomic_rmw add, acquire, sys"
+    for wg in (wg0, wg1):
+        assert "warp_group_dot " in wg and "async_tma_copy_local_to_global" in wg
+        assert acquire not in wg and "globaltimer" not in wg and "async_tma_copy_global_to_local" not in wg
+        assert wg.count("ttng.wait_barrier") >= 2  # its turn, and the ring's ready slots
+    assert acquire in loader and "warp_group_dot " not in loader
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in k.asm["ptx"]
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
