@@ -270,8 +270,8 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
            "tile": lambda: launch_gemm(a, b, c_tile, grid=sms, config=alone_cfg),
            "tile_wait": lambda: launch_tile_gemm(a, b, c_tw, t_wait_table, flags=flags, err=err, epoch=1,
                                                  wait=True, grid=sms, config=wait_cfg)}
-    for name, fields in variants.items():
-        gcfg = GluonGemmConfig(**fields)
+    for name, vfields in variants.items():
+        gcfg = GluonGemmConfig(**vfields)
         bm, bn = gcfg.block_m, gcfg.block_n
         alone_t = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
         wait_t = _table(segs, n, bm, bn)
