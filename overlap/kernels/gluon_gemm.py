@@ -23,9 +23,15 @@ tile's ring slots without loading (so the MMA warps never block) and the MMA war
 read the error word after each tile's K loop, store nothing. Every later tile of every
 program sees the error word and skips its wait and its stores, so the grid exits.
 
+With ``GluonGemmConfig.pingpong`` the MMA warps are two partitions of one warpgroup each,
+on alternate tiles of the program (``gluon_gemm_pp_kernel``): one's epilogue runs under
+the other's K loop, and a turn barrier hands the ring over between them.
+
 Not here (the ``triton.language`` kernel has them): posts (producer tiles), a dispatch
 counter (the give-back grid), split tiles, several weights, the folded norm, signature
-words, TileSync. Tiles are taken statically: program p runs rows p, p + G, ...
+words, row-bucket cuts, TileSync. Tiles are taken statically: program p runs rows p,
+p + G, ... So no op runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
+what it measured and why it is not an engine: docs/experiments.md, 2026-12-04).
 
 Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
 says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
@@ -41,7 +47,7 @@ import torch
 from .. import protocol as _p
 from . import _gluon_compat as _c
 
-__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "launch_gluon_gemm"]
+__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "launch_gluon_gemm", "descriptors"]
 
 AVAILABLE: bool = _c.AVAILABLE
 REASON: str = _c.REASON
