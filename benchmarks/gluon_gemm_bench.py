@@ -113,7 +113,8 @@ def check_plain(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
                         torch.cuda.synchronize()
                         a_full = a if m < 400 else torch.cat([a[:300], a2[:m - 377], a[300:377]])
                         _close(c, a_full, b, slice(None), f"plain {name} {dt} {lay} {m}x{n}x{k} call {it}")
-    log.append(f"plain {', '.join(variants)}: {len(variants) * 2 * 2 * len(cases) * 3} calls right (fresh inputs, NaN-poisoned C)")
+    log.append(f"plain {', '.join(variants)}: {len(variants) * 2 * 2 * len(cases) * 3} calls right "
+               "(fresh inputs, NaN-poisoned C)")
 
 
 def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
