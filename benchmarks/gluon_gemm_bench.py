@@ -16,7 +16,8 @@ Timings (``timings``), CUDA-graph replays, rounds interleaved, medians: cuBLAS
 (``torch.mm``); the tile GEMM alone (``launch_gemm``, the sweep's tuned config where it
 has one, else 128x256x64 s3 w8 flat) and as the consumer ops run it (the per-tile
 kernel over a table of 4 chunks whose flags are already set: ``wait_ms``); the Gluon GEMM
-alone and waiting on the same table, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest).
+alone and waiting on the same table, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest),
+and waiting with tiles from a dispatch counter (``DYNAMIC_VARIANTS``, the counter zeroed per call).
 
 Writes ``gluon_gemm.json`` (context, checks, rows, summary).
 """
@@ -54,6 +55,8 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
 }
 """The configs checked and timed: both MMA warpgroups on one tile, and (``pp``) ping-pong."""
+DYNAMIC_VARIANTS = ("128x256", "pp128x128")
+"""The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 
 
 def _b(w: Any, layout: str) -> Any:
@@ -203,6 +206,77 @@ def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
                    f"(code 1 in {secs:.2f} s), ahead (code 2): right")
 
 
+def check_dynamic(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """The dispatch counter: ragged segments and two A sources, fresh inputs; two launches
+    (the second on another stream, as the give-back grid) sharing one table and counter,
+    every tile stored once and the counter at tiles + programs (each loader's last take
+    fails once), so both grids took tiles; and late flags with the counter."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side = torch.cuda.Stream()
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
+        m, n, k = 1000, 1000, 1000
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=300), Segment(a_src=1, a_row=0, c_row=300, rows=623),
+                        Segment(a_src=0, a_row=300, c_row=923, rows=77)], n, bm, bn)
+        for it in range(3):
+            a, a2 = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            launch_gluon_gemm(a, b, c, table, grid=5 + it, a2=a2, counter=counter, config=cfg)
+            torch.cuda.synchronize()
+            _close(c, torch.cat([a[:300], a2[:623], a[300:377]]), b, slice(None), f"dynamic {name} call {it}")
+            assert int(counter) == table.shape[0] + 5 + it, (name, int(counter), table.shape[0])
+        # two grids, one table and counter
+        m, n, k = 4096, 4096, 1024
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+        for it in range(3):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            side.wait_stream(torch.cuda.current_stream())
+            launch_gluon_gemm(a, b, c, table, grid=sms - 32, counter=counter, config=cfg)
+            with torch.cuda.stream(side):
+                launch_gluon_gemm(a, b, c, table, grid=32, counter=counter, config=cfg)
+            torch.cuda.synchronize()
+            _close(c, a, b, slice(None), f"two grids {name} call {it}")
+            assert int(counter) == table.shape[0] + sms, (name, int(counter), table.shape[0], sms)
+        # late flags, tiles from the counter
+        m, n, k, chunks = 2048, 2048, 1024, 4
+        rows = m // chunks
+        table = _table([Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i)
+                        for i in range(chunks)], n, bm, bn)
+        flags = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+        err = torch.zeros(8, dtype=torch.int32, device="cuda")
+        a = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+        for epoch in (1, 2):
+            fresh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ep = torch.full((chunks,), epoch, dtype=torch.int32, device="cuda")
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            torch.cuda.synchronize()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(chunks):
+                    torch.cuda._sleep(1_000_000)
+                    a[i * rows:(i + 1) * rows].copy_(fresh[i * rows:(i + 1) * rows])
+                    flags[i:i + 1].copy_(ep[i:i + 1])
+            launch_gluon_gemm(a, b, c, table, grid=sms - 8, flags=flags, err=err, epoch=epoch, counter=counter,
+                              config=cfg)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"dynamic late flags {name}: error word {err.tolist()}"
+            _close(c, fresh, b, slice(None), f"dynamic late flags {name} epoch {epoch}")
+        log.append(f"dynamic {name}: ragged + two sources, two grids on one counter, late flags: right")
+
+
 def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], dict[str, str]]:
     """Every variant's checks; returns the log and the variants that failed (with why)."""
     import torch
@@ -214,6 +288,8 @@ def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], d
         try:
             check_plain(log, {name: fields})
             check_waits(log, {name: fields})
+            if name in DYNAMIC_VARIANTS:
+                check_dynamic(log, {name: fields})
         except Exception as e:  # noqa: BLE001 - recorded; that variant is then not timed
             failed[name] = f"{type(e).__name__}: {str(e)[:1000]}"
             log.append(f"FAILED {name}: {failed[name]}")
@@ -279,6 +355,13 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
         ca, cw = out(f"gluon_{name}"), out(f"gluon_wait_{name}")
         fns[f"gluon_{name}"] = (lambda ca=ca, t=alone_t, c=gcfg:
                                 launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
+        if name in DYNAMIC_VARIANTS:
+            cd = out(f"gluon_dynwait_{name}")
+            ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+            # the counter zeroed per call (a memset, as the consumer ops do for the tile GEMM)
+            fns[f"gluon_dynwait_{name}"] = (lambda cd=cd, t=wait_t, c=gcfg, ctr=ctr: (
+                ctr.zero_(), launch_gluon_gemm(a, b, cd, t, grid=sms, flags=flags, err=err, epoch=1, counter=ctr,
+                                               config=c)))
         fns[f"gluon_wait_{name}"] = (lambda cw=cw, t=wait_t, c=gcfg:
                                         launch_gluon_gemm(a, b, cw, t, grid=sms, flags=flags, err=err, epoch=1,
                                                           config=c))
@@ -303,8 +386,9 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
                            "ms": {kk: round(v, 5) for kk, v in med.items()}, "rel_err_vs_cublas": rel,
                            "errors": errors, "int32_err_word": err.tolist(), "times": times}
     cb = med.get("cublas")
-    ga = [kk for kk in med if kk.startswith("gluon_") and not kk.startswith("gluon_wait")]
+    ga = [kk for kk in med if kk.startswith("gluon_") and not kk.startswith(("gluon_wait", "gluon_dyn"))]
     gw = [kk for kk in med if kk.startswith("gluon_wait")]
+    gd = [kk for kk in med if kk.startswith("gluon_dynwait")]
     if cb:
         if "tile" in med:
             row["tile_vs_cublas"] = round(cb / med["tile"], 4)
@@ -318,12 +402,17 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
             best = min(gw, key=lambda kk: med[kk])
             row["gluon_wait_best"] = best
             row["gluon_wait_vs_cublas"] = round(cb / med[best], 4)
+        if gd:
+            best = min(gd, key=lambda kk: med[kk])
+            row["gluon_dynwait_best"] = best
+            row["gluon_dynwait_vs_cublas"] = round(cb / med[best], 4)
     return row
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key in ("tile_vs_cublas", "tile_wait_vs_cublas", "gluon_vs_cublas", "gluon_wait_vs_cublas"):
+    for key in ("tile_vs_cublas", "tile_wait_vs_cublas", "gluon_vs_cublas", "gluon_wait_vs_cublas",
+                "gluon_dynwait_vs_cublas"):
         v = [r[key] for r in rows if r.get(key)]
         if v:
             out[key] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": min(v),

@@ -10,7 +10,8 @@ TMA global -> shared   ``tma.async_copy_global_to_shared``           ``tma.async
 TMA shared -> global   ``tma.async_copy_shared_to_global``           ``tma.async_store``
 ``warp_specialize``    ``([(fn, args), ...], warps, regs)``          the same (3.5 took
                                                                      ``default_args, default_partition,
-                                                                     worker_args, ...``)
+                                                                     worker_args, ...``, one
+                                                                     worker signature: refused)
 =====================  ============================================  ==========================
 
 3.9 keeps the 3.6 names of the TMA copies only to raise "has been removed" at compile
@@ -77,6 +78,10 @@ def _resolve() -> None:
     except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
         params = []
     WS_LIST_FORM = not (params and params[0] == "default_args")
+    if not WS_LIST_FORM:
+        REASON = (f"triton {version()}'s gl.warp_specialize takes the 3.5 form (default_args, ...); the "
+                  "Gluon GEMM's partitions of two signatures need the list form of 3.6 and later")
+        return
     gluon, gl, tma, mbarrier = _gluon, _gl, _tma, _hopper.mbarrier
     fence_async_shared = _hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = _hopper.warpgroup_mma, _hopper.warpgroup_mma_wait

@@ -27,10 +27,15 @@ With ``GluonGemmConfig.pingpong`` the MMA warps are two partitions of one warpgr
 on alternate tiles of the program (``gluon_gemm_pp_kernel``): one's epilogue runs under
 the other's K loop, and a turn barrier hands the ring over between them.
 
-Not here (the ``triton.language`` kernel has them): posts (producer tiles), a dispatch
-counter (the give-back grid), split tiles, several weights, the folded norm, signature
-words, row-bucket cuts, TileSync. Tiles are taken statically: program p runs rows p,
-p + G, ... So no op runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
+Tiles are taken statically (program p runs rows p, p + G, ...) or, with a dispatch
+counter (``DYNAMIC``), from an atomic counter shared by every launch over the table (the
+give-back grid can join): the loader warp takes a tile and hands its index to the MMA
+warps through a two-slot queue in shared memory, and ends with an end mark per MMA
+warpgroup.
+
+Not here (the ``triton.language`` kernel has them): posts (producer tiles), split tiles,
+several weights, the folded norm, signature words, row-bucket cuts, TileSync. So no op
+runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
 what it measured and why it is not an engine: docs/experiments.md, 2026-12-04).
 
 Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
@@ -98,6 +103,7 @@ class GluonGemmConfig:
         """Shared memory of a program: the ring, the C tile(s) and the barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
         c_tiles = 2 if self.pingpong else 1
+        # + ring barriers, tile queue, turn barriers, and what the compiler adds
         return ring + c_tiles * self.block_m * self.block_n * elem + 16 * self.stages + 1024
 
     @property
@@ -197,18 +203,46 @@ if AVAILABLE:
         return ok
 
     @gluon.jit
-    def _loader(a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty,
-                K, num_tiles, epoch, rank, timeout_ns,
+    def _put_tile(tq, tq_ready, tq_empty, j, t):
+        """Loader side of the tile queue (``DYNAMIC``): the program's j-th tile index ``t``
+        into queue slot j % 2, once the MMA side has taken what that slot held before."""
+        q = j % 2
+        mbarrier.wait(tq_empty.index(q), ((j // 2) & 1) ^ 1)
+        tq.index(q).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(tq_ready.index(q), count=1)
+
+    @gluon.jit
+    def _take_tile(tq, tq_ready, tq_empty, j, WARPS: gl.constexpr):
+        """MMA side of the tile queue: the program's j-th tile index (``num_tiles``: none left)."""
+        q = j % 2
+        mbarrier.wait(tq_ready.index(q), (j // 2) & 1)
+        t = gl.max(tq.index(q).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+        mbarrier.arrive(tq_empty.index(q), count=1)
+        return t
+
+    @gluon.jit
+    def _loader(a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs, ready, empty,
+                tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr):
+                B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr, DYNAMIC: gl.constexpr,
+                CONSUMERS: gl.constexpr):
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
-        ring (a failed tile arrives on its slots without loading)."""
+        ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
+        each tile from the dispatch counter and passes its index to the MMA side through the
+        tile queue, then one end mark (``num_tiles``) per MMA consumer."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
         cnt = 0
-        for t in range(pid, num_tiles, num_progs):
+        j = 0
+        if DYNAMIC:
+            t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            t = pid
+        while t < num_tiles:
+            if DYNAMIC:
+                _put_tile(tq, tq_ready, tq_empty, j, t)
             row = table_ptr + t * _TABLE_COLS
             a_row = gl.load(row + _COL_A_ROW)
             a_src = gl.load(row + _COL_A_SRC)
@@ -243,6 +277,14 @@ if AVAILABLE:
                     _c.tma_load(b_desc, [off_n, off_k], bar, b_bufs.index(s), pred=load)
                 mbarrier.arrive(bar, count=1, pred=not load)
                 cnt += 1
+            j += 1
+            if DYNAMIC:
+                t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+            else:
+                t += num_progs
+        if DYNAMIC:
+            for e in gl.static_range(CONSUMERS):
+                _put_tile(tq, tq_ready, tq_empty, j + e, num_tiles)
 
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
@@ -272,10 +314,11 @@ if AVAILABLE:
                 gl.store(ptrs, out, mask=mask)
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
+    def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
              N, K, num_tiles, stride_cm,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-             B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, num_warps: gl.constexpr):
+             B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+             num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
         flight, then the epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -284,7 +327,12 @@ if AVAILABLE:
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
         cnt = 0
-        for t in range(pid, num_tiles, num_progs):
+        j = 0
+        if DYNAMIC:
+            t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+        else:
+            t = pid
+        while t < num_tiles:
             row = table_ptr + t * _TABLE_COLS
             c_row = gl.load(row + _COL_C_ROW)
             c_rows = gl.load(row + _COL_C_ROWS)
@@ -306,50 +354,58 @@ if AVAILABLE:
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                       BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            j += 1
+            if DYNAMIC:
+                t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+            else:
+                t += num_progs
         _c.tma.store_wait(0)
 
     @gluon.jit
-    def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr,
+    def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
                           N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
-                          ACTIVATION: gl.constexpr, LOADER_REGS: gl.constexpr, WS_LIST: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
+                          WS_LIST: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the tile queue (DYNAMIC): two int32 slots and their barriers
+        tq = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tq_ready.index(i), count=1)
+            mbarrier.init(tq_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             # one arrival: the compiler puts a barrier of the partition's warps before an
             # arrive and lets one thread do it, so both warpgroups' wgmma waits precede it
             mbarrier.init(empty.index(i), count=1)
         # (the argument tuples are written inline: a tuple bound to a name turns its
-        # constexprs into tensors)
+        # constexprs into tensors; only the list form of Triton 3.6 and later)
+        gl.static_assert(WS_LIST, "the Gluon GEMM needs gl.warp_specialize's list form (Triton 3.6+)")
         if WS_LIST:
             gl.warp_specialize([
-                (_mma, (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K, num_tiles,
-                        stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, num_warps)),
-                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty, K,
-                           num_tiles, epoch, rank, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT)),
+                (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
+                        err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT,
+                        ACTIVATION, DYNAMIC, num_warps)),
+                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 1)),
             ], [1], [LOADER_REGS])
-        else:
-            gl.warp_specialize(
-                (a_bufs, b_bufs, ready, empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K, num_tiles, stride_cm,
-                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, num_warps), _mma,
-                (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty, K, num_tiles,
-                 epoch, rank, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT), [_loader],
-                [1], [LOADER_REGS])
 
 
     @gluon.jit
-    def _mma_pp(a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
-                N, K, num_tiles, stride_cm,
+    def _mma_pp(a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
+                err_ptr, N, K, num_tiles, stride_cm,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, WG: gl.constexpr):
+                B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                WG: gl.constexpr):
         """One of the two ping-pong MMA warpgroups: the program's tiles WG, WG + 2, ...
 
         Its n-th tile is the program's tile j = 2n + WG, whose K steps are ring uses
@@ -365,7 +421,12 @@ if AVAILABLE:
         k_tiles = gl.cdiv(K, BLOCK_K)
         c_buf = c_smem.index(WG)
         n = 0
-        for t in range(pid + WG * num_progs, num_tiles, 2 * num_progs):
+        # the program's tiles j = 2n + WG: with DYNAMIC its queue slot is always WG
+        if DYNAMIC:
+            t = _take_tile(tq, tq_ready, tq_empty, WG, 4)
+        else:
+            t = pid + WG * num_progs
+        while t < num_tiles:
             row = table_ptr + t * _TABLE_COLS
             c_row = gl.load(row + _COL_C_ROW)
             c_rows = gl.load(row + _COL_C_ROWS)
@@ -392,15 +453,20 @@ if AVAILABLE:
             _epilogue(acc, acc_layout, c_buf, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                       BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
             n += 1
+            if DYNAMIC:
+                t = _take_tile(tq, tq_ready, tq_empty, 2 * n + WG, 4)
+            else:
+                t += 2 * num_progs
         _c.tma.store_wait(0)
 
     @gluon.jit
-    def gluon_gemm_pp_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr,
+    def gluon_gemm_pp_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
                              N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                              STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
-                             HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, LOADER_REGS: gl.constexpr,
-                             MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr, num_warps: gl.constexpr):
+                             HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                             LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr,
+                             num_warps: gl.constexpr):
         """``gluon_gemm_kernel`` with two MMA warpgroups in ping-pong (``_mma_pp``): the
         default partition is warpgroup 0, a worker partition of 4 warps warpgroup 1."""
         dtype: gl.constexpr = a_desc.dtype
@@ -409,6 +475,13 @@ if AVAILABLE:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the tile queue (DYNAMIC): two int32 slots and their barriers
+        tq = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tq_ready.index(i), count=1)
+            mbarrier.init(tq_empty.index(i), count=1)
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
@@ -419,13 +492,15 @@ if AVAILABLE:
         gl.static_assert(WS_LIST, "the ping-pong kernel needs gl.warp_specialize's list form (Triton 3.6+)")
         if WS_LIST:
             gl.warp_specialize([
-                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K,
-                           num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, 0)),
-                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, c_smem, c_desc, c_ptr, table_ptr, err_ptr, N, K,
-                           num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, 1)),
-                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, a_bufs, b_bufs, ready, empty, K,
-                           num_tiles, epoch, rank, timeout_ns, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT)),
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
+                           HAS_WAIT, ACTIVATION, DYNAMIC, 0)),
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
+                           HAS_WAIT, ACTIVATION, DYNAMIC, 1)),
+                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 2)),
             ], [4, 1], [MMA_REGS, LOADER_REGS])
 
 
@@ -460,7 +535,7 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Gluon
 def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
                       grid: int, a2: torch.Tensor | None = None, flags: torch.Tensor | None = None,
                       err: torch.Tensor | None = None, epoch: int = 0, rank: int = 0,
-                      timeout_ns: int = 2_000_000_000, activation: int = 0,
+                      timeout_ns: int = 2_000_000_000, activation: int = 0, counter: torch.Tensor | None = None,
                       config: GluonGemmConfig | None = None) -> None:
     """Run the tiles of ``table`` (``overlap.policies.build_tile_table``'s int32 [T, 8]) on
     ``grid`` programs: ``c[c_row + i, n] = (a2 if a_src else a)[a_row + i, :] @ b[:, n]``.
@@ -477,7 +552,11 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     ========  =============================================  =========================
 
     With ``flags`` a tile whose wait column is >= 0 waits for ``flags[w] >= epoch * mult``
-    (its loader warp only). Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
+    (its loader warp only). ``counter``: an int32 [1] device tensor, zero before the call's
+    first launch: tiles are then handed out in table order by an atomic add on it (each
+    program's loader takes the next and passes it to its MMA warps), so a second launch,
+    on other SMs or behind a stream wait, can join the same table. Without it program p runs
+    rows p, p + grid, ... Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon_gemm: {REASON}")
     cfg = config or GluonGemmConfig()
@@ -497,7 +576,12 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
                      or err.numel() < _p.ERR_WORDS):
         raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
+    dynamic = counter is not None
+    if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
+        raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, got "
+                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
     a_desc, a2_desc, b_desc, c_desc, b_kn = descriptors(a, b, c, cfg, a2)
+    counter_t = counter if dynamic else table
     flags_t = flags if has_wait else table
     err_t = err if has_wait else table
     nw = cfg.num_warps
@@ -505,13 +589,13 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     # the MMA partition(s) take what the loader's few leave (setmaxnreg)
     if cfg.pingpong:
         gluon_gemm_pp_kernel[(grid,)](
-            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t,
+            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
             c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
-            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation,
+            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
             cfg.loader_regs, 232, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)
         return
     gluon_gemm_kernel[(grid,)](
-        a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t,
+        a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
         c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
-        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation,
+        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
         cfg.loader_regs, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)

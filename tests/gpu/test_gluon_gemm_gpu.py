@@ -1,7 +1,8 @@
 """The warp-specialized Gluon GEMM on the GPU (``benchmarks/gluon_gemm_bench.py``'s checks):
 fresh inputs and NaN-poisoned outputs every call, both B layouts, bf16 and fp16, ragged
 edges, two A sources; tiles waiting on flags already set, set late by another stream, never
-set (error word, bounded) and set two epochs ahead."""
+set (error word, bounded) and set two epochs ahead; tiles from a dispatch counter shared by
+two launches."""
 
 from __future__ import annotations
 
@@ -38,3 +39,13 @@ def test_gluon_gemm_tiles_wait() -> None:
     from benchmarks.gluon_gemm_bench import VARIANTS
 
     assert len(log) == len(VARIANTS)
+
+
+@pytest.mark.gpu
+def test_gluon_gemm_dispatch_counter() -> None:
+    _need_gluon()
+    from benchmarks.gluon_gemm_bench import DYNAMIC_VARIANTS, VARIANTS, check_dynamic
+
+    log: list[str] = []
+    check_dynamic(log, {kk: VARIANTS[kk] for kk in DYNAMIC_VARIANTS})
+    assert len(log) == len(DYNAMIC_VARIANTS)

@@ -72,7 +72,7 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
-         has_a2: bool = False, pingpong: bool = False) -> Any:
+         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -89,9 +89,10 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     assert kn == b_kn
     i32 = torch.empty(8, dtype=torch.int32)
     fn = gg.gluon_gemm_pp_kernel if pingpong else gg.gluon_gemm_kernel
-    vals = dict(a_desc=ad, a2_desc=a2d, b_desc=bd, c_desc=cd, c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32)
+    vals = dict(a_desc=ad, a2_desc=a2d, b_desc=bd, c_desc=cd, c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32,
+                counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
-                HAS_WAIT=has_wait, ACTIVATION=0, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
+                HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
                 WS_LIST=compat.WS_LIST_FORM, num_warps=cfg.num_warps)
     sig, consts = {}, {}
     for nm in fn.arg_names:
@@ -174,3 +175,19 @@ def test_sm90_pingpong_two_mma_warpgroups_take_turns() -> None:
     assert acquire in loader and "warp_group_dot " not in loader
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in k.asm["ptx"]
     assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+
+
+def test_sm90_dispatch_counter_taken_by_the_loader_only() -> None:
+    """With a dispatch counter the loader takes each tile by an atomic add and hands it to
+    the MMA warps through shared memory (a store there, a load in each MMA partition);
+    the MMA partitions touch no counter. Without one there is no atomic add at all."""
+    for pp in (False, True):
+        k = _build(block_m=128, block_n=128 if pp else 256, pingpong=pp, dynamic=True)
+        *mmas, loader = _regions(k)
+        take = "atomic_rmw add, relaxed, gpu"
+        assert take in loader and "local_store" in loader, pp
+        for wg in mmas:
+            assert take not in wg and "local_load" in wg, pp
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+        static = _build(block_m=128, block_n=128 if pp else 256, pingpong=pp)
+        assert take not in static.asm["ttgir"]
