@@ -458,7 +458,8 @@ def main() -> None:
         with open(args.checks_from) as f:
             prior = json.load(f)
         doc["checks"], doc["check_failed"] = prior["checks"], prior["check_failed"]
-        doc["checks_from"] = args.checks_from
+        # (relative to --out where it lies under it: no machine's paths in the results)
+        doc["checks_from"] = os.path.relpath(args.checks_from, args.out)
     else:
         doc["checks"], doc["check_failed"] = checks(variants)
     for line in doc["checks"]:
