@@ -22,7 +22,7 @@ timed as CUDA-graph replays (host launch cost left out), medians kept. Beside th
 alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: the per-tile
 kernel (``tune_gemm`` without the flattened configs) over a table of 4 chunks of rows whose
 flags are already set (``wait_table``), so its figure is what waiting on flags costs when
-nothing is late. ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
+nothing is late (its kernels, with waits, are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
 (``gluon_ms``, ``gluon_wait_ms``). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
