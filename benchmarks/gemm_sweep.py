@@ -1,7 +1,7 @@
 """The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
 
     python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
-                                    [--no-flatten]
+                                    [--no-flatten] [--gluon]
 
 Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
 hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
@@ -18,7 +18,13 @@ First every config the tuner will try (``overlap.kernels.autotune.shortlist``) i
 compiled once in a pool of processes (Triton's on-disk cache then serves the tuner);
 then per shape: ``tune_gemm`` (its wall time is the tuner's cost for a new shape), and
 interleaved rounds of cuBLAS (``torch.mm``) and the tuned tile GEMM over every SM, each
-timed as CUDA-graph replays (host launch cost left out), medians kept. With
+timed as CUDA-graph replays (host launch cost left out), medians kept. Beside the GEMM
+alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: the per-tile
+kernel (``tune_gemm`` without the flattened configs) over a table of 4 chunks of rows whose
+flags are already set (``wait_table``), so its figure is what waiting on flags costs when
+nothing is late (its kernels, with waits, are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
+its configs alone and on the same kind of waiting table, the fastest of each kept
+(``gluon_ms``, ``gluon_wait_ms``). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
 which shapes were left out.
 
@@ -125,7 +131,17 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
     worst = sorted(ok, key=lambda r: r["cublas_ms"] / r["tile_ms"])
     label = lambda r: f"{r['m']}x{r['n']}x{r['k']} {r['b_layout']} {r['dtype']}"  # noqa: E731
     tune = [r["tune_s"] for r in ok if r.get("tune_s") is not None]
-    return {"shapes": len(ok), "geomean": round(geo, 4), "min": round(min(sp), 4), "max": round(max(sp), 4),
+    wsp = [r["cublas_ms"] / r["wait_ms"] for r in ok if r.get("wait_ms")]
+    wait = ({"geomean": round(math.exp(sum(math.log(s) for s in wsp) / len(wsp)), 4), "min": round(min(wsp), 4),
+             "shapes": len(wsp)} if wsp else None)
+    gl_ = {}
+    for kind in ("gluon", "gluon_wait"):
+        v = [r[f"{kind}_vs_cublas"] for r in ok if r.get(f"{kind}_vs_cublas")]
+        if v:
+            gl_[kind] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": round(min(v), 4),
+                         "shapes": len(v)}
+    return {"shapes": len(ok), "wait": wait, **gl_, "geomean": round(geo, 4), "min": round(min(sp), 4),
+            "max": round(max(sp), 4),
             "worst": [[label(r), round(r["cublas_ms"] / r["tile_ms"], 4)] for r in worst[:5]],
             "under_min_target": [label(r) for r in worst if r["cublas_ms"] / r["tile_ms"] < target_min],
             "targets": {"geomean": target_geo, "min": target_min},
@@ -137,20 +153,28 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines = [f"# Tile GEMM vs cuBLAS ({context.get('gpu')}, commit {context.get('commit')})", "",
              "| M | N | K | B | dtype | model / layer / TP | cuBLAS ms | tile ms | tile / cuBLAS speed | config "
-             "| tune s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tune s | wait ms | wait / cuBLAS speed | wait config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("tile_ms"):
             continue
         lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['b_layout']} | {r['dtype']} | "
                      f"{r.get('model')} {r.get('layer')} {r.get('tp')} | {r['cublas_ms']:.4f} | {r['tile_ms']:.4f} | "
-                     f"{r['cublas_ms'] / r['tile_ms']:.3f} | {r['config']} | {r.get('tune_s', float('nan')):.2f} |")
+                     f"{r['cublas_ms'] / r['tile_ms']:.3f} | {r['config']} | {r.get('tune_s', float('nan')):.2f} | "
+                     f"{r.get('wait_ms', float('nan')):.4f} | {r.get('wait_vs_cublas', float('nan')):.3f} | "
+                     f"{r.get('wait_config', '-')} |")
     if summary.get("shapes"):
         lines += ["", f"{summary['shapes']} shapes: geo-mean {summary['geomean']:.3f}x cuBLAS, "
                       f"min {summary['min']:.3f}x, max {summary['max']:.3f}x; targets geo-mean >= "
                       f"{summary['targets']['geomean']}, min >= {summary['targets']['min']}: "
                       f"{'met' if summary['met'] else 'missed'}.",
                   f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
+                  (f"As the consumer ops run it (per-tile kernel, {WAIT_CHUNKS} chunk flags already set, wait ms): "
+                   f"geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x."
+                   if summary.get("wait") else "No wait column."),
+                  *[f"Gluon GEMM {what} (its fastest config per shape): geo-mean "
+                    f"{summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x."
+                    for kind, what in (("gluon", "alone"), ("gluon_wait", "waiting")) if summary.get(kind)],
                   f"Tuning a new shape: median {summary['tune_s_median']} s, max {summary['tune_s_max']} s "
                   "(kernels already compiled)."]
     return "\n".join(lines) + "\n"
@@ -210,11 +234,30 @@ def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> li
         return list(ex.map(_compile_one, jobs))
 
 
-def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) -> dict[str, Any]:
+WAIT_CHUNKS = 4
+"""Chunks of the ``wait_ms`` column's table: rows in 4 segments, each waiting on its flag."""
+
+
+def wait_table(m: int, n: int, cfg: Any, device: Any) -> Any:
+    """The consumer ops' kind of tile table for C[m, n]: ``WAIT_CHUNKS`` segments of rows in
+    arrival order, each tile waiting on its segment's flag (index = segment)."""
+    from overlap.policies import Segment, build_tile_table, table_tensor
+
+    bounds = [m * i // WAIT_CHUNKS for i in range(WAIT_CHUNKS + 1)]
+    segs = [Segment(a_src=0, a_row=lo, c_row=lo, rows=hi - lo, wait_idx=i)
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
+    return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, group_m=getattr(cfg, "group_m", 8)),
+                        device)
+
+
+def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, gluon: bool = False) -> dict[str, Any]:
+    """One shape: tune, then time cuBLAS, the tile GEMM alone and waiting, and (``gluon``)
+    each config of the Gluon GEMM (``benchmarks/gluon_gemm_bench.VARIANTS``) alone and on
+    the same kind of waiting table, in interleaved rounds."""
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
-    from overlap.kernels.tile_gemm import launch_gemm
+    from overlap.kernels.tile_gemm import launch_gemm, launch_tile_gemm
 
     m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
     dtype = getattr(torch, row["dtype"])
@@ -230,27 +273,92 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True) 
     b = w.t().contiguous() if b_kn else w.t()
     c_ref = torch.empty(m, n, device=dev, dtype=dtype)
     c = torch.empty(m, n, device=dev, dtype=dtype)
+    # the GEMM as the consumer ops run it: the per-tile kernel (the tuner without flattened
+    # configs), tiles waiting on chunk flags that are already set (epoch 1)
+    t0 = time.perf_counter()
+    wcfg = tune_gemm(m, n, k, dtype=dtype, device=dev, b_kn=b_kn, flatten=False)
+    wait_tune_s = time.perf_counter() - t0
+    wtab = wait_table(m, n, wcfg, dev)
+    flags = torch.ones(WAIT_CHUNKS, dtype=torch.int32, device=dev)
+    err = torch.zeros(8, dtype=torch.int32, device=dev)
+    c_w = torch.empty(m, n, device=dev, dtype=dtype)
     timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)),
-              "tile": GraphTimer(lambda: launch_gemm(a, b, c, grid=sms, config=cfg))}
+              "tile": GraphTimer(lambda: launch_gemm(a, b, c, grid=sms, config=cfg)),
+              "wait": GraphTimer(lambda: launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1, wait=True,
+                                                          grid=sms, config=wcfg))}
+    g_runs = _gluon_runs(a, b, m, n, flags, err, sms) if gluon else {}
+    for kk, (fn, _out) in g_runs.items():
+        timers[kk] = GraphTimer(fn)
     times: dict[str, list[float]] = {kk: [] for kk in timers}
     for _ in range(rounds):  # interleaved: drifts of clock and temperature hit both alike
         for kk, t in timers.items():
             times[kk].append(t.ms())
     c.fill_(float("nan"))
+    c_w.fill_(float("nan"))
     launch_gemm(a, b, c, grid=sms, config=cfg)
+    launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1, wait=True, grid=sms, config=wcfg)
     torch.mm(a, b, out=c_ref)
     ref = c_ref.float()
     rel = ((c.float() - ref).norm() / ref.norm()).item()
+    rel_w = ((c_w.float() - ref).norm() / ref.norm()).item()
+    if int(err[0]) != 0:
+        raise RuntimeError(f"wait_ms: a wait failed on flags already set: error word {err.tolist()}")
     cb, tl_ = statistics.median(times["cublas"]), statistics.median(times["tile"])
+    wt = statistics.median(times["wait"])
+    extra = _gluon_fields(g_runs, times, cb, ref) if gluon else {}
+    if int(err[0]) != 0:
+        raise RuntimeError(f"gluon: a wait failed on flags already set: error word {err.tolist()}")
     flops = 2.0 * m * n * k
     ratios = sorted(x / y for x, y in zip(times["cublas"], times["tile"]))
     return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
+            "wait_ms": round(wt, 5), "wait_vs_cublas": round(cb / wt, 4), "wait_config": _cfg_str(wcfg),
+            "wait_tune_s": round(wait_tune_s, 3), "wait_rel_err_vs_cublas": rel_w,
             "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
             "cublas_tflops": round(flops / cb / 1e9, 1), "tile_tflops": round(flops / tl_ / 1e9, 1),
             "config": _cfg_str(cfg), "config_fields": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
             "tune_s": round(tune_s, 3), "candidates_ms": entry["ms"] if entry else None,
             "rel_err_vs_cublas": rel, "iters_per_replay": {kk: t.iters for kk, t in timers.items()},
-            "graphs": all(t.graph is not None for t in timers.values()), "times": times}
+            "graphs": all(t.graph is not None for t in timers.values()), "times": times, **extra}
+
+
+def _gluon_runs(a: Any, b: Any, m: int, n: int, flags: Any, err: Any, sms: int) -> dict[str, tuple[Any, Any]]:
+    """name -> (launch, its C) for each Gluon config alone ("gluon <v>") and waiting on the
+    ``wait_table`` of its tile ("gluon_wait <v>", flags already set)."""
+    import torch
+
+    from benchmarks.gluon_gemm_bench import VARIANTS
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment, build_tile_table, table_tensor
+
+    runs: dict[str, tuple[Any, Any]] = {}
+    for name, fields in VARIANTS.items():
+        gc = GluonGemmConfig(**fields)
+        alone = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, gc.block_m,
+                                              gc.block_n), a.device)
+        waiting = wait_table(m, n, gc, a.device)
+        for kind, tab, kw in (("gluon", alone, {}), ("gluon_wait", waiting, {"flags": flags, "err": err, "epoch": 1})):
+            c = torch.empty(m, n, device=a.device, dtype=a.dtype)
+            runs[f"{kind} {name}"] = ((lambda c=c, tab=tab, gc=gc, kw=kw:
+                                       launch_gluon_gemm(a, b, c, tab, grid=sms, config=gc, **kw)), c)
+    return runs
+
+
+def _gluon_fields(runs: dict[str, tuple[Any, Any]], times: dict[str, list[float]], cb: float,
+                  ref: Any) -> dict[str, Any]:
+    """The fastest Gluon config alone and waiting (ms, config, speed against cuBLAS, the
+    relative error of its result, recomputed into a NaN-poisoned C), and every config's ms."""
+    out: dict[str, Any] = {"gluon_ms_all": {kk: round(statistics.median(times[kk]), 5) for kk in runs}}
+    for kind in ("gluon", "gluon_wait"):
+        names = [kk for kk in runs if kk.split(" ")[0] == kind]
+        best = min(names, key=lambda kk: statistics.median(times[kk]))
+        fn, c = runs[best]
+        c.fill_(float("nan"))
+        fn()
+        ms = statistics.median(times[best])
+        out.update({f"{kind}_ms": round(ms, 5), f"{kind}_config": best.split(" ")[1],
+                    f"{kind}_vs_cublas": round(cb / ms, 4),
+                    f"{kind}_rel_err_vs_cublas": ((c.float() - ref).norm() / ref.norm()).item()})
+    return out
 
 
 def compile_jobs(shapes: Iterable[dict[str, Any]], sms: int, ws: bool,
@@ -278,6 +386,8 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
+    ap.add_argument("--gluon", action="store_true",
+                    help="also time the Gluon GEMM's configs, alone and waiting (sm_90, a Triton with Gluon)")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     args = ap.parse_args()
@@ -325,7 +435,7 @@ def main() -> None:
                   flush=True)
             break
         try:
-            r = run_shape(row, args.rounds, sms, flatten)
+            r = run_shape(row, args.rounds, sms, flatten, args.gluon)
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
             r = {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             torch.cuda.synchronize()
@@ -335,7 +445,8 @@ def main() -> None:
                   f"ERROR {r['error']}", flush=True)
         else:
             print(f"[{i + 1}/{len(shapes)}] {r['m']:>5}x{r['n']:>5}x{r['k']:>5} {r['b_layout']} {r['dtype']:>8}: "
-                  f"cuBLAS {r['cublas_ms']:.4f} ms, tile {r['tile_ms']:.4f} ms = {r['speed_vs_cublas']:.3f}x "
+                  f"cuBLAS {r['cublas_ms']:.4f} ms, tile {r['tile_ms']:.4f} ms = {r['speed_vs_cublas']:.3f}x, "
+                  f"waiting {r['wait_ms']:.4f} ms = {r['wait_vs_cublas']:.3f}x ({r['wait_config']}) "
                   f"({r['config']}; tuned in {r['tune_s']:.2f} s; err {r['rel_err_vs_cublas']:.1e}) "
                   f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
         write_results(args.out, context, rows, {"compile": {"jobs": len(jobs), "wall_s": round(compile_wall, 2),

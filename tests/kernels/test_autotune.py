@@ -367,7 +367,9 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
     from benchmarks.gemm_sweep import write_results
 
     rows = [{"m": 512, "n": 4096, "k": 4096, "b_layout": "nk", "dtype": "bfloat16", "cublas_ms": 0.1,
-             "tile_ms": 0.1, "config": "128x128x64 s5 w8 g8", "tune_s": 1.0, "model": "x", "layer": "fc1", "tp": 1},
+             "tile_ms": 0.1, "config": "128x128x64 s5 w8 g8", "tune_s": 1.0, "model": "x", "layer": "fc1", "tp": 1,
+             "wait_ms": 0.125, "wait_vs_cublas": 0.8, "wait_config": "128x256x64 s3 w8 g8",
+             "gluon_vs_cublas": 0.95, "gluon_wait_vs_cublas": 0.9},
             {"m": 1024, "n": 4096, "k": 4096, "b_layout": "kn", "dtype": "float16", "cublas_ms": 0.09,
              "tile_ms": 0.1, "config": "64x256x64 s4 w4 g8", "tune_s": 2.0, "model": "x", "layer": "fc2", "tp": 2},
             {"m": 2048, "n": 4096, "k": 4096, "b_layout": "kn", "dtype": "float16", "error": "boom"}]
@@ -382,3 +384,27 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
     assert summary["under_min_target"] == ["1024x4096x4096 kn float16"]
     md = (tmp_path / "gemm_sweep.md").read_text()
     assert "| 512 | 4096 | 4096 | nk | bfloat16 |" in md and "geo-mean 0.949x" in md
+    # the wait column: only the rows that have it count
+    assert summary["wait"] == {"geomean": 0.8, "min": 0.8, "shapes": 1}
+    assert "| 0.1250 | 0.800 | 128x256x64 s3 w8 g8 |" in md and "consumer ops run it" in md and "min 0.800x" in md
+    assert summary["gluon"]["geomean"] == 0.95 and summary["gluon_wait"]["min"] == 0.9
+    assert "Gluon GEMM alone (its fastest config per shape): geo-mean 0.950x" in md and "waiting" in md
+
+
+def test_sweep_wait_table_chunks_rows_by_flag() -> None:
+    """``wait_ms``'s table: 4 segments of rows, each tile waiting on its segment's flag,
+    every C tile once (ragged chunk ends included)."""
+    from benchmarks.gemm_sweep import WAIT_CHUNKS, wait_table
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    cfg = GemmConfig(block_m=128, block_n=256)
+    for m, n in ((1000, 600), (4096, 512)):
+        t = wait_table(m, n, cfg, "cpu").tolist()
+        cover = {}
+        for a_row, _src, c_row, rows, n_tile, w, mult, post in t:
+            assert a_row == c_row and mult == 1 and post < 0 and 0 < rows <= 128
+            chunk = next(i for i in range(WAIT_CHUNKS) if m * i // WAIT_CHUNKS <= c_row < m * (i + 1) // WAIT_CHUNKS)
+            assert w == chunk and c_row + rows <= m * (chunk + 1) // WAIT_CHUNKS
+            for r in range(c_row, c_row + rows):
+                cover[(r, n_tile)] = cover.get((r, n_tile), 0) + 1
+        assert cover == {(r, j): 1 for r in range(m) for j in range(-(-n // 256))}

@@ -1,0 +1,491 @@
+"""The warp-specialized Gluon GEMM (``overlap.kernels.gluon_gemm``) on one GPU: checks, then timings.
+
+    python benchmarks/gluon_gemm_bench.py [--out DIR] [--rounds 5] [--max-seconds S] [--checks-only]
+
+Checks (``checks``; each raises on a wrong result):
+  * fresh inputs every call, outputs poisoned with NaN first; bf16 and fp16; B as ``w.t()``
+    and row-major [K, N]; ragged M, N, K and segments of C rows that are not whole tiles
+    (masked stores), two A sources; 128x256 and 256x128 tiles. The error against an fp32
+    reference is bounded by twice torch's own (``torch.mm`` in the same dtype) plus 1e-3.
+  * tiles that wait: flags already at the epoch; flags set late, by another stream, after
+    that stream has written the rows the tiles read (a tile that read early reads the
+    last call's rows and fails), and the GEMM's time shows it waited; a flag never set
+    -> error word code 1 with the flag's index, expected and seen values, within its
+    timeout; a flag two epochs ahead -> code 2.
+Timings (``timings``), CUDA-graph replays, rounds interleaved, medians: cuBLAS
+(``torch.mm``); the tile GEMM alone (``launch_gemm``, the sweep's tuned config where it
+has one, else 128x256x64 s3 w8 flat) and as the consumer ops run it (the per-tile
+kernel over a table of 4 chunks whose flags are already set: ``wait_ms``); the Gluon GEMM
+alone and waiting on the same table, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest),
+and waiting with tiles from a dispatch counter (``DYNAMIC_VARIANTS``, the counter zeroed per call).
+
+Writes ``gluon_gemm.json`` (context, checks, rows, summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+SWEEP = "benchmarks/results/2026-12-02_1xH200_36d04e5/gemm_sweep.json"
+"""The tuned sweep whose configs the tile GEMM runs with here (the last full sweep)."""
+
+# (M, N, K, B layout, dtype): 8 of the sweep's 48 (its slowest and a spread), 3 it never saw
+SHAPES = [
+    (8192, 12288, 6144, "kn", "bfloat16"), (16384, 6144, 4096, "nk", "bfloat16"),
+    (8192, 3696, 8192, "nk", "float16"), (2048, 1536, 4096, "nk", "float16"),
+    (1024, 9216, 6144, "nk", "bfloat16"), (4096, 10752, 3584, "nk", "bfloat16"),
+    (2048, 8192, 14784, "nk", "bfloat16"), (32768, 6144, 8192, "kn", "bfloat16"),
+    (4096, 5120, 5120, "nk", "bfloat16"), (6144, 13824, 5120, "nk", "bfloat16"),
+    (3072, 7168, 2560, "kn", "bfloat16"),
+]
+VARIANTS = {  # name: GluonGemmConfig fields
+    "128x256": dict(block_m=128, block_n=256, stages=3),
+    "256x128": dict(block_m=256, block_n=128, stages=3),
+    "128x128": dict(block_m=128, block_n=128, stages=4),
+    "pp128x128": dict(block_m=128, block_n=128, stages=5, pingpong=True),
+    "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
+}
+"""The configs checked and timed: both MMA warpgroups on one tile, and (``pp``) ping-pong."""
+DYNAMIC_VARIANTS = ("128x256", "pp128x128")
+"""The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
+
+
+def _b(w: Any, layout: str) -> Any:
+    return w.t().contiguous() if layout == "kn" else w.t()
+
+
+def _close(c: Any, a: Any, b: Any, rows: Any, what: str) -> float:
+    """max |c - ref| over ``rows`` must be <= 2 x torch's own error + 1e-3; returns it."""
+    import torch
+
+    ref = a.float() @ b.float()
+    own = (torch.mm(a, b).float() - ref).abs().max().item()
+    got = (c[rows].float() - ref[rows]).abs().max().item() if c.dtype.is_floating_point else math.inf
+    if not got <= 2 * own + 1e-3:  # NaN fails too
+        raise AssertionError(f"{what}: max error {got:.3e} vs torch's {own:.3e}")
+    return got
+
+
+def _table(segments: list[Any], n: int, bm: int, bn: int) -> Any:
+    import torch
+
+    from overlap.policies import build_tile_table
+
+    return torch.tensor(build_tile_table(segments, n, bm, bn), dtype=torch.int32, device="cuda")
+
+
+def check_plain(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """Fresh inputs, poisoned outputs, both layouts and dtypes, ragged edges, two A sources."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = [(1000, 1000, 1000), (384, 512, 256), (777, 264, 136)]
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
+        for dt in (torch.bfloat16, torch.float16):
+            for lay in ("nk", "kn"):
+                for m, n, k in cases:
+                    # C rows from two A sources in segments that are not whole tiles
+                    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=300), Segment(a_src=1, a_row=0, c_row=300,
+                                                                                   rows=m - 300 - 77),
+                            Segment(a_src=0, a_row=300, c_row=m - 77, rows=77)]
+                    if m < 400:
+                        segs = [Segment(a_src=0, a_row=0, c_row=0, rows=m)]
+                    table = _table(segs, n, bm, bn)
+                    for it in range(3):  # new inputs each call: a stale read fails
+                        a = torch.randn(m, k, device="cuda", dtype=dt)
+                        a2 = torch.randn(m, k, device="cuda", dtype=dt)
+                        w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+                        b = _b(w, lay)
+                        c = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+                        launch_gluon_gemm(a, b, c, table, grid=min(sms, 7 + it), a2=a2 if m >= 400 else None,
+                                          config=cfg)
+                        torch.cuda.synchronize()
+                        a_full = a if m < 400 else torch.cat([a[:300], a2[:m - 377], a[300:377]])
+                        _close(c, a_full, b, slice(None), f"plain {name} {dt} {lay} {m}x{n}x{k} call {it}")
+    log.append(f"plain {', '.join(variants)}: {len(variants) * 2 * 2 * len(cases) * 3} calls right "
+               "(fresh inputs, NaN-poisoned C)")
+
+
+def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """Flags already set; set late by another stream after its writes; never set; ahead."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k, chunks = 2048, 2048, 1024, 4
+    rows = m // chunks
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
+        segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
+        table = _table(segs, n, bm, bn)
+        flags = torch.zeros(chunks + 1, dtype=torch.int32, device="cuda")
+        err = torch.zeros(8, dtype=torch.int32, device="cuda")
+        side = torch.cuda.Stream()
+        a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = w.t()
+        epoch = 0
+        # flags already set
+        for it in range(3):
+            epoch += 1
+            a.normal_()
+            flags[:chunks].fill_(epoch)
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, config=cfg)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"set flags: error word {err.tolist()}"
+            _close(c, a, b, slice(None), f"set flags {name} call {it}")
+        # set late by another stream, after it wrote the rows (copy engine), chunk by chunk
+        waited = []
+        for it in range(3):
+            epoch += 1
+            fresh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ep = torch.full((chunks,), epoch, dtype=torch.int32, device="cuda")
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(chunks):
+                    torch.cuda._sleep(2_000_000)  # about 1 ms at 1.98 GHz
+                    a[i * rows:(i + 1) * rows].copy_(fresh[i * rows:(i + 1) * rows])
+                    flags[i:i + 1].copy_(ep[i:i + 1])
+            s0.record()
+            # SMs left to the side stream's kernels (a grid of every SM spinning would hold them)
+            launch_gluon_gemm(a, b, c, table, grid=sms - 8, flags=flags, err=err, epoch=epoch, config=cfg)
+            s1.record()
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"late flags: error word {err.tolist()}"
+            _close(c, fresh, b, slice(None), f"late flags {name} call {it}")
+            waited.append(s0.elapsed_time(s1))
+        if not min(waited) > 2.0:
+            raise AssertionError(f"late flags {name}: the GEMM took {waited} ms; the flags came after ~4 ms, "
+                                 "so its tiles did not wait")
+        # never set: a bounded wait, then the error word
+        epoch += 1
+        flags[:chunks].fill_(epoch)
+        flags[2] = epoch - 1
+        t0 = time.perf_counter()
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, timeout_ns=50_000_000,
+                          config=cfg)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        e = err.tolist()
+        assert e[0] == 1 and e[2] == 2 and e[3] == epoch and e[4] == epoch - 1, f"never set: error word {e}"
+        assert secs < 5.0, f"never set: the kernel took {secs:.2f} s to give up (timeout 50 ms)"
+        # two epochs ahead: code 2
+        err.zero_()
+        epoch += 1
+        flags[:chunks].fill_(epoch)
+        flags[1] = epoch + 2
+        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, timeout_ns=50_000_000,
+                          config=cfg)
+        torch.cuda.synchronize()
+        e = err.tolist()
+        assert e[0] == 2 and e[2] == 1 and e[4] == epoch + 2, f"ahead: error word {e}"
+        err.zero_()
+        log.append(f"waits {name}: set, late (GEMM {min(waited):.1f}-{max(waited):.1f} ms, waited), never set "
+                   f"(code 1 in {secs:.2f} s), ahead (code 2): right")
+
+
+def check_dynamic(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """The dispatch counter: ragged segments and two A sources, fresh inputs; two launches
+    (the second on another stream, as the give-back grid) sharing one table and counter,
+    every tile stored once and the counter at tiles + programs (each loader's last take
+    fails once), so both grids took tiles; and late flags with the counter."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side = torch.cuda.Stream()
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        bm, bn = cfg.block_m, cfg.block_n
+        m, n, k = 1000, 1000, 1000
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=300), Segment(a_src=1, a_row=0, c_row=300, rows=623),
+                        Segment(a_src=0, a_row=300, c_row=923, rows=77)], n, bm, bn)
+        for it in range(3):
+            a, a2 = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            launch_gluon_gemm(a, b, c, table, grid=5 + it, a2=a2, counter=counter, config=cfg)
+            torch.cuda.synchronize()
+            _close(c, torch.cat([a[:300], a2[:623], a[300:377]]), b, slice(None), f"dynamic {name} call {it}")
+            assert int(counter) == table.shape[0] + 5 + it, (name, int(counter), table.shape[0])
+        # two grids, one table and counter
+        m, n, k = 4096, 4096, 1024
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+        for it in range(3):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            side.wait_stream(torch.cuda.current_stream())
+            launch_gluon_gemm(a, b, c, table, grid=sms - 32, counter=counter, config=cfg)
+            with torch.cuda.stream(side):
+                launch_gluon_gemm(a, b, c, table, grid=32, counter=counter, config=cfg)
+            torch.cuda.synchronize()
+            _close(c, a, b, slice(None), f"two grids {name} call {it}")
+            assert int(counter) == table.shape[0] + sms, (name, int(counter), table.shape[0], sms)
+        # late flags, tiles from the counter
+        m, n, k, chunks = 2048, 2048, 1024, 4
+        rows = m // chunks
+        table = _table([Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i)
+                        for i in range(chunks)], n, bm, bn)
+        flags = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+        err = torch.zeros(8, dtype=torch.int32, device="cuda")
+        a = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+        for epoch in (1, 2):
+            fresh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ep = torch.full((chunks,), epoch, dtype=torch.int32, device="cuda")
+            c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            torch.cuda.synchronize()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for i in range(chunks):
+                    torch.cuda._sleep(1_000_000)
+                    a[i * rows:(i + 1) * rows].copy_(fresh[i * rows:(i + 1) * rows])
+                    flags[i:i + 1].copy_(ep[i:i + 1])
+            launch_gluon_gemm(a, b, c, table, grid=sms - 8, flags=flags, err=err, epoch=epoch, counter=counter,
+                              config=cfg)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, f"dynamic late flags {name}: error word {err.tolist()}"
+            _close(c, fresh, b, slice(None), f"dynamic late flags {name} epoch {epoch}")
+        log.append(f"dynamic {name}: ragged + two sources, two grids on one counter, late flags: right")
+
+
+def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], dict[str, str]]:
+    """Every variant's checks; returns the log and the variants that failed (with why)."""
+    import torch
+
+    log: list[str] = []
+    failed: dict[str, str] = {}
+    for name, fields in variants.items():
+        print(f"checking {name}", flush=True)
+        try:
+            check_plain(log, {name: fields})
+            check_waits(log, {name: fields})
+            if name in DYNAMIC_VARIANTS:
+                check_dynamic(log, {name: fields})
+        except Exception as e:  # noqa: BLE001 - recorded; that variant is then not timed
+            failed[name] = f"{type(e).__name__}: {str(e)[:1000]}"
+            log.append(f"FAILED {name}: {failed[name]}")
+            torch.cuda.synchronize()
+    return log, failed
+
+
+def _sweep_configs() -> dict[tuple, dict[str, Any]]:
+    path = os.path.join(os.path.dirname(__file__), "..", SWEEP)
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    except OSError:
+        return {}
+    return {(r["m"], r["n"], r["k"], r["b_layout"], r["dtype"]): r["config_fields"] for r in rows
+            if r.get("config_fields")}
+
+
+def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str, Any]],
+               variants: dict[str, dict[str, Any]] = VARIANTS) -> dict[str, Any]:
+    import dataclasses
+
+    import torch
+
+    from overlap.kernels.autotune import GraphTimer, _cfg_str
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.kernels.tile_gemm import GemmConfig, launch_gemm, launch_tile_gemm
+    from overlap.policies import Segment
+
+    m, n, k, lay, dts = shape
+    dt = getattr(torch, dts)
+    g = torch.Generator(device="cuda").manual_seed(m + 3 * n + 7 * k)
+    a = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dt, generator=g) / k ** 0.5
+    b = _b(w, lay)
+    ref = torch.empty(m, n, device="cuda", dtype=dt)
+    fields = tuned.get(shape)
+    alone_cfg = GemmConfig(**fields) if fields else GemmConfig(num_stages=3, flatten=True)
+    # the consumer ops' kernel: per tile, no flattening nor tail
+    wait_cfg = dataclasses.replace(alone_cfg, flatten=False, tail_block_m=0, tail_block_n=0)
+    chunks = 4
+    rows = m // chunks
+    flags = torch.ones(chunks, dtype=torch.int32, device="cuda")  # epoch 1: already set
+    err = torch.zeros(8, dtype=torch.int32, device="cuda")
+    segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
+    outs = {}
+
+    def out(name: str) -> Any:
+        outs[name] = torch.empty(m, n, device="cuda", dtype=dt)
+        return outs[name]
+
+    c_tile, c_tw = out("tile"), out("tile_wait")
+    t_wait_table = _table(segs, n, wait_cfg.block_m, wait_cfg.block_n)
+    fns = {"cublas": lambda: torch.mm(a, b, out=ref),
+           "tile": lambda: launch_gemm(a, b, c_tile, grid=sms, config=alone_cfg),
+           "tile_wait": lambda: launch_tile_gemm(a, b, c_tw, t_wait_table, flags=flags, err=err, epoch=1,
+                                                 wait=True, grid=sms, config=wait_cfg)}
+    for name, vfields in variants.items():
+        gcfg = GluonGemmConfig(**vfields)
+        bm, bn = gcfg.block_m, gcfg.block_n
+        alone_t = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+        wait_t = _table(segs, n, bm, bn)
+        ca, cw = out(f"gluon_{name}"), out(f"gluon_wait_{name}")
+        fns[f"gluon_{name}"] = (lambda ca=ca, t=alone_t, c=gcfg:
+                                launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
+        if name in DYNAMIC_VARIANTS:
+            cd = out(f"gluon_dynwait_{name}")
+            ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+            # the counter zeroed per call (a memset, as the consumer ops do for the tile GEMM)
+            fns[f"gluon_dynwait_{name}"] = (lambda cd=cd, t=wait_t, c=gcfg, ctr=ctr: (
+                ctr.zero_(), launch_gluon_gemm(a, b, cd, t, grid=sms, flags=flags, err=err, epoch=1, counter=ctr,
+                                               config=c)))
+        fns[f"gluon_wait_{name}"] = (lambda cw=cw, t=wait_t, c=gcfg:
+                                        launch_gluon_gemm(a, b, cw, t, grid=sms, flags=flags, err=err, epoch=1,
+                                                          config=c))
+    timers = {}
+    errors = {}
+    for name, fn in fns.items():
+        try:
+            timers[name] = GraphTimer(fn)
+        except Exception as e:  # noqa: BLE001 - one engine failing is recorded, the others timed
+            errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.synchronize()
+    times: dict[str, list[float]] = {kk: [] for kk in timers}
+    for _ in range(rounds):
+        for kk, t in timers.items():
+            times[kk].append(t.ms())
+    torch.cuda.synchronize()
+    refd = ref.float()
+    rel = {kk: ((outs[kk].float() - refd).norm() / refd.norm()).item() for kk in outs if kk in timers}
+    med = {kk: statistics.median(v) for kk, v in times.items()}
+    row: dict[str, Any] = {"m": m, "n": n, "k": k, "b_layout": lay, "dtype": dts, "tuned_in_sweep": bool(fields),
+                           "tile_config": _cfg_str(alone_cfg), "tile_wait_config": _cfg_str(wait_cfg),
+                           "ms": {kk: round(v, 5) for kk, v in med.items()}, "rel_err_vs_cublas": rel,
+                           "errors": errors, "int32_err_word": err.tolist(), "times": times}
+    cb = med.get("cublas")
+    ga = [kk for kk in med if kk.startswith("gluon_") and not kk.startswith(("gluon_wait", "gluon_dyn"))]
+    gw = [kk for kk in med if kk.startswith("gluon_wait")]
+    gd = [kk for kk in med if kk.startswith("gluon_dynwait")]
+    if cb:
+        if "tile" in med:
+            row["tile_vs_cublas"] = round(cb / med["tile"], 4)
+        if "tile_wait" in med:
+            row["tile_wait_vs_cublas"] = round(cb / med["tile_wait"], 4)
+        if ga:
+            best = min(ga, key=lambda kk: med[kk])
+            row["gluon_best"] = best
+            row["gluon_vs_cublas"] = round(cb / med[best], 4)
+        if gw:
+            best = min(gw, key=lambda kk: med[kk])
+            row["gluon_wait_best"] = best
+            row["gluon_wait_vs_cublas"] = round(cb / med[best], 4)
+        if gd:
+            best = min(gd, key=lambda kk: med[kk])
+            row["gluon_dynwait_best"] = best
+            row["gluon_dynwait_vs_cublas"] = round(cb / med[best], 4)
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ("tile_vs_cublas", "tile_wait_vs_cublas", "gluon_vs_cublas", "gluon_wait_vs_cublas",
+                "gluon_dynwait_vs_cublas"):
+        v = [r[key] for r in rows if r.get(key)]
+        if v:
+            out[key] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": min(v),
+                        "max": max(v), "shapes": len(v)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=None)
+    ap.add_argument("--checks-only", action="store_true")
+    ap.add_argument("--checks-from", default=None,
+                    help="a --checks-only JSON of this code from the same machine: its checks, not run again")
+    ap.add_argument("--variants", default=None, help="comma-separated names of VARIANTS to check and time")
+    ap.add_argument("--commit", default=None, help="the commit of the code that runs, where the checkout's is not")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gluon_gemm_bench.py runs on a CUDA GPU; none is visible here")
+    from benchmarks.context import run_context
+    from overlap.kernels import gluon_gemm
+
+    os.makedirs(args.out, exist_ok=True)
+    context = run_context()
+    context.update({"gluon": gluon_gemm.AVAILABLE, "gluon_reason": gluon_gemm.REASON, "rounds": args.rounds,
+                    "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP,
+                    "variants": VARIANTS})
+    if args.commit:
+        context["checkout_commit"], context["commit"] = context.get("commit"), args.commit
+    doc: dict[str, Any] = {"context": context, "checks": [], "check_failed": {}, "rows": [], "not_run": []}
+
+    def save() -> None:
+        doc["summary"] = summary(doc["rows"])
+        with open(os.path.join(args.out, "gluon_gemm.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+
+    variants = VARIANTS if not args.variants else {kk: VARIANTS[kk] for kk in args.variants.split(",")}
+    if args.checks_from:
+        with open(args.checks_from) as f:
+            prior = json.load(f)
+        doc["checks"], doc["check_failed"] = prior["checks"], prior["check_failed"]
+        # (relative to --out where it lies under it: no machine's paths in the results)
+        doc["checks_from"] = os.path.relpath(args.checks_from, args.out)
+    else:
+        doc["checks"], doc["check_failed"] = checks(variants)
+    for line in doc["checks"]:
+        print("CHECK", line, flush=True)
+    save()
+    if args.checks_only:
+        return
+    checked = " ".join(doc["checks"])
+    good = {kk: v for kk, v in variants.items() if kk not in doc["check_failed"] and f"waits {kk}:" in checked}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tuned = _sweep_configs()
+    for i, shape in enumerate(SHAPES):
+        if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
+            doc["not_run"] = [list(s) for s in SHAPES[i:]]
+            print(f"--max-seconds spent: {len(SHAPES) - i} shapes not run", flush=True)
+            break
+        r = time_shape(shape, args.rounds, sms, tuned, good)
+        doc["rows"].append(r)
+        print(f"[{i + 1}/{len(SHAPES)}] {shape}: ms {r['ms']} | tile {r.get('tile_vs_cublas')} tile_wait "
+              f"{r.get('tile_wait_vs_cublas')} gluon {r.get('gluon_vs_cublas')} ({r.get('gluon_best')}) gluon_wait "
+              f"{r.get('gluon_wait_vs_cublas')} | errors {r['errors']} [{time.perf_counter() - t_start:.0f} s]",
+              flush=True)
+        save()
+    save()
+    print(json.dumps(doc["summary"], indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,601 @@
+"""Warp-specialized persistent GEMM in Gluon (sm_90) whose tiles wait on flags.
+
+    C[c_row + i, n] = sum_k A_src[a_row + i, k] * B[k, n]      for each tile of the table
+
+The same tile table, flags, epochs and error word as ``overlap.kernels.tile_gemm``
+(``overlap.protocol``); what differs is who does what inside a program:
+
+    loader warp (1 warp, few registers)      MMA warpgroups (default partition, 8 warps)
+    -----------------------------------      -------------------------------------------
+    for each of the program's tiles:         for each of the program's tiles:
+      wait flags[w] >= epoch * mult            for each K step:
+        (acquire, bounded; error word)           wait ready[s]; wgmma (async);
+      for each K step:                           wgmma_wait(1); arrive empty[s - 1]
+        wait empty[s]; expect ready[s];        wgmma_wait(0); arrive empty[last]
+        TMA A and B into ring slot s           epilogue: activation, C store (TMA for a
+                                                 whole tile, masked stores for a ragged one)
+
+Only the loader warp spins: the MMA warps wait on the ring's mbarriers, and the loader,
+being one warp, runs ahead into the next tile's flag and loads while they finish a tile
+and run its epilogue. A failed wait (timeout, a flag two epochs ahead) is recorded in the
+error word as the ``triton.language`` kernel records it; the loader then arrives on the
+tile's ring slots without loading (so the MMA warps never block) and the MMA warps, which
+read the error word after each tile's K loop, store nothing. Every later tile of every
+program sees the error word and skips its wait and its stores, so the grid exits.
+
+With ``GluonGemmConfig.pingpong`` the MMA warps are two partitions of one warpgroup each,
+on alternate tiles of the program (``gluon_gemm_pp_kernel``): one's epilogue runs under
+the other's K loop, and a turn barrier hands the ring over between them.
+
+Tiles are taken statically (program p runs rows p, p + G, ...) or, with a dispatch
+counter (``DYNAMIC``), from an atomic counter shared by every launch over the table (the
+give-back grid can join): the loader warp takes a tile and hands its index to the MMA
+warps through a two-slot queue in shared memory, and ends with an end mark per MMA
+warpgroup.
+
+Not here (the ``triton.language`` kernel has them): posts (producer tiles), split tiles,
+several weights, the folded norm, signature words, row-bucket cuts, TileSync. So no op
+runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
+what it measured and why it is not an engine: docs/experiments.md, 2026-12-04).
+
+Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
+says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import protocol as _p
+from . import _gluon_compat as _c
+
+__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "launch_gluon_gemm", "descriptors"]
+
+AVAILABLE: bool = _c.AVAILABLE
+REASON: str = _c.REASON
+
+
+@dataclass(frozen=True, kw_only=True)
+class GluonGemmConfig:
+    """Tile shape and ring depth of the warp-specialized GEMM."""
+
+    block_m: int = 128
+    """Rows of a C tile: 128 or 256 (both warpgroups on one tile, 64-row wgmmas); with
+    ``pingpong`` 64 or 128 (one warpgroup's tile)."""
+    block_n: int = 256
+    """Columns of a C tile: 128 or 256 (a wgmma's N; Gluon's register tiles are powers of
+    two). With ``pingpong``, block_m x block_n at most 128 x 128 or 64 x 256: one
+    warpgroup holds the fp32 accumulator (128 registers a thread)."""
+    block_k: int = 64
+    """K step of the ring."""
+    stages: int = 3
+    """Ring slots (A and B tiles each). 128x256x64 at 16 bits: 48 KiB a slot, plus 64 KiB
+    for the C tile the TMA store reads: 3 slots take 208 KiB of an SM's 227; 4 do not fit
+    (refused here) unless block_k is 32."""
+    loader_regs: int = 48
+    """Registers per thread of the loader warp (its spin loop and error record are scalar)."""
+    pingpong: bool = False
+    """Two MMA warpgroups on alternate tiles of the program (CUTLASS's "ping-pong"): one runs
+    its tile's epilogue while the other's K loop keeps the tensor cores busy. A turn barrier
+    passes the ring from one to the other once a warpgroup has taken its tile's last slot,
+    so each waits only on ring phases that its predecessor has seen complete."""
+
+    def __post_init__(self) -> None:
+        tiles = ((64, 256), (128, 128)) if self.pingpong else ((128, 128), (128, 256), (256, 128))
+        if (self.block_m, self.block_n) not in tiles:
+            raise ValueError(f"GluonGemmConfig: a {'ping-pong ' if self.pingpong else ''}tile is one of "
+                             f"{', '.join(f'{m}x{n}' for m, n in tiles)}, got {self.block_m}x{self.block_n}")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"GluonGemmConfig.block_k must be 32, 64 or 128, got {self.block_k}")
+        if self.stages < 2:
+            raise ValueError(f"GluonGemmConfig.stages must be >= 2, got {self.stages}")
+        if self.smem_bytes(2) > 227 * 1024:
+            raise ValueError(f"GluonGemmConfig {self}: {self.smem_bytes(2)} bytes of shared memory at 16-bit "
+                             "operands, more than an H100/H200 SM's 227 KiB")
+        if self.loader_regs % 8 or not 24 <= self.loader_regs <= 256:
+            raise ValueError(f"GluonGemmConfig.loader_regs must be a multiple of 8 in [24, 256], got "
+                             f"{self.loader_regs}")
+
+    def smem_bytes(self, elem: int) -> int:
+        """Shared memory of a program: the ring, the C tile(s) and the barriers."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
+        c_tiles = 2 if self.pingpong else 1
+        # + ring barriers, tile queue, turn barriers, and what the compiler adds
+        return ring + c_tiles * self.block_m * self.block_n * elem + 16 * self.stages + 1024
+
+    @property
+    def num_warps(self) -> int:
+        """Warps of the default partition: both MMA warpgroups, or (``pingpong``) the first."""
+        return 4 if self.pingpong else 8
+
+
+if AVAILABLE:
+    gluon = _c.gluon
+    gl = _c.gl
+    mbarrier = _c.mbarrier
+
+    _TABLE_COLS = gl.constexpr(_p.TABLE_COLS)
+    _COL_A_ROW = gl.constexpr(_p.COL_A_ROW)
+    _COL_A_SRC = gl.constexpr(_p.COL_A_SRC)
+    _COL_C_ROW = gl.constexpr(_p.COL_C_ROW)
+    _COL_C_ROWS = gl.constexpr(_p.COL_C_ROWS)
+    _COL_N_TILE = gl.constexpr(_p.COL_N_TILE)
+    _COL_WAIT = gl.constexpr(_p.COL_WAIT)
+    _COL_WAIT_MULT = gl.constexpr(_p.COL_WAIT_MULT)
+    _ERR_CODE = gl.constexpr(_p.ERR_CODE)
+    _ERR_RANK = gl.constexpr(_p.ERR_RANK)
+    _ERR_FLAG = gl.constexpr(_p.ERR_FLAG)
+    _ERR_EXPECTED = gl.constexpr(_p.ERR_EXPECTED)
+    _ERR_SEEN = gl.constexpr(_p.ERR_SEEN)
+    _ERR_TILE = gl.constexpr(_p.ERR_TILE)
+    _ERR_HOST_LO = gl.constexpr(_p.ERR_HOST_LO)
+    _ERR_HOST_HI = gl.constexpr(_p.ERR_HOST_HI)
+    _ERR_TIMEOUT = gl.constexpr(_p.ERR_TIMEOUT)
+    _ERR_AHEAD = gl.constexpr(_p.ERR_AHEAD)
+
+    @gluon.jit
+    def _warp_any(x):
+        """1 in every lane of the warp if ``x`` is nonzero in any lane (``vote.any``): the
+        loader's per-lane reads of the timer and the error word may differ, and its branches
+        must not split the warp."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [x.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _globaltimer():
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _record(err_ptr, code, rank, idx, expected, seen, t):
+        """[code, rank, flag index, expected, seen, tile] into the error word, the first
+        failure only; and into the host's pinned words whose address words 6-7 hold (0:
+        none), the code last with release semantics (as ``tile_gemm._record``)."""
+        prev = gl.atomic_cas(err_ptr + _ERR_CODE, 0, code, sem="relaxed", scope="gpu")
+        if prev == 0:
+            gl.store(err_ptr + _ERR_RANK, rank)
+            gl.store(err_ptr + _ERR_FLAG, idx)
+            gl.store(err_ptr + _ERR_EXPECTED, expected)
+            gl.store(err_ptr + _ERR_SEEN, seen)
+            gl.store(err_ptr + _ERR_TILE, t)
+            lo = gl.load(err_ptr + _ERR_HOST_LO)
+            hi = gl.load(err_ptr + _ERR_HOST_HI)
+            host = (hi.to(gl.int64) << 32) | (lo.to(gl.int64) & 0xFFFFFFFF)
+            if host != 0:
+                hp = host.to(gl.pointer_type(gl.int32))
+                gl.store(hp + _ERR_RANK, rank)
+                gl.store(hp + _ERR_FLAG, idx)
+                gl.store(hp + _ERR_EXPECTED, expected)
+                gl.store(hp + _ERR_SEEN, seen)
+                gl.store(hp + _ERR_TILE, t)
+                gl.atomic_xchg(hp + _ERR_CODE, code, sem="release", scope="sys")
+
+    @gluon.jit
+    def _wait_flag(flags_ptr, err_ptr, idx, expected, ahead, rank, t, timeout_ns):
+        """The loader's wait: spin (acquire, system scope, 256 ns back-off) until
+        flags[idx] >= expected, compares on int32 differences (flags and epochs wrap
+        together); past ``timeout_ns`` or once another tile recorded an error, stop. A value
+        at or above ``ahead`` is an error too (code 2). Returns 1 when satisfied."""
+        seen = gl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="sys")
+        t0 = _globaltimer()
+        aborted = 0
+        while ((seen - expected) < 0) & (aborted == 0):
+            gl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+            seen = gl.atomic_add(flags_ptr + idx, 0, sem="acquire", scope="sys")
+            late = (_globaltimer() - t0) > timeout_ns
+            other = gl.load(err_ptr + _ERR_CODE, volatile=True)
+            aborted = _warp_any(late | (other != 0))
+        ok = _warp_any((seen - expected) >= 0)
+        code = _ERR_TIMEOUT
+        if _warp_any((seen - ahead) >= 0) != 0:
+            ok = 0
+            code = _ERR_AHEAD
+        if ok == 0:
+            _record(err_ptr, code, rank, idx, expected, seen, t)
+        # the A tiles are read by TMA (the async proxy) after a generic-proxy acquire
+        gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        return ok
+
+    @gluon.jit
+    def _put_tile(tq, tq_ready, tq_empty, j, t):
+        """Loader side of the tile queue (``DYNAMIC``): the program's j-th tile index ``t``
+        into queue slot j % 2, once the MMA side has taken what that slot held before."""
+        q = j % 2
+        mbarrier.wait(tq_empty.index(q), ((j // 2) & 1) ^ 1)
+        tq.index(q).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(tq_ready.index(q), count=1)
+
+    @gluon.jit
+    def _take_tile(tq, tq_ready, tq_empty, j, WARPS: gl.constexpr):
+        """MMA side of the tile queue: the program's j-th tile index (``num_tiles``: none left)."""
+        q = j % 2
+        mbarrier.wait(tq_ready.index(q), (j // 2) & 1)
+        t = gl.max(tq.index(q).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+        mbarrier.arrive(tq_empty.index(q), count=1)
+        return t
+
+    @gluon.jit
+    def _loader(a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs, ready, empty,
+                tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr, DYNAMIC: gl.constexpr,
+                CONSUMERS: gl.constexpr):
+        """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
+        ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
+        each tile from the dispatch counter and passes its index to the MMA side through the
+        tile queue, then one end mark (``num_tiles``) per MMA consumer."""
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
+        cnt = 0
+        j = 0
+        if DYNAMIC:
+            t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            t = pid
+        while t < num_tiles:
+            if DYNAMIC:
+                _put_tile(tq, tq_ready, tq_empty, j, t)
+            row = table_ptr + t * _TABLE_COLS
+            a_row = gl.load(row + _COL_A_ROW)
+            a_src = gl.load(row + _COL_A_SRC)
+            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            ok = 1
+            if HAS_WAIT:
+                w_idx = gl.load(row + _COL_WAIT)
+                w_mult = gl.load(row + _COL_WAIT_MULT)
+                if _warp_any(gl.load(err_ptr + _ERR_CODE, volatile=True) != 0) != 0:
+                    ok = 0
+                elif w_idx >= 0:
+                    ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
+                                    timeout_ns)
+            load = ok != 0
+            from_a2 = False
+            if HAS_A2:
+                from_a2 = a_src != 0
+            for ki in range(k_tiles):
+                s = cnt % STAGES
+                ph = (cnt // STAGES) & 1
+                # a slot is free once the MMA warps released it (phase 1 passes at start)
+                mbarrier.wait(empty.index(s), ph ^ 1)
+                bar = ready.index(s)
+                off_k = ki * BLOCK_K
+                mbarrier.expect(bar, nbytes, pred=load)
+                _c.tma_load(a_desc, [a_row, off_k], bar, a_bufs.index(s), pred=load & (not from_a2))
+                if HAS_A2:
+                    _c.tma_load(a2_desc, [a_row, off_k], bar, a_bufs.index(s), pred=load & from_a2)
+                if B_KN:
+                    _c.tma_load(b_desc, [off_k, off_n], bar, b_bufs.index(s), pred=load)
+                else:
+                    _c.tma_load(b_desc, [off_n, off_k], bar, b_bufs.index(s), pred=load)
+                mbarrier.arrive(bar, count=1, pred=not load)
+                cnt += 1
+            j += 1
+            if DYNAMIC:
+                t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+            else:
+                t += num_progs
+        if DYNAMIC:
+            for e in gl.static_range(CONSUMERS):
+                _put_tile(tq, tq_ready, tq_empty, j + e, num_tiles)
+
+    @gluon.jit
+    def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
+                  stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
+                  ACTIVATION: gl.constexpr):
+        """Activation and the C store of one tile: a whole tile through shared memory and one
+        TMA store (clipped at N; the buffer's previous store must have read it first), a
+        ragged one (``c_rows`` < BLOCK_M) by masked stores. Nothing after a failed wait
+        anywhere (this tile's included: its slots were never loaded)."""
+        live = 1
+        if HAS_WAIT:
+            live = (gl.load(err_ptr + _ERR_CODE, volatile=True) == 0).to(gl.int32)
+        if live != 0:
+            if ACTIVATION == 1:
+                acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+            out = acc.to(c_ptr.dtype.element_ty)
+            if c_rows >= BLOCK_M:
+                _c.tma.store_wait(0)
+                c_smem.store(out)
+                _c.fence_async_shared()
+                _c.tma_store(c_desc, [c_row, off_n], c_smem)
+            else:
+                offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+                ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+                gl.store(ptrs, out, mask=mask)
+
+    @gluon.jit
+    def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
+             N, K, num_tiles, stride_cm,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+             B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+             num_warps: gl.constexpr):
+        """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
+        flight, then the epilogue."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        cnt = 0
+        j = 0
+        if DYNAMIC:
+            t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+        else:
+            t = pid
+        while t < num_tiles:
+            row = table_ptr + t * _TABLE_COLS
+            c_row = gl.load(row + _COL_C_ROW)
+            c_rows = gl.load(row + _COL_C_ROWS)
+            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for ki in range(k_tiles):
+                s = cnt % STAGES
+                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+                if B_KN:
+                    b_op = b_bufs.index(s)
+                else:
+                    b_op = b_bufs.index(s).permute((1, 0))
+                acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
+                acc = _c.warpgroup_mma_wait(1, deps=(acc,))
+                # the MMA of the step before is done: its slot goes back to the loader
+                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+                cnt += 1
+            acc = _c.warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            j += 1
+            if DYNAMIC:
+                t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+            else:
+                t += num_progs
+        _c.tma.store_wait(0)
+
+    @gluon.jit
+    def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
+                          N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
+                          ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
+                          WS_LIST: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the tile queue (DYNAMIC): two int32 slots and their barriers
+        tq = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tq_ready.index(i), count=1)
+            mbarrier.init(tq_empty.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            # one arrival: the compiler puts a barrier of the partition's warps before an
+            # arrive and lets one thread do it, so both warpgroups' wgmma waits precede it
+            mbarrier.init(empty.index(i), count=1)
+        # (the argument tuples are written inline: a tuple bound to a name turns its
+        # constexprs into tensors; only the list form of Triton 3.6 and later)
+        gl.static_assert(WS_LIST, "the Gluon GEMM needs gl.warp_specialize's list form (Triton 3.6+)")
+        if WS_LIST:
+            gl.warp_specialize([
+                (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
+                        err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT,
+                        ACTIVATION, DYNAMIC, num_warps)),
+                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 1)),
+            ], [1], [LOADER_REGS])
+
+
+    @gluon.jit
+    def _mma_pp(a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
+                err_ptr, N, K, num_tiles, stride_cm,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                WG: gl.constexpr):
+        """One of the two ping-pong MMA warpgroups: the program's tiles WG, WG + 2, ...
+
+        Its n-th tile is the program's tile j = 2n + WG, whose K steps are ring uses
+        j * k_tiles ... Before its first ring wait it waits its turn (the other warpgroup has
+        taken all of tile j - 1's slots, so every ring phase before this tile's has been
+        seen complete: a parity wait cannot be satisfied by a phase two uses old); once it
+        has taken its own last slot it passes the turn, and runs its epilogue while the
+        other's K loop runs."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        c_buf = c_smem.index(WG)
+        n = 0
+        # the program's tiles j = 2n + WG: with DYNAMIC its queue slot is always WG
+        if DYNAMIC:
+            t = _take_tile(tq, tq_ready, tq_empty, WG, 4)
+        else:
+            t = pid + WG * num_progs
+        while t < num_tiles:
+            row = table_ptr + t * _TABLE_COLS
+            c_row = gl.load(row + _COL_C_ROW)
+            c_rows = gl.load(row + _COL_C_ROWS)
+            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            cnt = (2 * n + WG) * k_tiles
+            # warpgroup 0 waits for phase n - 1 of its turn barrier (none at n = 0: parity 1
+            # passes on a fresh barrier), warpgroup 1 for phase n of its own
+            mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            for ki in range(k_tiles):
+                s = cnt % STAGES
+                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+                if B_KN:
+                    b_op = b_bufs.index(s)
+                else:
+                    b_op = b_bufs.index(s).permute((1, 0))
+                acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
+                acc = _c.warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+                cnt += 1
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+            acc = _c.warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            _epilogue(acc, acc_layout, c_buf, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            n += 1
+            if DYNAMIC:
+                t = _take_tile(tq, tq_ready, tq_empty, 2 * n + WG, 4)
+            else:
+                t += 2 * num_progs
+        _c.tma.store_wait(0)
+
+    @gluon.jit
+    def gluon_gemm_pp_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
+                             N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                             STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
+                             HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                             LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """``gluon_gemm_kernel`` with two MMA warpgroups in ping-pong (``_mma_pp``): the
+        default partition is warpgroup 0, a worker partition of 4 warps warpgroup 1."""
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # the tile queue (DYNAMIC): two int32 slots and their barriers
+        tq = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tq_ready.index(i), count=1)
+            mbarrier.init(tq_empty.index(i), count=1)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        # (three partitions of two signatures: only the list form of Triton 3.6 and later)
+        gl.static_assert(WS_LIST, "the ping-pong kernel needs gl.warp_specialize's list form (Triton 3.6+)")
+        if WS_LIST:
+            gl.warp_specialize([
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
+                           HAS_WAIT, ACTIVATION, DYNAMIC, 0)),
+                (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
+                           HAS_WAIT, ACTIVATION, DYNAMIC, 1)),
+                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 2)),
+            ], [4, 1], [MMA_REGS, LOADER_REGS])
+
+
+def _gl_dtype(dt: torch.dtype) -> Any:
+    gl = _c.gl
+    table = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    if dt not in table:
+        raise ValueError(f"gluon_gemm: operands must be bfloat16 or float16, got {dt}")
+    return table[dt]
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: GluonGemmConfig,
+                a2: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any, bool]:
+    """TMA descriptors of A (and A2), B and C, and whether B is read as row-major [K, N]
+    (``b`` itself) or as the [N, K] storage of an ``nn.Linear`` weight (``b = w.t()``)."""
+    TD, gl = _c.TensorDescriptor, _c.gl
+    dt = _gl_dtype(a.dtype)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], dt)
+    a_desc = TD.from_tensor(a, [bm, bk], a_layout)
+    a2_desc = TD.from_tensor(a2, [bm, bk], a_layout) if a2 is not None else a_desc
+    b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
+    if b_kn:
+        b_desc = TD.from_tensor(b, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], dt))
+    else:
+        w = b.t()  # [N, K] row-major
+        b_desc = TD.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
+    c_desc = TD.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype)))
+    return a_desc, a2_desc, b_desc, c_desc, b_kn
+
+
+def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
+                      grid: int, a2: torch.Tensor | None = None, flags: torch.Tensor | None = None,
+                      err: torch.Tensor | None = None, epoch: int = 0, rank: int = 0,
+                      timeout_ns: int = 2_000_000_000, activation: int = 0, counter: torch.Tensor | None = None,
+                      config: GluonGemmConfig | None = None) -> None:
+    """Run the tiles of ``table`` (``overlap.policies.build_tile_table``'s int32 [T, 8]) on
+    ``grid`` programs: ``c[c_row + i, n] = (a2 if a_src else a)[a_row + i, :] @ b[:, n]``.
+
+    ========  =============================================  =========================
+    tensor    shape                                          notes
+    ========  =============================================  =========================
+    a, a2     [M_a, K], row-major                            bf16 / fp16
+    b         [K, N]: ``w.t()`` of a [N, K] weight, or       read in place
+              row-major [K, N]
+    c         [M, N], row-major, a's dtype
+    flags     int32 [F]                                      with ``err``: tiles wait
+    err       int32 [8] (``overlap.protocol`` error word)
+    ========  =============================================  =========================
+
+    With ``flags`` a tile whose wait column is >= 0 waits for ``flags[w] >= epoch * mult``
+    (its loader warp only). ``counter``: an int32 [1] device tensor, zero before the call's
+    first launch: tiles are then handed out in table order by an atomic add on it (each
+    program's loader takes the next and passes it to its MMA warps), so a second launch,
+    on other SMs or behind a stream wait, can join the same table. Without it program p runs
+    rows p, p + grid, ... Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
+    if not AVAILABLE:
+        raise RuntimeError(f"gluon_gemm: {REASON}")
+    cfg = config or GluonGemmConfig()
+    if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
+        raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do not "
+                         "make c = a @ b")
+    if not (a.dtype == b.dtype == c.dtype) or (a2 is not None and a2.dtype != a.dtype):
+        raise ValueError(f"gluon_gemm: dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
+    if c.stride(1) != 1:
+        raise ValueError(f"gluon_gemm: c must be row-major, got strides {c.stride()}")
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
+        raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    if grid < 1:
+        raise ValueError(f"gluon_gemm: grid must be >= 1, got {grid}")
+    has_wait = flags is not None
+    if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
+                     or err.numel() < _p.ERR_WORDS):
+        raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
+    dynamic = counter is not None
+    if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
+        raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, got "
+                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
+    a_desc, a2_desc, b_desc, c_desc, b_kn = descriptors(a, b, c, cfg, a2)
+    counter_t = counter if dynamic else table
+    flags_t = flags if has_wait else table
+    err_t = err if has_wait else table
+    nw = cfg.num_warps
+    # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
+    # the MMA partition(s) take what the loader's few leave (setmaxnreg)
+    if cfg.pingpong:
+        gluon_gemm_pp_kernel[(grid,)](
+            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
+            c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
+            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
+            cfg.loader_regs, 232, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)
+        return
+    gluon_gemm_kernel[(grid,)](
+        a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
+        c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
+        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
+        cfg.loader_regs, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)

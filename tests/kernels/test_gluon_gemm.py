@@ -1,0 +1,193 @@
+"""The warp-specialized Gluon GEMM on the CPU: its config's refusals, the version shim, and
+its sm_90 build (Triton's own ptxas, no GPU): who waits, who loads, who multiplies.
+Its results are checked on the GPU (tests/gpu/test_gluon_gemm_gpu.py)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from overlap.kernels import _gluon_compat as compat  # noqa: E402
+from overlap.kernels.gluon_gemm import GluonGemmConfig  # noqa: E402
+
+
+def test_config_refuses_what_does_not_fit() -> None:
+    GluonGemmConfig()
+    GluonGemmConfig(block_m=256, block_n=128)
+    with pytest.raises(ValueError, match="tile is one of"):
+        GluonGemmConfig(block_m=64)
+    with pytest.raises(ValueError, match="block_k"):
+        GluonGemmConfig(block_k=48)
+    with pytest.raises(ValueError, match="227 KiB"):
+        GluonGemmConfig(stages=4)  # 4 x 48 KiB ring + 64 KiB C tile
+    assert GluonGemmConfig(stages=4, block_k=32).smem_bytes(2) < 227 * 1024
+    GluonGemmConfig(block_m=128, block_n=128, pingpong=True, stages=5)
+    GluonGemmConfig(block_m=64, block_n=256, pingpong=True, stages=4)
+    with pytest.raises(ValueError, match="ping-pong tile"):
+        GluonGemmConfig(pingpong=True)  # 128x256 fp32 in one warpgroup's registers: 256 a thread
+    with pytest.raises(ValueError, match="227 KiB"):
+        GluonGemmConfig(block_m=128, block_n=128, pingpong=True, stages=6)  # 6 x 32 KiB + 2 x 32 KiB
+    with pytest.raises(ValueError, match="loader_regs"):
+        GluonGemmConfig(loader_regs=20)
+
+
+def test_compat_resolves_this_triton() -> None:
+    """The shim names this Triton's TMA copies (3.9 keeps the 3.6 names only to raise)."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from triton.experimental.gluon.language.nvidia.hopper import tma
+
+    new = hasattr(tma, "async_load")
+    assert compat.tma_load is (tma.async_load if new else tma.async_copy_global_to_shared)
+    assert compat.tma_store is (tma.async_store if new else tma.async_copy_shared_to_global)
+    assert compat.WS_LIST_FORM in (True, False) and compat.REASON == ""
+
+
+def test_launch_refuses_bad_operands_before_any_work() -> None:
+    from overlap.kernels.gluon_gemm import launch_gluon_gemm
+
+    if not compat.AVAILABLE:
+        with pytest.raises(RuntimeError, match="gluon_gemm"):
+            launch_gluon_gemm(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1),
+                              torch.zeros(1, 8, dtype=torch.int32), grid=1)
+        return
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    b = torch.zeros(128, 256, dtype=torch.bfloat16)
+    c = torch.zeros(256, 256, dtype=torch.bfloat16)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    cases = {"do not make": (a, b[:64], c, tab, {}), "dtypes differ": (a.float(), b, c, tab, {}),
+             "int32": (a, b, c, tab[:, :7], {}), "grid": (a, b, c, tab, {"grid": 0}),
+             "error word": (a, b, c, tab, {"flags": torch.zeros(4, dtype=torch.int32)}),
+             "row-major": (a, b, c.t(), tab, {})}
+    for want, (aa, bb, cc, tt, kw) in cases.items():
+        with pytest.raises(ValueError, match=want):
+            launch_gluon_gemm(aa, bb, cc, tt, **{"grid": 1, **kw})
+
+
+@functools.lru_cache(maxsize=None)
+def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
+         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False) -> Any:
+    """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from overlap.kernels import gluon_gemm as gg
+
+    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong, stages=5 if pingpong else 3)
+    a = torch.empty(512, 512, dtype=torch.bfloat16)
+    w = torch.empty(512, 512, dtype=torch.bfloat16)
+    c = torch.empty(512, 512, dtype=torch.bfloat16)
+    ad, a2d, bd, cd, kn = gg.descriptors(a, w if b_kn else w.t(), c, cfg, a if has_a2 else None)
+    assert kn == b_kn
+    i32 = torch.empty(8, dtype=torch.int32)
+    fn = gg.gluon_gemm_pp_kernel if pingpong else gg.gluon_gemm_kernel
+    vals = dict(a_desc=ad, a2_desc=a2d, b_desc=bd, c_desc=cd, c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32,
+                counter_ptr=i32)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
+                HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
+                WS_LIST=compat.WS_LIST_FORM, num_warps=cfg.num_warps)
+    sig, consts = {}, {}
+    for nm in fn.arg_names:
+        if nm in meta:
+            sig[nm], consts[nm] = "constexpr", meta[nm]
+        else:
+            sig[nm] = mangle_type(vals.get(nm, 7))
+    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, maxnreg=168))
+
+
+def _build(**kw: Any) -> Any:
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    try:
+        return sm90(**kw)
+    except Exception as e:  # noqa: BLE001 - a Triton without the CUDA backend's tools here
+        if "ptxas" in str(e) or "No such file" in str(e):
+            pytest.skip(f"no sm_90 build here: {type(e).__name__}: {e}")
+        raise
+
+
+def _regions(k: Any) -> tuple[str, ...]:
+    """The kernel's TTGIR by partition: the default one, then the workers in order."""
+    ir = k.asm["ttgir"]
+    cuts = [ir.index("ttg.warp_specialize")]
+    while f"partition{len(cuts) - 1}(" in ir:
+        cuts.append(ir.index(f"partition{len(cuts) - 1}(", cuts[-1]))
+    return tuple(ir[a:b] for a, b in zip(cuts, cuts[1:] + [len(ir)]))
+
+
+def test_sm90_only_the_loader_waits_and_loads() -> None:
+    """The flag wait (acquire polls at system scope, the global timer) and the TMA loads
+    sit in the loader partition; the wgmma and the C store in the MMA partition, which
+    polls nothing. Without waits there is no poll at all."""
+    k = _build()
+    mma, loader = _regions(k)
+    acquire = "atomic_rmw add, acquire, sys"
+    assert acquire in loader and "globaltimer" in loader, "the loader does not wait"
+    assert acquire not in mma and "globaltimer" not in mma, "the MMA warps spin on a flag"
+    assert "warp_group_dot " in mma and "warp_group_dot " not in loader
+    assert loader.count("async_tma_copy_global_to_local") == 2 and "async_tma_copy_global_to_local" not in mma
+    assert "async_tma_copy_local_to_global" in mma
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg" in ptx and "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert "mbarrier.arrive.expect_tx" in ptx and "vote.sync.any.pred" in ptx
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+    plain_mma, plain_loader = _regions(_build(has_wait=False))
+    assert acquire not in plain_mma + plain_loader and "globaltimer" not in plain_mma + plain_loader
+
+
+def test_sm90_tiles_layouts_and_second_source() -> None:
+    """256x128 tiles take m64n128 wgmmas; B row-major [K, N] is read without a transpose
+    (its smem tile is [BLOCK_K, BLOCK_N]); a second A source adds one TMA load."""
+    k = _build(block_m=256, block_n=128, b_kn=True, has_a2=True)
+    mma, loader = _regions(k)
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in k.asm["ptx"]
+    assert "m64n256k16" not in k.asm["ptx"]
+    assert loader.count("async_tma_copy_global_to_local") == 3
+    # (Triton 3.6 writes a descriptor's type as tensordesc<tensor<...>>, 3.9 as tensordesc<...>)
+    assert re.search(r"tensordesc<(tensor<)?64x128xbf16", loader) and "memdesc<64x128xbf16" in mma
+    assert "ttg.memdesc_trans" not in mma
+    nk_mma, _ = _regions(_build())
+    assert "ttg.memdesc_trans" in nk_mma  # w.t(): the [N, K] tile is fed transposed
+
+
+def test_sm90_pingpong_two_mma_warpgroups_take_turns() -> None:
+    """Ping-pong: two MMA partitions (each its own wgmma on a 128x128 tile, its own C
+    store), a turn barrier each waits on and the other arrives at, and still only the
+    loader waits on flags and loads."""
+    k = _build(block_m=128, block_n=128, pingpong=True)
+    parts = _regions(k)
+    assert len(parts) == 3, len(parts)
+    wg0, wg1, loader = parts
+    acquire = "atomic_rmw add, acquire, sys"
+    for wg in (wg0, wg1):
+        assert "warp_group_dot " in wg and "async_tma_copy_local_to_global" in wg
+        assert acquire not in wg and "globaltimer" not in wg and "async_tma_copy_global_to_local" not in wg
+        assert wg.count("ttng.wait_barrier") >= 2  # its turn, and the ring's ready slots
+    assert acquire in loader and "warp_group_dot " not in loader
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in k.asm["ptx"]
+    assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+
+
+def test_sm90_dispatch_counter_taken_by_the_loader_only() -> None:
+    """With a dispatch counter the loader takes each tile by an atomic add and hands it to
+    the MMA warps through shared memory (a store there, a load in each MMA partition);
+    the MMA partitions touch no counter. Without one there is no atomic add at all."""
+    for pp in (False, True):
+        k = _build(block_m=128, block_n=128 if pp else 256, pingpong=pp, dynamic=True)
+        *mmas, loader = _regions(k)
+        take = "atomic_rmw add, relaxed, gpu"
+        assert take in loader and "local_store" in loader, pp
+        for wg in mmas:
+            assert take not in wg and "local_load" in wg, pp
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+        static = _build(block_m=128, block_n=128 if pp else 256, pingpong=pp)
+        assert take not in static.asm["ttgir"]
