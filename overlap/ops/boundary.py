@@ -75,7 +75,7 @@ def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch
     return y @ b_next, h
 
 
-@group_call(OP)
+@group_call(OP, opens_p2p=False)
 def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
                              residual: torch.Tensor | None = None, norm: Any = None,
                              config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
