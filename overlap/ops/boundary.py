@@ -60,7 +60,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: tor
         raise TypeError(f"{OP}: b_next is {b_next.dtype} on {b_next.device}; a is {a.dtype} on {a.device}")
     if b_next.numel() == 0:
         raise ValueError(f"{OP}: empty operand: b_next {tuple(b_next.shape)}")
-    _ar.check_norm(OP, norm, a, "a", n)
+    _ar.check_norm(OP, norm, a, "a", n, "N")
 
 
 def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
