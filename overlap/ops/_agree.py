@@ -38,7 +38,7 @@ import torch
 
 __all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
            "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step", "WIDTH"]
+           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step", "count_call", "WIDTH"]
 
 
 class RanksRefusedError(ValueError):
@@ -164,6 +164,13 @@ def _count(st: GroupStep) -> None:
     st.calls += 1
     code = _thread_code()
     st.by_thread[code] = st.by_thread.get(code, 0) + 1
+
+
+def count_call(group: Any) -> None:
+    """Count the call in flight as its agreement point would, with no exchange (a call
+    captured in a CUDA graph: its eager call agreed)."""
+    cs = _current(group)
+    _count(cs.step if cs is not None else group_step(group))
 
 
 class call_step:
@@ -319,10 +326,15 @@ def raise_in_step(group: Any, op: str, error: BaseException, x: Any = None) -> N
         raise error
 
 
-def _initialized() -> bool:
-    import torch.distributed as tdist
+_is_init: list[Any] = []
 
-    return tdist.is_available() and tdist.is_initialized()
+
+def _initialized() -> bool:
+    if not _is_init:
+        import torch.distributed as tdist
+
+        _is_init.append(tdist.is_initialized if tdist.is_available() else (lambda: False))
+    return _is_init[0]()
 
 
 def _resolve(group: Any) -> Any:

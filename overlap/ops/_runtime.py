@@ -1100,7 +1100,7 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         if not agreed.get(key):
             raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
                                       "capture yet; call it once with the same shapes before capturing it")
-        _agree.group_step(rt.group).calls += 1  # counted as its eager call was; never an exchange in a capture
+        _agree.count_call(rt.group)  # counted as its eager call was; never an exchange in a capture
         return
     _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=agreed, key=key,
                      every=every_call_checked(), then_collective=False)
