@@ -181,7 +181,7 @@ class call_step:
     ``RanksOutOfStepError`` here, before any collective. On exit with an exception
     between the exchange and the data collective, the group is ended on this rank."""
 
-    __slots__ = ("group", "op", "step", "contended", "calls0", "outer", "_prev", "mirror")
+    __slots__ = ("group", "op", "step", "contended", "calls0", "outer", "_prev", "mirror", "untracked")
 
     def __init__(self, group: Any, op: str, mirror: bool = False) -> None:
         self.group, self.op = group, op
@@ -209,6 +209,9 @@ class call_step:
         if self.outer:
             st.busy = self.op
         self.calls0 = st.calls  # moved on by this call's agreement point (or a nested call's)
+        # set by the agreement of a tile-flag call at more than one rank: its data moves on
+        # side streams and peer memory, where the host does not follow each collective
+        self.untracked = False
         self._prev = getattr(_tls, "cur", None)
         _tls.cur = self
         if st.broken is not None:
@@ -241,6 +244,12 @@ class call_step:
                     raise RanksOutOfStepError(f"{self.op}: {st.broken}: {exc}; the group's ops are ended on this "
                                               "rank: call overlap.reset(group) on every rank (or "
                                               "overlap.dist.shutdown())") from exc
+            elif exc_type is not None and self.untracked and not isinstance(exc, Exception):
+                # a KeyboardInterrupt after a tile-flag call's agreement, on this rank: its
+                # peers may be in the call's data movement, which this rank's next call would
+                # pair with (the peer-copy transport takes the call's epoch back)
+                st.broken = (f"group rank {st.rank}: {exc_type.__name__} after the agreement of call {st.calls} "
+                             f"({self.op}) on the tile-flag path")
             elif exc_type is not None and st.calls == self.calls0 and self.outer:
                 if isinstance(exc, Exception) and not isinstance(exc, (RanksRefusedError, RanksOutOfStepError)) \
                         and not _is_capture_error(exc) and not _outside_group(exc):
@@ -401,6 +410,8 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
     _count(st)
     # one rank alone: no peer whose calls could be in another order
     contended = cs.contended if cs is not None and world > 1 else None
+    if cs is not None and not then_collective and world > 1:
+        cs.untracked = True
     if contended is None and agreed is not None and not every and agreed.get(key):
         return False
     refusal = ValueError(contended) if contended is not None else None
