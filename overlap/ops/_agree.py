@@ -183,10 +183,10 @@ class call_step:
 
     __slots__ = ("group", "op", "step", "contended", "calls0", "outer", "_prev", "mirror", "untracked")
 
-    def __init__(self, group: Any, op: str, mirror: bool = False) -> None:
+    def __init__(self, group: Any, op: str, mirror: Any = None) -> None:
         self.group, self.op = group, op
-        # the call's input is one the op sends to its tile-flag path, whose first call on a
-        # group opens peer memory (a collective) before the agreement: a refusal makes it too
+        # the call's input, where the op's first call on a group's tile-flag path opens peer
+        # memory (a collective) before the agreement: a refusal of such an input makes it too
         self.mirror = mirror
 
     def __enter__(self) -> "call_step":
@@ -307,7 +307,7 @@ def group_call(op: str, opens_p2p: bool = True) -> Any:
                     name_op(e, op)
                     raise
             g = _resolve(group)
-            with call_step(g, op, opens_p2p and _tile_flag_input(args[0] if args else None)):
+            with call_step(g, op, args[0] if opens_p2p and args else None):
                 return fn(*args, group=g, **kw)
         return call
     return deco
@@ -325,7 +325,7 @@ def step_of(group: Any, op: str, x: Any = None) -> Any:
         import contextlib
 
         return contextlib.nullcontext()
-    return call_step(_resolve(group), op, op != "matmul_all_reduce_matmul" and _tile_flag_input(x))
+    return call_step(_resolve(group), op, None if op == "matmul_all_reduce_matmul" else x)
 
 
 def raise_in_step(group: Any, op: str, error: BaseException, x: Any = None) -> None:
@@ -453,7 +453,7 @@ def _mirror_first_collectives(cs: call_step) -> None:
     (``Runtime.p2p``), made before the agreement point by the ops that have a peer-copy
     transport; a rank that refused such a call (its input on the tile-flag path's device
     and dtype) makes it too, so that its refusal meets the peers' exchange, not that check."""
-    if not cs.mirror or not torch.cuda.is_available():
+    if not _tile_flag_input(cs.mirror) or not torch.cuda.is_available():
         return
     from ._runtime import get_runtime_if_made
 
