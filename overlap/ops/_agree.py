@@ -38,7 +38,8 @@ import torch
 
 __all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
            "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step", "count_call", "WIDTH"]
+           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step",
+           "count_call", "WIDTH"]
 
 
 class RanksRefusedError(ValueError):

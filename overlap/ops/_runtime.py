@@ -986,8 +986,9 @@ def reset(group: Any = None) -> None:
     error words, and meets them again; the next call of every op is then epoch 1 on
     every rank. It also ends an out-of-step state (``overlap.ops._agree``: the group's call
     counters start again from 0 and a group ended on a rank is usable again). The NCCL
-    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
-    whose peer is gone): then ``overlap.dist.shutdown`` is the way out."""
+    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if
+    the work does not end in time (an NCCL kernel whose peer is gone): then
+    ``overlap.dist.shutdown`` is the way out."""
     import torch.distributed as tdist
 
     group = resolve_group(group)
