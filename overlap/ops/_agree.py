@@ -15,8 +15,9 @@ which goes into the exchange (``refuse``), and every rank raises after it: the r
 rank its own error, the others ``RanksRefusedError`` naming the rank and why. The
 exchange also carries the group's call counter on this rank (every call counts, at its
 agreement point, whether it exchanged or not), so ranks whose calls got out of step are
-caught at the next exchange (``RanksOutOfStepError``), and a code of the calling thread,
-so that calls of two threads are not paired with each other.
+caught at the next exchange (``RanksOutOfStepError``), and the calling thread with its
+own count of calls, so that a call is never paired with another thread's call, nor with
+another call of its own thread.
 
 An exception between the exchange and the call's data collective (a KeyboardInterrupt,
 an out-of-memory) leaves this rank a collective behind its peers: the group is then ended
@@ -24,7 +25,7 @@ on this rank (``GroupStep.broken``): every later call raises ``RanksOutOfStepErr
 any collective, until ``overlap.reset(group)`` (collective) or ``overlap.dist.shutdown``.
 
 What is and is not caught without a per-call exchange (a signature agreed before skips it):
-docs/guarantees.md, "Ranks that disagree".
+docs/guarantees.md, "Ranks that disagree, refuse, or get out of step".
 """
 
 from __future__ import annotations
