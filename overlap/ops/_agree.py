@@ -270,7 +270,7 @@ class call_step:
 
 def name_op(exc: BaseException, op: str) -> None:
     """Prefix ``op`` to the message of a plain ValueError, TypeError or RuntimeError that
-    does not name it (one raised by torch or a shared helper inside the op), so that every
+    does not name it (one raised by torch or by a shared check inside the op), so that every
     error of a call names its op."""
     if type(exc) in (ValueError, TypeError, RuntimeError, NotImplementedError) and exc.args \
             and isinstance(exc.args[0], str) and op not in exc.args[0]:
