@@ -120,13 +120,13 @@ def _refuse_grad(op: str, *ts: Any) -> None:
         raise _no_backward(op)
 
 
-def _nd_call(group: Any, op: str, fn: Any) -> Any:
+def _nd_call(group: Any, op: str, fn: Any, x: Any = None) -> Any:
     """``fn()``, an N-D wrapper's call: eager, inside the op's step on the group, so that a
     refusal of the wrapper's own checks (a dim, a weight) reaches the peers as the op's do
     (``overlap.ops._agree``); compiling, as it is."""
     if _compiling():
         return fn()
-    with _step_of(group, op):
+    with _step_of(group, op, x):
         return fn()
 
 
@@ -216,12 +216,12 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
                                                            config=config),
                 a_shard, b, gather_dim=gather_dim, return_gathered=return_gathered, fused_many=many)
 
-        return _nd_call(group, "all_gather_matmul", nd)
+        return _nd_call(group, "all_gather_matmul", nd, a_shard)
     if _compiling():
         c, gathered = _all_gather_matmul_op(a_shard, b, _group_name(group), return_gathered, config_id(config))
         return (c, gathered) if return_gathered else c
     if (a_shard.requires_grad or b.requires_grad) and _grad_enabled():
-        _raise_in_step(group, "all_gather_matmul", _no_backward("all_gather_matmul"))
+        _raise_in_step(group, "all_gather_matmul", _no_backward("all_gather_matmul"), a_shard)
     return _ag_impl(a_shard, b, group=group, return_gathered=return_gathered, config=config)
 
 
@@ -305,7 +305,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
                                                         config=config),
                 x_partial, b, residual=residual, norm=norm, fused_many=many)
 
-        return _nd_call(group, "all_reduce_matmul", nd)
+        return _nd_call(group, "all_reduce_matmul", nd, x_partial)
     if _compiling():
         if norm is None:
             return _all_reduce_matmul_op(x_partial, b, _group_name(group), residual, None, None, None, 0.0,
@@ -315,7 +315,7 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: Any, *, group: Any = None,
     if (x_partial.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)
             or (norm is not None and (norm.weight.requires_grad
                                       or (norm.bias is not None and norm.bias.requires_grad)))) and _grad_enabled():
-        _raise_in_step(group, "all_reduce_matmul", _no_backward("all_reduce_matmul"))
+        _raise_in_step(group, "all_reduce_matmul", _no_backward("all_reduce_matmul"), x_partial)
     return _ar_impl(x_partial, b, group=group, residual=residual, norm=norm, config=config)
 
 
@@ -382,11 +382,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
         return _nd_call(group, "matmul_reduce_scatter", lambda: _shapes.matmul_reduce_scatter(
             lambda rows, b0: matmul_reduce_scatter(rows, b0, group=group, config=config),
             a, b, scatter_dim=scatter_dim, reduce_op=reduce_op,
-            world=None if _compiling() else _world_size(_group_name(group))))
+            world=None if _compiling() else _world_size(_group_name(group))), a)
     if _compiling():
         return _matmul_reduce_scatter_op(a, b, _group_name(group), config_id(config))
     if (a.requires_grad or b.requires_grad) and _grad_enabled():
-        _raise_in_step(group, "matmul_reduce_scatter", _no_backward("matmul_reduce_scatter"))
+        _raise_in_step(group, "matmul_reduce_scatter", _no_backward("matmul_reduce_scatter"), a)
     return _mr.matmul_reduce_scatter(a, b, group=group, config=config)
 
 
@@ -415,11 +415,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
     if not isinstance(a, torch.Tensor) or a.dim() != 2 or not isinstance(b, torch.Tensor):
         return _nd_call(group, "matmul_all_reduce", lambda: _shapes.matmul_all_reduce(
             lambda rows, b0, res: matmul_all_reduce(rows, b0, group=group, residual=res, config=config),
-            a, b, residual=residual))
+            a, b, residual=residual), a)
     if _compiling():
         return _matmul_all_reduce_op(a, b, _group_name(group), residual, config_id(config))
     if (a.requires_grad or b.requires_grad or (residual is not None and residual.requires_grad)) and _grad_enabled():
-        _raise_in_step(group, "matmul_all_reduce", _no_backward("matmul_all_reduce"))
+        _raise_in_step(group, "matmul_all_reduce", _no_backward("matmul_all_reduce"), a)
     return _mr.matmul_all_reduce(a, b, group=group, residual=residual, config=config)
 
 

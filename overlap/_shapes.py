@@ -35,7 +35,12 @@ import torch
 def agreed(lead: tuple[int, ...], dim: int | None, what: str = "gather_dim") -> Any:
     """The N-D call's own values for the 2-D op's agreement across ranks (the leading shape,
     and the dim moved first): ranks whose rows match but whose leading shape or dim differ
-    would combine rows that do not belong together. A context for the 2-D op's call."""
+    would combine rows that do not belong together. A context for the 2-D op's call; eager
+    calls only (a compiled call reaches the 2-D custom op, which takes rows)."""
+    if torch.compiler.is_compiling():
+        import contextlib
+
+        return contextlib.nullcontext()
     from .ops._agree import agree_extra
 
     code = zlib.crc32(repr(tuple(int(x) for x in lead)).encode())

@@ -14,6 +14,8 @@ Every op on its reference path (the host-side checks and exchanges are the real 
                  finds the counters apart on every rank; overlap.reset brings them back
     after        an exception after the collective on one rank: the peers' results are
                  right and the next calls too
+    agreed       a refusal at a signature agreed before (the fast path's rule): the refusing
+                 rank's exchange ends at the group's timeout and ends the group there
     threads      two threads per rank calling at once: no wrong result, only clear errors
 
 Inputs change on every call. Prints ``PASS steps rank=<r>``.
@@ -237,6 +239,37 @@ def after() -> None:
     good("an exception after the collective")
 
 
+def agreed() -> None:
+    """A refusal at a signature agreed before, with the fast path's rule (no exchange for
+    an agreed key), on a group of its own with a short timeout: the peers go on without an
+    exchange (on a GPU their flag waits would time out); the refusing rank's exchange ends
+    at the group's timeout in RanksOutOfStepError, and the group is ended there."""
+    from overlap.ops._agree import group_call
+    from overlap.ops._runtime import Runtime, check_agree
+    from tests.ops._cpu_runtime import cuda_stand_ins
+
+    grp = tdist.new_group(list(range(WS)), timeout=timedelta(seconds=3))
+    with cuda_stand_ins():
+        rt = Runtime(grp, tuple(range(WS)), RANK, torch.device("cpu"))
+
+    @group_call("toy", opens_p2p=False)
+    def toy(x: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError("toy: x must be 2-D")
+        check_agree(rt, "toy", ("M", "K"), tuple(x.shape))
+        return x
+
+    toy(rnd(4, K), group=grp)  # the signature agreed: an exchange on every rank
+    x = rnd(4, K)
+    if RANK == BAD:
+        expect(lambda: toy(x[0], group=grp), "refusal at an agreed signature", (RanksOutOfStepError,), "toy",
+               "agreement exchange", "ended")
+        expect(lambda: toy(x, group=grp), "after it", (RanksOutOfStepError,), "toy", "out of step")
+    else:
+        assert toy(x, group=grp) is x  # no exchange: the peers cannot learn of the refusal here
+    good("a refusal at an agreed signature beside it")
+
+
 def threads() -> None:
     """Two threads per rank calling all_gather_matmul at once, 12 calls each, the same
     shapes: every result that comes back is right; the rest are clear errors."""
@@ -277,7 +310,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*no tile-flag path.*")
     good("start")
     only = sys.argv[1:]  # case names to run (default: all)
-    for case in (refusals, dtypes, disagree, before, spent, after, threads):
+    for case in (refusals, dtypes, disagree, before, spent, after, agreed, threads):
         if not only or case.__name__ in only:
             case()
     print(f"PASS steps rank={RANK}", flush=True)

@@ -1,5 +1,6 @@
 """Fused communication + GEMM operations, each with a plain ``*_ref``."""
 
+from ._agree import RanksOutOfStepError, RanksRefusedError
 from ._runtime import (SEQUENTIAL, Chunked, NcclTransport, OverlapCaptureError, OverlapConfig, Path, PeerCopyTransport,
                        Sequential, check_errors, reset)
 from .all_gather import (
@@ -36,6 +37,8 @@ __all__ = [
     "ChainConfig",
     "NcclTransport",
     "OverlapCaptureError",
+    "RanksOutOfStepError",
+    "RanksRefusedError",
     "check_errors",
     "reset",
     "Norm",

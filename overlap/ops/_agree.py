@@ -15,8 +15,9 @@ which goes into the exchange (``refuse``), and every rank raises after it: the r
 rank its own error, the others ``RanksRefusedError`` naming the rank and why. The
 exchange also carries the group's call counter on this rank (every call counts, at its
 agreement point, whether it exchanged or not), so ranks whose calls got out of step are
-caught at the next exchange (``RanksOutOfStepError``), and a code of the calling thread,
-so that calls of two threads are not paired with each other.
+caught at the next exchange (``RanksOutOfStepError``), and the calling thread with its
+own count of calls, so that a call is never paired with another thread's call, nor with
+another call of its own thread.
 
 An exception between the exchange and the call's data collective (a KeyboardInterrupt,
 an out-of-memory) leaves this rank a collective behind its peers: the group is then ended
@@ -24,7 +25,7 @@ on this rank (``GroupStep.broken``): every later call raises ``RanksOutOfStepErr
 any collective, until ``overlap.reset(group)`` (collective) or ``overlap.dist.shutdown``.
 
 What is and is not caught without a per-call exchange (a signature agreed before skips it):
-docs/guarantees.md, "Ranks that disagree".
+docs/guarantees.md, "Ranks that disagree, refuse, or get out of step".
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import torch
 
 __all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
            "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step", "WIDTH"]
+           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step",
+           "count_call", "WIDTH"]
 
 
 class RanksRefusedError(ValueError):
@@ -57,7 +59,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 WIDTH = 40
 """Int64 words one rank sends in an exchange (fixed, whatever the op or the verdict: a
 refusing rank that has no signature sends as many words as its peers)."""
-_HEAD = 6  # magic, call counter, verdict, thread, op, number of values
+_HEAD = 7  # magic, call counter, verdict, thread, op, the thread's call counter, number of values
 _MAGIC = 0x0A9EE5
 _VERDICTS = {ValueError: 1, TypeError: 2, RuntimeError: 3}
 
@@ -83,13 +85,19 @@ def check_dtype(op: str, name: str, dtype: torch.dtype) -> None:
 def _thread_code() -> int:
     """The calling thread, as the exchange compares it: 0 for the main thread, 1 for a
     thread Python did not start (autograd's device threads), else a CRC-32 of its name
-    (Python's default names match between ranks whose threads are made in the same order)."""
-    t = threading.current_thread()
-    if t is threading.main_thread():
-        return 0
-    if isinstance(t, threading._DummyThread):  # type: ignore[attr-defined]
-        return 1
-    return 2 + zlib.crc32(t.name.encode())
+    (Python's default names match between ranks whose threads are made in the same order).
+    Made once per thread."""
+    code = getattr(_tls, "code", None)
+    if code is None:
+        t = threading.current_thread()
+        if t is threading.main_thread():
+            code = 0
+        elif isinstance(t, threading._DummyThread):  # type: ignore[attr-defined]
+            code = 1
+        else:
+            code = 2 + zlib.crc32(t.name.encode())
+        _tls.code = code
+    return code
 
 
 class GroupStep:
@@ -101,11 +109,14 @@ class GroupStep:
     whose exchange is done and whose data collective is not issued yet; ``broken``: why
     the group is ended on this rank (None: it is not)."""
 
-    __slots__ = ("ranks", "rank", "calls", "lock", "broken", "pending", "busy", "depth")
+    __slots__ = ("ranks", "rank", "calls", "by_thread", "lock", "broken", "pending", "busy", "depth")
 
     def __init__(self, ranks: tuple[int, ...], rank: int) -> None:
         self.ranks, self.rank = ranks, rank
         self.calls = 0
+        self.by_thread: dict[int, int] = {}
+        """Calls counted per calling thread (``_thread_code``): two calls of one thread are
+        never paired across ranks, whatever the other threads did between them."""
         self.lock = threading.RLock()
         self.broken: str | None = None
         self.pending: str | None = None
@@ -147,6 +158,21 @@ def reset_steps(ranks: tuple[int, ...] | None = None) -> None:
             if st.ranks == ranks:
                 with st.lock:
                     st.calls, st.broken, st.pending = 0, None, None
+                    st.by_thread.clear()
+
+
+def _count(st: GroupStep) -> None:
+    """One more call of the group, and of the calling thread, on this rank."""
+    st.calls += 1
+    code = _thread_code()
+    st.by_thread[code] = st.by_thread.get(code, 0) + 1
+
+
+def count_call(group: Any) -> None:
+    """Count the call in flight as its agreement point would, with no exchange (a call
+    captured in a CUDA graph: its eager call agreed)."""
+    cs = _current(group)
+    _count(cs.step if cs is not None else group_step(group))
 
 
 class call_step:
@@ -157,10 +183,13 @@ class call_step:
     ``RanksOutOfStepError`` here, before any collective. On exit with an exception
     between the exchange and the data collective, the group is ended on this rank."""
 
-    __slots__ = ("group", "op", "step", "contended", "calls0", "outer", "_prev")
+    __slots__ = ("group", "op", "step", "contended", "calls0", "outer", "_prev", "mirror", "untracked")
 
-    def __init__(self, group: Any, op: str) -> None:
+    def __init__(self, group: Any, op: str, mirror: Any = None) -> None:
         self.group, self.op = group, op
+        # the call's input, where the op's first call on a group's tile-flag path opens peer
+        # memory (a collective) before the agreement: a refusal of such an input makes it too
+        self.mirror = mirror
 
     def __enter__(self) -> "call_step":
         try:
@@ -182,6 +211,9 @@ class call_step:
         if self.outer:
             st.busy = self.op
         self.calls0 = st.calls  # moved on by this call's agreement point (or a nested call's)
+        # set by the agreement of a tile-flag call at more than one rank: its data moves on
+        # side streams and peer memory, where the host does not follow each collective
+        self.untracked = False
         self._prev = getattr(_tls, "cur", None)
         _tls.cur = self
         if st.broken is not None:
@@ -214,6 +246,12 @@ class call_step:
                     raise RanksOutOfStepError(f"{self.op}: {st.broken}: {exc}; the group's ops are ended on this "
                                               "rank: call overlap.reset(group) on every rank (or "
                                               "overlap.dist.shutdown())") from exc
+            elif exc_type is not None and self.untracked and not isinstance(exc, Exception):
+                # a KeyboardInterrupt after a tile-flag call's agreement, on this rank: its
+                # peers may be in the call's data movement, which this rank's next call would
+                # pair with (the peer-copy transport takes the call's epoch back)
+                st.broken = (f"group rank {st.rank}: {exc_type.__name__} after the agreement of call {st.calls} "
+                             f"({self.op}) on the tile-flag path")
             elif exc_type is not None and st.calls == self.calls0 and self.outer:
                 if isinstance(exc, Exception) and not isinstance(exc, (RanksRefusedError, RanksOutOfStepError)) \
                         and not _is_capture_error(exc) and not _outside_group(exc):
@@ -224,7 +262,7 @@ class call_step:
                     # a KeyboardInterrupt before the agreement point: no exchange (it would
                     # wait for the peers), but the call is spent on this rank, so the next
                     # exchange finds the counters apart instead of pairing two calls
-                    st.calls += 1
+                    _count(st)
         finally:
             self._leave()
         return False
@@ -232,7 +270,7 @@ class call_step:
 
 def name_op(exc: BaseException, op: str) -> None:
     """Prefix ``op`` to the message of a plain ValueError, TypeError or RuntimeError that
-    does not name it (one raised by torch or a shared helper inside the op), so that every
+    does not name it (one raised by torch or by a shared check inside the op), so that every
     error of a call names its op."""
     if type(exc) in (ValueError, TypeError, RuntimeError, NotImplementedError) and exc.args \
             and isinstance(exc.args[0], str) and op not in exc.args[0]:
@@ -255,9 +293,10 @@ def named(op: str) -> Any:
     return deco
 
 
-def group_call(op: str) -> Any:
+def group_call(op: str, opens_p2p: bool = True) -> Any:
     """Decorator of a group op's public function (its ``group`` keyword resolved here):
-    the call runs inside ``call_step(group, op)``."""
+    the call runs inside ``call_step(group, op)``. ``opens_p2p``: the op's first call on a
+    group's tile-flag path opens peer memory before its agreement (``Runtime.p2p``)."""
     import functools
 
     def deco(fn: Any) -> Any:
@@ -270,33 +309,43 @@ def group_call(op: str) -> Any:
                     name_op(e, op)
                     raise
             g = _resolve(group)
-            with call_step(g, op):
+            with call_step(g, op, args[0] if opens_p2p and args else None):
                 return fn(*args, group=g, **kw)
         return call
     return deco
 
 
-def step_of(group: Any, op: str) -> Any:
+def _tile_flag_input(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def step_of(group: Any, op: str, x: Any = None) -> Any:
     """``call_step(group, op)`` for a caller above the ops (the N-D wrappers: their own
-    checks come before the op's); a no-op context where no process group is initialized."""
+    checks come before the op's; ``x`` the op's input); a no-op context where no process
+    group is initialized."""
     if not _initialized():
         import contextlib
 
         return contextlib.nullcontext()
-    return call_step(_resolve(group), op)
+    return call_step(_resolve(group), op, None if op == "matmul_all_reduce_matmul" else x)
 
 
-def raise_in_step(group: Any, op: str, error: BaseException) -> None:
-    """Raise ``error``, a refusal found above the op, as the op's refusals are: through
-    the agreement exchange, so the peers raise with this rank."""
-    with step_of(group, op):
+def raise_in_step(group: Any, op: str, error: BaseException, x: Any = None) -> None:
+    """Raise ``error``, a refusal found above the op (``x`` its input), as the op's
+    refusals are: through the agreement exchange, so the peers raise with this rank."""
+    with step_of(group, op, x):
         raise error
 
 
-def _initialized() -> bool:
-    import torch.distributed as tdist
+_is_init: list[Any] = []
 
-    return tdist.is_available() and tdist.is_initialized()
+
+def _initialized() -> bool:
+    if not _is_init:
+        import torch.distributed as tdist
+
+        _is_init.append(tdist.is_initialized if tdist.is_available() else (lambda: False))
+    return _is_init[0]()
 
 
 def _resolve(group: Any) -> Any:
@@ -360,9 +409,11 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
         if key is not None:
             key = (key, extra[1])
     st = cs.step if cs is not None else group_step(group)
-    st.calls += 1
+    _count(st)
     # one rank alone: no peer whose calls could be in another order
     contended = cs.contended if cs is not None and world > 1 else None
+    if cs is not None and not then_collective and world > 1:
+        cs.untracked = True
     if contended is None and agreed is not None and not every and agreed.get(key):
         return False
     refusal = ValueError(contended) if contended is not None else None
@@ -386,7 +437,7 @@ def refuse(cs: call_step, error: BaseException) -> None:
     """Exchange the refusal ``error`` of the call ``cs`` at its agreement point: every
     rank raises (this one ``error``, re-raised by the caller)."""
     st = cs.step
-    st.calls += 1
+    _count(st)
     try:
         import torch.distributed as tdist
 
@@ -401,9 +452,10 @@ def refuse(cs: call_step, error: BaseException) -> None:
 
 def _mirror_first_collectives(cs: call_step) -> None:
     """A GPU call's first collective on a group is the peer-memory check
-    (``Runtime.p2p``), made before the agreement point; a rank that refused before it
-    makes it too, so that its refusal meets the peers' exchange, not that check."""
-    if not torch.cuda.is_available():
+    (``Runtime.p2p``), made before the agreement point by the ops that have a peer-copy
+    transport; a rank that refused such a call (its input on the tile-flag path's device
+    and dtype) makes it too, so that its refusal meets the peers' exchange, not that check."""
+    if not _tile_flag_input(cs.mirror) or not torch.cuda.is_available():
         return
     from ._runtime import get_runtime_if_made
 
@@ -431,7 +483,8 @@ def _exchange(st: GroupStep, group: Any, world: int, device: torch.device, op: s
         raise AssertionError(f"{op}: {len(values)} values to agree on, the exchange holds {WIDTH - _HEAD}")
     verdict = 0 if refusal is None else next((c for t, c in _VERDICTS.items() if isinstance(refusal, t)), 3)
     opc = zlib.crc32(op.encode())
-    mine = [_MAGIC, st.calls, verdict, _thread_code(), opc, len(values), *(int(v) for v in values)]
+    code = _thread_code()
+    mine = [_MAGIC, st.calls, verdict, code, opc, st.by_thread.get(code, 0), len(values), *(int(v) for v in values)]
     mine += [0] * (WIDTH - len(mine))
     try:
         rows = gather_ints(group, world, mine, device)
@@ -466,7 +519,11 @@ def _exchange(st: GroupStep, group: Any, world: int, device: torch.device, op: s
         raise ValueError(f"{op}: ranks disagree on the calling thread: group ranks {bad} made this call from "
                          "another thread than group rank 0 (threads that call the ops must have the same names on "
                          "every rank and make their calls in the same order)")
-    got = [r[_HEAD:_HEAD + r[5]] for r in rows]
+    if any(r[5] != rows[0][5] for r in rows):
+        raise ValueError(f"{op}: ranks disagree on the calling thread's call: group ranks made their "
+                         f"{[r[5] for r in rows]}-th call of this thread here (calls of one thread paired "
+                         "with another call of it: the threads' calls came in another order on some rank)")
+    got = [r[_HEAD:_HEAD + r[6]] for r in rows]
     if any(v != got[0] for v in got):
         bad = [i for i, v in enumerate(got) if v != got[0]]
         raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {got} (rank order of the group; "

@@ -1035,8 +1035,9 @@ def reset(group: Any = None) -> None:
     error words, and meets them again; the next call of every op is then epoch 1 on
     every rank. It also ends an out-of-step state (``overlap.ops._agree``: the group's call
     counters start again from 0 and a group ended on a rank is usable again). The NCCL
-    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if the work does not end in time (an NCCL kernel
-    whose peer is gone): then ``overlap.dist.shutdown`` is the way out."""
+    transport and the chain keep no other state across calls. Raises ``RuntimeError`` if
+    the work does not end in time (an NCCL kernel whose peer is gone): then
+    ``overlap.dist.shutdown`` is the way out."""
     import torch.distributed as tdist
 
     group = resolve_group(group)
@@ -1149,7 +1150,7 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
         if not agreed.get(key):
             raise OverlapCaptureError(f"{op}: the call {dict(zip(names, values))} has not run outside a CUDA graph "
                                       "capture yet; call it once with the same shapes before capturing it")
-        _agree.group_step(rt.group).calls += 1  # counted as its eager call was; never an exchange in a capture
+        _agree.count_call(rt.group)  # counted as its eager call was; never an exchange in a capture
         return
     _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=agreed, key=key,
                      every=every_call_checked(), then_collective=False)

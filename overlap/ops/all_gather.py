@@ -333,7 +333,8 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
             rows = build_tile_table(layout.segments, n, gemm.block_m, gemm.block_n, array=True)
         grid = rt.num_sms - nccl_ctas - margin
         if grid < 1:
-            raise ValueError(f"all_gather_matmul: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, margin {margin}")
+            raise ValueError(f"all_gather_matmul: no SMs left for the GEMM: {rt.num_sms} SMs, nccl_ctas={nccl_ctas}, "
+                             f"margin {margin}")
         # the give-back grid takes every SM the main grid left: NCCL's and the margin
         give_back = rt.num_sms - grid if (cfg.give_back and transport == "nccl") else 0
         # the tiles left after the last full wave of the GEMM's SMs run on a part of the

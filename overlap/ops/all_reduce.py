@@ -155,7 +155,7 @@ def _check_inputs(x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | Non
     check_norm(op, norm, x, "x_partial", x.shape[1])
 
 
-def check_norm(op: str, norm: "Norm | None", x: torch.Tensor, x_name: str, k: int) -> None:
+def check_norm(op: str, norm: "Norm | None", x: torch.Tensor, x_name: str, k: int, dim: str = "K") -> None:
     """``norm`` fits the rows it normalizes (of ``x``'s dtype and device, ``k`` wide) in
     ``op``: an ``overlap.ops.Norm`` whose weight and bias are [k] on x's device, of x's dtype
     or float32 with a float16 / bfloat16 input (what torch's norms and the kernels take);
@@ -167,16 +167,16 @@ def check_norm(op: str, norm: "Norm | None", x: torch.Tensor, x_name: str, k: in
     for name, t in (("weight", norm.weight), ("bias", norm.bias)):
         if t is None:
             continue
-        what = f"{op}: the norm's {name} ({norm.kind})"
+        what, which = f"{op}: norm {name}", f"the {norm.kind}'s {name}"
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a tensor, got {type(t).__name__}")
+            raise TypeError(f"{what} must be a tensor, got {type(t).__name__} ({which})")
         if tuple(t.shape) != (k,):
-            raise ValueError(f"{what} must be [K] = [{k}], got {tuple(t.shape)}")
+            raise ValueError(f"{what} must be [{dim}] = [{k}], got {tuple(t.shape)} ({which})")
         if t.device != x.device:
-            raise ValueError(f"{what} is on {t.device}, {x_name} on {x.device}")
+            raise ValueError(f"{what} is on {t.device}, {x_name} on {x.device} ({which})")
         if t.dtype != x.dtype and not (t.dtype == torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
-            raise TypeError(f"{what} is {t.dtype}, {x_name} is {x.dtype}: a norm's weight and bias take the "
-                            "input's dtype (or float32 with a float16 / bfloat16 input)")
+            raise TypeError(f"{what} is {t.dtype}, {x_name} is {x.dtype} ({which}): a norm's weight and bias "
+                            "take the input's dtype (or float32 with a float16 / bfloat16 input)")
 
 
 def _finish(h: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,7 +60,7 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: tor
         raise TypeError(f"{OP}: b_next is {b_next.dtype} on {b_next.device}; a is {a.dtype} on {a.device}")
     if b_next.numel() == 0:
         raise ValueError(f"{OP}: empty operand: b_next {tuple(b_next.shape)}")
-    _ar.check_norm(OP, norm, a, "a", n)
+    _ar.check_norm(OP, norm, a, "a", n, "N")
 
 
 def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
@@ -75,7 +75,7 @@ def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch
     return y @ b_next, h
 
 
-@group_call(OP)
+@group_call(OP, opens_p2p=False)
 def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
                              residual: torch.Tensor | None = None, norm: Any = None,
                              config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
