@@ -553,6 +553,8 @@ class LocalWords:
 class Runtime:
     """Communicators, stream, flags and SM budget for one group on one device."""
 
+    gpu_share, shared_gpu = 1, False  # one rank per GPU unless __init__ finds otherwise
+
     def __init__(self, group: Any, ranks: tuple[int, ...], rank: int, device: torch.device) -> None:
         self.group, self.ranks, self.rank, self.device = group, ranks, rank, device
         self.world = len(ranks)
