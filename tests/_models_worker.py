@@ -27,7 +27,8 @@ import torch
 import torch.distributed as tdist
 
 from overlap import dist
-from overlap.nn import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, parallelize, unshard
+from overlap.nn import (ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding,
+                        functional, parallelize, unshard, vocab_parallel_cross_entropy)
 
 RANK, WS = 0, 1
 TOL = {"rtol": 2e-4, "atol": 2e-5}  # fp32, sums over ranks in another order than the unsharded model's
@@ -128,11 +129,15 @@ class TitanLlama(torch.nn.Module):
         return self.output(self.norm(h))
 
 
-def run(m: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, loss) of an HF model or the torchtitan-like one."""
+def run(m: torch.nn.Module, ids: torch.Tensor, vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, loss) of an HF model or the torchtitan-like one (vocab: its logits split over
+    the vocabulary, the loss through vocab_parallel_cross_entropy)."""
     if isinstance(m, TitanLlama):
         logits = m(ids)
-        return logits, torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        flat, t = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+        if vocab:
+            return logits, vocab_parallel_cross_entropy(flat, t).mean()
+        return logits, torch.nn.functional.cross_entropy(flat, t)
     out = m(input_ids=ids, labels=ids)
     return out.logits, out.loss
 
@@ -205,15 +210,20 @@ def titan_plan(sp: bool) -> dict:
     }
 
 
-def check_family(family: str, sp: bool, plan: dict | None = None) -> None:
-    what = f"{family} sp={sp}" + (" (torch styles)" if plan else "")
+def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = False) -> None:
+    what = f"{family} sp={sp}" + (" (torch styles)" if plan else "") + (" vocab-parallel" if vocab else "")
     ref = build(family)
-    tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp)
+    tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp, vocab_parallel=vocab)
+    if vocab:
+        embs = [m for m in tp.modules() if isinstance(m, VocabParallelEmbedding)]
+        assert len(embs) == 1 and embs[0].weight.shape[0] == V // WS, what
+        tied = [p for p in ref.parameters() if p.shape == (V, C)]
+        assert len([p for p in tp.parameters() if p.shape[0] == V // WS and p.dim() == 2]) == len(tied), what
     layers = 2
     assert tp.overlap_parallel.recognized == (plan is None), tp.overlap_parallel
     assert plan or len(tp.overlap_parallel.units) == 2 * layers, tp.overlap_parallel
     assert tp.state_dict().keys() == ref.state_dict().keys(), what  # names kept: checkpoints load either way
-    cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear)]
+    cols = [m for m in tp.modules() if isinstance(m, ColumnParallelLinear) and m.out_features != V]  # not the head
     rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
     assert len(rows) == 2 * layers and cols and all(m.sequence_parallel == sp for m in cols + rows), what
     assert sp == any(isinstance(m, SequenceParallelNorm) for m in tp.modules()), what
@@ -224,9 +234,13 @@ def check_family(family: str, sp: bool, plan: dict | None = None) -> None:
         logits_ref, loss_ref = run(ref, ids)
         count = GatherCount()
         try:
-            logits, loss = run(tp, ids)
+            logits, loss = run(tp, ids, vocab)
         finally:
             count.close()
+        if vocab:  # this rank's vocabulary columns only; gathered here to compare
+            assert logits.shape[-1] == V // WS, f"{what}: logits {tuple(logits.shape)}"
+            with torch.no_grad():
+                logits = functional.gather_from_region(logits, group=tdist.group.WORLD, dim=-1)
         # one data all-gather per layer input (attention's and MLP's), and the stream's
         # gather after the last block; none without sequence parallelism
         want = 2 * layers + 1 if sp else 0
@@ -331,6 +345,16 @@ def check_failures() -> None:
     before = snapshot(m)
     raises(lambda: parallelize(m), TypeError, "overrides forward", "Linear subclass with its own forward")
     unchanged(m, before, "Linear subclass with its own forward")
+    # a vocabulary that does not divide over the ranks: raised, unchanged; a plan with it: raised
+    if WS > 1:
+        m = build("llama")
+        m.resize_token_embeddings(V + 1)
+        before = snapshot(m)
+        raises(lambda: parallelize(m, vocab_parallel=True), ValueError, "does not divide", "odd vocabulary")
+        unchanged(m, before, "odd vocabulary")
+    m = build("titan")
+    raises(lambda: parallelize(m, plan=titan_plan(False), vocab_parallel=True), ValueError, "vocab_parallel",
+           "vocab_parallel with a plan")
     # twice: refused
     m = parallelize(build("gpt2"))
     raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")
@@ -366,13 +390,18 @@ def main() -> None:
     except ImportError as e:  # the test skips before starting ranks; this is the backstop
         print(f"SKIP models: transformers not importable ({e})", flush=True)
         return
-    only = sys.argv[1:] or [*families(), "titan"]
+    args = sys.argv[1:]
+    quick = "--quick" in args  # the families alone, no plans, vocab-parallel or failures
+    only = [a for a in args if not a.startswith("--")] or [*families(), "titan"]
     for family in only:
         for sp in (False, True):
             check_family(family, sp)
-            if family == "titan":
+            if family == "titan" and not quick:
                 check_family(family, sp, titan_plan(sp))
-    check_failures()
+            if family in ("llama", "qwen2", "titan") and not quick:  # untied, tied, not HF
+                check_family(family, sp, vocab=True)
+    if not quick:
+        check_failures()
     tdist.barrier()
     dist.shutdown()
     print(f"PASS models world={WS} rank={RANK}", flush=True)

@@ -377,6 +377,43 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         edits.hooks.append(lambda: last.register_forward_hook(hook))
 
 
+def _vocab_parallel(model: nn.Module, found: Recognized, group: Any, edits: _Edits) -> None:
+    """The input embedding and the output head split over the vocabulary (tied: still one
+    parameter); an HF causal LM's loss computed on the split logits."""
+    from .recognize import _dims
+    from .vocab import VocabParallelEmbedding, causal_lm_loss
+
+    names = {id(m): n for n, m in model.named_modules()}
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if callable(get_in) and callable(get_out):
+        emb, head = get_in(), get_out()
+        pairs = [(emb, head)] if emb is not None and head is not None else []
+    else:
+        inside = {id(m) for b in found.blocks for m in b.modules()}
+        heads = [m for m in model.modules() if is_linear(m) and id(m) not in inside]
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        pairs = [(e, h) for e in embs for h in heads if _dims(h) == (e.embedding_dim, e.num_embeddings)]
+    if len(pairs) != 1 or not isinstance(pairs[0][0], nn.Embedding) or not is_linear(pairs[0][1]):
+        raise ValueError("parallelize(vocab_parallel=True): no single input embedding (nn.Embedding [V, C]) and "
+                         f"output head (a linear C -> V) found ({len(pairs)} candidates); use vocab_parallel=False")
+    emb, head = pairs[0]
+    if _dims(head) != (emb.embedding_dim, emb.num_embeddings):
+        raise ValueError(f"parallelize(vocab_parallel=True): the head {names[id(head)]} maps {_dims(head)}, the "
+                         f"embedding {names[id(emb)]} is {tuple(emb.weight.shape)}")
+    hf = hasattr(type(model), "loss_function")
+    if hf and not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        raise ValueError(f"parallelize(vocab_parallel=True): {type(model).__name__} is not a causal LM; its loss "
+                         "is not mapped to the vocab-parallel cross-entropy. Use vocab_parallel=False")
+    vpe = VocabParallelEmbedding(emb, group)
+    col = ColumnParallelLinear.from_linear(head, group=group)  # the same rows: rank-major V/R blocks
+    edits.swap(names[id(emb)], vpe)
+    edits.swap(names[id(head)], col)
+    if head.weight is emb.weight:  # tied: still one parameter
+        edits.attrs.append((col, "weight", vpe.weight))
+    if hf:
+        edits.attrs.append((model, "loss_function", causal_lm_loss(group)))
+
+
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
@@ -475,7 +512,7 @@ def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, conf
 
 def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | None = None, *,
                 sequence_parallel: bool = False, config: Any = None, overlap: bool = True,
-                sequence_dim: int = 1) -> nn.Module:
+                sequence_dim: int = 1, vocab_parallel: bool = False) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place and return it; all of it or, where
     anything does not fit, none of it (a ``ValueError`` / ``TypeError`` naming the module
     and what to do, the model unchanged).
@@ -489,6 +526,11 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     row-parallel. Embeddings, the final norm and the head stay replicated. A model whose
     names match ``DEFAULT_PLAN`` (``overlap.models.GPT``: qkv laid out per head) follows
     that plan (``SEQUENCE_PARALLEL_PLAN`` with ``sequence_parallel``).
+
+    ``vocab_parallel`` (opt in, no plan): the input embedding and the output head hold V/R
+    rows of the vocabulary (tied ones stay one parameter); the logits are this rank's
+    columns ``[B, T, V/R]``, never whole on one rank; an HF causal LM's loss becomes
+    ``vocab_parallel_cross_entropy`` (other models: call it on the logits yourself).
 
     ``sequence_parallel``: the residual stream ``[B, T/R, C]`` (``sequence_dim=1``) from
     the first block's input to the last one's output, T a multiple of R; norms of any
@@ -535,8 +577,13 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     if plan is None and not legacy:
         found = recognize(model, world)
         _recognized(model, found, group, world, rank, sequence_parallel, config, overlap, sequence_dim, edits)
+        if vocab_parallel:
+            _vocab_parallel(model, found, group, edits)
         units = tuple(u.name for u in found.units)
     else:
+        if vocab_parallel:
+            raise ValueError("parallelize: vocab_parallel=True with a plan (or a model following DEFAULT_PLAN) is "
+                             "not supported; it applies to recognized models")
         if plan is None:
             plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
         units = tuple(_planned(model, plan, group, world, sequence_parallel, config, overlap, sequence_dim, edits))
@@ -554,6 +601,8 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
     Collective: every rank of the group calls it, and every rank gets the whole."""
     import torch.distributed as tdist
 
+    from .vocab import VocabParallelEmbedding
+
     out: dict[str, torch.Tensor | None] = {}
     for name, p in model.named_parameters():
         parent, _, leaf = name.rpartition(".")
@@ -564,7 +613,7 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
             out[name] = None
             continue
         dim = None
-        if isinstance(mod, ColumnParallelLinear) and idx is not None:
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) and idx is not None:
             dim = 0
         elif isinstance(mod, RowParallelLinear) and idx is not None and leaf == "weight":
             dim = 1
