@@ -2,8 +2,9 @@
 tests/nn/test_models.py): HF transformers' Llama (GQA), Mistral, Qwen2 (q/k/v biases, tied
 embeddings), Qwen3 (per-head q/k norms) and GPT-2 (Conv1D, fused ``c_attn``), tiny and built
 from their configs (never downloaded), and a model built like torchtitan's Llama (an
-``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally), through
-``parallelize(model)`` with no plan.
+``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally) and one built like
+gpt-fast's (a fused GQA ``wqkv``, head counts read in forward), through ``parallelize(model)``
+with no plan.
 
 Per family, sequence-parallel and not, against the unsharded model built from the same
 seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
@@ -129,10 +130,61 @@ class TitanLlama(torch.nn.Module):
         return self.output(self.norm(h))
 
 
+class FastAttention(torch.nn.Module):
+    """Laid out as gpt-fast's attention: one fused wqkv ([q | k | v], GQA), wo; n_head,
+    n_local_heads (its key/value heads), head_dim, dim read in forward."""
+
+    def __init__(self, dim: int, n_head: int, n_kv: int) -> None:
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim, self.dim = n_head, n_kv, dim // n_head, dim
+        self.wqkv = torch.nn.Linear(dim, (n_head + 2 * n_kv) * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.dim, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
+        rep = self.n_head // self.n_local_heads
+        y = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                             v.repeat_interleave(rep, 1), is_causal=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, self.dim))  # (B, T, C)
+
+
+class FastBlock(torch.nn.Module):
+    def __init__(self, dim: int, n_kv: int) -> None:
+        super().__init__()
+        self.attention = FastAttention(dim, 4, n_kv)
+        self.feed_forward = TitanFeedForward(dim, 2 * dim)
+        self.ffn_norm, self.attention_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class FastGPT(torch.nn.Module):
+    """Built like gpt-fast's Transformer (fused wqkv with GQA; learned positions here)."""
+
+    def __init__(self, n_kv: int) -> None:
+        super().__init__()
+        self.tok_embeddings, self.pos = torch.nn.Embedding(V, C), torch.nn.Embedding(64, C)
+        self.layers = torch.nn.ModuleList(FastBlock(C, n_kv) for _ in range(2))
+        self.norm, self.output = torch.nn.RMSNorm(C), torch.nn.Linear(C, V, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx) + self.pos(torch.arange(idx.shape[1]))
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
 def run(m: torch.nn.Module, ids: torch.Tensor, vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, loss) of an HF model or the torchtitan-like one (vocab: its logits split over
     the vocabulary, the loss through vocab_parallel_cross_entropy)."""
-    if isinstance(m, TitanLlama):
+    if isinstance(m, (TitanLlama, FastGPT)):
         logits = m(ids)
         flat, t = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
         if vocab:
@@ -144,7 +196,10 @@ def run(m: torch.nn.Module, ids: torch.Tensor, vocab: bool = False) -> tuple[tor
 
 def build(family: str, kv: int = 0) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
-    m = TitanLlama(kv or max(2, WS)) if family == "titan" else families(kv)[family]()
+    if family in ("titan", "gptfast"):
+        m = (TitanLlama if family == "titan" else FastGPT)(kv or max(2, WS))
+    else:
+        m = families(kv)[family]()
     with torch.no_grad():  # norms away from 1 / 0 so that their gradients mean something
         for name, p in m.named_parameters():
             if p.dim() == 1:
@@ -392,7 +447,7 @@ def main() -> None:
         return
     args = sys.argv[1:]
     quick = "--quick" in args  # the families alone, no plans, vocab-parallel or failures
-    only = [a for a in args if not a.startswith("--")] or [*families(), "titan"]
+    only = [a for a in args if not a.startswith("--")] or [*families(), "titan", "gptfast"]
     for family in only:
         for sp in (False, True):
             check_family(family, sp)

@@ -1,8 +1,9 @@
 """``parallelize(model)`` with no plan on tiny HF transformers models built from their
-configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3, GPT-2 and a torchtitan-like
-Llama at 2 ranks (with torchtitan's plan in torch's styles, and vocab-parallel), Llama
-alone at 4, sequence-parallel and not, against the unsharded model; and the failures that
-must raise with the model left unchanged. One worker process per rank runs every case.
+configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3, GPT-2, a torchtitan-like Llama
+(also through torchtitan's plan in torch's styles) and a gpt-fast-like model at 2 ranks
+(vocab-parallel too), Llama alone at 4, sequence-parallel and not, against the unsharded
+model; and the failures that must raise with the model left unchanged. One worker process
+per rank runs every case.
 """
 
 from __future__ import annotations
