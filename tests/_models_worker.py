@@ -47,7 +47,8 @@ def families(kv: int = 0) -> dict:
                   max_position_embeddings=64)
     return {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=kv)),
-        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=None)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, num_key_value_heads=kv, sliding_window=None,
+                                                                  attn_implementation="eager")),  # repeat_kv
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, num_key_value_heads=kv, tie_word_embeddings=True)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, num_key_value_heads=kv, head_dim=16,
                                                             tie_word_embeddings=True)),
@@ -265,9 +266,10 @@ def titan_plan(sp: bool) -> dict:
     }
 
 
-def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = False) -> None:
-    what = f"{family} sp={sp}" + (" (torch styles)" if plan else "") + (" vocab-parallel" if vocab else "")
-    ref = build(family)
+def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = False, kv: int = 0) -> None:
+    what = (f"{family} sp={sp}" + (" (torch styles)" if plan else "") + (" vocab-parallel" if vocab else "")
+            + (f" {kv} kv heads" if kv else ""))
+    ref = build(family, kv)
     tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp, vocab_parallel=vocab)
     if vocab:
         embs = [m for m in tp.modules() if isinstance(m, VocabParallelEmbedding)]
@@ -356,13 +358,14 @@ def check_failures() -> None:
     """Each of these raised late, or gave a wrong result with no error, before."""
     from torch import nn
 
-    # fewer key/value heads than ranks: raised at parallelize, the model unchanged
-    if WS > 1:
-        m = build("llama", kv=1)
-        before = snapshot(m)
-        e = raises(lambda: parallelize(m), ValueError, "key/value heads", "one kv head")
-        assert "self_attn" in str(e) and "tensor-parallel size" in str(e), e
-        unchanged(m, before, "one kv head")
+    # key/value heads that neither divide over the ranks nor divide them: raised at
+    # parallelize, the model unchanged (fewer than ranks, dividing them: replicated, above)
+    m = build("llama", kv=1)
+    m.model.layers[0].self_attn.num_key_value_heads = 3  # as a model with 3 kv heads would say
+    before = snapshot(m)
+    e = raises(lambda: parallelize(m), ValueError, "heads", "3 kv heads")
+    assert "model.layers.0.self_attn" in str(e) and "tensor-parallel size" in str(e), e
+    unchanged(m, before, "3 kv heads")
     # a parameter-holding module in a block that is not a row-wise norm, under sequence
     # parallelism: raised, model unchanged (its gradient would be silently wrong)
     m = build("llama")
@@ -455,6 +458,8 @@ def main() -> None:
                 check_family(family, sp, titan_plan(sp))
             if family in ("llama", "qwen2", "titan") and not quick:  # untied, tied, not HF
                 check_family(family, sp, vocab=True)
+            if family in ("llama", "mistral", "qwen2", "gptfast") and WS == 2:  # fewer kv heads than ranks
+                check_family(family, sp, kv=WS // 2)
     if not quick:
         check_failures()
     tdist.barrier()

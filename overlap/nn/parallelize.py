@@ -29,7 +29,7 @@ from torch import nn
 
 from . import functional as F
 from .layers import ColumnParallelLinear, RowParallelLinear, _group_info, _SequenceDim
-from .recognize import Recognized, head_counts, is_attention, is_linear, local_attrs, recognize
+from .recognize import Recognized, Segment, head_counts, is_attention, is_linear, local_attrs, recognize
 from .styles import SEQUENCE_KINDS, is_style, kind_of_style
 
 __all__ = ["parallelize", "unshard", "DEFAULT_PLAN", "SEQUENCE_PARALLEL_PLAN", "SequenceParallelNorm",
@@ -259,7 +259,7 @@ class _ColumnGroup:
     def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
         ms = self.members
         m0 = ms[0]
-        ws, bs = [m.weight for m in ms], [m.bias for m in ms]
+        ws, bs = [_copies(m, m.weight) for m in ms], [_copies(m, m.bias) for m in ms]
         if self.sp:
             x2, lead = _SequenceDim.to_rows(x, self.seq_dim)  # [T/R * ..., K]
             ys = F.all_gather_linear_many(x2, ws, bs, group=m0.group, fused=m0.overlap, config=m0.config,
@@ -270,6 +270,14 @@ class _ColumnGroup:
         ys = F.copy_linear_many(x.reshape(-1, x.shape[-1]), ws, bs, group=m0.group, fused=m0.overlap,
                                 config=m0.config)  # [tokens, N_i/R]
         return [y.view(*lead, y.shape[-1]) for y in ys]
+
+
+def _copies(m: ColumnParallelLinear, p: torch.Tensor | None) -> torch.Tensor | None:
+    """``p``, with the gradient of its replicated key/value rows (if any) summed over their copies."""
+    shared = getattr(m, "shared_rows", None)
+    if p is None or shared is None:
+        return p
+    return _SumOverCopies.apply(p, shared[0], shared[1], shared[2], m.group)
 
 
 # ---- parallelize -------------------------------------------------------------------------------
@@ -297,14 +305,45 @@ class _Edits:
             h()
 
 
-def _segment_index(segments: list[int], rank: int, world: int) -> torch.Tensor:
-    """The rows this rank takes of an output made of ``segments``: its part of each one."""
-    parts, off = [], 0
-    for s in segments:
-        n = s // world
-        parts.append(torch.arange(off + rank * n, off + (rank + 1) * n))
-        off += s
-    return torch.cat(parts)
+def _segment_index(segments: list[Segment], rank: int, world: int) -> tuple[torch.Tensor, Any]:
+    """The rows this rank takes of an output made of ``segments`` (its part of each one, or
+    its replicated key/value head), and for replicated rows ``(local rows, head, heads)``
+    (their gradient is summed over the ranks holding the same head), else None."""
+    parts, shared, off, local = [], [], 0, 0
+    head = heads = 0
+    for width, n_heads in segments:
+        if n_heads is None:
+            n = width // world
+            parts.append(torch.arange(off + rank * n, off + (rank + 1) * n))
+        else:
+            n, heads = width // n_heads, n_heads
+            head = rank * n_heads // world
+            parts.append(torch.arange(off + head * n, off + (head + 1) * n))
+            shared.append(torch.arange(local, local + n))
+        off, local = off + width, local + n
+    return torch.cat(parts), ((torch.cat(shared), head, heads) if shared else None)
+
+
+class _SumOverCopies(torch.autograd.Function):
+    """forward: identity; backward: the rows of replicated key/value heads summed over the
+    ranks that hold the same head (each one's gradient covers only its own query heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, rows: torch.Tensor, head: int, heads: int, group: Any) -> torch.Tensor:
+        ctx.rows, ctx.head, ctx.heads, ctx.group = rows, head, heads, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        import torch.distributed as tdist
+
+        rows = ctx.rows.to(g.device)
+        full = g.new_zeros((ctx.heads, len(rows), *g.shape[1:]))  # [kv heads, rows, ...]
+        full[ctx.head] = g[rows]
+        tdist.all_reduce(full, group=ctx.group)  # one slot per head: the sum over its ranks
+        g = g.clone()
+        g[rows] = full[ctx.head]
+        return g, None, None, None, None
 
 
 def _scatter_hook(group: Any, world: int, dim: int, where: str) -> Callable:
@@ -344,11 +383,13 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         members = []
         for c in u.inputs:
             lin = u.module.get_submodule(c)
+            index, shared = _segment_index(u.segments[c], rank, world)
             try:
                 col = ColumnParallelLinear.from_linear(lin, sequence_parallel=sp, sequence_dim=seq_dim if sp else 0,
-                                                       index=_segment_index(u.segments[c], rank, world), **kw)
+                                                       index=index, **kw)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parallelize: {u.name}.{c}: {e}") from None
+            edits.attrs.append((col, "shared_rows", shared))
             members.append((f"{u.name}.{c}", col))
             edits.swap(f"{u.name}.{c}", col)
         try:
@@ -521,7 +562,9 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     transformers' decoders of the Llama family (Llama, Mistral, Qwen2/3: GQA, q/k/v biases,
     tied embeddings), GPT-2 (Conv1D, fused ``c_attn``), and models built like them: each
     attention's q/k/v (or fused qkv) column-parallel over whole heads, read from one gather,
-    its output projection row-parallel, its head counts set to the local ones; each MLP's
+    its output projection row-parallel, its head counts set to the local ones (fewer
+    key/value heads than ranks, R a multiple of them: each replicated, Megatron's way, its
+    gradient summed over its copies); each MLP's
     gate/up (or up, or fused gate/up) column-parallel from one gather, its down projection
     row-parallel. Embeddings, the final norm and the head stay replicated. A model whose
     names match ``DEFAULT_PLAN`` (``overlap.models.GPT``: qkv laid out per head) follows
@@ -612,11 +655,13 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
         if t is None:
             out[name] = None
             continue
-        dim = None
-        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)) and idx is not None:
-            dim = 0
+        dim = size = None
+        if isinstance(mod, ColumnParallelLinear) and idx is not None:
+            dim, size = 0, mod.out_features
+        elif isinstance(mod, VocabParallelEmbedding):
+            dim, size = 0, mod.num_embeddings
         elif isinstance(mod, RowParallelLinear) and idx is not None and leaf == "weight":
-            dim = 1
+            dim, size = 1, mod.in_features
         if dim is not None:
             world = tdist.get_world_size(mod.group)
             ts = [torch.empty_like(t) for _ in range(world)]
@@ -624,8 +669,9 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
             ids = [torch.empty_like(idx) for _ in range(world)]
             tdist.all_gather(ids, idx.to(t.device), group=mod.group)
             full_shape = list(t.shape)
-            full_shape[dim] *= world
-            t = t.new_empty(full_shape).index_copy_(dim, torch.cat(ids).to(t.device), torch.cat(ts, dim))
+            full_shape[dim] = size
+            # replicated key/value rows arrive from each of their copies, equal: any one lands
+            t = t.new_zeros(full_shape).index_copy_(dim, torch.cat(ids).to(t.device), torch.cat(ts, dim))
         if getattr(mod, "source_transposed", False) and leaf == "weight":
             t = t.t()
         out[name] = t
