@@ -92,6 +92,10 @@ class ReplicatedParameters(nn.Module):
         params = {n: F.copy_to_region(p, group=self.group) for n, p in self._parameters.items() if p is not None}
         return torch.func.functional_call(self.inner, params, args, kwargs)
 
+    def train(self, mode: bool = True) -> "ReplicatedParameters":
+        self.inner.train(mode)  # outside the module tree: told here
+        return super().train(mode)
+
     def extra_repr(self) -> str:
         return f"{self.inner!r}, gradients summed over {self.tp_size} ranks"
 

@@ -95,10 +95,6 @@ def local_attrs(m: nn.Module, nh: int, nkv: int, hd: int, world: int) -> dict[st
 
 def is_attention(m: nn.Module) -> bool:
     """A module with a head count or a head_dim of its own."""
-    return _is_attention(m)
-
-
-def _is_attention(m: nn.Module) -> bool:
     return _int_attr(m, HEAD_ATTRS) is not None or _int_attr(m, ("head_dim",)) is not None
 
 
@@ -227,7 +223,7 @@ def recognize(model: nn.Module, world: int) -> Recognized:
         if not isinstance(lst, (nn.ModuleList, nn.ModuleDict)) or not len(lst):
             continue
         blks = list(lst.values()) if isinstance(lst, nn.ModuleDict) else list(lst)
-        if all(any(_is_attention(s) and sum(is_linear(c) for c in s.children()) >= 2 for s in blk.modules())
+        if all(any(is_attention(s) and sum(is_linear(c) for c in s.children()) >= 2 for s in blk.modules())
                for blk in blks):
             stacks.append((sname, blks))
     if not stacks:
@@ -245,9 +241,9 @@ def recognize(model: nn.Module, world: int) -> Recognized:
             if id(m) in taken:
                 continue
             n_lin = sum(is_linear(c) for c in m.children())
-            if n_lin >= 2 or (n_lin and _is_attention(m)):
+            if n_lin >= 2 or (n_lin and is_attention(m)):
                 qual = names[id(m)]
-                u = _attention(qual, m, config, world) if _is_attention(m) else _mlp(qual, m, world)
+                u = _attention(qual, m, config, world) if is_attention(m) else _mlp(qual, m, world)
                 units.append(u)
                 taken.update(id(x) for x in m.modules())
         for _, m in mods:
