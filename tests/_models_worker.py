@@ -2,9 +2,9 @@
 tests/nn/test_models.py): HF transformers' Llama (GQA), Mistral, Qwen2 (q/k/v biases, tied
 embeddings), Qwen3 (per-head q/k norms) and GPT-2 (Conv1D, fused ``c_attn``), tiny and built
 from their configs (never downloaded), and a model built like torchtitan's Llama (an
-``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally) and one built like
-gpt-fast's (a fused GQA ``wqkv``, head counts read in forward), through ``parallelize(model)``
-with no plan.
+``nn.Linear`` subclass, blocks in a ``ModuleDict`` called positionally), one built like
+gpt-fast's (a fused GQA ``wqkv``, head counts read in forward) and one like nanoGPT's (the
+input's width read in forward), through ``parallelize(model)`` with no plan.
 
 Per family, sequence-parallel and not, against the unsharded model built from the same
 seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
@@ -182,10 +182,62 @@ class FastGPT(torch.nn.Module):
         return self.output(self.norm(x))
 
 
+class NanoAttention(torch.nn.Module):
+    """Laid out as nanoGPT's: a fused c_attn split by n_embd, and the input's width C used
+    to shape the heads and the output (``B, T, C = x.size()``)."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.c_attn, self.c_proj = torch.nn.Linear(n_embd, 3 * n_embd), torch.nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # noqa: N806 (nanoGPT's names)
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoBlock(torch.nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn = torch.nn.LayerNorm(n_embd), NanoAttention(n_embd, n_head)
+        self.ln_2 = torch.nn.LayerNorm(n_embd)
+        self.mlp = torch.nn.Sequential()
+        self.mlp.c_fc, self.mlp.gelu = torch.nn.Linear(n_embd, 4 * n_embd), torch.nn.GELU()
+        self.mlp.c_proj, self.mlp.dropout = torch.nn.Linear(4 * n_embd, n_embd), torch.nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(torch.nn.Module):
+    """Built like nanoGPT's GPT: transformer = ModuleDict(wte, wpe, drop, h, ln_f), a tied lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(V, C), wpe=torch.nn.Embedding(64, C), drop=torch.nn.Dropout(0.0),
+            h=torch.nn.ModuleList(NanoBlock(C, 4) for _ in range(2)), ln_f=torch.nn.LayerNorm(C)))
+        self.lm_head = torch.nn.Linear(C, V, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1])))
+        for block in t.h:
+            x = block(x)
+        return self.lm_head(t.ln_f(x))
+
+
 def run(m: torch.nn.Module, ids: torch.Tensor, vocab: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, loss) of an HF model or the torchtitan-like one (vocab: its logits split over
     the vocabulary, the loss through vocab_parallel_cross_entropy)."""
-    if isinstance(m, (TitanLlama, FastGPT)):
+    if isinstance(m, (TitanLlama, FastGPT, NanoGPT)):
         logits = m(ids)
         flat, t = logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
         if vocab:
@@ -197,7 +249,9 @@ def run(m: torch.nn.Module, ids: torch.Tensor, vocab: bool = False) -> tuple[tor
 
 def build(family: str, kv: int = 0) -> torch.nn.Module:
     torch.manual_seed(1234)  # the same weights on every rank
-    if family in ("titan", "gptfast"):
+    if family == "nanogpt":
+        m = NanoGPT()
+    elif family in ("titan", "gptfast"):
         m = (TitanLlama if family == "titan" else FastGPT)(kv or max(2, WS))
     else:
         m = families(kv)[family]()
@@ -450,13 +504,13 @@ def main() -> None:
         return
     args = sys.argv[1:]
     quick = "--quick" in args  # the families alone, no plans, vocab-parallel or failures
-    only = [a for a in args if not a.startswith("--")] or [*families(), "titan", "gptfast"]
+    only = [a for a in args if not a.startswith("--")] or [*families(), "titan", "gptfast", "nanogpt"]
     for family in only:
         for sp in (False, True):
             check_family(family, sp)
             if family == "titan" and not quick:
                 check_family(family, sp, titan_plan(sp))
-            if family in ("llama", "qwen2", "titan") and not quick:  # untied, tied, not HF
+            if family in ("llama", "qwen2", "titan", "nanogpt") and not quick:  # untied, tied, not HF
                 check_family(family, sp, vocab=True)
             if family in ("llama", "mistral", "qwen2", "gptfast") and WS == 2:  # fewer kv heads than ranks
                 check_family(family, sp, kv=WS // 2)

@@ -147,11 +147,11 @@ _SHAPE_OPS: set[Any] = set()
 
 
 class _StandIn(torch.Tensor):
-    """The input an attention / MLP module sees under sequence parallelism: the whole
-    sequence's shape, dtype and device, and no values (those are this rank's shard,
-    which its column layers gather). Anything but a shape query raises, naming the
-    module: a module that computes on its input other than through its projections
-    cannot be run this way."""
+    """The input an attention module (and under sequence parallelism an MLP) sees: the whole
+    sequence's shape (an attention's: its local heads' width), dtype and device, and no
+    values (its column layers read the real input, gathering this rank's tokens under
+    sequence parallelism). Anything but a shape query raises, naming the module: a module
+    that computes on its input other than through its projections cannot be run this way."""
 
     owner: str
 
@@ -171,10 +171,9 @@ class _StandIn(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         owner = next((a.owner for a in args if isinstance(a, _StandIn)), "?")
-        raise RuntimeError(f"parallelize(sequence_parallel=True): {owner} used its input in "
-                           f"{getattr(func, '__name__', func)} other than through its projections; only "
-                           "its column layers can read it (they gather this rank's tokens). Use "
-                           "sequence_parallel=False or a plan for this model")
+        raise RuntimeError(f"parallelize: {owner} used its input in {getattr(func, '__name__', func)} other than "
+                           "through its projections; only its column layers can read it (they gather this "
+                           "rank's tokens under sequence parallelism). Use a plan for this model")
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -214,12 +213,14 @@ class _ColumnGroup:
     """The column layers of one attention / MLP module (q, k, v; gate, up; or one fused):
     the first one called computes every one's output from the shared input, in one call
     (``all_gather_linear_many`` / ``copy_linear_many``), the others take theirs. The owner's
-    hooks open and close each call; under sequence parallelism the owner's input is this
-    rank's tokens and the owner sees a stand-in of the whole sequence's shape."""
+    hooks open and close each call. Under sequence parallelism the owner's input is this
+    rank's tokens and the owner sees a stand-in of the whole sequence's shape; an attention
+    module always sees one, ``width`` wide (its local heads' width, which a module sizing
+    its output from its input's width, as nanoGPT's ``view(B, T, C)``, needs)."""
 
     def __init__(self, owner: str, members: list[tuple[str, ColumnParallelLinear]], sp: bool, seq_dim: int,
-                 slot: str | None) -> None:
-        self.owner, self.sp, self.seq_dim, self.slot = owner, sp, seq_dim, slot
+                 slot: str | None, width: int | None = None) -> None:
+        self.owner, self.sp, self.seq_dim, self.slot, self.width = owner, sp, seq_dim, slot, width
         self.members = [m for _, m in members]
         self.names = {id(m): n for n, m in members}
         self._reset()
@@ -233,13 +234,15 @@ class _ColumnGroup:
 
     def pre_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> Any:
         self._reset()
-        if not self.sp:
+        if not self.sp and self.width is None:
             return None
         x, put = _take_input(self.owner, self.slot, args, kwargs)
         m0 = self.members[0]
         d = self.seq_dim % x.dim()
-        shape = tuple(s * m0.tp_size if i == d else s for i, s in enumerate(x.shape))
-        self.shard, self.stand_in = x, _StandIn(shape, x, self.owner)
+        shape = [s * m0.tp_size if i == d and self.sp else s for i, s in enumerate(x.shape)]
+        if self.width is not None:
+            shape[-1] = self.width
+        self.shard, self.stand_in = x, _StandIn(tuple(shape), x, self.owner)
         return put(self.stand_in)
 
     def post_hook(self, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> Any:
@@ -247,11 +250,11 @@ class _ColumnGroup:
         return out
 
     def __call__(self, member: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        if self.sp:
+        if self.sp or self.width is not None:
             if self.stand_in is None or x is not self.stand_in:
-                raise RuntimeError(f"parallelize(sequence_parallel=True): {self.names[id(member)]} was called on "
-                                   f"a tensor other than {self.owner}'s input; its output would be wrong. Use "
-                                   "sequence_parallel=False or a plan for this model")
+                raise RuntimeError(f"parallelize: {self.names[id(member)]} was called on a tensor other than "
+                                   f"{self.owner}'s input; its output would be wrong. Use a plan for this model"
+                                   + (" or sequence_parallel=False" if self.sp and self.width is None else ""))
             src = self.shard
         else:
             src = x
@@ -402,7 +405,7 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         except (ValueError, TypeError) as e:
             raise type(e)(f"parallelize: {u.name}.{u.output}: {e}") from None
         edits.swap(f"{u.name}.{u.output}", row)
-        fusion = _ColumnGroup(u.name, members, sp, seq_dim, _input_slot(u.module))
+        fusion = _ColumnGroup(u.name, members, sp, seq_dim, _input_slot(u.module), u.local_width)
         for _, col in members:
             edits.attrs.append((col, "_fusion", fusion))
         edits.hooks.append(lambda m=u.module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))

@@ -21,7 +21,9 @@ then pass a ``plan``.
 A fused projection's output is assumed laid out in whole segments ([q | k | v] as GPT-2,
 nanoGPT and gpt-fast do; [gate | up] as Phi-3 does), and each rank takes its part of every
 segment, so that the module's own ``split`` / ``chunk`` of its local output gives its own
-heads (``split_size`` and the head counts set to the local ones).
+heads (``split_size`` and the head counts set to the local ones). Fewer key/value heads
+than ranks, the ranks a multiple of them: each one replicated on the ranks whose query
+heads read it.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class Unit:
     output: str  # the row child
     attrs: dict[str, int] = field(default_factory=dict)  # attribute -> local value (heads, widths)
     per_head: list[str] = field(default_factory=list)  # children with per-head parameters (q_norm, k_norm)
+    local_width: int | None = None  # attention: this rank's query heads x head_dim
 
 
 @dataclass
@@ -191,7 +194,7 @@ def _attention(name: str, m: nn.Module, config: Any, world: int) -> Unit:
     own = [n for n, _ in m.named_parameters(recurse=False)]
     if own:
         raise _fail(name, f"the attention module holds parameters {own} of its own")
-    return Unit(name, m, "attention", [l[0] for l in ins], segments, out[0], attrs, per_head)
+    return Unit(name, m, "attention", [l[0] for l in ins], segments, out[0], attrs, per_head, nh * hd // world)
 
 
 def _mlp(name: str, m: nn.Module, world: int) -> Unit:

@@ -1,7 +1,7 @@
 """``parallelize(model)`` with no plan on tiny HF transformers models built from their
-configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3, GPT-2, a torchtitan-like Llama
-(also through torchtitan's plan in torch's styles) and a gpt-fast-like model at 2 ranks
-(vocab-parallel too), Llama alone at 4, sequence-parallel and not, against the unsharded
+configs (``_models_worker.py``): Llama, Mistral, Qwen2, Qwen3, GPT-2, a torchtitan-like
+Llama (also through torchtitan's plan in torch's styles), gpt-fast- and nanoGPT-like models
+at 2 ranks (vocab-parallel too), Llama alone at 4, sequence-parallel and not, against the unsharded
 model; and the failures that must raise with the model left unchanged. One worker process
 per rank runs every case.
 """
