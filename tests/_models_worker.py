@@ -9,8 +9,8 @@ input's width read in forward), through ``parallelize(model)`` with no plan.
 Per family, sequence-parallel and not, against the unsharded model built from the same
 seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
 unsharded layout) and 5 AdamW steps (new tokens each step); the number of data
-all-gathers in one forward; then the failures that must raise, leaving the model as it
-was. Prints ``PASS models world=W rank=R`` at the end.
+all-gathers in one forward and reductions of the input gradient in one backward (one per
+layer input); then the failures that must raise, leaving the model as it was. Prints ``PASS models world=W rank=R`` at the end.
 """
 
 from __future__ import annotations
@@ -270,24 +270,30 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: dict = TOL) -> 
     torch.testing.assert_close(got, want, **tol, msg=lambda s: f"rank {RANK}: {what}: {s}")
 
 
-class GatherCount:
-    """Counts the all-gathers of floating-point data torch.distributed runs (the ops' agreement
-    checks gather ints; they are not data)."""
+class CollectiveCount:
+    """Counts the collectives on floating-point data torch.distributed runs, by kind
+    ("all_gather", "reduce_scatter", "all_reduce"; the ops' agreement checks move ints,
+    which are not data)."""
+
+    FNS = {"all_gather": ("all_gather_into_tensor", "all_gather_single", "all_gather"),
+           "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"),
+           "all_reduce": ("all_reduce",)}
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n = {kind: 0 for kind in self.FNS}
         self.saved = {}
-        for fn in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
-            if hasattr(tdist, fn):
-                self.saved[fn] = getattr(tdist, fn)
-                setattr(tdist, fn, self._wrap(self.saved[fn]))
+        for kind, fns in self.FNS.items():
+            for fn in fns:
+                if hasattr(tdist, fn):
+                    self.saved[fn] = getattr(tdist, fn)
+                    setattr(tdist, fn, self._wrap(kind, self.saved[fn]))
 
-    def _wrap(self, f):
-        def g(out, inp, *a, **k):
-            t = inp if isinstance(inp, torch.Tensor) else None
-            if t is not None and t.is_floating_point():
-                self.n += 1
-            return f(out, inp, *a, **k)
+    def _wrap(self, kind: str, f):
+        def g(*a, **k):
+            t = a[0] if kind == "all_reduce" else (a[1] if len(a) > 1 else k.get("input_tensor"))
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.n[kind] += 1
+            return f(*a, **k)
         return g
 
     def close(self) -> None:
@@ -343,7 +349,7 @@ def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = 
     for step in range(5):
         ids = tokens(step + 10 * sp)
         logits_ref, loss_ref = run(ref, ids)
-        count = GatherCount()
+        count = CollectiveCount()
         try:
             logits, loss = run(tp, ids, vocab)
         finally:
@@ -355,12 +361,27 @@ def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = 
         # one data all-gather per layer input (attention's and MLP's), and the stream's
         # gather after the last block; none without sequence parallelism
         want = 2 * layers + 1 if sp else 0
-        assert count.n == want, f"rank {RANK}: {what}: {count.n} all-gathers in one forward, want {want}"
+        got = count.n["all_gather"]
+        assert got == want, f"rank {RANK}: {what}: {got} all-gathers in one forward, want {want}"
         tol = TOL if step == 0 else TOL_STEPS
         close(logits, logits_ref, f"{what} step {step}: logits", tol)
         close(loss, loss_ref, f"{what} step {step}: loss", tol)
         loss_ref.backward()
-        loss.backward()
+        count = CollectiveCount()
+        try:
+            loss.backward()
+        finally:
+            count.close()
+        # backward likewise: one reduction of the summed input gradient per layer input (a
+        # reduce-scatter, or without sequence parallelism an all-reduce, where nothing else
+        # all-reduces: per-head norms and replicated key/value heads add theirs, a
+        # vocab-parallel head one; a plan without sequence parallelism reduces per layer)
+        if sp:
+            got = count.n["reduce_scatter"]
+            assert got == 2 * layers, f"rank {RANK}: {what}: {got} reduce-scatters in one backward"
+        elif family != "qwen3" and not kv and not plan:
+            got, want = count.n["all_reduce"], 2 * layers + vocab
+            assert got == want, f"rank {RANK}: {what}: {got} all-reduces in one backward, want {want}"
         grads = unshard(tp, grads=True)
         for name, p in ref.named_parameters():
             assert grads[name] is not None, f"{what}: no gradient for {name}"
