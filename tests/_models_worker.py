@@ -10,7 +10,8 @@ Per family, sequence-parallel and not, against the unsharded model built from th
 seed: logits, loss, every parameter's gradient (``unshard``: gathered back into the
 unsharded layout) and 5 AdamW steps (new tokens each step); the number of data
 all-gathers in one forward and reductions of the input gradient in one backward (one per
-layer input); then the failures that must raise, leaving the model as it was. Prints ``PASS models world=W rank=R`` at the end.
+layer input); then the failures that must raise, leaving the model as it was. Prints
+``PASS models world=W rank=R`` at the end.
 """
 
 from __future__ import annotations
