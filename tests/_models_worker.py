@@ -258,6 +258,15 @@ def check_failures() -> None:
     m = build("titan")
     raises(lambda: parallelize(m, plan=titan_plan(False), vocab_parallel=True), ValueError, "vocab_parallel",
            "vocab_parallel with a plan")
+    # GPT-2's fused c_attn planned "column" (a contiguous slice: not whole heads of q, k and
+    # v; logits off by a quarter before): raised, unchanged; "column_fused": right
+    plan = {"*attn.c_attn": "column", "*attn.c_proj": "row", "*mlp.c_fc": "column", "*mlp.c_proj": "row"}
+    m = build("gpt2")
+    before = snapshot(m)
+    raises(lambda: parallelize(m, plan=plan), ValueError, "column_fused", "fused qkv planned column")
+    unchanged(m, before, "fused qkv planned column")
+    m, ref = parallelize(build("gpt2"), plan={**plan, "*attn.c_attn": "column_fused"}), build("gpt2")
+    close(run(m, tokens(8))[0], run(ref, tokens(8))[0], "gpt2, a plan with column_fused")
     # twice: refused
     m = parallelize(build("gpt2"))
     raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")

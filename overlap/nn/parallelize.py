@@ -56,7 +56,7 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
 shards after the embeddings' dropout and gathered before the final norm; the blocks' norms
 run on this rank's tokens."""
 
-_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
+_KINDS = ("column", "column_fused", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, sp: bool, config: Any,
+def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, rank: int, sp: bool, config: Any,
              overlap: bool, seq_dim: int, edits: _Edits) -> list[str]:
     kinds_of: dict[str, str] = {}
     for pattern, kind in plan.items():
@@ -257,8 +257,12 @@ def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, 
         done.append(name)
         if kind == "sequence_input":
             owners.append(name)
-        else:
-            _convert(name, module, kind, group, sp, config, overlap, seq_dim, edits)
+            continue
+        index = None
+        if kind in ("column", "column_fused"):
+            index = _fused_index(model, name, kind, world, rank)
+        _convert(name, module, "column" if kind == "column_fused" else kind, group, sp, config, overlap, seq_dim,
+                 edits, index)
     missing = [p for p, n in hits.items() if not n]
     if missing:
         raise ValueError(f"plan patterns matched no module: {missing}")
@@ -296,15 +300,49 @@ def _plan_head_counts(model: nn.Module, new: dict[str, nn.Module], world: int, e
             edits.attrs.append((m, a, v))
 
 
+def _fused_index(model: nn.Module, name: str, kind: str, world: int, rank: int) -> torch.Tensor | None:
+    """A planned column layer that is a fused projection (``recognize``: [q | k | v] of an
+    attention, [gate | up] of an MLP): "column" would cut it into contiguous slices, which
+    are not whole heads of each part, and raises; "column_fused" takes this rank's part of
+    every segment. None: a plain column (overlap's own GPT, whose qkv is laid out per head,
+    and modules ``recognize`` does not read)."""
+    from .recognize import _attention, _mlp
+
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    segments = None
+    if type(parent).__module__ != "overlap.models.gpt" and sum(is_linear(c) for c in parent.children()) >= 2:
+        try:
+            unit = (_attention(parent_name, parent, getattr(model, "config", None), world) if is_attention(parent)
+                    else _mlp(parent_name, parent, world))
+            segments = unit.segments.get(child)
+        except ValueError:
+            segments = None
+    fused = segments is not None and len(segments) > 1
+    if kind == "column":
+        if fused:
+            raise ValueError(f"plan: {name!r} is a fused projection (segments {[w for w, _ in segments]}); a "
+                             "contiguous slice of its rows is not this rank's part of each: plan it "
+                             "'column_fused', or give no plan")
+        return None
+    if not fused:
+        raise ValueError(f"plan: {name!r} = 'column_fused', but it is not a fused projection overlap recognizes "
+                         "(a [q | k | v] of an attention module with head counts, or a [gate | up])")
+    if any(h is not None for _, h in segments):
+        raise ValueError(f"plan: {name!r}: replicated key/value heads are not supported with a plan; give no plan")
+    return _segment_index(segments, rank, world)[0]
+
+
 def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, config: Any, overlap: bool,
-             seq_dim: int, edits: _Edits) -> None:
+             seq_dim: int, edits: _Edits, index: torch.Tensor | None = None) -> None:
     if kind in ("column", "row"):
         if not is_linear(module):
             raise TypeError(f"plan: {name!r} is {type(module).__name__}, not nn.Linear (or transformers' Conv1D)")
         cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        extra = {"index": index} if index is not None else {}
         try:
             edits.swap(name, cls.from_linear(module, group=group, sequence_parallel=sp, config=config,
-                                             overlap=overlap, sequence_dim=seq_dim if sp else 0))
+                                             overlap=overlap, sequence_dim=seq_dim if sp else 0, **extra))
         except (ValueError, TypeError) as e:
             raise type(e)(f"plan: {name!r}: {e}") from None
     elif kind == "sequence_norm":
@@ -359,7 +397,10 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     kind                the module (must be) -> becomes
     ==================  ===========================================================
     "column"            linear -> ``ColumnParallelLinear.from_linear`` (this rank's
-                        output rows; its outputs [..., N/R])
+                        output rows; its outputs [..., N/R]); a fused projection
+                        (recognized: [q | k | v], [gate | up]) raises
+    "column_fused"      a fused projection -> column-parallel, this rank's part of
+                        every segment (whole heads of q, k and v)
     "row"               linear -> ``RowParallelLinear.from_linear`` (this rank's
                         input columns; its outputs reduced)
     "sequence_norm"     a norm -> ``SequenceParallelNorm`` (sequence_parallel)
@@ -400,7 +441,8 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
                              "not supported; it applies to recognized models")
         if plan is None:
             plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
-        units = tuple(_planned(model, plan, group, world, sequence_parallel, config, overlap, sequence_dim, edits))
+        units = tuple(_planned(model, plan, group, world, rank, sequence_parallel, config, overlap, sequence_dim,
+                               edits))
     edits.commit()
     model.overlap_parallel = ParallelInfo(world, sequence_parallel, plan is None, units)
     if not hasattr(type(model), "tp_size"):  # HF models have their own (a read-only property)
