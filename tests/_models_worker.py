@@ -97,7 +97,7 @@ class CollectiveCount:
             setattr(tdist, fn, f)
 
 def check_family(family: str, sp: bool, plan: dict | None = None, vocab: bool = False, kv: int = 0) -> None:
-    what = (f"{family} sp={sp}" + (" (torch styles)" if plan else "") + (" vocab-parallel" if vocab else "")
+    what = (f"{family} sp={sp}" + (" (a plan)" if plan else "") + (" vocab-parallel" if vocab else "")
             + (f" {kv} kv heads" if kv else ""))
     ref = build(family, kv)
     tp = parallelize(copy.deepcopy(ref), plan=plan, sequence_parallel=sp, vocab_parallel=vocab)
@@ -267,6 +267,13 @@ def check_failures() -> None:
     unchanged(m, before, "fused qkv planned column")
     m, ref = parallelize(build("gpt2"), plan={**plan, "*attn.c_attn": "column_fused"}), build("gpt2")
     close(run(m, tokens(8))[0], run(ref, tokens(8))[0], "gpt2, a plan with column_fused")
+    # a norm left out of a sequence-parallel plan (its gradient would be wrong): raised, unchanged
+    m = build("titan")
+    plan = {k: v for k, v in titan_plan(True).items() if k != "layers.*.ffn_norm"}
+    before = snapshot(m)
+    raises(lambda: parallelize(m, plan=plan, sequence_parallel=True), ValueError, "layers.0.ffn_norm",
+           "a norm left out of the plan")
+    unchanged(m, before, "a norm left out of the plan")
     # twice: refused
     m = parallelize(build("gpt2"))
     raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")
@@ -310,6 +317,10 @@ def main() -> None:
             check_family(family, sp)
             if family == "titan" and not quick:
                 check_family(family, sp, titan_plan(sp))
+            if family == "qwen3" and not sp and not quick:  # a plan by HF names: the q/k norms still summed
+                check_family(family, sp, {"*self_attn.[qkv]_proj": "column", "*self_attn.o_proj": "row",
+                                          "*mlp.gate_proj": "column", "*mlp.up_proj": "column",
+                                          "*mlp.down_proj": "row"})
             if family in ("llama", "qwen2", "titan", "nanogpt") and not quick:  # untied, tied, not HF
                 check_family(family, sp, vocab=True)
             if family in ("llama", "mistral", "qwen2", "gptfast") and WS == 2:  # fewer kv heads than ranks

@@ -266,6 +266,7 @@ def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, 
     missing = [p for p, n in hits.items() if not n]
     if missing:
         raise ValueError(f"plan patterns matched no module: {missing}")
+    _plan_gaps(model, done, kinds_of, group, world, sp, edits)
     new = dict(edits.swaps)
     for owner in owners:  # its column children read its input through one gather
         members = [(n, m) for n, m in new.items() if isinstance(m, ColumnParallelLinear) and n.rpartition(".")[0] == owner]
@@ -298,6 +299,30 @@ def _plan_head_counts(model: nn.Module, new: dict[str, nn.Module], world: int, e
                              f"tensor-parallel size {world}")
         for a, v in local_attrs(m, nh, nkv, hd, world).items():
             edits.attrs.append((m, a, v))
+
+
+def _plan_gaps(model: nn.Module, done: list[str], kinds_of: dict[str, str], group: Any, world: int, sp: bool,
+               edits: _Edits) -> None:
+    """What a plan leaves out that would give wrong gradients, where ``recognize`` reads the
+    model: a block's norm not planned "sequence_norm" under sequence parallelism raises;
+    per-head parameters of an attention module whose projections it splits (Qwen3's q/k
+    norms, which see this rank's heads only) get their gradients summed over the group."""
+    try:
+        found = recognize(model, world)
+    except ValueError:
+        return  # a model recognize does not read: the plan is taken as written
+    planned = {n: next(k for p, k in kinds_of.items() if _matches(n, p)) for n in done}
+    if sp:
+        left = [n for n in found.norms if planned.get(n) != "sequence_norm"]
+        if left:
+            raise ValueError(f"plan: the norms {left} run on this rank's tokens under sequence parallelism but are "
+                             "not planned 'sequence_norm' (SequenceParallel()); their gradients would be wrong. "
+                             "Add them to the plan")
+    for u in found.units:
+        if any(planned.get(f"{u.name}.{c}") in ("column", "column_fused") for c in u.inputs):
+            for c in u.per_head:
+                if f"{u.name}.{c}" not in planned:
+                    edits.swap(f"{u.name}.{c}", ReplicatedParameters(u.module.get_submodule(c), group))
 
 
 def _fused_index(model: nn.Module, name: str, kind: str, world: int, rank: int) -> torch.Tensor | None:
