@@ -274,6 +274,13 @@ def check_failures() -> None:
     raises(lambda: parallelize(m, plan=plan, sequence_parallel=True), ValueError, "layers.0.ffn_norm",
            "a norm left out of the plan")
     unchanged(m, before, "a norm left out of the plan")
+    # generation (a key/value cache, one new token per step) without sequence parallelism:
+    # the unsharded model's tokens
+    ref = build("llama").eval()
+    m = parallelize(build("llama")).eval()
+    ids = tokens(9)[:1, :5]
+    assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False),
+                       ref.generate(ids, max_new_tokens=6, do_sample=False)), f"rank {RANK}: generate"
     # twice: refused
     m = parallelize(build("gpt2"))
     raises(lambda: parallelize(m), ValueError, "already parallelized", "twice")
