@@ -173,12 +173,15 @@ class ColumnParallelLinear(nn.Module):
         [K, N]). ``index``: the N/R rows to take (a fused projection's per-rank blocks);
         default the rank's contiguous block. Kept as ``shard_index``."""
         k, n_all, w, b = linear_parts(linear)  # w [N, K]
-        m = cls(k, n_all, bias=b is not None, group=group, sequence_parallel=sequence_parallel, device=w.device,
+        # with an index, the rank holds its rows (replicated key/value heads: more than N/R)
+        n_layer = n_all if index is None else len(index) * _group_info(group)[1]
+        m = cls(k, n_layer, bias=b is not None, group=group, sequence_parallel=sequence_parallel, device=w.device,
                 dtype=w.dtype, **kwargs)
-        n = m.out_features // m.tp_size
+        m.out_features = n_all
+        n = m.weight.shape[0]
         idx = torch.arange(m.tp_rank * n, (m.tp_rank + 1) * n) if index is None else index
-        if idx.shape != (n,):
-            raise ValueError(f"index of {tuple(idx.shape)} rows; this rank holds {n}")
+        if index is not None and (idx.min() < 0 or idx.max() >= n_all):
+            raise ValueError(f"index rows outside [0, {n_all})")
         with torch.no_grad():
             m.weight.copy_(w[idx.to(w.device)])
             if m.bias is not None:

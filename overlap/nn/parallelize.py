@@ -19,7 +19,6 @@ and converts it in place, whole or not at all:
 from __future__ import annotations
 
 import fnmatch
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,10 @@ import torch
 from torch import nn
 
 from . import functional as F
-from .layers import ColumnParallelLinear, RowParallelLinear, _group_info, _SequenceDim
-from .recognize import Recognized, head_counts, is_attention, is_linear, local_attrs, recognize
+from .grouped import ColumnGroup, input_slot, take_input
+from .layers import ColumnParallelLinear, RowParallelLinear, _group_info
+from .norms import ReplicatedParameters, SequenceParallelNorm
+from .recognize import Recognized, Segment, head_counts, is_attention, is_linear, local_attrs, recognize
 from .styles import SEQUENCE_KINDS, is_style, kind_of_style
 
 __all__ = ["parallelize", "unshard", "DEFAULT_PLAN", "SEQUENCE_PARALLEL_PLAN", "SequenceParallelNorm",
@@ -55,7 +56,7 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
 shards after the embeddings' dropout and gathered before the final norm; the blocks' norms
 run on this rank's tokens."""
 
-_KINDS = ("column", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
+_KINDS = ("column", "column_fused", "row", "sequence_norm", "scatter_sequence", "gather_sequence", "sequence_input")
 
 
 @dataclass(frozen=True)
@@ -70,206 +71,6 @@ class ParallelInfo:
     """True: no plan given, the structure recognized; False: a plan followed."""
     units: tuple[str, ...]
     """Attention and MLP modules converted (recognized), or the modules the plan matched."""
-
-
-# ---- parameters used on this rank's part of the data --------------------------------------
-
-class ReplicatedParameters(nn.Module):
-    """Runs ``module`` with its parameters through ``copy_to_region`` (forward identity,
-    backward all-reduce): for replicated parameters applied to this rank's part of the data
-    only (a norm on this rank's tokens, a per-head norm on this rank's heads), whose true
-    gradient sums every rank's part. Holds the parameters under their own names, so a
-    state dict keeps its keys; the module itself is kept outside the module tree."""
-
-    def __init__(self, module: nn.Module, group: Any) -> None:
-        super().__init__()
-        self.__dict__["inner"] = module  # not a submodule: its parameters are registered here, once
-        for n, p in module.named_parameters(recurse=False):
-            self.register_parameter(n, p)
-        self.group, self.tp_size, self.tp_rank = _group_info(group)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        params = {n: F.copy_to_region(p, group=self.group) for n, p in self._parameters.items() if p is not None}
-        return torch.func.functional_call(self.inner, params, args, kwargs)
-
-    def extra_repr(self) -> str:
-        return f"{self.inner!r}, gradients summed over {self.tp_size} ranks"
-
-
-def _check_norm_like(name: str, m: nn.Module) -> None:
-    """A LayerNorm- or RMSNorm-like module: parameters ``weight`` [C] (and ``bias`` [C]) only,
-    no children, no buffers, and row-wise (an output row depends on its input row only)."""
-    params = dict(m.named_parameters())
-    ok = ("weight" in params and set(params) <= {"weight", "bias"} and not list(m.children())
-          and not list(m.buffers()) and all(p.dim() == 1 and p.shape == params["weight"].shape
-                                            for p in params.values()))
-    if not ok:
-        raise ValueError(f"parallelize: {name} ({type(m).__name__}, parameters "
-                         f"{ {n: tuple(p.shape) for n, p in params.items()} }) holds parameters inside the "
-                         "sequence-parallel region and is not a norm (weight [C], optional bias [C]); its "
-                         "gradient would be wrong. Pass a plan, or use sequence_parallel=False")
-    w = params["weight"]
-    if w.device.type == "meta":
-        return
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, w.shape[0], generator=g).to(w.device, w.dtype)
-    x2 = x.clone()
-    x2[1] = torch.randn(w.shape[0], generator=g).to(w.device, w.dtype)
-    try:
-        with torch.no_grad():
-            y, y2 = m(x), m(x2)
-    except Exception as e:  # noqa: BLE001 - any failure means: not a norm we can run on a shard
-        raise ValueError(f"parallelize: {name} ({type(m).__name__}) failed on a [3, {w.shape[0]}] input ({e}); "
-                         "sequence parallelism needs its norms row-wise") from None
-    if not (isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y[0], y2[0])
-            and torch.allclose(y[2], y2[2])):
-        raise ValueError(f"parallelize: {name} ({type(m).__name__}) is not row-wise (an output row depends on "
-                         "other rows); sequence parallelism cannot run it on this rank's tokens")
-
-
-class SequenceParallelNorm(ReplicatedParameters):
-    """A norm of any class (LayerNorm- or RMSNorm-like: ``weight`` [C], optional ``bias``
-    [C], row-wise) run on this rank's tokens, its parameters' gradients summed over the
-    group (and so the same on every rank)."""
-
-    def __init__(self, norm: nn.Module, group: Any, name: str = "norm") -> None:
-        _check_norm_like(name, norm)
-        super().__init__(norm, group)
-
-
-# ---- the sequence-parallel stand-in ---------------------------------------------------------
-
-_SHAPE_OPS: set[Any] = set()
-
-
-class _StandIn(torch.Tensor):
-    """The input an attention / MLP module sees under sequence parallelism: the whole
-    sequence's shape, dtype and device, and no values (those are this rank's shard,
-    which its column layers gather). Anything but a shape query raises, naming the
-    module: a module that computes on its input other than through its projections
-    cannot be run this way."""
-
-    owner: str
-
-    @staticmethod
-    def __new__(cls, shape: tuple[int, ...], like: torch.Tensor, owner: str) -> "_StandIn":
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
-        t.owner = owner
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if not _SHAPE_OPS:
-            T = torch.Tensor
-            _SHAPE_OPS.update({T.size, T.dim, T.shape.__get__, T.dtype.__get__, T.device.__get__, T.ndim.__get__,
-                               T.is_cuda.__get__, T.requires_grad.__get__, T.__repr__, T.layout.__get__})
-        if func in _SHAPE_OPS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        owner = next((a.owner for a in args if isinstance(a, _StandIn)), "?")
-        raise RuntimeError(f"parallelize(sequence_parallel=True): {owner} used its input in "
-                           f"{getattr(func, '__name__', func)} other than through its projections; only "
-                           "its column layers can read it (they gather this rank's tokens). Use "
-                           "sequence_parallel=False or a plan for this model")
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        raise RuntimeError(f"parallelize(sequence_parallel=True): a stand-in input reached {func}")
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
-        return f"StandIn(shape={tuple(self.shape)}, for={self.owner})"
-
-
-def _input_slot(module: nn.Module) -> str | None:
-    """The name of ``module.forward``'s first parameter (its input, when passed by keyword)."""
-    try:
-        ps = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    return ps[0].name if ps and ps[0].kind in (ps[0].POSITIONAL_ONLY, ps[0].POSITIONAL_OR_KEYWORD) else None
-
-
-def _take_input(what: str, slot: str | None, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
-    """The module's input (first positional, or by keyword) and a function putting a new one in its place."""
-    if args:
-        x = args[0]
-        put = lambda v: ((v, *args[1:]), kwargs)  # noqa: E731
-    elif slot is not None and slot in kwargs:
-        x = kwargs[slot]
-        put = lambda v: (args, {**kwargs, slot: v})  # noqa: E731
-    else:
-        raise RuntimeError(f"parallelize: {what} was called without its input ({slot!r}) positionally or by keyword")
-    if not isinstance(x, torch.Tensor):
-        raise RuntimeError(f"parallelize: {what}'s input is {type(x).__name__}, not a tensor")
-    return x, put
-
-
-# ---- column layers that read one input --------------------------------------------------------
-
-class _ColumnGroup:
-    """The column layers of one attention / MLP module (q, k, v; gate, up; or one fused):
-    the first one called computes every one's output from the shared input, in one call
-    (``all_gather_linear_many`` / ``copy_linear_many``), the others take theirs. The owner's
-    hooks open and close each call; under sequence parallelism the owner's input is this
-    rank's tokens and the owner sees a stand-in of the whole sequence's shape."""
-
-    def __init__(self, owner: str, members: list[tuple[str, ColumnParallelLinear]], sp: bool, seq_dim: int,
-                 slot: str | None) -> None:
-        self.owner, self.sp, self.seq_dim, self.slot = owner, sp, seq_dim, slot
-        self.members = [m for _, m in members]
-        self.names = {id(m): n for n, m in members}
-        self._reset()
-
-    def _reset(self) -> None:
-        self.shard: torch.Tensor | None = None
-        self.stand_in: torch.Tensor | None = None
-        self.src: torch.Tensor | None = None
-        self.version = -1
-        self.outs: dict[int, torch.Tensor] = {}
-
-    def pre_hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        self._reset()
-        if not self.sp:
-            return None
-        x, put = _take_input(self.owner, self.slot, args, kwargs)
-        m0 = self.members[0]
-        d = self.seq_dim % x.dim()
-        shape = tuple(s * m0.tp_size if i == d else s for i, s in enumerate(x.shape))
-        self.shard, self.stand_in = x, _StandIn(shape, x, self.owner)
-        return put(self.stand_in)
-
-    def post_hook(self, _module: nn.Module, _args: tuple, _kwargs: dict, out: Any) -> Any:
-        self._reset()  # nothing of this call kept past it
-        return out
-
-    def __call__(self, member: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        if self.sp:
-            if self.stand_in is None or x is not self.stand_in:
-                raise RuntimeError(f"parallelize(sequence_parallel=True): {self.names[id(member)]} was called on "
-                                   f"a tensor other than {self.owner}'s input; its output would be wrong. Use "
-                                   "sequence_parallel=False or a plan for this model")
-            src = self.shard
-        else:
-            src = x
-        if src is not self.src or src._version != self.version or id(member) not in self.outs:
-            self.src, self.version = src, src._version
-            self.outs = dict(zip((id(m) for m in self.members), self._compute(src)))
-        return self.outs.pop(id(member))
-
-    def _compute(self, x: torch.Tensor) -> list[torch.Tensor]:
-        ms = self.members
-        m0 = ms[0]
-        ws, bs = [m.weight for m in ms], [m.bias for m in ms]
-        if self.sp:
-            x2, lead = _SequenceDim.to_rows(x, self.seq_dim)  # [T/R * ..., K]
-            ys = F.all_gather_linear_many(x2, ws, bs, group=m0.group, fused=m0.overlap, config=m0.config,
-                                          save_gathered=m0.save_gathered)  # [T * ..., N_i/R]
-            full = (m0.tp_size * lead[0], *lead[1:])
-            return [_SequenceDim.from_rows(y, full, self.seq_dim) for y in ys]
-        lead = x.shape[:-1]
-        ys = F.copy_linear_many(x.reshape(-1, x.shape[-1]), ws, bs, group=m0.group, fused=m0.overlap,
-                                config=m0.config)  # [tokens, N_i/R]
-        return [y.view(*lead, y.shape[-1]) for y in ys]
 
 
 # ---- parallelize -------------------------------------------------------------------------------
@@ -297,21 +98,30 @@ class _Edits:
             h()
 
 
-def _segment_index(segments: list[int], rank: int, world: int) -> torch.Tensor:
-    """The rows this rank takes of an output made of ``segments``: its part of each one."""
-    parts, off = [], 0
-    for s in segments:
-        n = s // world
-        parts.append(torch.arange(off + rank * n, off + (rank + 1) * n))
-        off += s
-    return torch.cat(parts)
+def _segment_index(segments: list[Segment], rank: int, world: int) -> tuple[torch.Tensor, Any]:
+    """The rows this rank takes of an output made of ``segments`` (its part of each one, or
+    its replicated key/value head), and for replicated rows ``(local rows, head, heads)``
+    (their gradient is summed over the ranks holding the same head), else None."""
+    parts, shared, off, local = [], [], 0, 0
+    head = heads = 0
+    for width, n_heads in segments:
+        if n_heads is None:
+            n = width // world
+            parts.append(torch.arange(off + rank * n, off + (rank + 1) * n))
+        else:
+            n, heads = width // n_heads, n_heads
+            head = rank * n_heads // world
+            parts.append(torch.arange(off + head * n, off + (head + 1) * n))
+            shared.append(torch.arange(local, local + n))
+        off, local = off + width, local + n
+    return torch.cat(parts), ((torch.cat(shared), head, heads) if shared else None)
 
 
 def _scatter_hook(group: Any, world: int, dim: int, where: str) -> Callable:
     slot = None
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        x, put = _take_input(where, slot, args, kwargs)
+        x, put = take_input(where, slot, args, kwargs)
         if x.shape[dim % x.dim()] % world:
             raise ValueError(f"parallelize(sequence_parallel=True): {where}'s input {tuple(x.shape)} has a sequence "
                              f"(dim {dim}) that is not a multiple of the tensor-parallel size {world}")
@@ -319,7 +129,7 @@ def _scatter_hook(group: Any, world: int, dim: int, where: str) -> Callable:
 
     def bind(module: nn.Module) -> Callable:
         nonlocal slot
-        slot = _input_slot(module)
+        slot = input_slot(module)
         return hook
 
     return bind
@@ -344,11 +154,13 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         members = []
         for c in u.inputs:
             lin = u.module.get_submodule(c)
+            index, shared = _segment_index(u.segments[c], rank, world)
             try:
                 col = ColumnParallelLinear.from_linear(lin, sequence_parallel=sp, sequence_dim=seq_dim if sp else 0,
-                                                       index=_segment_index(u.segments[c], rank, world), **kw)
+                                                       index=index, **kw)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"parallelize: {u.name}.{c}: {e}") from None
+            edits.attrs.append((col, "shared_rows", shared))
             members.append((f"{u.name}.{c}", col))
             edits.swap(f"{u.name}.{c}", col)
         try:
@@ -357,7 +169,7 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         except (ValueError, TypeError) as e:
             raise type(e)(f"parallelize: {u.name}.{u.output}: {e}") from None
         edits.swap(f"{u.name}.{u.output}", row)
-        fusion = _ColumnGroup(u.name, members, sp, seq_dim, _input_slot(u.module))
+        fusion = ColumnGroup(u.name, members, sp, seq_dim, input_slot(u.module), u.local_width)
         for _, col in members:
             edits.attrs.append((col, "_fusion", fusion))
         edits.hooks.append(lambda m=u.module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))
@@ -377,11 +189,48 @@ def _recognized(model: nn.Module, found: Recognized, group: Any, world: int, ran
         edits.hooks.append(lambda: last.register_forward_hook(hook))
 
 
+def _vocab_parallel(model: nn.Module, found: Recognized, group: Any, edits: _Edits) -> None:
+    """The input embedding and the output head split over the vocabulary (tied: still one
+    parameter); an HF causal LM's loss computed on the split logits."""
+    from .recognize import _dims
+    from .vocab import VocabParallelEmbedding, causal_lm_loss
+
+    names = {id(m): n for n, m in model.named_modules()}
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if callable(get_in) and callable(get_out):
+        emb, head = get_in(), get_out()
+        pairs = [(emb, head)] if emb is not None and head is not None else []
+    else:
+        inside = {id(m) for b in found.blocks for m in b.modules()}
+        heads = [m for m in model.modules() if is_linear(m) and id(m) not in inside]
+        embs = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        pairs = [(e, h) for e in embs for h in heads if _dims(h) == (e.embedding_dim, e.num_embeddings)]
+    if len(pairs) != 1 or not isinstance(pairs[0][0], nn.Embedding) or not is_linear(pairs[0][1]):
+        raise ValueError("parallelize(vocab_parallel=True): no single input embedding (nn.Embedding [V, C]) and "
+                         f"output head (a linear C -> V) found ({len(pairs)} candidates); use vocab_parallel=False")
+    emb, head = pairs[0]
+    if _dims(head) != (emb.embedding_dim, emb.num_embeddings):
+        raise ValueError(f"parallelize(vocab_parallel=True): the head {names[id(head)]} maps {_dims(head)}, the "
+                         f"embedding {names[id(emb)]} is {tuple(emb.weight.shape)}")
+    hf = hasattr(type(model), "loss_function")
+    if hf and not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        raise ValueError(f"parallelize(vocab_parallel=True): {type(model).__name__} is not a causal LM; its loss "
+                         "is not mapped to the vocab-parallel cross-entropy. Use vocab_parallel=False")
+    vpe = VocabParallelEmbedding(emb, group)
+    col = ColumnParallelLinear.from_linear(head, group=group)  # the same rows: rank-major V/R blocks
+    edits.swap(names[id(emb)], vpe)
+    edits.swap(names[id(head)], col)
+    if head.weight is emb.weight:  # tied: still one parameter
+        edits.attrs.append((col, "weight", vpe.weight))
+    if hf:
+        edits.attrs.append((model, "loss_function", causal_lm_loss(group)))
+
+
 def _matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
-def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, sp: bool, config: Any,
+def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, rank: int, sp: bool, config: Any,
              overlap: bool, seq_dim: int, edits: _Edits) -> list[str]:
     kinds_of: dict[str, str] = {}
     for pattern, kind in plan.items():
@@ -408,11 +257,16 @@ def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, 
         done.append(name)
         if kind == "sequence_input":
             owners.append(name)
-        else:
-            _convert(name, module, kind, group, sp, config, overlap, seq_dim, edits)
+            continue
+        index = None
+        if kind in ("column", "column_fused"):
+            index = _fused_index(model, name, kind, world, rank)
+        _convert(name, module, "column" if kind == "column_fused" else kind, group, sp, config, overlap, seq_dim,
+                 edits, index)
     missing = [p for p, n in hits.items() if not n]
     if missing:
         raise ValueError(f"plan patterns matched no module: {missing}")
+    _plan_gaps(model, done, kinds_of, group, world, sp, edits)
     new = dict(edits.swaps)
     for owner in owners:  # its column children read its input through one gather
         members = [(n, m) for n, m in new.items() if isinstance(m, ColumnParallelLinear) and n.rpartition(".")[0] == owner]
@@ -420,7 +274,7 @@ def _planned(model: nn.Module, plan: Mapping[str, Any], group: Any, world: int, 
             raise ValueError(f"plan: {owner!r} takes a sequence-sharded input (PrepareModuleInput) but none of its "
                              "children is planned column-parallel; plan its input projections ColwiseParallel()")
         module = model.get_submodule(owner)
-        fusion = _ColumnGroup(owner, members, True, seq_dim, _input_slot(module))
+        fusion = ColumnGroup(owner, members, True, seq_dim, input_slot(module))
         for _, col in members:
             edits.attrs.append((col, "_fusion", fusion))
         edits.hooks.append(lambda m=module, f=fusion: m.register_forward_pre_hook(f.pre_hook, with_kwargs=True))
@@ -447,15 +301,73 @@ def _plan_head_counts(model: nn.Module, new: dict[str, nn.Module], world: int, e
             edits.attrs.append((m, a, v))
 
 
+def _plan_gaps(model: nn.Module, done: list[str], kinds_of: dict[str, str], group: Any, world: int, sp: bool,
+               edits: _Edits) -> None:
+    """What a plan leaves out that would give wrong gradients, where ``recognize`` reads the
+    model: a block's norm not planned "sequence_norm" under sequence parallelism raises;
+    per-head parameters of an attention module whose projections it splits (Qwen3's q/k
+    norms, which see this rank's heads only) get their gradients summed over the group."""
+    try:
+        found = recognize(model, world)
+    except ValueError:
+        return  # a model recognize does not read: the plan is taken as written
+    planned = {n: next(k for p, k in kinds_of.items() if _matches(n, p)) for n in done}
+    if sp:
+        left = [n for n in found.norms if planned.get(n) != "sequence_norm"]
+        if left:
+            raise ValueError(f"plan: the norms {left} run on this rank's tokens under sequence parallelism but are "
+                             "not planned 'sequence_norm' (SequenceParallel()); their gradients would be wrong. "
+                             "Add them to the plan")
+    for u in found.units:
+        if any(planned.get(f"{u.name}.{c}") in ("column", "column_fused") for c in u.inputs):
+            for c in u.per_head:
+                if f"{u.name}.{c}" not in planned:
+                    edits.swap(f"{u.name}.{c}", ReplicatedParameters(u.module.get_submodule(c), group))
+
+
+def _fused_index(model: nn.Module, name: str, kind: str, world: int, rank: int) -> torch.Tensor | None:
+    """A planned column layer that is a fused projection (``recognize``: [q | k | v] of an
+    attention, [gate | up] of an MLP): "column" would cut it into contiguous slices, which
+    are not whole heads of each part, and raises; "column_fused" takes this rank's part of
+    every segment. None: a plain column (overlap's own GPT, whose qkv is laid out per head,
+    and modules ``recognize`` does not read)."""
+    from .recognize import _attention, _mlp
+
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    segments = None
+    if type(parent).__module__ != "overlap.models.gpt" and sum(is_linear(c) for c in parent.children()) >= 2:
+        try:
+            unit = (_attention(parent_name, parent, getattr(model, "config", None), world) if is_attention(parent)
+                    else _mlp(parent_name, parent, world))
+            segments = unit.segments.get(child)
+        except ValueError:
+            segments = None
+    fused = segments is not None and len(segments) > 1
+    if kind == "column":
+        if fused:
+            raise ValueError(f"plan: {name!r} is a fused projection (segments {[w for w, _ in segments]}); a "
+                             "contiguous slice of its rows is not this rank's part of each: plan it "
+                             "'column_fused', or give no plan")
+        return None
+    if not fused:
+        raise ValueError(f"plan: {name!r} = 'column_fused', but it is not a fused projection overlap recognizes "
+                         "(a [q | k | v] of an attention module with head counts, or a [gate | up])")
+    if any(h is not None for _, h in segments):
+        raise ValueError(f"plan: {name!r}: replicated key/value heads are not supported with a plan; give no plan")
+    return _segment_index(segments, rank, world)[0]
+
+
 def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, config: Any, overlap: bool,
-             seq_dim: int, edits: _Edits) -> None:
+             seq_dim: int, edits: _Edits, index: torch.Tensor | None = None) -> None:
     if kind in ("column", "row"):
         if not is_linear(module):
             raise TypeError(f"plan: {name!r} is {type(module).__name__}, not nn.Linear (or transformers' Conv1D)")
         cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        extra = {"index": index} if index is not None else {}
         try:
             edits.swap(name, cls.from_linear(module, group=group, sequence_parallel=sp, config=config,
-                                             overlap=overlap, sequence_dim=seq_dim if sp else 0))
+                                             overlap=overlap, sequence_dim=seq_dim if sp else 0, **extra))
         except (ValueError, TypeError) as e:
             raise type(e)(f"plan: {name!r}: {e}") from None
     elif kind == "sequence_norm":
@@ -464,10 +376,10 @@ def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, conf
         edits.hooks.append(lambda: module.register_forward_hook(
             lambda _m, _args, out: F.scatter_to_region(out, group=group, dim=seq_dim)))
     else:  # gather_sequence
-        slot = _input_slot(module)
+        slot = input_slot(module)
 
         def pre(_m: nn.Module, args: tuple, kwargs: dict) -> Any:
-            x, put = _take_input(name, slot, args, kwargs)
+            x, put = take_input(name, slot, args, kwargs)
             return put(F.gather_from_region(x, group=group, dim=seq_dim))
 
         edits.hooks.append(lambda: module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -475,7 +387,7 @@ def _convert(name: str, module: nn.Module, kind: str, group: Any, sp: bool, conf
 
 def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | None = None, *,
                 sequence_parallel: bool = False, config: Any = None, overlap: bool = True,
-                sequence_dim: int = 1) -> nn.Module:
+                sequence_dim: int = 1, vocab_parallel: bool = False) -> nn.Module:
     """Apply tensor parallelism to ``model`` in place and return it; all of it or, where
     anything does not fit, none of it (a ``ValueError`` / ``TypeError`` naming the module
     and what to do, the model unchanged).
@@ -484,11 +396,18 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     transformers' decoders of the Llama family (Llama, Mistral, Qwen2/3: GQA, q/k/v biases,
     tied embeddings), GPT-2 (Conv1D, fused ``c_attn``), and models built like them: each
     attention's q/k/v (or fused qkv) column-parallel over whole heads, read from one gather,
-    its output projection row-parallel, its head counts set to the local ones; each MLP's
+    its output projection row-parallel, its head counts set to the local ones (fewer
+    key/value heads than ranks, R a multiple of them: each replicated, Megatron's way, its
+    gradient summed over its copies); each MLP's
     gate/up (or up, or fused gate/up) column-parallel from one gather, its down projection
     row-parallel. Embeddings, the final norm and the head stay replicated. A model whose
     names match ``DEFAULT_PLAN`` (``overlap.models.GPT``: qkv laid out per head) follows
     that plan (``SEQUENCE_PARALLEL_PLAN`` with ``sequence_parallel``).
+
+    ``vocab_parallel`` (opt in, no plan): the input embedding and the output head hold V/R
+    rows of the vocabulary (tied ones stay one parameter); the logits are this rank's
+    columns ``[B, T, V/R]``, never whole on one rank; an HF causal LM's loss becomes
+    ``vocab_parallel_cross_entropy`` (other models: call it on the logits yourself).
 
     ``sequence_parallel``: the residual stream ``[B, T/R, C]`` (``sequence_dim=1``) from
     the first block's input to the last one's output, T a multiple of R; norms of any
@@ -503,7 +422,10 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     kind                the module (must be) -> becomes
     ==================  ===========================================================
     "column"            linear -> ``ColumnParallelLinear.from_linear`` (this rank's
-                        output rows; its outputs [..., N/R])
+                        output rows; its outputs [..., N/R]); a fused projection
+                        (recognized: [q | k | v], [gate | up]) raises
+    "column_fused"      a fused projection -> column-parallel, this rank's part of
+                        every segment (whole heads of q, k and v)
     "row"               linear -> ``RowParallelLinear.from_linear`` (this rank's
                         input columns; its outputs reduced)
     "sequence_norm"     a norm -> ``SequenceParallelNorm`` (sequence_parallel)
@@ -535,11 +457,17 @@ def parallelize(model: nn.Module, group: Any = None, plan: Mapping[str, Any] | N
     if plan is None and not legacy:
         found = recognize(model, world)
         _recognized(model, found, group, world, rank, sequence_parallel, config, overlap, sequence_dim, edits)
+        if vocab_parallel:
+            _vocab_parallel(model, found, group, edits)
         units = tuple(u.name for u in found.units)
     else:
+        if vocab_parallel:
+            raise ValueError("parallelize: vocab_parallel=True with a plan (or a model following DEFAULT_PLAN) is "
+                             "not supported; it applies to recognized models")
         if plan is None:
             plan = SEQUENCE_PARALLEL_PLAN if sequence_parallel else DEFAULT_PLAN
-        units = tuple(_planned(model, plan, group, world, sequence_parallel, config, overlap, sequence_dim, edits))
+        units = tuple(_planned(model, plan, group, world, rank, sequence_parallel, config, overlap, sequence_dim,
+                               edits))
     edits.commit()
     model.overlap_parallel = ParallelInfo(world, sequence_parallel, plan is None, units)
     if not hasattr(type(model), "tp_size"):  # HF models have their own (a read-only property)
@@ -554,6 +482,8 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
     Collective: every rank of the group calls it, and every rank gets the whole."""
     import torch.distributed as tdist
 
+    from .vocab import VocabParallelEmbedding
+
     out: dict[str, torch.Tensor | None] = {}
     for name, p in model.named_parameters():
         parent, _, leaf = name.rpartition(".")
@@ -563,11 +493,13 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
         if t is None:
             out[name] = None
             continue
-        dim = None
+        dim = size = None
         if isinstance(mod, ColumnParallelLinear) and idx is not None:
-            dim = 0
+            dim, size = 0, mod.out_features
+        elif isinstance(mod, VocabParallelEmbedding):
+            dim, size = 0, mod.num_embeddings
         elif isinstance(mod, RowParallelLinear) and idx is not None and leaf == "weight":
-            dim = 1
+            dim, size = 1, mod.in_features
         if dim is not None:
             world = tdist.get_world_size(mod.group)
             ts = [torch.empty_like(t) for _ in range(world)]
@@ -575,8 +507,9 @@ def unshard(model: nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor 
             ids = [torch.empty_like(idx) for _ in range(world)]
             tdist.all_gather(ids, idx.to(t.device), group=mod.group)
             full_shape = list(t.shape)
-            full_shape[dim] *= world
-            t = t.new_empty(full_shape).index_copy_(dim, torch.cat(ids).to(t.device), torch.cat(ts, dim))
+            full_shape[dim] = size
+            # replicated key/value rows arrive from each of their copies, equal: any one lands
+            t = t.new_zeros(full_shape).index_copy_(dim, torch.cat(ids).to(t.device), torch.cat(ts, dim))
         if getattr(mod, "source_transposed", False) and leaf == "weight":
             t = t.t()
         out[name] = t

@@ -21,7 +21,9 @@ then pass a ``plan``.
 A fused projection's output is assumed laid out in whole segments ([q | k | v] as GPT-2,
 nanoGPT and gpt-fast do; [gate | up] as Phi-3 does), and each rank takes its part of every
 segment, so that the module's own ``split`` / ``chunk`` of its local output gives its own
-heads (``split_size`` and the head counts set to the local ones).
+heads (``split_size`` and the head counts set to the local ones). Fewer key/value heads
+than ranks, the ranks a multiple of them: each one replicated on the ranks whose query
+heads read it.
 """
 
 from __future__ import annotations
@@ -34,11 +36,16 @@ from torch import nn
 
 from .layers import is_conv1d
 
-__all__ = ["Unit", "Recognized", "recognize", "is_linear", "is_attention", "head_counts", "local_attrs"]
+__all__ = ["Segment", "Unit", "Recognized", "recognize", "is_linear", "is_attention", "head_counts", "local_attrs"]
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 KV_ATTRS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_local_heads")
 WIDTH_ATTRS = ("embed_dim", "split_size", "all_head_size", "dim", "n_embd", "inner_dim")
+GROUP_ATTRS = ("num_key_value_groups", "n_rep")
+
+Segment = tuple[int, "int | None"]
+"""A part of a projection's output: (width, None) split over the ranks in contiguous blocks;
+(width, n) n key/value heads each replicated on world / n ranks (rank r takes head r n / world)."""
 
 
 def is_linear(m: nn.Module) -> bool:
@@ -90,10 +97,6 @@ def local_attrs(m: nn.Module, nh: int, nkv: int, hd: int, world: int) -> dict[st
 
 def is_attention(m: nn.Module) -> bool:
     """A module with a head count or a head_dim of its own."""
-    return _is_attention(m)
-
-
-def _is_attention(m: nn.Module) -> bool:
     return _int_attr(m, HEAD_ATTRS) is not None or _int_attr(m, ("head_dim",)) is not None
 
 
@@ -105,10 +108,11 @@ class Unit:
     module: nn.Module
     kind: str  # "attention" | "mlp"
     inputs: list[str]  # the column children, registration order
-    segments: dict[str, list[int]]  # child -> its output's segment widths (one entry: not fused)
+    segments: dict[str, list[Segment]]  # child -> its output's segments (one entry: not fused)
     output: str  # the row child
     attrs: dict[str, int] = field(default_factory=dict)  # attribute -> local value (heads, widths)
     per_head: list[str] = field(default_factory=list)  # children with per-head parameters (q_norm, k_norm)
+    local_width: int | None = None  # attention: this rank's query heads x head_dim
 
 
 @dataclass
@@ -150,29 +154,34 @@ def _attention(name: str, m: nn.Module, config: Any, world: int) -> Unit:
     if out[1] != nh * hd:
         raise _fail(name, f"the output projection {out[0]!r} reads {out[1]} features, not heads x head_dim "
                           f"= {nh} x {hd}")
+    # fewer key/value heads than ranks: each kv head replicated on the world / nkv ranks whose
+    # query heads read it (Megatron's way); then a rank's query heads all fall in one group
+    replicate = nkv < world and world % nkv == 0 and nh % world == 0
     for what, n in (("query heads", nh), ("key/value heads", nkv)):
-        if n % world:
-            hint = (" (fewer key/value heads than ranks: replicating them is not supported yet)"
-                    if what == "key/value heads" and n < world else "")
-            raise _fail(name, f"{n} {what} do not divide over the tensor-parallel size {world}{hint}; use a "
-                              f"tensor-parallel size that divides both head counts")
-    segments: dict[str, list[int]] = {}
+        if n % world and not (replicate and what == "key/value heads"):
+            raise _fail(name, f"{n} {what} do not divide over the tensor-parallel size {world} (nor does the size "
+                              "divide by them); use a tensor-parallel size that divides both head counts")
+    kv_seg: Segment = (nkv * hd, nkv if replicate else None)
+    segments: dict[str, list[Segment]] = {}
     if len(ins) == 1:
         fused = (nh + 2 * nkv) * hd
         if ins[0][2] != fused:
             raise _fail(name, f"one input projection {ins[0][0]!r} of {ins[0][2]} features; a fused [q | k | v] "
                               f"of {nh} + 2 x {nkv} heads of {hd} has {fused}")
-        segments[ins[0][0]] = [nh * hd, nkv * hd, nkv * hd]
+        segments[ins[0][0]] = [(nh * hd, None), kv_seg, kv_seg]
     elif len(ins) == 3:
         widths = [l[2] for l in ins]
         if sorted(widths) != sorted([nh * hd, nkv * hd, nkv * hd]):
             raise _fail(name, f"input projections {[l[0] for l in ins]} of {widths} features; q, k, v of {nh}, "
                               f"{nkv}, {nkv} heads of {hd} have {[nh * hd, nkv * hd, nkv * hd]}")
-        segments = {l[0]: [l[2]] for l in ins}
+        segments = {l[0]: [kv_seg if (replicate and l[2] == nkv * hd) else (l[2], None)] for l in ins}
     else:
         raise _fail(name, f"{len(ins)} input projections ({[l[0] for l in ins]}); attention has q, k, v or one "
                           "fused qkv")
     attrs = local_attrs(m, nh, nkv, hd, world)
+    if replicate:  # one kv head per rank; the query heads per kv head are this rank's
+        attrs.update({a: 1 for a in KV_ATTRS if _int_attr(m, (a,)) == nkv})
+        attrs.update({a: nh // world for a in GROUP_ATTRS if _int_attr(m, (a,)) == nh // nkv})
     per_head = []
     for c, ch in m.named_children():
         if is_linear(ch) or not any(True for _ in ch.parameters()):
@@ -185,16 +194,16 @@ def _attention(name: str, m: nn.Module, config: Any, world: int) -> Unit:
     own = [n for n, _ in m.named_parameters(recurse=False)]
     if own:
         raise _fail(name, f"the attention module holds parameters {own} of its own")
-    return Unit(name, m, "attention", [l[0] for l in ins], segments, out[0], attrs, per_head)
+    return Unit(name, m, "attention", [l[0] for l in ins], segments, out[0], attrs, per_head, nh * hd // world)
 
 
 def _mlp(name: str, m: nn.Module, world: int) -> Unit:
     ins, out = _split_unit(name, m)
     inner = out[1]
     if len(ins) == 1 and ins[0][2] == 2 * inner:
-        segments = {ins[0][0]: [inner, inner]}  # fused [gate | up]
+        segments = {ins[0][0]: [(inner, None), (inner, None)]}  # fused [gate | up]
     elif len(ins) in (1, 2) and all(l[2] == inner for l in ins):
-        segments = {l[0]: [inner] for l in ins}
+        segments = {l[0]: [(inner, None)] for l in ins}
     else:
         raise _fail(name, f"input projections {[(l[0], l[2]) for l in ins]} do not fit an output projection "
                           f"{out[0]!r} of {inner} inputs")
@@ -217,7 +226,7 @@ def recognize(model: nn.Module, world: int) -> Recognized:
         if not isinstance(lst, (nn.ModuleList, nn.ModuleDict)) or not len(lst):
             continue
         blks = list(lst.values()) if isinstance(lst, nn.ModuleDict) else list(lst)
-        if all(any(_is_attention(s) and sum(is_linear(c) for c in s.children()) >= 2 for s in blk.modules())
+        if all(any(is_attention(s) and sum(is_linear(c) for c in s.children()) >= 2 for s in blk.modules())
                for blk in blks):
             stacks.append((sname, blks))
     if not stacks:
@@ -235,9 +244,9 @@ def recognize(model: nn.Module, world: int) -> Recognized:
             if id(m) in taken:
                 continue
             n_lin = sum(is_linear(c) for c in m.children())
-            if n_lin >= 2 or (n_lin and _is_attention(m)):
+            if n_lin >= 2 or (n_lin and is_attention(m)):
                 qual = names[id(m)]
-                u = _attention(qual, m, config, world) if _is_attention(m) else _mlp(qual, m, world)
+                u = _attention(qual, m, config, world) if is_attention(m) else _mlp(qual, m, world)
                 units.append(u)
                 taken.update(id(x) for x in m.modules())
         for _, m in mods:
