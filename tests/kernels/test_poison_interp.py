@@ -175,3 +175,50 @@ def test_flat_expired_wait_stores_nan() -> None:
             done = ~torch.isnan(c)
             assert (c[done].double() - want[done]).abs().max() < 0.05, "a row of C left as it was"
             assert done.any() and not done.all()
+
+
+@interpreted
+def test_reduce_expired_wait_stores_nan() -> None:
+    """The peer-copy all-reduce's reduce kernel: the chunk whose peer rows never land is
+    NaN in h and in y (or in the folded norm's row statistics) for every block shape and
+    statistics path, the chunk before it right, and every chunk still posted (a consumer
+    GEMM then reads NaN, not stale rows)."""
+    from overlap.kernels.add_norm import ReduceShape, launch_reduce_norm
+    from tests.kernels._interp_common import TOL, ErrorWord
+
+    g = torch.Generator().manual_seed(48)
+    m, k = 12, 40
+    starts = torch.tensor([0, 7, 12], dtype=torch.int32)  # chunk 1: rows 7-11, a ragged block
+    for dt in (torch.float16, torch.float32):
+        for kind, out, shape in ((None, "h", ReduceShape(rows=4)), ("layernorm", "y", ReduceShape(rows=4, segment=0)),
+                                 ("layernorm", "y", ReduceShape(rows=4, block_k=16, segment=0)),
+                                 ("rmsnorm", "y", ReduceShape(rows=4, segment=8)),
+                                 ("layernorm", "stats", ReduceShape(rows=4, segment=0))):
+            x, peer, res = (torch.randn(m, k, generator=g).to(dt) for _ in range(3))
+            w = torch.randn(k, generator=g).to(dt)
+            h = torch.full((m, k), GARBAGE, dtype=dt)
+            y = torch.full((m, k), GARBAGE, dtype=dt) if out == "y" else None
+            stats = torch.full((m, 2), GARBAGE) if out == "stats" else None
+            ready = torch.zeros(2, dtype=torch.int32)
+            ew = ErrorWord("cpu", what="reduce poison")
+            launch_reduce_norm(x, peer[None].contiguous(), h, starts=starts,
+                               rflags=torch.tensor([5, 4], dtype=torch.int32), ready=ready, err=ew.word, epoch=5,
+                               rank=0, world=2, programs=1, residual=res, norm=kind,
+                               weight=w if kind and out == "y" else None, y=y, stats=stats, max_spins=50, shape=shape)
+            _timed_out(ew, 1, 5)
+            what = (dt, kind, out, shape)
+            assert ready.tolist() == [1, 1], (what, ready)
+            h_ref = ((x.float() + peer.float()).to(dt).float() + res.float()).to(dt)
+            assert torch.isnan(h[7:]).all(), (what, "h of the missing chunk left as it was")
+            assert (h[:7].float() - h_ref[:7].float()).abs().max() <= TOL[dt] * 10, what
+            if out == "y":
+                hf = h_ref.float()
+                if kind == "layernorm":
+                    y_ref = torch.nn.functional.layer_norm(hf, (k,), w.float(), None, 1e-5)
+                else:
+                    y_ref = hf * torch.rsqrt(hf.pow(2).mean(1, keepdim=True) + 1e-5) * w.float()
+                assert torch.isnan(y[7:]).all(), (what, "y of the missing chunk left as it was")
+                assert (y[:7].float() - y_ref[:7]).abs().max() < 2e-2, what
+            if out == "stats":
+                assert torch.isnan(stats[7:]).all(), (what, "the missing chunk's statistics left as they were")
+                assert torch.isfinite(stats[:7]).all() and (stats[:7] != GARBAGE).all(), what
