@@ -306,7 +306,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
     to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
     After a timeout (recorded in the error word) programs skip their rows but still
-    post, so nothing waits in vain.
+    post, so nothing waits in vain; a skipped chunk's rows of h (and of y, or the
+    folded norm's statistics) are stored as NaN, so the GEMM behind reads NaN, never
+    the buffers' old rows.
 
     With SEG = 0 (whole-row statistics): with BLOCK_K >= K a row block stays in
     registers, h is written once and the norm comes from registers (two-pass

@@ -29,7 +29,13 @@ A wait is bounded: past ``timeout_ns`` (GPU global timer) or ``max_spins``
 polls (under the interpreter) the tile records [code, rank, flag index,
 expected, seen, table row] in the error word, does no work, and every other
 tile of every program then skips its work, so the kernel exits promptly and the
-host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do. The
+host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do.
+A tile that skips its work so (its wait failed, its sender's signature disagreed, or
+the error word was set) stores NaN over its C tile, masked to C's rows and columns
+(``_poison``), so a call that returns before its error is raised (``check="async"``)
+returns NaN where it had no data, never C's old values; a skipped split piece stores
+NaN and is not counted, so no piece sums the others' partials over it. Dead tiles of a
+row cut store nothing; the stores happen on the error path only. The
 decision to stop is taken by all of a program's warps alike (``_cta_any``): their own
 reads of the timer or the error word can differ by a few nanoseconds, and warps that
 went different ways would leave each other waiting at a barrier.
