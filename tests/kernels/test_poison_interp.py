@@ -222,3 +222,46 @@ def test_reduce_expired_wait_stores_nan() -> None:
             if out == "stats":
                 assert torch.isnan(stats[7:]).all(), (what, "the missing chunk's statistics left as they were")
                 assert torch.isfinite(stats[:7]).all() and (stats[:7] != GARBAGE).all(), what
+
+
+@interpreted
+def test_ops_return_nan_where_a_call_had_no_data() -> None:
+    """The peer-copy ops on the stand-in runtime (rank 0 of 2, kernels interpreted), the
+    peer's signature words for the call differing (its tiles and chunks skip their work),
+    the error not raised by the call (``check="none"``: what a call returns before its
+    error is seen): the all-gather's C is right in this rank's rows and NaN in the
+    peer's; the all-reduce's h and C are NaN everywhere; the error is recorded."""
+    from overlap.flags import RanksDisagreeError
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather_p2p as agp
+    from overlap.ops import all_reduce_p2p as arp
+    from tests.kernels._interp_common import CFG, TOL, _StandIn, _rel
+
+    rt = _StandIn()
+    g = torch.Generator().manual_seed(49)
+    ms, n, k = 64, 32, 48
+    cfg = OverlapConfig(chunks=2, check="none", transport="p2p", gemm=CFG, reduce_ctas=4)
+    lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+    with rt.patched():
+        for disagree in (False, True):
+            rt.disagree = disagree
+            a, peer, x, xp = (torch.randn(ms, k, generator=g).half() for _ in range(4))
+            rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
+            rt.recv("all_reduce_matmul", (1, ms, k), torch.float16)[0].copy_(xp)
+            c = agp._fused_p2p(rt, a, lin.t(), False, cfg)
+            c2, h = arp._fused_p2p(rt, x, lin.t(), None, None, cfg)
+            want = torch.cat([a, peer]).double() @ lin.t().double()
+            assert _rel(c[:ms], want[:ms]) < TOL[torch.float16], disagree
+            if not disagree:
+                assert _rel(c, want) < TOL[torch.float16]
+                assert _rel(h, x.double() + xp.double()) < TOL[torch.float16]
+                continue
+            assert torch.isnan(c[ms:]).all(), "the all-gather returned the peer's rows' C as numbers"
+            assert torch.isnan(h).all() and torch.isnan(c2).all(), "the all-reduce returned numbers"
+    raised = 0
+    for ew in rt.errs.values():
+        try:
+            ew.check()
+        except RanksDisagreeError:
+            raised += 1
+    assert raised == 2, raised  # one record per op
