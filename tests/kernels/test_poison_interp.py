@@ -229,13 +229,24 @@ def test_ops_return_nan_where_a_call_had_no_data() -> None:
     """The peer-copy ops on the stand-in runtime (rank 0 of 2, kernels interpreted), the
     peer's signature words for the call differing (its tiles and chunks skip their work),
     the error not raised by the call (``check="none"``: what a call returns before its
-    error is seen): the all-gather's C is right in this rank's rows and NaN in the
-    peer's; the all-reduce's h and C are NaN everywhere; the error is recorded."""
+    error is seen): the all-gather's C and gathered rows right in this rank's rows and
+    NaN in the peer's; the all-reduce's h and C NaN everywhere, one-shot and two-shot
+    (whose peer rows of h are copied from its gather buffer); the errors recorded. Each
+    disagreeing call comes after a right one with new inputs."""
     from overlap.flags import RanksDisagreeError
     from overlap.ops import OverlapConfig
     from overlap.ops import all_gather_p2p as agp
     from overlap.ops import all_reduce_p2p as arp
     from tests.kernels._interp_common import CFG, TOL, _StandIn, _rel
+
+    def recorded(rt):
+        n = 0
+        for ew in rt.errs.values():
+            try:
+                ew.check()
+            except RanksDisagreeError:
+                n += 1
+        return n
 
     rt = _StandIn()
     g = torch.Generator().manual_seed(49)
@@ -248,20 +259,35 @@ def test_ops_return_nan_where_a_call_had_no_data() -> None:
             a, peer, x, xp = (torch.randn(ms, k, generator=g).half() for _ in range(4))
             rt.recv("all_gather_matmul", (2 * ms, k), torch.float16)[ms:].copy_(peer)
             rt.recv("all_reduce_matmul", (1, ms, k), torch.float16)[0].copy_(xp)
-            c = agp._fused_p2p(rt, a, lin.t(), False, cfg)
+            c, gathered = agp._fused_p2p(rt, a, lin.t(), True, cfg)
             c2, h = arp._fused_p2p(rt, x, lin.t(), None, None, cfg)
             want = torch.cat([a, peer]).double() @ lin.t().double()
             assert _rel(c[:ms], want[:ms]) < TOL[torch.float16], disagree
+            assert torch.equal(gathered[:ms], a), disagree
             if not disagree:
-                assert _rel(c, want) < TOL[torch.float16]
+                assert _rel(c, want) < TOL[torch.float16] and torch.equal(gathered[ms:], peer)
                 assert _rel(h, x.double() + xp.double()) < TOL[torch.float16]
                 continue
             assert torch.isnan(c[ms:]).all(), "the all-gather returned the peer's rows' C as numbers"
+            assert torch.isnan(gathered[ms:]).all(), "the all-gather returned the buffer's rows as the peer's"
             assert torch.isnan(h).all() and torch.isnan(c2).all(), "the all-reduce returned numbers"
-    raised = 0
-    for ew in rt.errs.values():
-        try:
-            ew.check()
-        except RanksDisagreeError:
-            raised += 1
-    assert raised == 2, raised  # one record per op
+        assert recorded(rt) == 2  # one record per op
+        # two-shot: rank 0 reduces rows 0..255, rank 1 rows 256..299 (its reduced rows land
+        # in the gather buffer and are copied into h)
+        m2, k2 = 300, 64
+        cfg2 = OverlapConfig(chunks=3, reduce_ctas=2, two_shot=True, check="none", transport="p2p", gemm=CFG)
+        b = ((torch.randn(n, k2, generator=g) / k2 ** 0.5).half()).t()
+        blk = rt.block("all_reduce_matmul.two_shot", 0)
+        for disagree in (False, True):
+            rt.disagree = disagree
+            x, peer = torch.randn(m2, k2, generator=g).half(), torch.randn(m2, k2, generator=g).half()
+            h_ref = (x.float() + peer.float()).half()
+            blk.tensor(0, 0, (1, 256, k2), torch.float16)[0].copy_(peer[:256])  # the peer's partial of my rows
+            blk.tensor(0, 0, (m2, k2), torch.float16)[256:].copy_(h_ref[256:])  # the peer's reduced rows
+            c, h = arp._fused_p2p(rt, x, b, None, None, cfg2)
+            if not disagree:
+                assert torch.equal(h, h_ref) and _rel(c, h_ref.double() @ b.double()) < TOL[torch.float16]
+                continue
+            assert torch.isnan(h[256:]).all(), "two-shot: the peer's rows of h returned from the buffer as numbers"
+            assert torch.isnan(h).all() and torch.isnan(c).all(), "two-shot: the all-reduce returned numbers"
+        assert recorded(rt) == 1
