@@ -306,7 +306,9 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
     rank order (the same bits on every rank) (+ residual), y = norm(h); then adds 1
     to ready[c] (release). A consumer of chunk c waits for ready[c] >= its epoch * G.
     After a timeout (recorded in the error word) programs skip their rows but still
-    post, so nothing waits in vain.
+    post, so nothing waits in vain; a skipped chunk's rows of h (and of y, or the
+    folded norm's statistics) are stored as NaN, so the GEMM behind reads NaN, never
+    the buffers' old rows.
 
     With SEG = 0 (whole-row statistics): with BLOCK_K >= K a row block stays in
     registers, h is written once and the norm comes from registers (two-pass
@@ -460,6 +462,26 @@ def reduce_norm_kernel(x_ptr, recv_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr,
                         _store_stats(stats_ptr, rows, rmask, rstd, mean * rstd)
                     elif NORM != 0:
                         _norm_out(h_ptr, y_ptr, w_ptr, b_ptr, base, rmask, mean, rstd, K, offs, BLOCK_K, HAS_BIAS)
+        if ok == 0:
+            # the chunk skipped after a failed wait or with the error word set: NaN over this
+            # program's rows of h (and of y, or the folded norm's statistics), which the
+            # consumer GEMM reads once the post below lets it, never the buffers' old rows
+            nan = tl.full((ROWS, BLOCK_K), float("nan"), tl.float32)
+            for rb in range(r0 + pid * ROWS, r1, G * ROWS):
+                rows = rb + rofs
+                rmask = rows < r1
+                base = rows.to(tl.int64) * K
+                for k0 in range(0, K, BLOCK_K):
+                    cols = k0 + offs
+                    m = rmask[:, None] & (cols < K)[None, :]
+                    off2 = base[:, None] + cols[None, :]
+                    tl.store(h_ptr + off2, nan.to(dt), mask=m)
+                    if NORM != 0:
+                        if not FOLD:
+                            tl.store(y_ptr + off2, nan.to(y_ptr.dtype.element_ty), mask=m)
+                if FOLD:
+                    nan_rows = tl.full((ROWS,), float("nan"), tl.float32)
+                    _store_stats(stats_ptr, rows, rmask, nan_rows, nan_rows)
         # every thread's stores of this chunk precede the barrier; one release add publishes them
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + c, 1, sem="release", scope="gpu")

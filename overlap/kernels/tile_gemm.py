@@ -29,7 +29,13 @@ A wait is bounded: past ``timeout_ns`` (GPU global timer) or ``max_spins``
 polls (under the interpreter) the tile records [code, rank, flag index,
 expected, seen, table row] in the error word, does no work, and every other
 tile of every program then skips its work, so the kernel exits promptly and the
-host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do. The
+host raises ``overlap.flags.FlagTimeoutError``. No hang, whatever the peers do.
+A tile that skips its work so (its wait failed, its sender's signature disagreed, or
+the error word was set) stores NaN over its C tile, masked to C's rows and columns
+(``_poison``), so a call that returns before its error is raised (``check="async"``)
+returns NaN where it had no data, never C's old values; a skipped split piece stores
+NaN and is not counted, so no piece sums the others' partials over it. Dead tiles of a
+row cut store nothing; the stores happen on the error path only. The
 decision to stop is taken by all of a program's warps alike (``_cta_any``): their own
 reads of the timer or the error word can differ by a few nanoseconds, and warps that
 went different ways would leave each other waiting at a barrier.
@@ -186,6 +192,17 @@ def _epilogue(acc, c_ptr, rows, rmask, cols, N, stride_cm, stride_cn, rowstat_pt
     mask = rmask[:, None] & cm[None, :]
     ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _poison(c_ptr, rows, rmask, cols, N, stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """NaN over the C rows ``rows`` (valid where ``rmask``) and columns ``cols`` (< N) of a
+    tile that skipped its work after a failed wait or with the error word set: a call
+    whose waits expired returns NaN where it has no data, never the buffer's old values."""
+    mask = rmask[:, None] & (cols < N)[None, :]
+    ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    nan = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+    tl.store(ptrs, nan.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -512,6 +529,17 @@ def tile_gemm_kernel(
                     tl.debug_barrier()
                     if (p_idx >= 0) & (stored != 0):
                         tl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+            else:
+                # a TileSync group's wait failed part-way through the K loop
+                _poison(c_use, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, n_use, scm, stride_cn,
+                        BLOCK_M, BLOCK_N)
+        if HAS_WAIT:
+            if (ok == 0) & (live != 0):
+                # skipped after a failed wait or with the error word set (not a dead tile):
+                # NaN, not whatever C held. A split piece stores NaN and does not count, so
+                # the tile's sum is never stored over it (no piece sees the count complete)
+                _poison(c_use, c_row + offs_i, offs_i < c_rows, pid_n * BLOCK_N + offs_j, n_use, scm, stride_cn,
+                        BLOCK_M, BLOCK_N)
         if CLIP:
             if HAS_POST:
                 if live == 0:
@@ -584,9 +612,11 @@ def tile_gemm_flat_kernel(
         # this program's rows of the group: those equal to pid modulo G
         first = lo + ((pid - lo) % num_progs + num_progs) % num_progs
         mine = tl.maximum(hi - first + num_progs - 1, 0) // num_progs
+        skipped = 0
         if HAS_WAIT:
             # (the same in every warp: the loop's pipeline holds barriers)
             if _cta_any((tl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(tl.int32), FENCE_ASYNC) != 0:
+                skipped = mine
                 mine = 0
             elif (w_idx >= 0) & (mine > 0):
                 ok = _wait(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, first,
@@ -596,6 +626,7 @@ def tile_gemm_flat_kernel(
                         ok = _check_sig(flags_ptr, err_ptr, w_idx, sig_stride, sig, epoch & 1, rank, first,
                                         FENCE_ASYNC)
                 if ok == 0:
+                    skipped = mine
                     mine = 0
         a_use = a_desc
         if HAS_A2:
@@ -612,6 +643,15 @@ def tile_gemm_flat_kernel(
                 acc = _kstep(a_use, b_desc, a_row, off_bn, ki, acc, BLOCK_K, B_KN, UPCAST)
             _epilogue(acc, c_ptr, c_row + offs_i, offs_i < c_rows, off_bn + offs_j, N, stride_cm, stride_cn,
                       flags_ptr, flags_ptr, False, ACTIVATION)
+        if HAS_WAIT:
+            # this program's rows of a group skipped after a failed wait or with the error
+            # word set: NaN, not whatever C held (the error path only: no load otherwise)
+            for j in range(0, skipped):
+                row = table_ptr + (first + j * num_progs) * _TABLE_COLS
+                c_row = tl.load(row + _COL_C_ROW)
+                c_rows = tl.load(row + _COL_C_ROWS)
+                _poison(c_ptr, c_row + offs_i, offs_i < c_rows, tl.load(row + _COL_N_TILE) * BLOCK_N + offs_j, N,
+                        stride_cm, stride_cn, BLOCK_M, BLOCK_N)
         if HAS_POST:
             # every thread's C stores of the group precede the barrier; one release add
             # then publishes them (cumulativity), as the per-tile kernel's posts

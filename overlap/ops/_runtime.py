@@ -390,7 +390,9 @@ class OverlapConfig:
     ``transport="nccl"``."""
     check: str = "async"
     """Timeout reporting: 'sync' (check after every call; synchronizes), 'async'
-    (raise on a later call once the copy of the error word has landed), 'none'."""
+    (raise on a later call once the copy of the error word has landed), 'none'. A call
+    that returns before its timeout is raised holds NaN where it had no data, with the
+    exceptions of docs/guarantees.md, "What a call whose wait expired returns"."""
 
     def __post_init__(self) -> None:
         self._check_fields()

@@ -103,8 +103,10 @@ def _fused_p2p(rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathe
     rt.join(cur, rt.comm_stream)  # no record_stream needed (Runtime.join)
     out_g = None
     if return_gathered:
-        # the shared buffer is overwritten two calls later: hand out a copy
-        out_g = gathered.clone()
+        # the shared buffer is overwritten two calls later: hand out a copy. Where the call
+        # recorded a failure (the error word, set by the GEMM that ended before this on
+        # ``cur``), the peers' rows as NaN: a chunk that never landed holds older rows
+        out_g = torch.where(err.word[:1] == 0, gathered, float("nan"))
         out_g[rank * ms:(rank + 1) * ms].copy_(a_shard)
     rt.p2p_end("all_gather_matmul", cur)
     report_errors(err, cfg.check)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from ..kernels.add_norm import ReduceShape
     from .all_reduce import Norm, _Plan
 
+_NAN = torch.tensor(float("nan"))
+"""A CPU scalar (taken as a value by ops on any device) for rows a failed call had no data for."""
+
 REDUCE_PROGRAMS_PER_SM = 1
 """p2p reduce kernel programs per SM left to it. Its programs spin on flags, so every
 one must be resident while the GEMM holds the other SMs: at K = 8192 a program needs
@@ -374,9 +377,12 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
     # for its rows to land. A stream wait on the peers' flags instead would never end if a
     # peer stopped pushing; the ready flags the copy stream waits on above are always
     # posted by the reduce kernel, which ends whatever its waits saw
+    # Where the call recorded a failure (the error word, set by a kernel that ended before
+    # this on ``cur``), those rows as NaN: a peer's share that never came back holds older rows
+    ok = err.word[:1] == 0
     for g in range(1, world):
         o, r = two.offsets[(rank - g) % world], two.rows[(rank - g) % world]
-        h[o:o + r].copy_(ag[o:o + r])
+        torch.where(ok, ag[o:o + r], _NAN, out=h[o:o + r])
     rt.p2p_end("all_reduce_matmul", cur)
     report_errors(err, cfg.check)
     _ar.stats["fused"] += 1

@@ -12,7 +12,7 @@ rows were written would read the last call's data and fail).
                      the environment, the producer's launch, the consumer's launch), then
                      correct calls
     replay_timeout   a timeout inside a replay surfaces in ``check_errors`` and the next
-                     eager call is correct
+                     eager call is correct; the calls that timed out returned NaN
     graph_agmm       all_gather_matmul at world size 1 (NCCL transport) captured and replayed
     graph_armm       all_reduce_matmul (+ residual, LayerNorm) at world size 1 captured and replayed
     capture_unwarmed a capture of a shape never run eagerly raises OverlapCaptureError
@@ -213,8 +213,11 @@ def replay_timeout() -> str:
         # once the late producer runs), the producer held back past the bound
         return chmod._mlp_chain(*ops, config=cfg, consumer_first=True, producer_delay_cycles=delay)
 
-    late()
+    out = late()
     torch.cuda.synchronize()
+    # every consumer tile timed out or was skipped after the first timeout (the producer
+    # starts ~100 ms after the 2 ms bound): NaN, not whatever the output's memory held
+    assert torch.isnan(out).all(), f"a timed-out call returned {int((~torch.isnan(out)).sum())} non-NaN values"
     try:
         # non-blocking: the record comes from the pinned host words the kernel wrote
         check_errors(block=False)
@@ -224,9 +227,11 @@ def replay_timeout() -> str:
         first = str(e)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        late()
+        out = late()
+    out.fill_(7.0)
     g.replay()
     torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "a replay that timed out returned numbers"
     try:
         check_errors()
         raise AssertionError("a timeout inside a replay was not reported by check_errors")
@@ -353,7 +358,7 @@ def sig_kernels() -> str:
         flags[stride + stride - 1 - (epoch & 1)] = seen_sig
         flags[stride + stride - 2 + (epoch & 1)] = 77  # the other parity's word: never read
         ew = fl.ErrorWord(DEV, what="sig gemm")
-        c = torch.full((512, 256), float("nan"), device=DEV, dtype=torch.bfloat16)
+        c = torch.full((512, 256), 7.0, device=DEV, dtype=torch.bfloat16)  # finite: a skipped tile must store NaN
         launch_tile_gemm(a, b, c, table, a2=peer, flags=flags, err=ew.word, epoch=epoch, grid=8, wait=True,
                          timeout_ns=2_000_000_000, sig=(sig, stride))
         torch.cuda.synchronize()
@@ -368,7 +373,7 @@ def sig_kernels() -> str:
             ref = torch.cat([a, peer]).float() @ b.float()
             assert rel(c, ref) < 1e-2 and not torch.isnan(c).any()
         else:
-            assert torch.isnan(c[256:]).all(), "a tile whose peer disagreed wrote"
+            assert torch.isnan(c[256:]).all(), "a tile whose peer disagreed left C's values (not NaN)"
         ew.check(block=True)  # reported once, then cleared
     out.append("tile GEMM: same signature computes, another raises RanksDisagreeError")
     m, k, chunks = 512, 1024, 2
@@ -376,7 +381,7 @@ def sig_kernels() -> str:
     for seen_sig, expect in ((sig, "ok"), (sig ^ 2, "disagree")):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         recv = torch.randn(1, m, k, device=DEV, dtype=torch.bfloat16)
-        h = torch.empty_like(x)
+        h = torch.full_like(x, 7.0)  # finite: a skipped chunk must store NaN
         rflags = torch.zeros(stride, dtype=torch.int32, device=DEV)
         rflags[:chunks] = epoch
         rflags[stride - 1 - (epoch & 1)] = seen_sig
@@ -395,6 +400,8 @@ def sig_kernels() -> str:
         assert ready.tolist() == [4] * chunks, ready  # posted either way: nothing waits in vain
         if got == "ok":
             assert rel(h, x.float() + recv[0].float()) < 1e-2
+        else:
+            assert torch.isnan(h).all(), "a chunk whose peer disagreed left h's values (not NaN)"
     out.append("reduce kernel: the same")
     return "; ".join(out)
 

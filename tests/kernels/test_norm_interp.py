@@ -53,7 +53,7 @@ def test_reduce_norm() -> None:
     """The p2p all-reduce's consumer kernel: the partials pushed into slots are
     summed with the local one in rank order, the residual added, the norm taken,
     and every program posts every chunk once; with one peer's chunk missing, the
-    timeout names its flag, those rows stay unwritten, and the chunk is still posted."""
+    timeout names its flag, those rows are NaN, and the chunk is still posted."""
     g = torch.Generator().manual_seed(12)
     m, chunks, programs = 23, 3, 4
     sizes, _ = row_chunk_segments(m, chunks, 8)
@@ -106,7 +106,7 @@ def test_reduce_norm() -> None:
                     if not missing:
                         ew.check()
                         continue
-                    assert torch.isnan(h[done:].float()).all(), "rows of a missing chunk were written"
+                    assert torch.isnan(h[done:].float()).all(), "rows of a missing chunk hold numbers"
                     try:
                         ew.check()
                     except FlagTimeoutError as e:
@@ -228,7 +228,7 @@ def test_norm_fold() -> None:
                 e_ref = _rel(y64.to(dt).double() @ b.double(), ref)
                 tol = TOL[dt] + 8 * 2.0 ** -24 * shift
                 assert _rel(c, ref) <= 2 * e_ref + tol, (m, k, dt, shift, kind, _rel(c, ref), e_ref)
-    # segments with the last chunk missing: its rows stay unwritten (h and statistics),
+    # segments with the last chunk missing: its rows are NaN (h and statistics),
     # every chunk is still posted, and the timeout names the flag; a bad width is refused
     m, k = 19, 64
     sizes, _ = row_chunk_segments(m, chunks, 8)
@@ -251,7 +251,7 @@ def test_norm_fold() -> None:
     assert torch.equal(h[:done], h_ref[:done])
     torch.testing.assert_close(stats[:done, 0].double(), 1.0 / (h_ref[:done].double().var(1, unbiased=False)
                                                                 + eps).sqrt(), rtol=1e-4, atol=0)
-    assert torch.isnan(h[done:]).all() and torch.isnan(stats[done:]).all(), "rows of a missing chunk were written"
+    assert torch.isnan(h[done:]).all() and torch.isnan(stats[done:]).all(), "rows of a missing chunk hold numbers"
     try:
         ew.check()
     except FlagTimeoutError as e:

@@ -84,7 +84,7 @@ def test_flat_posts_count_each_group() -> None:
 @interpreted
 def test_flat_waits_per_group() -> None:
     """Waits per group: a program waits for a group's flag before any of its rows of the
-    group; with one flag not posted, that group's tiles stay unwritten (a stale read would
+    group; with one flag not posted, that group's tiles are NaN (a stale read would
     fill them) and the error names the flag; once posted, a new call with new inputs is
     right everywhere. Two A sources by group (the all-gather op's local shard and buffer)."""
     from overlap.flags import FlagTimeoutError

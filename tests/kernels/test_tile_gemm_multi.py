@@ -112,7 +112,7 @@ def test_weight_tiles_wait_for_their_chunk() -> None:
     """Every weight's tiles of a chunk wait on its flag: with new rows every call, chunk 1's
     rows and flag land from another thread while the grid runs; a tile that read before its
     flag would read the previous call's rows. A flag that never comes: those tiles of every
-    weight stay unwritten and the error names the flag."""
+    weight are NaN and the error names the flag."""
     import threading
     import time
 
@@ -156,7 +156,7 @@ def test_weight_tiles_wait_for_their_chunk() -> None:
         ew.check()
         for i, (c, w) in enumerate(zip(cs, ws)):
             assert _rel(c, full.double() @ w.double().t()) < TOL[torch.float16], (epoch, i, "a stale read")
-    # chunk 1 never lands this call: its rows stay unwritten for every weight
+    # chunk 1 never lands this call: its rows are NaN for every weight
     full = torch.cat([torch.randn(ms, k, generator=g).half(), full[ms:]])  # chunk 0's rows as landed
     ew = ErrorWord("cpu", what="multi")
     cs = [torch.full((world * ms, n), float("nan")).half() for n in NS]
@@ -170,7 +170,7 @@ def test_weight_tiles_wait_for_their_chunk() -> None:
     else:
         raise AssertionError("a chunk that never landed was not reported")
     for c in cs:  # the peer's chunk 1 (C rows ms + 16 ..) of every weight: not written
-        assert torch.isnan(c[ms + 16:]).all(), "a tile of chunk 1 wrote"
+        assert torch.isnan(c[ms + 16:]).all(), "a tile of chunk 1 stored numbers"
     # the last weight's tiles ran first (the others were skipped after the timeout): the rows
     # that had landed are right
     assert _rel(cs[-1][:ms + 16], full[:ms + 16].double() @ ws[-1].double().t()) < TOL[torch.float16]

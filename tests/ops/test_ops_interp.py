@@ -19,7 +19,7 @@ from tests.kernels._interp_common import (CFG, CFG32, ErrorWord, FlagTimeoutErro
 def test_push_layout() -> None:
     """The p2p all-gather: peers' chunks land in natural row order, each with its
     own flag (sender * chunks + c); with one sender's last chunk missing, only
-    those rows stay unwritten and the timeout names that flag."""
+    those rows are NaN and the timeout names that flag."""
     g = torch.Generator().manual_seed(11)
     world, ms, k, n = 3, 37, 32, 24
     for rank in range(world):
@@ -53,7 +53,7 @@ def test_push_layout() -> None:
                     continue
                 start, rows = lay.chunk_starts[-1], lay.chunk_rows[-1]
                 lo, hi = peer_late * ms + start, peer_late * ms + start + rows
-                assert torch.isnan(c_out[lo:hi]).all(), "a tile of a missing push wrote"
+                assert torch.isnan(c_out[lo:hi]).all(), "a tile of a missing push stored numbers"
                 # rows scheduled before the missing chunk's tiles were computed
                 assert _rel(c_out[rank * ms:(rank + 1) * ms], ref[rank * ms:(rank + 1) * ms]) < 1e-5
                 try:
