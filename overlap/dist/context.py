@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from .._env import require
 from .launch import DistInitError, LaunchEnv, detect_launch
 from .store import _mpi_confirm, _rendezvous
 
-__all__ = ["DistContext", "get_context", "init", "on_shutdown", "shutdown"]
+__all__ = ["DistContext", "SHUTDOWN_BOUND_S", "get_context", "init", "on_shutdown", "shutdown"]
 
 
 @dataclass(eq=False)
@@ -310,6 +312,9 @@ def _check_adopted(launch: LaunchEnv, backend: str | None) -> None:
 
 _shutdown_hooks: list[Callable[[], None]] = []
 
+SHUTDOWN_BOUND_S = 60.0
+"""The most ``shutdown`` takes, whatever ``timeout_s`` is (docs/guarantees.md)."""
+
 
 def on_shutdown(hook: Callable[[], None]) -> None:
     """Call ``hook()`` at the start of every ``shutdown`` (before the communicators go)."""
@@ -317,14 +322,29 @@ def on_shutdown(hook: Callable[[], None]) -> None:
         _shutdown_hooks.append(hook)
 
 
-def shutdown() -> None:
+def shutdown(*, failed: bool | None = None) -> None:
     """Destroy the NCCL communicators made here and the process groups ``init`` made.
 
-    Collective: call it on every rank. Safe to call twice or before ``init``. Rank 0
-    hosts the store when no launcher agent does, so it waits (bounded) until every rank
-    has said goodbye before tearing the store down under them.
+    Collective: call it on every rank. Safe to call twice or before ``init``. Takes at
+    most ``SHUTDOWN_BOUND_S`` (60 s) whatever ``timeout_s`` is.
+
+    Rank 0 hosts the store when no launcher agent does, so on a clean exit it waits
+    (bounded: ``timeout_s``, within the 60 s) until every rank has said goodbye before
+    tearing the store down under them. A rank that is failing does not wait: its peers
+    may be blocked in a collective with it and cannot say goodbye, so waiting would keep
+    the whole job up for the bound. It leaves at once; its process exiting closes its
+    connections (gloo peers fail at once with "Connection closed by peer") and launchers
+    (torchrun, mpirun) end the other ranks.
+
+    Args:
+        failed: this rank is leaving because of an error. None (the default): True when
+            an exception is in flight (``shutdown()`` in a ``finally`` or ``except``
+            block while an exception propagates), else False.
     """
     global _ctx
+    if failed is None:
+        failed = sys.exc_info()[1] is not None
+    deadline = time.monotonic() + SHUTDOWN_BOUND_S
     with _lock:
         ctx = _ctx
         if ctx is None:
@@ -334,12 +354,12 @@ def shutdown() -> None:
             try:
                 hook()
             except Exception as exc:
-                warnings.warn(f"overlap.dist.shutdown: a shutdown hook failed: {exc}", stacklevel=2)
+                warnings.warn(f"overlap.shutdown: a shutdown hook failed: {exc}", stacklevel=2)
         for comm in ctx._comms.values():
             try:
                 comm.destroy()
             except Exception as exc:  # keep going: the process group must still go
-                warnings.warn(f"overlap.dist.shutdown: destroying an NCCL communicator failed: {exc}",
+                warnings.warn(f"overlap.shutdown: destroying an NCCL communicator failed: {exc}",
                               stacklevel=2)
         ctx._comms.clear()
         if not ctx._owns_pg:
@@ -355,12 +375,14 @@ def shutdown() -> None:
                 if tdist.is_initialized():
                     tdist.destroy_process_group()
                 if ctx.rank != 0:
-                    ctx._store.set(f"exit/{ctx.rank}", b"1")
-                else:
-                    ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
-                                    timedelta(seconds=ctx.timeout_s))
+                    ctx._store.set(f"exit/{ctx.rank}", b"failed" if failed else b"1")
+                elif not failed:
+                    wait_s = min(ctx.timeout_s, deadline - time.monotonic())
+                    if wait_s > 0:
+                        ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
+                                        timedelta(seconds=wait_s))
             except Exception as exc:
-                warnings.warn(f"overlap.dist.shutdown: not every rank reached shutdown: {exc}",
-                              stacklevel=2)
+                warnings.warn(f"overlap.shutdown: rank {ctx.rank}: not every rank reached shutdown "
+                              f"within the bound: {exc}", stacklevel=2)
         if tdist.is_initialized():
             tdist.destroy_process_group()
