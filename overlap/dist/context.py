@@ -236,8 +236,8 @@ def _check_same_init(ctx: DistContext, *, tp_size: int | None, backend: str | No
             conflicts.append(f"device={device!r} (now {str(ctx.device)!r})")
     if conflicts:
         raise DistInitError(
-            "overlap.dist.init() was already called with other arguments: "
-            + ", ".join(conflicts) + "; call overlap.dist.shutdown() first to change them"
+            "overlap.init() was already called with other arguments: "
+            + ", ".join(conflicts) + "; call overlap.shutdown() first to change them"
         )
 
 
@@ -295,7 +295,7 @@ def _check_adopted(launch: LaunchEnv, backend: str | None) -> None:
         raise DistInitError(
             f"torch.distributed is already initialized as rank {rank} of {ws}, but the "
             f"{launch.launcher} environment says rank {launch.rank} of {launch.world_size}; "
-            "launch with torchrun/mpirun or let overlap.dist.init create the process group"
+            "launch with torchrun/mpirun or let overlap.init create the process group"
         )
     have = str(tdist.get_backend()).lower()
     if backend is not None and backend.lower() != have:
