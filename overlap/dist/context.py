@@ -314,6 +314,10 @@ _shutdown_hooks: list[Callable[[], None]] = []
 
 SHUTDOWN_BOUND_S = 60.0
 """The most ``shutdown`` takes, whatever ``timeout_s`` is (docs/guarantees.md)."""
+FAILED_GOODBYE_S = 2.0
+"""How long a failing rank 0 waits for the others' goodbyes: enough when every rank
+fails at the same point (they arrive within milliseconds), short when a peer is blocked
+in a collective with it and never will."""
 
 
 def on_shutdown(hook: Callable[[], None]) -> None:
@@ -330,9 +334,9 @@ def shutdown(*, failed: bool | None = None) -> None:
 
     Rank 0 hosts the store when no launcher agent does, so on a clean exit it waits
     (bounded: ``timeout_s``, within the 60 s) until every rank has said goodbye before
-    tearing the store down under them. A rank that is failing does not wait: its peers
-    may be blocked in a collective with it and cannot say goodbye, so waiting would keep
-    the whole job up for the bound. It leaves at once; its process exiting closes its
+    tearing the store down under them. A failing rank 0 waits ``FAILED_GOODBYE_S`` (2 s)
+    at most: its peers may be blocked in a collective with it and never say goodbye, and
+    waiting longer would keep the whole job up. Its process exiting closes its
     connections (gloo peers fail at once with "Connection closed by peer") and launchers
     (torchrun, mpirun) end the other ranks.
 
@@ -376,8 +380,9 @@ def shutdown(*, failed: bool | None = None) -> None:
                     tdist.destroy_process_group()
                 if ctx.rank != 0:
                     ctx._store.set(f"exit/{ctx.rank}", b"failed" if failed else b"1")
-                elif not failed:
-                    wait_s = min(ctx.timeout_s, deadline - time.monotonic())
+                else:
+                    wait_s = min(ctx.timeout_s, deadline - time.monotonic(),
+                                 FAILED_GOODBYE_S if failed else math.inf)
                     if wait_s > 0:
                         ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
                                         timedelta(seconds=wait_s))
