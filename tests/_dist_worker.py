@@ -213,6 +213,33 @@ def scenario_goodbye_bound() -> None:
     print(f"PASS goodbye_bound rank=0 ({took:.1f} s)", flush=True)
 
 
+def scenario_threads_gone() -> None:
+    """After shutdown, with the context still held (as a script's global would hold it),
+    no gloo thread is left: the process groups went while Python was alive, not at exit,
+    where their threads could abort the process."""
+    ctx = dist.init(timeout_s=T, tp_size=1)  # world group and tp subgroups
+    t = torch.ones(3) * (ctx.rank + 1)
+    tdist.all_reduce(t)
+    assert t.tolist() == [3.0] * 3
+
+    def gloo_threads() -> list[str]:
+        names = []
+        for f in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{f}/comm") as fh:
+                    names.append(fh.read().strip())
+            except OSError:
+                pass  # a thread that just ended
+        return [n for n in names if "gloo" in n]
+
+    assert gloo_threads(), "the check would see gloo's threads"
+    dist.shutdown()
+    left = gloo_threads()
+    assert not left, f"threads alive after shutdown: {left}"
+    assert ctx.world_group is None and ctx.tp_group is None and ctx._store is None
+    print(f"PASS threads_gone rank={ctx.rank}", flush=True)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     if name == "groups":
@@ -229,6 +256,8 @@ if __name__ == "__main__":
         scenario_fail0()
     elif name == "goodbye_bound":
         scenario_goodbye_bound()
+    elif name == "threads_gone":
+        scenario_threads_gone()
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     # The scenario passed and said so. Leave without the interpreter's teardown: about one

@@ -340,6 +340,9 @@ def shutdown(*, failed: bool | None = None) -> None:
     connections (gloo peers fail at once with "Connection closed by peer") and launchers
     (torchrun, mpirun) end the other ranks.
 
+    Afterwards the context's groups and store are None: a context the caller keeps does
+    not keep the process groups and their threads alive.
+
     Args:
         failed: this rank is leaving because of an error. None (the default): True when
             an exception is in flight (``shutdown()`` in a ``finally`` or ``except``
@@ -391,3 +394,10 @@ def shutdown(*, failed: bool | None = None) -> None:
                               f"within the bound: {exc}", stacklevel=2)
         if tdist.is_initialized():
             tdist.destroy_process_group()
+        # The caller may keep the context; its references would keep the process groups
+        # (gloo's socket loop and worker threads) and the store client alive until the
+        # interpreter exits, where tearing them down can meet a joinable thread and abort
+        # ("terminate called without an active exception", seen on a rank whose peer had
+        # died). Dropped here, they go now, while Python is alive.
+        ctx.world_group = ctx.tp_group = ctx.dp_group = None  # type: ignore[assignment]
+        ctx._store = None

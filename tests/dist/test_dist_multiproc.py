@@ -96,3 +96,10 @@ def test_shutdown_bound_whatever_timeout_s() -> None:
     """A peer that never reaches shutdown: rank 0 waits the shutdown bound, not timeout_s."""
     r0, r1 = run_ranks(WORKER, 2, ["goodbye_bound"], timeout_s=60)
     assert r0.returncode == 0 and "PASS goodbye_bound rank=0" in r0.out, f"{r0}\n{r1}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_shutdown_leaves_no_gloo_thread() -> None:
+    """The context a script keeps no longer keeps the process groups (and gloo's threads)
+    alive past shutdown: torn down at exit instead, they aborted a rank now and then."""
+    _all_pass(run_ranks(WORKER, 2, ["threads_gone"], timeout_s=60), "threads_gone")
