@@ -213,14 +213,21 @@ def scenario_goodbye_bound() -> None:
     print(f"PASS goodbye_bound rank=0 ({took:.1f} s)", flush=True)
 
 
-def scenario_threads_gone() -> None:
+def scenario_threads_gone(dead_peer: bool) -> None:
     """After shutdown, with the context still held (as a script's global would hold it),
     no gloo thread is left: the process groups went while Python was alive, not at exit,
-    where their threads could abort the process."""
+    where their threads could abort the process. ``dead_peer``: rank 0 (the store's host)
+    dies first and rank 1's all-reduce fails, its traceback holding the group."""
     ctx = dist.init(timeout_s=T, tp_size=1)  # world group and tp subgroups
     t = torch.ones(3) * (ctx.rank + 1)
-    tdist.all_reduce(t)
-    assert t.tolist() == [3.0] * 3
+    if dead_peer and ctx.rank == 0:
+        time.sleep(0.5)
+        os._exit(0)
+    try:
+        tdist.all_reduce(t)
+        assert not dead_peer and t.tolist() == [3.0] * 3
+    except RuntimeError as exc:
+        assert dead_peer, exc
 
     def gloo_threads() -> list[str]:
         names = []
@@ -257,7 +264,7 @@ if __name__ == "__main__":
     elif name == "goodbye_bound":
         scenario_goodbye_bound()
     elif name == "threads_gone":
-        scenario_threads_gone()
+        scenario_threads_gone(dead_peer=args == ["dead_peer"])
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     # The scenario passed and said so. Leave without the interpreter's teardown: about one

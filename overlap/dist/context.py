@@ -11,6 +11,7 @@ the store's host leaves last.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import sys
 import threading
@@ -401,3 +402,6 @@ def shutdown(*, failed: bool | None = None) -> None:
         # died). Dropped here, they go now, while Python is alive.
         ctx.world_group = ctx.tp_group = ctx.dp_group = None  # type: ignore[assignment]
         ctx._store = None
+        # A failed collective's traceback can hold the group in a reference cycle (its
+        # frames' locals): collect it now too, not whenever the collector next runs.
+        gc.collect()

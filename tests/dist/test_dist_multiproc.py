@@ -100,6 +100,9 @@ def test_shutdown_bound_whatever_timeout_s() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
 def test_shutdown_leaves_no_gloo_thread() -> None:
-    """The context a script keeps no longer keeps the process groups (and gloo's threads)
-    alive past shutdown: torn down at exit instead, they aborted a rank now and then."""
+    """The context a script keeps, or a failed collective's traceback, no longer keeps the
+    process groups (and gloo's threads) alive past shutdown: torn down at exit instead,
+    they aborted a rank now and then. Also on the survivor of a dead store host."""
     _all_pass(run_ranks(WORKER, 2, ["threads_gone"], timeout_s=60), "threads_gone")
+    _, r1 = run_ranks(WORKER, 2, ["threads_gone", "dead_peer"], timeout_s=60)
+    assert r1.returncode == 0 and "PASS threads_gone rank=1" in r1.out, r1
