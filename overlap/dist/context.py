@@ -39,6 +39,7 @@ class DistContext:
     Rank layout: tp groups are contiguous ranks, dp groups are strided, so
     ``rank == dp_rank * tp_size + tp_rank`` and a tp group stays on one node when
     tp_size divides the GPUs per node (NVLink carries the tensor-parallel traffic).
+    After ``shutdown()`` its groups are None.
     """
 
     launch: LaunchEnv
