@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import sys
 import threading
 import time
@@ -403,6 +404,30 @@ def shutdown(*, failed: bool | None = None) -> None:
         # died). Dropped here, they go now, while Python is alive.
         ctx.world_group = ctx.tp_group = ctx.dp_group = None  # type: ignore[assignment]
         ctx._store = None
-        # A failed collective's traceback can hold the group in a reference cycle (its
-        # frames' locals): collect it now too, not whenever the collector next runs.
+        # A failed collective's traceback holds the group in its torch.distributed frames'
+        # locals: in the exception in flight (cleared here), or in a reference cycle of an
+        # exception already handled (collected now, not whenever the collector next runs).
+        _clear_tdist_frames(sys.exc_info()[1])
         gc.collect()
+
+
+_TDIST_DIR = os.path.dirname(tdist.__file__)
+
+
+def _clear_tdist_frames(exc: BaseException | None) -> None:
+    """Drop the locals of torch.distributed's finished frames in ``exc``'s traceback (and
+    in the exceptions it chains): they hold the process group and its work. The
+    traceback still prints (code and line numbers stay); the caller's frames are kept."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.startswith(_TDIST_DIR):
+                try:
+                    frame.clear()
+                except RuntimeError:  # still executing
+                    pass
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
