@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests._procs import REPO, Proc, run_cmd, run_ranks
-from tests.conftest import mpi_missing
 
 WORKER = Path(__file__).resolve().parent.parent / "_dist_worker.py"
 
