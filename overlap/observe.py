@@ -419,7 +419,12 @@ def reset_report() -> None:
 # ---- the report -----------------------------------------------------------------------
 
 def _med(q: Any) -> float | None:
-    return statistics.median(q) if q else None
+    """The median of ``q`` (statistics.median's value, at a fraction of its cost per row)."""
+    if not q:
+        return None
+    s = sorted(q)
+    h = len(s) // 2
+    return s[h] if len(s) % 2 else (s[h - 1] + s[h]) / 2
 
 
 def _shape_str(shape: Any) -> str:

@@ -31,6 +31,20 @@ def _input(rank: int, call: int, n: int = 6) -> torch.Tensor:
     return torch.randint(0, 1000, (n,), generator=g).double() + 1e4 * rank + 1e6 * call
 
 
+def _gloo_threads() -> list[str]:
+    """Names of this process's gloo threads (socket loops, worker threads); Linux only."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    names = []
+    for f in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{f}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            pass  # a thread that just ended
+    return [n for n in names if "gloo" in n]
+
+
 def scenario_groups() -> None:
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # A tp size that does not divide the world fails before any group exists.
@@ -73,8 +87,13 @@ def scenario_groups() -> None:
             tdist.all_reduce(z, group=ctx.dp_group)
             assert torch.equal(z, sum(_input(r, call) for r in dp_ranks)), (call, z)
         ctx.barrier()
+        assert _gloo_threads() or not os.path.isdir("/proc/self/task")
         dist.shutdown()
         assert not tdist.is_initialized() and dist.get_context() is None
+        # the context is still held here; its groups (and gloo's threads) are gone all the
+        # same: left to the interpreter's exit, their teardown aborted a rank now and then
+        assert ctx.world_group is None and ctx.tp_group is None and ctx._store is None
+        assert not _gloo_threads(), f"threads alive after shutdown: {_gloo_threads()}"
     print(f"PASS groups rank={rank}", flush=True)
 
 
@@ -171,6 +190,49 @@ def scenario_init(timeout_s: float) -> None:
     print(f"PASS init rank={os.environ['RANK']}", flush=True)
 
 
+def scenario_fail0() -> None:
+    """Rank 0 fails (an exception) while rank 1 waits for it in a collective; every rank
+    shuts down in a ``finally``. With timeout_s=120 the job must still end in seconds:
+    rank 0 does not wait for goodbyes a blocked peer cannot say."""
+    t0 = time.monotonic()
+    ctx = dist.init(timeout_s=120.0)
+    try:
+        if ctx.rank == 0:
+            raise RuntimeError("rank 0 failed on purpose")
+        tdist.all_reduce(torch.ones(4))  # waits for rank 0, which never comes
+    finally:
+        ts = time.monotonic()
+        try:
+            dist.shutdown()
+        finally:
+            # rank 1's failed all-reduce left a traceback holding the group: gone all the same
+            print(f"rank {ctx.rank}: shutdown {time.monotonic() - ts:.1f} s, exit after "
+                  f"{time.monotonic() - t0:.1f} s, gloo threads left: {_gloo_threads()}", flush=True)
+
+
+def scenario_goodbye_bound() -> None:
+    """Rank 1 never says goodbye; rank 0's clean shutdown waits at most the bound
+    (``SHUTDOWN_BOUND_S``, shortened here to 3 s), not the 120 s ``timeout_s``."""
+    from overlap.dist import context
+
+    context.SHUTDOWN_BOUND_S = 3.0
+    ctx = dist.init(timeout_s=120.0)
+    if ctx.rank == 1:
+        time.sleep(4)  # busy elsewhere, then gone without shutdown
+        sys.stdout.flush()
+        os._exit(0)
+    import warnings
+
+    ts = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.shutdown()
+    took = time.monotonic() - ts
+    assert 2.5 <= took < 6.0, f"shutdown took {took:.1f} s with a bound of 3 s"
+    assert any("not every rank reached shutdown" in str(w.message) for w in caught), caught
+    print(f"PASS goodbye_bound rank=0 ({took:.1f} s)", flush=True)
+
+
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     if name == "groups":
@@ -183,6 +245,10 @@ if __name__ == "__main__":
         scenario_nccl_config_mismatch()
     elif name == "init":
         scenario_init(float(args[0]))
+    elif name == "fail0":
+        scenario_fail0()
+    elif name == "goodbye_bound":
+        scenario_goodbye_bound()
     else:
         raise SystemExit(f"unknown scenario {name!r}")
     # The scenario passed and said so. Leave without the interpreter's teardown: about one

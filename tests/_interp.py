@@ -11,10 +11,13 @@ output in the failure message); in the child, the test body runs.
 
 Parametrized tests work: the child gets the test's node id.
 
-One child per module, not per test: the first interpreted test of a module to run starts a
-child for all of the session's selected interpreted tests of that module (their node ids
-noted at the end of collection, ``note_selected``) and reads each one's outcome from the
-child's JUnit XML; each test then passes on its own outcome. A test that did not pass
+One child per test directory, not per test: the first interpreted test of a directory
+(tests/ops, tests/kernels) to run starts a child for all of the session's selected
+interpreted tests of that directory (their node ids noted at the end of collection,
+``note_selected``) and reads each one's outcome from the child's JUnit XML; each test then
+passes on its own outcome. (Each child pays for importing torch and Triton and for
+collecting its modules: a few seconds of CPU, once per directory instead of once per
+module.) A test that did not pass
 there (failed, skipped, or no outcome: the child crashed or ran out of time) runs again in
 a child of its own, whose output is the failure message, so the batch can only save time.
 """
@@ -34,10 +37,14 @@ from tests._procs import REPO, run_cmd
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+BATCH_BOUND_S = 450.0
+"""A batch child is killed past this (its tests then run alone), before pytest's own
+600 s bound on the test that started it would fire and leave the child running."""
+
 _selected: dict[str, float] = {}
 """Node id -> time bound of every interpreted test the session selected, in order."""
 _batches: dict[str, dict[str, str]] = {}
-"""Module path -> {test name: outcome} of its batch child."""
+"""Directory -> {node id: outcome} of its batch child."""
 
 
 def note_selected(items: Any) -> None:
@@ -48,24 +55,28 @@ def note_selected(items: Any) -> None:
             _selected[item.nodeid] = bound
 
 
-def _batch(path: str) -> dict[str, str]:
-    """One child for the selected interpreted tests of module ``path``: {test name: outcome}."""
-    nodes = [n for n in _selected if n.split("::", 1)[0] == path]
+def _dir(node: str) -> str:
+    return os.path.dirname(node.split("::", 1)[0])
+
+
+def _batch(folder: str) -> dict[str, str]:
+    """One child for the selected interpreted tests under ``folder``: {node id: outcome}."""
+    nodes = [n for n in _selected if _dir(n) == folder]
     if len(nodes) < 2:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
         run_cmd([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *nodes],
-                timeout_s=sum(_selected[n] for n in nodes), env={"TRITON_INTERPRET": "1"})
+                timeout_s=min(BATCH_BOUND_S, sum(_selected[n] for n in nodes)), env={"TRITON_INTERPRET": "1"})
         try:
             root = ET.parse(report).getroot()
         except (OSError, ET.ParseError):
             return {}
     out = {}
-    for case in root.iter("testcase"):
+    for case in root.iter("testcase"):  # classname "tests.ops.test_x", name "test_y[param]"
         bad = case.find("failure") is not None or case.find("error") is not None
-        out[case.get("name", "")] = "failed" if bad else ("skipped" if case.find("skipped") is not None
-                                                          else "passed")
+        node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+        out[node] = "failed" if bad else ("skipped" if case.find("skipped") is not None else "passed")
     return out
 
 
@@ -77,11 +88,11 @@ def interpreted(fn: Callable[..., Any] | None = None, *, timeout_s: float = 240.
                 return f(*args, **kwargs)
             pytest.importorskip("triton")
             node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
-            path, name = node.split("::", 1)
             if node in _selected:
-                if path not in _batches:
-                    _batches[path] = _batch(path)
-                if _batches[path].get(name) == "passed":
+                folder = _dir(node)
+                if folder not in _batches:
+                    _batches[folder] = _batch(folder)
+                if _batches[folder].get(node) == "passed":
                     return None
             r = run_cmd([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", node],
                         timeout_s=timeout_s, env={"TRITON_INTERPRET": "1"})

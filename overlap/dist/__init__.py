@@ -49,6 +49,7 @@ from . import comms as _comms_module
 from . import context as _context_module
 from .comms import group_ranks, nccl_comm, set_nccl_backend
 from .context import (  # _lock and _shutdown_hooks: shared objects, never rebound
+    SHUTDOWN_BOUND_S,
     DistContext,
     _lock,  # noqa: F401
     _shutdown_hooks,  # noqa: F401
@@ -60,6 +61,7 @@ from .context import (  # _lock and _shutdown_hooks: shared objects, never rebou
 from .launch import DistInitError, LaunchEnv, Launcher, detect_launch
 
 __all__ = [
+    "SHUTDOWN_BOUND_S",
     "DistContext",
     "DistInitError",
     "LaunchEnv",

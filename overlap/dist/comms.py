@@ -48,7 +48,7 @@ def group_ranks(group: tdist.ProcessGroup | Sequence[int] | None = None) -> list
         TypeError: ``group`` is none of the above.
     """
     if not tdist.is_initialized():
-        raise DistInitError("torch.distributed is not initialized; call overlap.dist.init() first")
+        raise DistInitError("torch.distributed is not initialized; call overlap.init() first")
     if group is None:
         return list(range(tdist.get_world_size()))
     if isinstance(group, tdist.ProcessGroup):
@@ -127,7 +127,7 @@ def nccl_comm(
     global _last_uid_exchange
     ctx = get_context()
     if ctx is None:
-        raise DistInitError("call overlap.dist.init() before overlap.dist.nccl_comm()")
+        raise DistInitError("call overlap.init() before overlap.nccl_comm()")
     ranks = group_ranks(ctx.tp_group if group is None else group)
     if ctx.rank not in ranks:
         raise ValueError(f"rank {ctx.rank} is not in the group {ranks}")

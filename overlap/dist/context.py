@@ -11,8 +11,12 @@ the store's host leaves last.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+import os
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +31,7 @@ from .launch import DistInitError, LaunchEnv, detect_launch
 from .shared import nccl_refusal, place_on_gpus, shared_gpu_env
 from .store import _mpi_confirm, _rendezvous
 
-__all__ = ["DistContext", "get_context", "init", "on_shutdown", "shutdown"]
+__all__ = ["DistContext", "SHUTDOWN_BOUND_S", "get_context", "init", "on_shutdown", "shutdown"]
 
 
 @dataclass(eq=False)
@@ -37,6 +41,7 @@ class DistContext:
     Rank layout: tp groups are contiguous ranks, dp groups are strided, so
     ``rank == dp_rank * tp_size + tp_rank`` and a tp group stays on one node when
     tp_size divides the GPUs per node (NVLink carries the tensor-parallel traffic).
+    After ``shutdown()`` its groups are None.
     """
 
     launch: LaunchEnv
@@ -239,8 +244,8 @@ def _check_same_init(ctx: DistContext, *, tp_size: int | None, backend: str | No
             conflicts.append(f"device={device!r} (now {str(ctx.device)!r})")
     if conflicts:
         raise DistInitError(
-            "overlap.dist.init() was already called with other arguments: "
-            + ", ".join(conflicts) + "; call overlap.dist.shutdown() first to change them"
+            "overlap.init() was already called with other arguments: "
+            + ", ".join(conflicts) + "; call overlap.shutdown() first to change them"
         )
 
 
@@ -313,7 +318,7 @@ def _check_adopted(launch: LaunchEnv, backend: str | None) -> None:
         raise DistInitError(
             f"torch.distributed is already initialized as rank {rank} of {ws}, but the "
             f"{launch.launcher} environment says rank {launch.rank} of {launch.world_size}; "
-            "launch with torchrun/mpirun or let overlap.dist.init create the process group"
+            "launch with torchrun/mpirun or let overlap.init create the process group"
         )
     have = str(tdist.get_backend()).lower()
     if backend is not None and backend.lower() != have:
@@ -330,6 +335,13 @@ def _check_adopted(launch: LaunchEnv, backend: str | None) -> None:
 
 _shutdown_hooks: list[Callable[[], None]] = []
 
+SHUTDOWN_BOUND_S = 60.0
+"""The most ``shutdown`` takes, whatever ``timeout_s`` is (docs/guarantees.md)."""
+FAILED_GOODBYE_S = 2.0
+"""How long a failing rank 0 waits for the others' goodbyes: enough when every rank
+fails at the same point (they arrive within milliseconds), short when a peer is blocked
+in a collective with it and never will."""
+
 
 def on_shutdown(hook: Callable[[], None]) -> None:
     """Call ``hook()`` at the start of every ``shutdown`` (before the communicators go)."""
@@ -337,14 +349,32 @@ def on_shutdown(hook: Callable[[], None]) -> None:
         _shutdown_hooks.append(hook)
 
 
-def shutdown() -> None:
+def shutdown(*, failed: bool | None = None) -> None:
     """Destroy the NCCL communicators made here and the process groups ``init`` made.
 
-    Collective: call it on every rank. Safe to call twice or before ``init``. Rank 0
-    hosts the store when no launcher agent does, so it waits (bounded) until every rank
-    has said goodbye before tearing the store down under them.
+    Collective: call it on every rank. Safe to call twice or before ``init``. Takes at
+    most ``SHUTDOWN_BOUND_S`` (60 s) whatever ``timeout_s`` is.
+
+    Rank 0 hosts the store when no launcher agent does, so on a clean exit it waits
+    (bounded: ``timeout_s``, within the 60 s) until every rank has said goodbye before
+    tearing the store down under them. A failing rank 0 waits ``FAILED_GOODBYE_S`` (2 s)
+    at most: its peers may be blocked in a collective with it and never say goodbye, and
+    waiting longer would keep the whole job up. Its process exiting closes its
+    connections (gloo peers fail at once with "Connection closed by peer") and launchers
+    (torchrun, mpirun) end the other ranks.
+
+    Afterwards the context's groups and store are None: a context the caller keeps does
+    not keep the process groups and their threads alive.
+
+    Args:
+        failed: this rank is leaving because of an error. None (the default): True when
+            an exception is in flight (``shutdown()`` in a ``finally`` or ``except``
+            block while an exception propagates), else False.
     """
     global _ctx
+    if failed is None:
+        failed = sys.exc_info()[1] is not None
+    deadline = time.monotonic() + SHUTDOWN_BOUND_S
     with _lock:
         ctx = _ctx
         if ctx is None:
@@ -354,12 +384,12 @@ def shutdown() -> None:
             try:
                 hook()
             except Exception as exc:
-                warnings.warn(f"overlap.dist.shutdown: a shutdown hook failed: {exc}", stacklevel=2)
+                warnings.warn(f"overlap.shutdown: a shutdown hook failed: {exc}", stacklevel=2)
         for comm in ctx._comms.values():
             try:
                 comm.destroy()
             except Exception as exc:  # keep going: the process group must still go
-                warnings.warn(f"overlap.dist.shutdown: destroying an NCCL communicator failed: {exc}",
+                warnings.warn(f"overlap.shutdown: destroying an NCCL communicator failed: {exc}",
                               stacklevel=2)
         ctx._comms.clear()
         if not ctx._owns_pg:
@@ -375,12 +405,49 @@ def shutdown() -> None:
                 if tdist.is_initialized():
                     tdist.destroy_process_group()
                 if ctx.rank != 0:
-                    ctx._store.set(f"exit/{ctx.rank}", b"1")
+                    ctx._store.set(f"exit/{ctx.rank}", b"failed" if failed else b"1")
                 else:
-                    ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
-                                    timedelta(seconds=ctx.timeout_s))
+                    wait_s = min(ctx.timeout_s, deadline - time.monotonic(),
+                                 FAILED_GOODBYE_S if failed else math.inf)
+                    if wait_s > 0:
+                        ctx._store.wait([f"exit/{r}" for r in range(1, ctx.world_size)],
+                                        timedelta(seconds=wait_s))
             except Exception as exc:
-                warnings.warn(f"overlap.dist.shutdown: not every rank reached shutdown: {exc}",
-                              stacklevel=2)
+                warnings.warn(f"overlap.shutdown: rank {ctx.rank}: not every rank reached shutdown "
+                              f"within the bound: {exc}", stacklevel=2)
         if tdist.is_initialized():
             tdist.destroy_process_group()
+        # The caller may keep the context; its references would keep the process groups
+        # (gloo's socket loop and worker threads) and the store client alive until the
+        # interpreter exits, where tearing them down can meet a joinable thread and abort
+        # ("terminate called without an active exception", seen on a rank whose peer had
+        # died). Dropped here, they go now, while Python is alive.
+        ctx.world_group = ctx.tp_group = ctx.dp_group = None  # type: ignore[assignment]
+        ctx._store = None
+        # A failed collective's traceback holds the group in its torch.distributed frames'
+        # locals: in the exception in flight (cleared here), or in a reference cycle of an
+        # exception already handled (collected now, not whenever the collector next runs).
+        _clear_tdist_frames(sys.exc_info()[1])
+        gc.collect()
+
+
+_TDIST_DIR = os.path.dirname(tdist.__file__)
+
+
+def _clear_tdist_frames(exc: BaseException | None) -> None:
+    """Drop the locals of torch.distributed's finished frames in ``exc``'s traceback (and
+    in the exceptions it chains): they hold the process group and its work. The
+    traceback still prints (code and line numbers stay); the caller's frames are kept."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.startswith(_TDIST_DIR):
+                try:
+                    frame.clear()
+                except RuntimeError:  # still executing
+                    pass
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__

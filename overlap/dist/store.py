@@ -60,7 +60,7 @@ def _rendezvous(launch: LaunchEnv, mpi: Any, timeout: timedelta, generation: int
     attempt = (f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}."
                f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}" if agent else "")
     root = tdist.PrefixStore(f"overlap{attempt}/{generation}", base)
-    _arrival_barrier(root, "init", rank, ws, timeout, what="overlap.dist.init()", desc=desc)
+    _arrival_barrier(root, "init", rank, ws, timeout, what="overlap.init()", desc=desc)
     return _Stores(tdist.PrefixStore("pg", root), tdist.PrefixStore("lib", root)), desc, addr, port
 
 
@@ -165,7 +165,7 @@ def _mpi_confirm(mpi: Any, launch: LaunchEnv, timeout_s: float) -> LaunchEnv:
     if not _wait_mpi(comm.Ibarrier(), time.monotonic() + timeout_s):
         raise DistInitError(
             f"rank {launch.rank} of {launch.world_size}: not every rank of MPI.COMM_WORLD "
-            f"reached overlap.dist.init() within {timeout_s:g} s (mpirun)"
+            f"reached overlap.init() within {timeout_s:g} s (mpirun)"
         )
     local = comm.Split_type(mpi.COMM_TYPE_SHARED, key=launch.rank)
     try:

@@ -223,6 +223,22 @@ def test_init_single_process(single: FakeNccl) -> None:
     assert dist.group_ranks(ctx.tp_group) == dist.group_ranks(ctx.dp_group) == [0]
 
 
+def test_shutdown_lets_the_groups_go(single: FakeNccl) -> None:
+    """After shutdown neither the context the caller keeps nor a reference cycle (as a
+    handled collective error's traceback makes) keeps a process group alive: left to the
+    interpreter's exit, their teardown (gloo's threads) aborted a rank now and then."""
+    import weakref
+
+    ctx = dist.init()
+    groups = [weakref.ref(g) for g in (ctx.world_group, ctx.tp_group, ctx.dp_group)]
+    cycle: list = [ctx.tp_group]
+    cycle.append(cycle)
+    del cycle
+    dist.shutdown()
+    assert ctx.world_group is None and ctx.tp_group is None and ctx._store is None
+    assert all(g() is None for g in groups), "a process group outlived shutdown"
+
+
 def test_init_conflicting_args_raise(single: FakeNccl) -> None:
     dist.init(timeout_s=30)
     for kw in (dict(tp_size=1, timeout_s=31), dict(backend="nccl", timeout_s=30),

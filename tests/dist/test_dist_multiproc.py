@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._procs import Proc, run_ranks
+from tests._procs import REPO, Proc, run_cmd, run_ranks
 
 WORKER = Path(__file__).resolve().parent.parent / "_dist_worker.py"
 
@@ -65,3 +65,35 @@ def test_nccl_comm_member_that_never_arrives() -> None:
 
 def test_nccl_comm_config_mismatch_raises_on_every_rank() -> None:
     _all_pass(run_ranks(WORKER, 2, ["nccl_config_mismatch"], timeout_s=60), "nccl_config_mismatch")
+
+
+# ---- shutdown: bounded whatever timeout_s is; a failed rank 0 ends the job in seconds ----
+
+
+def _ended_fast(out: str, elapsed_s: float, ranks: int = 2) -> None:
+    assert elapsed_s < 30, f"the job took {elapsed_s:.1f} s (timeout_s is 120)\n{out}"
+    assert "rank 0 failed on purpose" in out, out
+
+
+def test_failed_rank0_ends_hand_started_job_fast() -> None:
+    """Hand-started ranks (rank 0 hosts the store), timeout_s=120: rank 0 raises while rank
+    1 waits in an all-reduce; both processes end within seconds, both non-zero."""
+    r0, r1 = run_ranks(WORKER, 2, ["fail0"], timeout_s=60)
+    _ended_fast(r0.out, max(r0.elapsed_s, r1.elapsed_s))
+    assert r0.returncode not in (0, None) and r1.returncode not in (0, None), f"{r0}\n{r1}"
+    assert "Connection closed by peer" in r1.out, r1  # rank 1's all-reduce failed at once
+    if Path("/proc/self/task").is_dir():  # its traceback held the group: gone at shutdown all the same
+        assert "gloo threads left: []" in r1.out, r1
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", pytest.param("mpirun", marks=pytest.mark.mpi)])
+def test_failed_rank0_ends_launched_job_fast(launcher: str) -> None:
+    r = run_cmd(["bash", f"launch/{launcher}.sh", "2", str(WORKER.relative_to(REPO)), "fail0"], timeout_s=60)
+    _ended_fast(r.out, r.elapsed_s)
+    assert r.returncode not in (0, None), r
+
+
+def test_shutdown_bound_whatever_timeout_s() -> None:
+    """A peer that never reaches shutdown: rank 0 waits the shutdown bound, not timeout_s."""
+    r0, r1 = run_ranks(WORKER, 2, ["goodbye_bound"], timeout_s=60)
+    assert r0.returncode == 0 and "PASS goodbye_bound rank=0" in r0.out, f"{r0}\n{r1}"

@@ -117,15 +117,13 @@ def test_report_is_linear_in_records() -> None:
         observe.record_tuning("all_gather_matmul", shape, [("p2p x1", 1.0)], "p2p x1")
         observe.record_phases("all_gather_matmul", shape, "p2p x1",
                               {"op": (_FakeEvent(0.0), _FakeEvent(1.0))})
-    elapsed = float("inf")
-    for _ in range(3):  # the best of three: a loaded machine only adds time
-        t0 = time.perf_counter()
-        rep = observe.report()
-        text = str(rep)
-        elapsed = min(elapsed, time.perf_counter() - t0)
+    t0 = time.process_time()  # this process's CPU time: other jobs on the machine do not count
+    rep = observe.report()
+    text = str(rep)
+    elapsed = time.process_time() - t0
     assert len(rep.rows) == 10_000 and all(r["calls"] == 1 and r["timing"] for r in rep.rows)
     assert text.count("\n") >= 2 * 10_000
-    assert elapsed < 1.0, f"report() of 10,000 shapes took {elapsed:.2f} s"
+    assert elapsed < 1.0, f"report() of 10,000 shapes took {elapsed:.2f} s of CPU"
 
 
 @pytest.mark.parametrize("gpu,dtype_note,arch_note", [
