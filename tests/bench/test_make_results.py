@@ -161,3 +161,14 @@ def test_one_gpu_sections_from_the_newest_json(tree) -> None:
     assert "0.81" not in sweep  # the older sweep is not shown
     chain = text.split("## MLP chain, eager and as a CUDA graph, one GPU")[1]
     assert "| gpt3-175b | 8 | 512 | 12288 | 6144 | 0.500 | 0.600 | 0.550 | 0.700 | 0.580 | 1.091x | 0.909x |" in chain
+
+
+def test_readme_block_summary_line_has_no_table(tree) -> None:
+    """An op of ``summaries`` gets one line (its figures, its source, a link), no table."""
+    runs = mr.load_runs(str(tree / "results"), str(tree))
+    block = mr.readme_block(runs, ops=(), summaries=("agmm",))
+    body = [line for line in block.splitlines() if line and not line.startswith("<!--")]
+    assert len(body) == 1 and "|" not in body[0], body
+    assert "commit bbbbbbb" in body[0] and "the library is faster than sequential on 2 of 2" in body[0] \
+        and "0.41-1.10x of the floor" in body[0], body
+    assert body[0].endswith("Its table: [benchmarks/RESULTS.md](benchmarks/RESULTS.md).")
