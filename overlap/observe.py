@@ -52,6 +52,7 @@ communication; 0 means it took as long as doing both in turn (or longer).
 from __future__ import annotations
 
 import json
+import functools
 import os
 import statistics
 import itertools
@@ -231,7 +232,13 @@ def _device_info() -> tuple[int, int, str] | None:
     """(major, minor, name) of the current CUDA device; None without one."""
     if not torch.cuda.is_available():
         return None
-    i = torch.cuda.current_device()
+    return _device_props(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_props(i: int) -> tuple[int, int, str]:
+    """Looked up once per device: a new shape's first call (every call, where M changes
+    every call) pays a dict lookup, not a device query."""
     major, minor = torch.cuda.get_device_capability(i)
     return major, minor, torch.cuda.get_device_name(i)
 
