@@ -104,4 +104,57 @@ def interpreted(fn: Callable[..., Any] | None = None, *, timeout_s: float = 240.
     return wrap(fn) if fn is not None else wrap
 
 
+def _skip_repatching() -> None:
+    """Make Triton's interpreter patch ``triton.language`` once per launch, not once per call.
+
+    The interpreter patches the language modules a kernel sees (``_patch_lang``) when a
+    launch starts and restores them when it ends. It also calls ``_patch_lang`` on every
+    call of a ``@triton.jit`` helper inside the kernel, which walks every member of those
+    modules again (``inspect.getmembers``) to patch what is still unpatched: nothing, where
+    the launch patched the same modules. Under the interpreter that walk was about a
+    third of the time of the kernels' tests (tens of thousands of helper calls). Here a
+    helper's call skips it where every language module in its globals was patched by the
+    launch in progress, and makes it, as before, otherwise. What the kernels compute is
+    unchanged. Where the interpreter's internals differ (another Triton), nothing is changed."""
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    original = getattr(interp, "_patch_lang", None)
+    if original is None or getattr(original, "_once_per_launch", False) or not hasattr(interp, "tl"):
+        return
+    tl = interp.tl
+    patched: set[int] = set()  # ids of the modules patched by the launch in progress
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def langs(fn: Any) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn: Any) -> Any:
+        mine = langs(fn)
+        if patched and mine <= patched:
+            return _Nothing()  # a helper's call inside a launch that patched its modules
+        scope = original(fn)
+        if not patched:  # a launch: the modules are restored when it ends
+            restore = scope.restore
+
+            def restore_and_forget() -> None:
+                patched.clear()
+                restore()
+
+            scope.restore = restore_and_forget
+        patched.update(mine)
+        return scope
+
+    patch_lang._once_per_launch = True  # type: ignore[attr-defined]
+    interp._patch_lang = patch_lang
+
+
+if INTERPRETING:
+    _skip_repatching()
+
+
 __all__ = ["interpreted", "INTERPRETING", "REPO"]
