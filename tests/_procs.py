@@ -7,6 +7,7 @@ collective would turn into a hang.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -54,27 +55,62 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+_PER_RANK = ("RANK", "LOCAL_RANK")
+
+
 def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
               ranks: Sequence[int] | None = None, timeout_s: float = 60.0,
-              env: dict[str, str] | None = None) -> list[Proc]:
+              env: dict[str, str] | None = None, fork: bool | None = None) -> list[Proc]:
     """Run ``python script args`` once per rank with torchrun-style variables.
 
     ``ranks`` picks which ranks to start (default all) so a test can leave one out.
-    Every process is killed at ``timeout_s``; its returncode is then None.
+    Every process is killed at ``timeout_s``; its returncode is then None. ``fork``
+    (default: where the OS forks and ``OVERLAP_TEST_FORK`` is not 0): the ranks are forked
+    from one process that imported torch once (``tests/_forkrun.py``) instead of each
+    importing it.
     """
     port = str(free_port())
     ranks = list(range(world_size)) if ranks is None else list(ranks)
+    envs = {r: clean_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=port, **(env or {})) for r in ranks}
+    if fork is None:
+        fork = hasattr(os, "fork") and os.environ.get("OVERLAP_TEST_FORK", "1") != "0"
     with tempfile.TemporaryDirectory() as tmp:
+        if fork and ranks:
+            return _forked(script, args, ranks, envs, Path(tmp), timeout_s)
         procs = []
         for r in ranks:
-            penv = clean_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                             LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                             MASTER_PORT=port, **(env or {}))
             log = open(Path(tmp) / f"rank{r}.log", "w+")
-            p = subprocess.Popen([sys.executable, str(script), *args], env=penv, cwd=REPO,
+            p = subprocess.Popen([sys.executable, str(script), *args], env=envs[r], cwd=REPO,
                                  stdout=log, stderr=subprocess.STDOUT)
             procs.append((r, p, log))
         return _collect(procs, timeout_s)
+
+
+def _forked(script: Path | str, args: Sequence[str], ranks: list[int], envs: dict[int, dict[str, str]],
+            tmp: Path, timeout_s: float) -> list[Proc]:
+    """``run_ranks`` through one forking process (its environment: the ranks' less their rank)."""
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"dir": str(tmp), "script": str(script), "args": list(args), "ranks": ranks,
+                                "envs": {str(r): e for r, e in envs.items()}}))
+    base = {k: v for k, v in envs[ranks[0]].items() if k not in _PER_RANK}
+    start = time.monotonic()
+    with open(tmp / "forkrun.log", "w+") as log:
+        p = subprocess.Popen([sys.executable, str(REPO / "tests" / "_forkrun.py"), str(spec)], env=base, cwd=REPO,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        own = _collect([(-1, p, log)], timeout_s)[0]
+    out = []
+    for r in ranks:
+        rc, end = None, time.monotonic()
+        if (tmp / f"rc{r}").exists():
+            code, at = (tmp / f"rc{r}").read_text().split()
+            rc, end = int(code), float(at)
+        text = (tmp / f"rank{r}.log").read_text() if (tmp / f"rank{r}.log").exists() else ""
+        if rc is None and own.returncode not in (0, None):  # the forking process itself failed
+            text += f"\n[forkrun exited {own.returncode}]\n{own.out}"
+        out.append(Proc(r, rc, text, end - start))
+    return out
 
 
 def run_cmd(cmd: Sequence[str], *, timeout_s: float = 120.0,
