@@ -9,7 +9,8 @@ and the script goes on to the next after a failure):
                 every call: all_gather_matmul (one weight, a list), all_reduce_matmul (plain,
                 + residual with LayerNorm, RMSNorm), matmul_reduce_scatter,
                 matmul_all_reduce (+ residual); back-to-back calls with per-call values;
-                matmul_all_reduce_matmul (NCCL only) refused with the mode's error
+                matmul_all_reduce_matmul (+ residual, the norms) as its two halves, and
+                its transport='nccl' refused with the mode's error
     guarantees  a capture refused with a clear error and the op right afterwards; two
                 streams; ranks that disagree (host check: ValueError; cached host check:
                 the kernels' signature words, RanksDisagreeError); a late peer's timeout,
@@ -39,7 +40,8 @@ from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError, RanksDisagreeError  # noqa: E402
 from overlap.ops import (Norm, OverlapCaptureError, OverlapConfig, all_gather_matmul,  # noqa: E402
                          all_gather_matmul_ref, all_reduce_matmul, all_reduce_matmul_ref, check_errors,
-                         matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_ref, matmul_reduce_scatter,
+                         matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref,
+                         matmul_all_reduce_ref, matmul_reduce_scatter,
                          matmul_reduce_scatter_ref, reset)
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
@@ -219,15 +221,40 @@ def t_back_to_back(rank: int, world: int, dev: torch.device) -> str:
     return f"60 x 2 ops, values new per call; {per_call:.1f} ms per call with the GPU shared (not a performance figure)"
 
 
-def t_marm_refused(rank: int, world: int, dev: torch.device) -> str:
+def t_marm(rank: int, world: int, dev: torch.device) -> str:
+    """matmul_all_reduce_matmul's pipeline runs on NCCL: in the mode it runs as
+    matmul_all_reduce on the peer-copy transport, then norm(h) @ b_next; against its *_ref."""
+    from overlap.ops import boundary as bmod
+
+    m, n, n2, k = 1024, 512, 384, 512 * world
+    ks = k // world
+    s0, p0 = bmod.stats["shared_gpu"], mrmod.stats["p2p"]
+    for norm_kind in (None, "layernorm", "rmsnorm"):
+        for cfg in (None, OverlapConfig(chunks=2, check="sync")):
+            for it in range(CALLS):
+                a = mine(m, ks, dev=dev)
+                b = same_on_all(n, ks, seed=94 + rank + it, dev=dev, scale=k ** -0.5).t()
+                b_next = same_on_all(n2, n, seed=95 + it, dev=dev, scale=n ** -0.5).t()
+                res = same_on_all(m, n, seed=96 + it, dev=dev) if norm_kind else None
+                norm = None
+                if norm_kind:
+                    w = same_on_all(n, seed=97 + it, dev=dev) * 0.1 + 1
+                    bias = same_on_all(n, seed=98 + it, dev=dev) * 0.1 if norm_kind == "layernorm" else None
+                    norm = Norm(norm_kind, w, bias, 1e-5)
+                c, h = matmul_all_reduce_matmul(a, b, b_next, residual=res, norm=norm, config=cfg)
+                c_ref, h_ref = matmul_all_reduce_matmul_ref(a, b, b_next, residual=res, norm=norm)
+                close(h, h_ref, f"h ({norm_kind}, {cfg}, call {it})")
+                close(c, c_ref, f"c ({norm_kind}, {cfg}, call {it})")
+    got, p2p = bmod.stats["shared_gpu"] - s0, mrmod.stats["p2p"] - p0
+    assert got == 6 * CALLS and p2p >= 6 * CALLS, f"{got} calls in two halves, {p2p} on the peer-copy path (want {6 * CALLS})"
     a = mine(512, 256, dev=dev)
     b = same_on_all(256, 256, seed=90, dev=dev).t()
     try:
-        matmul_all_reduce_matmul(a, b, b, config=OverlapConfig(chunks=2))
+        matmul_all_reduce_matmul(a, b, b, config=OverlapConfig(chunks=2, transport="nccl"))
     except (RuntimeError, ValueError) as e:
         assert "shared-GPU mode" in str(e), e
-        return f"refused: {str(e)[:90]}..."
-    raise AssertionError("matmul_all_reduce_matmul (NCCL only) ran in shared-GPU mode")
+        return f"{got} calls: matmul_all_reduce on p2p, then the norm and GEMM; transport='nccl' refused: {str(e)[:60]}..."
+    raise AssertionError("matmul_all_reduce_matmul ran transport='nccl' in shared-GPU mode")
 
 
 # --------------------------------------------------------------------------------------
@@ -368,7 +395,7 @@ def main() -> None:
     tests: dict[str, list[tuple[str, Callable[..., str]]]] = {
         "ops": [("all_gather_matmul", t_agmm), ("all_gather_matmul_weight_list", t_agmm_list),
                 ("all_reduce_matmul_residual_norms", t_armm), ("matmul_reduce_scatter_and_all_reduce", t_producers),
-                ("back_to_back", t_back_to_back), ("matmul_all_reduce_matmul_refused", t_marm_refused)],
+                ("back_to_back", t_back_to_back), ("matmul_all_reduce_matmul", t_marm)],
         "guarantees": [("capture_refused", t_capture_refused), ("two_streams", t_streams),
                        ("disagree_host_check", t_disagree_host), ("disagree_signature_words", t_disagree_signature),
                        ("reset_after_timeout", t_reset)],
