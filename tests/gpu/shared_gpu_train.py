@@ -61,16 +61,20 @@ def compare(ref: list[float], ref32: list[float], got: list[float]) -> tuple[boo
                 + ("" if learned else " (did not learn)"))
 
 
-def job(cmd: list[str], env: dict[str, str], log: Path) -> tuple[int | None, str]:
-    """Run one training job in its own process group, at most JOB_LIMIT_S; its output to ``log``."""
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """One training job in its own process group, its output to ``log``."""
     with open(log, "w") as out:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout=JOB_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 9)  # the job's own process group (started above), nothing else
-            p.wait()
-            rc = None
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(p: subprocess.Popen, cmd: list[str], log: Path, deadline: float) -> tuple[int | None, str]:
+    """Wait for job ``p`` until ``deadline`` (time.time()), else kill its process group."""
+    try:
+        rc = p.wait(timeout=max(deadline - time.time(), 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)  # the job's own process group (started above), nothing else
+        p.wait()
+        rc = None
     text = log.read_text(errors="replace")
     sys.stdout.write(f"----- {' '.join(cmd[1:])}: rc={rc}\n{text}")
     sys.stdout.flush()
@@ -105,16 +109,23 @@ def main() -> int:
     curves: dict[str, list[float]] = {}
     took: dict[str, float] = {}
     why: dict[str, str] = {}
-    for name, (cmd, env) in runs.items():
+    # the two one-process runs at once (neither waits on anything), then the tp runs one by one
+    for batch in (("fp32", "bf16"), ("tp",), ("tp_sp",)):
         t0 = time.time()
-        rc, text = job(cmd + ARGS + ["--out", str(out / name)], env, out / f"{name}.log")
-        took[name] = time.time() - t0
-        if rc == 0:
-            curves[name] = losses(out / name)
-        else:
-            lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln][-2:]
-            why[name] = (f"killed after {JOB_LIMIT_S:.0f} s" if rc is None else f"rc {rc}") + (
-                f": {' | '.join(lines)}" if lines else "")
+        jobs = {}
+        for name in batch:
+            cmd, env = runs[name]
+            cmd = cmd + ARGS + ["--out", str(out / name)]
+            jobs[name] = (start(cmd, env, out / f"{name}.log"), cmd)
+        for name, (p, cmd) in jobs.items():
+            rc, text = finish(p, cmd, out / f"{name}.log", t0 + JOB_LIMIT_S)
+            took[name] = time.time() - t0
+            if rc == 0:
+                curves[name] = losses(out / name)
+            else:
+                lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln][-2:]
+                why[name] = (f"killed after {JOB_LIMIT_S:.0f} s" if rc is None else f"rc {rc}") + (
+                    f": {' | '.join(lines)}" if lines else "")
     failed = 0
     for name in ("tp", "tp_sp"):
         test = f"train_gpt_tp{ranks}" + ("_sp" if name == "tp_sp" else "")
