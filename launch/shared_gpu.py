@@ -121,7 +121,9 @@ def run_case(name: str, argv: list[str], limit: float, pass_re: str | None, rank
         cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *argv]
     else:
         cmd = [env.get("OVERLAP_PYTHON", sys.executable), *argv, str(ranks), str(out_dir or ".")]
-    log.write(f"\n===== {name}: {' '.join(cmd)} (at most {limit:.0f} s)\n")
+    shown = " ".join(["python" if c == sys.executable else os.path.relpath(c, REPO) if c.startswith(str(REPO))
+                      else c for c in cmd])  # no machine paths in the log
+    log.write(f"\n===== {name}: {shown} (at most {limit:.0f} s)\n")
     log.flush()
     t0 = time.time()
     with tempfile.TemporaryFile("w+") as out:
@@ -210,6 +212,8 @@ def main() -> int:
                 # a job's own files go to a temporary folder (its output, curves included, to the log)
                 work = Path(tempfile.mkdtemp(prefix=f"overlap-{name}-")) if how == "python" else None
                 tests += run_case(name, argv, min(limit, left), pass_re, args.ranks, env, log, how, work)
+                if work is not None:
+                    shutil.rmtree(work, ignore_errors=True)
                 if mps is not None and "servers_seen" not in mps.info:
                     mps.info["servers_seen"] = mps.servers()
                 print("\n".join(f"{t['outcome']:8s} {t['name']}" for t in tests[-20:] if t.get("_shown") is None),

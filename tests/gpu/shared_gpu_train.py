@@ -97,7 +97,7 @@ def main() -> int:
     py = os.environ.get("OVERLAP_PYTHON", sys.executable)
     on_gpu = _has_gpu()
     one = dict(os.environ, OVERLAP_SHARED_GPU="0")  # one process: one rank per GPU, as in production
-    shared = dict(os.environ, OVERLAP_SHARED_GPU="1") if on_gpu else dict(os.environ)
+    shared = dict(os.environ, OVERLAP_SHARED_GPU="1") if on_gpu else one  # on a CPU: gloo, the references
     runs: dict[str, tuple[list[str], dict[str, str]]] = {
         "fp32": ([py, "launch/train_gpt.py", "--tp", "1", "--dtype", "fp32"], one),
         "bf16": ([py, "launch/train_gpt.py", "--tp", "1", "--dtype", "bf16" if on_gpu else "fp32"], one),
