@@ -337,9 +337,17 @@ def t_reset(rank: int, world: int, dev: torch.device) -> str:
 
 DEAD_PUSH_CYCLES = 40_000_000_000
 """The dying rank's pushes wait behind a sleep this long (~20 s at 1.98 GHz), far past the
-survivors' 3 s bound. Under MPS a client's queued work can outlive its process (it runs in
-the server): with pushes only ~0.2 s late (tests/gpu/_late.py's default) they landed, the
-survivors' call completed, and no timeout came (seen on one H200 under MPS at 3d68edd)."""
+survivors' 3 s bound, so that they cannot land within it whatever becomes of a dead
+process's queued work (under MPS that work belongs to the server, not the process)."""
+
+
+def _call_state(done: torch.cuda.Event) -> str:
+    """What became of a call that reported no timeout: done, running, or its context faulted
+    (under MPS at 1e9b153: 'an illegal memory access' once the peer had died)."""
+    try:
+        return "the call completed" if done.query() else "the call is still running"
+    except Exception as e:  # noqa: BLE001 - a sticky CUDA error: reported, the check goes on to shutdown
+        return f"the survivor's CUDA context failed: {type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def kill(rank: int, world: int, dev: torch.device) -> None:
@@ -359,18 +367,19 @@ def kill(rank: int, world: int, dev: torch.device) -> None:
     all_gather_matmul(a, b, config=cfg)
     done = torch.cuda.Event()
     done.record()
-    err = None
+    err, state = None, ""
     while err is None and time.time() - t0 < 30:
         try:
             check_errors(block=False)
         except FlagTimeoutError as e:
             err = e
+        state = _call_state(done)
+        if "failed" in state:  # a faulted context reports nothing more: no use waiting on
+            break
         time.sleep(0.01)
     took = time.time() - t0
     ok = err is not None and took < 3.0 + 10.0
-    why = f"{str(err)[:80]}..." if err is not None else (
-        "no FlagTimeoutError within 30 s; the call " + ("completed (the dead rank's pushes landed)" if done.query()
-                                                         else "is still running"))
+    why = f"{str(err)[:80]}..." if err is not None else f"no FlagTimeoutError after {took:.1f} s; {state}"
     if rank == 0:  # before shutdown: a shutdown that hangs still leaves this line
         print(f"KILL error after {took:.1f} s: {why}", flush=True)
     t1 = time.time()
