@@ -95,8 +95,9 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     returns     c [M, N2], h [M, N] (the new residual stream)
     ==========  ==========  ==================================================
 
-    fp16 and bf16 on CUDA take the pipeline (NCCL transport); other inputs take the
-    reference with a one-time warning."""
+    fp16 and bf16 on CUDA take the pipeline (NCCL transport), or in shared-GPU mode
+    ``matmul_all_reduce`` on the peer-copy transport and then the norm and the second GEMM;
+    other inputs take the reference with a one-time warning."""
     refuse_grad(OP, a, b, b_next, residual, *(() if norm is None else (norm.weight, norm.bias)))
     _check(a, b, b_next, residual, norm)
     group = resolve_group(group)
