@@ -246,14 +246,16 @@ def t_marm(rank: int, world: int, dev: torch.device) -> str:
                 close(h, h_ref, f"h ({norm_kind}, {cfg}, call {it})")
                 close(c, c_ref, f"c ({norm_kind}, {cfg}, call {it})")
     got, p2p = bmod.stats["shared_gpu"] - s0, mrmod.stats["p2p"] - p0
-    assert got == 6 * CALLS and p2p >= 6 * CALLS, f"{got} calls in two halves, {p2p} on the peer-copy path (want {6 * CALLS})"
+    assert got == 6 * CALLS and p2p >= 6 * CALLS, \
+        f"{got} calls in two halves, {p2p} on the peer-copy path (want {6 * CALLS})"
     a = mine(512, 256, dev=dev)
     b = same_on_all(256, 256, seed=90, dev=dev).t()
     try:
         matmul_all_reduce_matmul(a, b, b, config=OverlapConfig(chunks=2, transport="nccl"))
     except (RuntimeError, ValueError) as e:
         assert "shared-GPU mode" in str(e), e
-        return f"{got} calls: matmul_all_reduce on p2p, then the norm and GEMM; transport='nccl' refused: {str(e)[:60]}..."
+        return (f"{got} calls: matmul_all_reduce on p2p, then the norm and GEMM; transport='nccl' refused: "
+                f"{str(e)[:60]}...")
     raise AssertionError("matmul_all_reduce_matmul ran transport='nccl' in shared-GPU mode")
 
 

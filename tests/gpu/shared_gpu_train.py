@@ -56,8 +56,9 @@ def compare(ref: list[float], ref32: list[float], got: list[float]) -> tuple[boo
     worst = max(range(len(diffs)), key=diffs.__getitem__)
     learned = got[-1] < got[0] - 0.5
     ok = diffs[worst] <= tol and learned
-    return ok, (f"max |loss - one process| {diffs[worst]:.4f} at step {worst + 1} (tol {tol:.4f} = max({TOL_FACTOR:g} x "
-                f"bf16's drift from fp32 {drift:.4f}, {TOL_FLOOR})); loss {got[0]:.3f} -> {got[-1]:.3f}"
+    return ok, (f"max |loss - one process| {diffs[worst]:.4f} at step {worst + 1} (tol {tol:.4f} = "
+                f"max({TOL_FACTOR:g} x bf16's drift from fp32 {drift:.4f}, {TOL_FLOOR})); "
+                f"loss {got[0]:.3f} -> {got[-1]:.3f}"
                 + ("" if learned else " (did not learn)"))
 
 
