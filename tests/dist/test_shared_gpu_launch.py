@@ -81,3 +81,21 @@ def test_exit_if_shared(monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert out.count("SKIP x_check.py: it needs NCCL (its NCCL variants); shared-GPU mode: NCCL refuses") == 1, out
     assert down == [1, 1]
+
+
+def test_train_curves_compared_within_bf16s_own_drift() -> None:
+    spec = importlib.util.spec_from_file_location("shared_gpu_train", REPO / "tests" / "gpu" / "shared_gpu_train.py")
+    tr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tr)
+    ref32 = [3.5 - 0.03 * i for i in range(40)]
+    ref = [x + (0.01 if i % 2 else -0.01) for i, x in enumerate(ref32)]  # bf16 drifts 0.01: tol 0.03
+    ok, detail = tr.compare(ref, ref32, [x + 0.025 for x in ref])
+    assert ok and "tol 0.0300" in detail, detail
+    ok, detail = tr.compare(ref, ref32, ref[:10] + [x + 0.04 for x in ref[10:]])  # off by more than 3 x drift
+    assert not ok and "0.0400 at step 11" in detail, detail
+    assert tr.compare(ref32, ref32, [x + 0.019 for x in ref32])[0]  # no drift at all: the floor, 0.02
+    assert not tr.compare(ref32, ref32, [x + 0.021 for x in ref32])[0]
+    assert not tr.compare(ref, ref32, ref[:-1] + [float("nan")])[0]
+    assert not tr.compare(ref, ref32, ref[:-1])[0]  # a step missing
+    flat = [3.5] * 40
+    assert "did not learn" in tr.compare(flat, flat, flat)[1]
