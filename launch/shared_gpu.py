@@ -29,13 +29,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# (name, script and arguments, seconds at most, the line that says it passed where it prints no RESULT)
+# (name, script and arguments, seconds at most, the line that says it passed where it prints no
+# RESULT, how it starts: "torchrun" (R ranks of the script) or "python" (one process that is
+# given R and the output folder and starts its own jobs))
 CASES = [
-    ("ops", ["tests/gpu/shared_gpu_check.py", "ops"], 100, None),
-    ("guarantees", ["tests/gpu/shared_gpu_check.py", "guarantees"], 70, None),
-    ("layers", ["tests/gpu/shared_gpu_check.py", "layers"], 150, None),
-    ("kill", ["tests/gpu/shared_gpu_check.py", "kill"], 90, None),
-    ("producer_p2p_check", ["tests/gpu/producer_p2p_check.py"], 240, r"^PASS producer_p2p world="),
+    ("ops", ["tests/gpu/shared_gpu_check.py", "ops"], 100, None, "torchrun"),
+    ("guarantees", ["tests/gpu/shared_gpu_check.py", "guarantees"], 70, None, "torchrun"),
+    ("layers", ["tests/gpu/shared_gpu_check.py", "layers"], 150, None, "torchrun"),
+    ("kill", ["tests/gpu/shared_gpu_check.py", "kill"], 90, None, "torchrun"),
+    ("producer_p2p_check", ["tests/gpu/producer_p2p_check.py"], 240, r"^PASS producer_p2p world=", "torchrun"),
+    ("train", ["tests/gpu/shared_gpu_train.py"], 420, None, "python"),
 ]
 
 
@@ -113,9 +116,14 @@ class Mps:
 
 
 def run_case(name: str, argv: list[str], limit: float, pass_re: str | None, ranks: int, env: dict[str, str],
-             log) -> list[dict]:
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *argv]
-    log.write(f"\n===== {name}: {' '.join(cmd)} (at most {limit:.0f} s)\n")
+             log, how: str = "torchrun", out_dir: Path | None = None) -> list[dict]:
+    if how == "torchrun":
+        cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(ranks), *argv]
+    else:
+        cmd = [env.get("OVERLAP_PYTHON", sys.executable), *argv, str(ranks), str(out_dir or ".")]
+    shown = " ".join(["python" if c == sys.executable else os.path.relpath(c, REPO) if c.startswith(str(REPO))
+                      else c for c in cmd])  # no machine paths in the log
+    log.write(f"\n===== {name}: {shown} (at most {limit:.0f} s)\n")
     log.flush()
     t0 = time.time()
     with tempfile.TemporaryFile("w+") as out:
@@ -193,7 +201,7 @@ def main() -> int:
     try:
         with open(out / "shared_gpu.log", "w") as log:
             log.write(json.dumps(ctx) + "\n")
-            for name, argv, limit, pass_re in CASES:
+            for name, argv, limit, pass_re, how in CASES:
                 if only and name not in only:
                     continue
                 left = args.budget_s - (time.time() - t_start)
@@ -201,7 +209,11 @@ def main() -> int:
                     tests.append({"name": name, "outcome": "not_run", "seconds": 0.0,
                                   "detail": f"time budget ({args.budget_s:.0f} s) spent"})
                     continue
-                tests += run_case(name, argv, min(limit, left), pass_re, args.ranks, env, log)
+                # a job's own files go to a temporary folder (its output, curves included, to the log)
+                work = Path(tempfile.mkdtemp(prefix=f"overlap-{name}-")) if how == "python" else None
+                tests += run_case(name, argv, min(limit, left), pass_re, args.ranks, env, log, how, work)
+                if work is not None:
+                    shutil.rmtree(work, ignore_errors=True)
                 if mps is not None and "servers_seen" not in mps.info:
                     mps.info["servers_seen"] = mps.servers()
                 print("\n".join(f"{t['outcome']:8s} {t['name']}" for t in tests[-20:] if t.get("_shown") is None),

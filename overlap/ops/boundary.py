@@ -17,7 +17,9 @@ flows from the first GEMM to the second without waiting for the whole all-reduce
 consumer grid is queued behind the producer grid on the caller's stream: the two never
 compete for SMs, and the consumer's first chunks are usually ready when it starts.
 
-NCCL transport only (``transport="p2p"`` raises, as for ``matmul_all_reduce``). One
+NCCL transport only (``transport="p2p"`` raises), except in shared-GPU mode, where NCCL
+cannot run and the op runs as ``matmul_all_reduce`` on the peer-copy transport, then the
+norm and the second GEMM (``_shared_gpu``). One
 ``OverlapConfig`` serves both halves (chunks, NCCL CTAs, SM margin, the GEMM config of
 both GEMMs, the consumer's give-back grid and split tail); ``fold_norm`` does not apply
 (the norm runs on the aux stream). ``tune_matmul_all_reduce_matmul`` times chunk counts and
@@ -43,7 +45,7 @@ from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path
 __all__ = ["matmul_all_reduce_matmul", "matmul_all_reduce_matmul_ref", "tune_matmul_all_reduce_matmul", "stats"]
 
 OP = "matmul_all_reduce_matmul"
-stats: dict[str, int] = {"fused": 0, "reference": 0}
+stats: dict[str, int] = {"fused": 0, "reference": 0, "shared_gpu": 0}
 """How many calls took each path."""
 
 
@@ -93,8 +95,9 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     returns     c [M, N2], h [M, N] (the new residual stream)
     ==========  ==========  ==================================================
 
-    fp16 and bf16 on CUDA take the pipeline (NCCL transport); other inputs take the
-    reference with a one-time warning."""
+    fp16 and bf16 on CUDA take the pipeline (NCCL transport), or in shared-GPU mode
+    ``matmul_all_reduce`` on the peer-copy transport and then the norm and the second GEMM;
+    other inputs take the reference with a one-time warning."""
     refuse_grad(OP, a, b, b_next, residual, *(() if norm is None else (norm.weight, norm.bias)))
     _check(a, b, b_next, residual, norm)
     group = resolve_group(group)
@@ -126,6 +129,9 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     if capturing() and get_runtime_if_made(group, a.device) is None:
         raise OverlapCaptureError(f"{OP}: call it once outside the CUDA graph capture first")
     rt = get_runtime(group, a.device)
+    if rt.shared_gpu and rt.world > 1:
+        return observed(OP, (m, n2, n), "p2p, two halves", "shared-GPU mode", a.device, _shared_gpu, a, b, b_next,
+                        group, residual, norm, config)
     tuned = _tuned(rt).get(_tune_key(a, b, b_next, residual, norm)) if config is None else None
     sequential = isinstance(tuned, Sequential)  # the tuner's pick: the sequential reference
     cfg = config or (None if sequential else tuned) or OverlapConfig()
@@ -193,6 +199,19 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
                 gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
     stats["fused"] += 1
     return c, h
+
+
+def _shared_gpu(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, group: Any, residual: torch.Tensor | None,
+                norm: Any, config: OverlapConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-GPU mode (``overlap.dist.shared``): the pipeline runs on NCCL, which refuses
+    ranks that share a GPU, so the op runs as its two halves: ``h`` by ``matmul_all_reduce``
+    (its GEMM overlapped with the all-reduce on the peer-copy transport; it refuses
+    ``transport='nccl'`` with the mode's error, and a capture), then ``norm(h) @ b_next`` on
+    this rank alone, where no communication is left to hide. The reference's arithmetic."""
+    h = _mr.matmul_all_reduce(a, b, group=group, residual=residual, config=config)
+    y = norm.apply(h) if norm is not None else h
+    stats["shared_gpu"] += 1
+    return y @ b_next, h
 
 
 def _nccl(cfg: OverlapConfig, chunks: int) -> OverlapConfig:

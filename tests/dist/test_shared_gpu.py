@@ -225,3 +225,43 @@ def test_producer_ops_take_the_peer_copy_transport_in_the_mode(monkeypatch: pyte
     prod = _runtime(monkeypatch, None)  # one GPU per rank: NCCL unless the peer-copy one is named
     assert mrmod._transport(prod, OverlapConfig()) == "nccl"
     assert mrmod._transport(prod, OverlapConfig(transport="p2p")) == "p2p"
+
+
+def test_matmul_all_reduce_matmul_runs_its_halves_in_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's pipeline runs on NCCL (refused in the mode): in the mode it runs as
+    matmul_all_reduce (peer-copy transport) and then norm(h) @ b_next, the reference's
+    arithmetic, with the caller's config handed to matmul_all_reduce (which refuses
+    transport='nccl' with the mode's error)."""
+    from overlap.ops import Norm
+    from overlap.ops import boundary as bmod
+    from overlap.ops import matmul_reduce as mrmod
+
+    rt = SimpleNamespace(shared_gpu=True, world=2)
+    monkeypatch.setattr(bmod, "get_runtime", lambda group, device: rt)
+    monkeypatch.setattr(bmod, "resolve_group", lambda group: "group")
+    monkeypatch.setattr(bmod, "_fused", lambda *a: pytest.fail("the NCCL pipeline ran in shared-GPU mode"))
+    seen: list[object] = []
+
+    def mar(a: torch.Tensor, b: torch.Tensor, *, group: object, residual: torch.Tensor | None,
+            config: object) -> torch.Tensor:  # one rank's view: its partial product is the sum
+        seen.append((group, config))
+        return (a.float() @ b.float() + (0 if residual is None else residual.float())).to(a.dtype)
+
+    monkeypatch.setattr(mrmod, "matmul_all_reduce", mar)
+    g = torch.Generator().manual_seed(3)
+    for it, cfg in enumerate((None, OverlapConfig(chunks=2), OverlapConfig(transport="p2p"))):
+        a = torch.randn(64, 32, generator=g).half()  # new inputs every call
+        b = (torch.randn(48, 32, generator=g) / 6).half().t()
+        b_next = (torch.randn(16, 48, generator=g) / 7).half().t()
+        res = torch.randn(64, 48, generator=g).half()
+        norm = Norm("layernorm", (torch.rand(48, generator=g) + 0.5).half(), torch.randn(48, generator=g).half(),
+                    1e-5)
+        before = bmod.stats["shared_gpu"]
+        with mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock, return_value=True):
+            c, h = bmod.matmul_all_reduce_matmul(a, b, b_next, residual=res, norm=norm, config=cfg)
+        assert bmod.stats["shared_gpu"] == before + 1
+        assert seen[-1] == ("group", cfg)
+        h_ref = mar(a, b, group=None, residual=res, config=None)
+        assert torch.equal(h, h_ref)
+        assert torch.equal(c, norm.apply(h_ref) @ b_next), f"call {it}"
+    assert len(seen) == 3 + 3  # the op's call and the check's own

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import overlap  # noqa: E402
 import overlap.compat  # noqa: E402,F401
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
@@ -31,6 +32,7 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> None:
     dist.init()
+    exit_if_shared("agmm_many_check.py", "its configs on the NCCL transport")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(1234)  # the same weights and inputs on every rank

@@ -18,6 +18,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.ops import Norm  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
 from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported  # noqa: E402
@@ -30,6 +31,7 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> None:
     ctx = dist.init()
+    exit_if_shared("armm_check.py", "the NCCL transport's variants, an NCCL tuner candidate")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     launcher = ctx.launch.launcher

@@ -14,12 +14,16 @@ can pass. Rank 0 prints the versions as one JSON line ("VERSIONS {...}") and
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as tdist
 
-from overlap import dist
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 
 CALLS = 4
 # all_gather and reduce_scatter copy or sum identically to torch's NCCL for two ranks;
@@ -55,6 +59,7 @@ def main() -> int:
     from overlap._nccl import NcclConfig
 
     ctx = dist.init(timeout_s=120)
+    exit_if_shared("nccl_comm_check.py", "overlap.dist.nccl_comm itself")
     assert ctx.backend == "nccl" and ctx.device.type == "cuda", ctx
     if ctx.is_main:
         print("VERSIONS " + json.dumps(versions(ctx)), flush=True)

@@ -19,6 +19,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.ops import (SEQUENTIAL, Norm, OverlapConfig, check_errors, matmul_all_reduce, matmul_all_reduce_matmul,  # noqa: E402
                          matmul_reduce_scatter)
 from overlap.kernels.tile_gemm import GemmConfig  # noqa: E402
@@ -111,6 +112,7 @@ def check_boundary(world: int, rank: int, dev: torch.device) -> tuple[int, float
 
 def main() -> None:
     ctx = dist.init()
+    exit_if_shared("producer_check.py", "the producer ops' NCCL transport; producer_p2p_check.py is the peer-copy one")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     calls = 0

@@ -20,6 +20,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.ops import Norm, OverlapConfig  # noqa: E402
 from overlap.ops import _runtime  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
@@ -36,6 +37,7 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main() -> None:
     dist.init()
+    exit_if_shared("random_m_check.py", "the NCCL transport with a new M every call")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(99)  # the same weights and inputs on every rank

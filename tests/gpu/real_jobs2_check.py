@@ -27,6 +27,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_gather_matmul_ref,  # noqa: E402
                          all_reduce_matmul, all_reduce_matmul_ref, check_errors)
 
@@ -141,6 +142,7 @@ def ddp(rank: int, world: int, dev: torch.device) -> str:
 
 def main() -> None:
     ctx = dist.init(timeout_s=120)
+    exit_if_shared("real_jobs2_check.py", "the NCCL transport beside a data-parallel NCCL all-reduce")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(1234 + rank)

@@ -28,6 +28,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
+from tests.gpu._mode import exit_if_shared  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
 from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, check_errors, reset  # noqa: E402
 from overlap.ops import all_gather as agmod  # noqa: E402
@@ -220,6 +221,7 @@ def dead_peer(rank: int, world: int, dev: torch.device) -> str:
 
 def main() -> None:
     ctx = dist.init()
+    exit_if_shared("safety2_check.py", "each guarantee on the NCCL transport beside the peer-copy one")
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(1234 + rank)

@@ -9,7 +9,8 @@ and the script goes on to the next after a failure):
                 every call: all_gather_matmul (one weight, a list), all_reduce_matmul (plain,
                 + residual with LayerNorm, RMSNorm), matmul_reduce_scatter,
                 matmul_all_reduce (+ residual); back-to-back calls with per-call values;
-                matmul_all_reduce_matmul (NCCL only) refused with the mode's error
+                matmul_all_reduce_matmul (+ residual, the norms) as its two halves, and
+                its transport='nccl' refused with the mode's error
     guarantees  a capture refused with a clear error and the op right afterwards; two
                 streams; ranks that disagree (host check: ValueError; cached host check:
                 the kernels' signature words, RanksDisagreeError); a late peer's timeout,
@@ -39,7 +40,8 @@ from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError, RanksDisagreeError  # noqa: E402
 from overlap.ops import (Norm, OverlapCaptureError, OverlapConfig, all_gather_matmul,  # noqa: E402
                          all_gather_matmul_ref, all_reduce_matmul, all_reduce_matmul_ref, check_errors,
-                         matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_ref, matmul_reduce_scatter,
+                         matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref,
+                         matmul_all_reduce_ref, matmul_reduce_scatter,
                          matmul_reduce_scatter_ref, reset)
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
@@ -219,15 +221,42 @@ def t_back_to_back(rank: int, world: int, dev: torch.device) -> str:
     return f"60 x 2 ops, values new per call; {per_call:.1f} ms per call with the GPU shared (not a performance figure)"
 
 
-def t_marm_refused(rank: int, world: int, dev: torch.device) -> str:
+def t_marm(rank: int, world: int, dev: torch.device) -> str:
+    """matmul_all_reduce_matmul's pipeline runs on NCCL: in the mode it runs as
+    matmul_all_reduce on the peer-copy transport, then norm(h) @ b_next; against its *_ref."""
+    from overlap.ops import boundary as bmod
+
+    m, n, n2, k = 1024, 512, 384, 512 * world
+    ks = k // world
+    s0, p0 = bmod.stats["shared_gpu"], mrmod.stats["p2p"]
+    for norm_kind in (None, "layernorm", "rmsnorm"):
+        for cfg in (None, OverlapConfig(chunks=2, check="sync")):
+            for it in range(CALLS):
+                a = mine(m, ks, dev=dev)
+                b = same_on_all(n, ks, seed=94 + rank + it, dev=dev, scale=k ** -0.5).t()
+                b_next = same_on_all(n2, n, seed=95 + it, dev=dev, scale=n ** -0.5).t()
+                res = same_on_all(m, n, seed=96 + it, dev=dev) if norm_kind else None
+                norm = None
+                if norm_kind:
+                    w = same_on_all(n, seed=97 + it, dev=dev) * 0.1 + 1
+                    bias = same_on_all(n, seed=98 + it, dev=dev) * 0.1 if norm_kind == "layernorm" else None
+                    norm = Norm(norm_kind, w, bias, 1e-5)
+                c, h = matmul_all_reduce_matmul(a, b, b_next, residual=res, norm=norm, config=cfg)
+                c_ref, h_ref = matmul_all_reduce_matmul_ref(a, b, b_next, residual=res, norm=norm)
+                close(h, h_ref, f"h ({norm_kind}, {cfg}, call {it})")
+                close(c, c_ref, f"c ({norm_kind}, {cfg}, call {it})")
+    got, p2p = bmod.stats["shared_gpu"] - s0, mrmod.stats["p2p"] - p0
+    assert got == 6 * CALLS and p2p >= 6 * CALLS, \
+        f"{got} calls in two halves, {p2p} on the peer-copy path (want {6 * CALLS})"
     a = mine(512, 256, dev=dev)
     b = same_on_all(256, 256, seed=90, dev=dev).t()
     try:
-        matmul_all_reduce_matmul(a, b, b, config=OverlapConfig(chunks=2))
+        matmul_all_reduce_matmul(a, b, b, config=OverlapConfig(chunks=2, transport="nccl"))
     except (RuntimeError, ValueError) as e:
         assert "shared-GPU mode" in str(e), e
-        return f"refused: {str(e)[:90]}..."
-    raise AssertionError("matmul_all_reduce_matmul (NCCL only) ran in shared-GPU mode")
+        return (f"{got} calls: matmul_all_reduce on p2p, then the norm and GEMM; transport='nccl' refused: "
+                f"{str(e)[:60]}...")
+    raise AssertionError("matmul_all_reduce_matmul ran transport='nccl' in shared-GPU mode")
 
 
 # --------------------------------------------------------------------------------------
@@ -308,6 +337,21 @@ def t_reset(rank: int, world: int, dev: torch.device) -> str:
 # --------------------------------------------------------------------------------------
 
 
+DEAD_PUSH_CYCLES = 40_000_000_000
+"""The dying rank's pushes wait behind a sleep this long (~20 s at 1.98 GHz), far past the
+survivors' 3 s bound, so that they cannot land within it whatever becomes of a dead
+process's queued work (under MPS that work belongs to the server, not the process)."""
+
+
+def _call_state(done: torch.cuda.Event) -> str:
+    """What became of a call that reported no timeout: done, running, or its context faulted
+    (under MPS at 1e9b153: 'an illegal memory access' once the peer had died)."""
+    try:
+        return "the call completed" if done.query() else "the call is still running"
+    except Exception as e:  # noqa: BLE001 - a sticky CUDA error: reported, the check goes on to shutdown
+        return f"the survivor's CUDA context failed: {type(e).__name__}: {str(e).splitlines()[0]}"
+
+
 def kill(rank: int, world: int, dev: torch.device) -> None:
     from tests.gpu._late import late_pushes
 
@@ -318,27 +362,35 @@ def kill(rank: int, world: int, dev: torch.device) -> None:
     torch.cuda.synchronize()
     tdist.barrier()
     if rank == world - 1:
-        with late_pushes(True):
+        with late_pushes(True, cycles=DEAD_PUSH_CYCLES):
             all_gather_matmul(a, b, config=cfg)  # queued, its pushes behind a long sleep
         os._exit(0)  # dies with its call in flight
     t0 = time.time()
     all_gather_matmul(a, b, config=cfg)
-    err = None
+    done = torch.cuda.Event()
+    done.record()
+    err, state = None, ""
     while err is None and time.time() - t0 < 30:
         try:
             check_errors(block=False)
         except FlagTimeoutError as e:
             err = e
+        state = _call_state(done)
+        if "failed" in state:  # a faulted context reports nothing more: no use waiting on
+            break
         time.sleep(0.01)
     took = time.time() - t0
     ok = err is not None and took < 3.0 + 10.0
+    why = f"{str(err)[:80]}..." if err is not None else f"no FlagTimeoutError after {took:.1f} s; {state}"
+    if rank == 0:  # before shutdown: a shutdown that hangs still leaves this line
+        print(f"KILL error after {took:.1f} s: {why}", flush=True)
     t1 = time.time()
     dist.shutdown()
     took_down = time.time() - t1
     if rank == 0:
         verdict = "passed" if ok else "failed"
         print(f"RESULT kill_peer {verdict} {took + took_down:.1f} error after {took:.1f} s (bound 3 s): "
-              f"{str(err)[:80]}...; shutdown returned in {took_down:.1f} s", flush=True)
+              f"{why}; shutdown returned in {took_down:.1f} s", flush=True)
 
 
 def main() -> None:
@@ -351,7 +403,7 @@ def main() -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"RESULT layers passed {time.time() - t0:.1f} forward and backward, sp and not", flush=True)
         return
-    ctx = dist.init(timeout_s=20 if "kill" in sections else 60)
+    ctx = dist.init(timeout_s=10 if "kill" in sections else 60)  # shutdown waits this long for the dead rank
     world, rank = tdist.get_world_size(), tdist.get_rank()
     dev = ctx.device
     rt = get_runtime(resolve_group(None), dev)
@@ -368,7 +420,7 @@ def main() -> None:
     tests: dict[str, list[tuple[str, Callable[..., str]]]] = {
         "ops": [("all_gather_matmul", t_agmm), ("all_gather_matmul_weight_list", t_agmm_list),
                 ("all_reduce_matmul_residual_norms", t_armm), ("matmul_reduce_scatter_and_all_reduce", t_producers),
-                ("back_to_back", t_back_to_back), ("matmul_all_reduce_matmul_refused", t_marm_refused)],
+                ("back_to_back", t_back_to_back), ("matmul_all_reduce_matmul", t_marm)],
         "guarantees": [("capture_refused", t_capture_refused), ("two_streams", t_streams),
                        ("disagree_host_check", t_disagree_host), ("disagree_signature_words", t_disagree_signature),
                        ("reset_after_timeout", t_reset)],
