@@ -38,8 +38,28 @@ def mpi_missing() -> str | None:
     return None
 
 
+_ONE_WORKER_MODULES = ("tests/nn/test_gpt.py", "tests/ops/test_compile.py", "tests/nn/test_checkpoint.py")
+"""Modules whose tests share runs made once per module (a fixture, a cache of training runs)."""
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``), the tests that must share one
+    worker: a module's tests that share its runs; the interpreted tests of a folder (one
+    child interprets them all, ``tests._interp``); the GPU tests (one GPU, one at a time)."""
+    path = item.nodeid.split("::", 1)[0]
+    if item.get_closest_marker("gpu") is not None or item.get_closest_marker("gpu2") is not None:
+        return "gpu"
+    if getattr(getattr(item, "function", None), "_interpreted_timeout_s", None) is not None:
+        return "interpreted:" + path.rsplit("/", 1)[0]
+    if path in _ONE_WORKER_MODULES:
+        return path
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if (group := _xdist_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("gpu2") is not None and cuda_device_count() < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA GPUs, found {cuda_device_count()}"))
         elif item.get_closest_marker("gpu") is not None and cuda_device_count() < 1:
