@@ -1,0 +1,228 @@
+"""A refusal at a signature the peers agreed before (``overlap.ops._refusal``): the record
+word, its decoding into ``PeerRefusedError``, the senders' regions against the ops'
+layouts, the refusing rank's decision and the peers' check before an exchange (an
+in-process store), and the whole protocol at 2 and 4 ranks on gloo (_refusal_worker.py)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from overlap import flags as F
+from overlap import protocol as P
+from overlap.ops import _agree, _refusal
+from overlap.ops._runtime import call_sig
+from tests._procs import REPO, run_ranks
+
+
+def test_record_word() -> None:
+    for rank in (0, 1, 7, 1023):
+        for calls in (0, 1, 65535, 65536 + 9, 2 ** 40 + 3):
+            for kind in P.REFUSAL_KINDS:
+                w = P.refusal_word(rank, calls, kind)
+                assert 0 < w < 2 ** 31 and w % 2 == 0, w
+                assert P.read_refusal(w) == (rank, calls & 0xFFFF, kind)
+                assert P.read_refusal(F.wrap32(w)) == (rank, calls & 0xFFFF, kind)
+    assert P.read_refusal(P.refusal_word(2, 5, "KeyError"))[2] == "an error"
+    with pytest.raises(ValueError, match="rank 1024"):
+        P.refusal_word(1024, 0, "ValueError")
+    # a signature (always odd) and the flags' first value are never a record
+    assert P.read_refusal(0) is None
+    for i in range(2000):
+        assert P.read_refusal(call_sig("all_gather_matmul", (i, 64, 3))) is None
+
+
+class _Step:
+    """A group's step as ``_agree`` keeps it, for the hook to find by the group's ranks."""
+
+    def __init__(self, ranks: tuple[int, ...], rank: int) -> None:
+        self.st = _agree.GroupStep(ranks, rank)
+        self.key = object()
+
+    def __enter__(self) -> _agree.GroupStep:
+        _agree._steps[id(self.key)] = (self.key, self.st)
+        return self.st
+
+    def __exit__(self, *exc: object) -> None:
+        del _agree._steps[id(self.key)]
+
+
+def _board(st: _agree.GroupStep, store: object, rank: int | None = None) -> _refusal.Board:
+    return _refusal.Board(store, st.ranks, st.rank if rank is None else rank)
+
+
+def test_error_word_raises_peer_refused_and_ends_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = (10, 11, 12)
+    store = tdist.HashStore()
+    with _Step(ranks, 0) as st:
+        st.board = _board(st, store)
+        monkeypatch.setattr(_refusal, "board_of", lambda s: s.board)
+        er = _refusal.era(ranks)
+        _board(st, store, rank=2).post_refusal(er, 70001, "band", "ValueError: x must be 2-D, got 1-D")
+        err = F.ErrorWord("cpu", what="all_gather_matmul (rank 0)")
+        err.ranks = ranks
+        sig = call_sig("all_gather_matmul", (4, 8, 6))
+        rec = P.refusal_word(2, 70001, "ValueError")
+        err.word[:6] = torch.tensor([P.ERR_DISAGREE, 0, 510, sig, rec, 3], dtype=torch.int32)
+        with pytest.raises(F.PeerRefusedError) as ei:
+            err.check()
+        e = ei.value
+        assert isinstance(e, F.RanksRefusedError) and isinstance(e, ValueError)
+        assert isinstance(e, F.RanksDisagreeError)  # what a peer-copy op's callers catch today
+        assert (e.refuser, e.calls, e.kind) == (2, 70001 & 0xFFFF, "ValueError")
+        msg = str(e)
+        for s in ("group rank 2 refused", "call 70001: ValueError: x must be 2-D", "overlap.reset(group)"):
+            assert s in msg, (s, msg)
+        assert st.broken is not None and "group rank 2" in st.broken and "x must be 2-D" in st.broken
+        err.check()  # reported once: the word is clear
+        # a signature that differs (not a record) stays RanksDisagreeError and ends nothing
+        st.broken = None
+        err.word[:6] = torch.tensor([P.ERR_DISAGREE, 0, 510, sig, sig ^ 2, 3], dtype=torch.int32)
+        with pytest.raises(F.RanksDisagreeError) as ei:
+            err.check()
+        assert not isinstance(ei.value, F.PeerRefusedError) and st.broken is None
+        # a word of no group (a local runtime's): the error still names the rank and kind
+        err2 = F.ErrorWord("cpu", what="chain")
+        err2.word[:6] = torch.tensor([P.ERR_DISAGREE, 0, 510, sig, rec, 3], dtype=torch.int32)
+        with pytest.raises(F.PeerRefusedError, match="group rank 2 refused.*ValueError"):
+            err2.check()
+        assert st.broken is None
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_sender_regions_match_the_ops_layouts(world: int) -> None:
+    from overlap._p2p import flag_stride
+    from overlap.ops.all_reduce_p2p import _two_shot_layout
+    from overlap.ops.matmul_reduce_p2p import push_layout
+    from overlap.policies import all_gather_push_layout
+
+    stride = flag_stride(world)
+    for me in range(world):
+        lay = all_gather_push_layout(world, me, 512, 3, 128, flag_stride=stride)
+        waits = [(s.a_row // 512, s.wait_idx, s.wait_mult) for s in lay.segments if s.a_src == 1]
+        assert waits
+        for sender, idx, mult in waits:
+            assert mult == 1 and idx // stride == _refusal.sender_region("all_gather_matmul", sender, me, world)
+            assert idx % stride < stride - 2  # a chunk flag, not a signature word
+        two = _two_shot_layout(world, me, 1024 * world, 2)
+        pl = push_layout(world, me, 256 * world, 3, scatter=True)
+        for sender in range(world):
+            if sender == me:
+                continue
+            for c in range(2):
+                for idx in (two.rs_flag(sender, me, c), two.ag_flag(sender, me, c)):
+                    assert idx // stride == _refusal.sender_region("all_reduce_matmul", sender, me, world)
+                    assert idx % stride < stride - 2
+            for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+                for c in range(3):
+                    assert pl.recv_flag(sender, c) // stride == _refusal.sender_region(op, sender, me, world)
+
+
+def test_every_shared_flag_region_is_known() -> None:
+    """Every name the ops ask the peer heap's flags for has its senders' regions in
+    ``SENDER_REGIONS`` (a new op must say where its senders write, or a refusal skips it)."""
+    names: set[str] = set()
+    for path in (REPO / "overlap" / "ops").glob("*.py"):
+        names |= set(re.findall(r'heap\.flags\("([^"]+)"', path.read_text()))
+        if re.search(r"heap\.flags\(op\b", path.read_text()):
+            names |= {"matmul_reduce_scatter", "matmul_all_reduce"}
+    assert names and names <= set(_refusal.SENDER_REGIONS), names - set(_refusal.SENDER_REGIONS)
+
+
+def _later(delay: float, fn: object) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        fn()  # type: ignore[operator]
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_decide() -> None:
+    ranks = (0, 1, 2)
+    store = tdist.HashStore()
+    me = _refusal.Board(store, ranks, 1)
+    peers = {r: _refusal.Board(store, ranks, r) for r in (0, 2)}
+    er = _refusal.era(ranks)
+    # the peers reach this call's exchange (one at once, one later): the exchange
+    peers[0].post_exchange(er, 5)
+    t = _later(0.05, lambda: peers[2].post_exchange(er, 5))
+    assert _refusal.decide(me, er, 5, None, 5.0) == "exchange"
+    t.join()
+    # keys of another call or era, and no push: nothing within the bound
+    t0 = time.monotonic()
+    assert _refusal.decide(me, er, 6, None, 0.2) == "late"
+    assert _refusal.decide(me, er + 1, 5, None, 0.2) == "late"
+    assert time.monotonic() - t0 < 2.0
+    # a peer's push of this call landed: in band, at once
+    pushed = threading.Event()
+    t = _later(0.05, pushed.set)
+    t0 = time.monotonic()
+    assert _refusal.decide(me, er, 7, pushed.is_set, 5.0) == "band"
+    assert time.monotonic() - t0 < 2.0
+    t.join()
+    # two ranks refusing the same call, the third in the exchange: both exchange
+    peers[0].post_refusal(er, 8, "pending", "ValueError: a")
+    peers[2].post_exchange(er, 8)
+    assert _refusal.decide(me, er, 8, None, 5.0) == "exchange"
+    # another rank refused this call in band: in band too, whatever the others do
+    peers[0].post_refusal(er, 9, "band", "ValueError: a")
+    peers[2].post_exchange(er, 9)
+    assert _refusal.decide(me, er, 9, None, 5.0) == "band"
+
+
+def test_before_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = (20, 21, 22)
+    store = tdist.HashStore()
+    monkeypatch.setattr(_refusal, "board_of", lambda s: s.board)
+    monkeypatch.setenv("OVERLAP_WAIT_TIMEOUT_MS", "3000")
+    st = _agree.GroupStep(ranks, 0)
+    st.board = _refusal.Board(store, ranks, 0)
+    r2 = _refusal.Board(store, ranks, 2)
+    er = _refusal.era(ranks)
+    st.calls = 4
+    _refusal.before_exchange(st, None, "toy")  # no refusal posted: P only
+    assert st.board.exchanging(0, er, 4) and st.broken is None
+    # a refusal of an earlier era (before a reset) ends nothing
+    r2.post_refusal(er - 1, 4, "band", "ValueError: old")
+    _refusal.before_exchange(st, None, "toy")
+    assert st.broken is None
+    # a peer deciding this very call: waited for; it joins the exchange
+    st.calls = 5
+    r2.post_refusal(er, 5, "pending", "ValueError: bad")
+    t = _later(0.2, lambda: r2.post_refusal(er, 5, "exchange", "ValueError: bad"))
+    t0 = time.monotonic()
+    _refusal.before_exchange(st, None, "toy")
+    assert 0.15 < time.monotonic() - t0 < 2.0 and st.broken is None
+    t.join()
+    # ... or it went in band: the group ends here with its rank and message
+    st.calls = 6
+    r2.post_refusal(er, 6, "pending", "TypeError: a is float16, b is bfloat16")
+    t = _later(0.1, lambda: r2.post_refusal(er, 6, "band", "TypeError: a is float16, b is bfloat16"))
+    with pytest.raises(_agree.RanksRefusedError, match=r"toy: group rank 0: group rank 2 refused call 6 .*"
+                                                        r"a is float16.*overlap.reset"):
+        _refusal.before_exchange(st, None, "toy")
+    t.join()
+    assert st.broken is not None and "group rank 2" in st.broken
+    # a refusal of an earlier call left in band ("late"): ends the group at the next exchange
+    st.broken, st.calls = None, 9
+    with pytest.raises(_agree.RanksRefusedError, match="group rank 2 refused call 6"):
+        _refusal.before_exchange(st, None, "toy")
+    # after a reset (a new era), it ends nothing
+    _refusal.next_era(ranks)
+    st.broken, st.calls = None, 1
+    _refusal.before_exchange(st, None, "toy")
+    assert st.broken is None
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_refusal_gloo(world_size: int) -> None:
+    procs = run_ranks(REPO / "tests" / "_refusal_worker.py", world_size, timeout_s=240,
+                      env={"OVERLAP_WAIT_TIMEOUT_MS": "2000"})
+    for p in procs:
+        assert p.returncode == 0 and f"PASS refusal rank={p.rank}" in p.out, p
