@@ -103,9 +103,10 @@ class Board:
     exchange), R (``r/<rank>``: "era:call:state:why" of its latest refusal, state one of
     pending, exchange, band, late) and a count of refusals posted (``n``)."""
 
-    def __init__(self, store: Any, ranks: tuple[int, ...], rank: int) -> None:
+    def __init__(self, store: Any, ranks: tuple[int, ...], rank: int, name: str = "") -> None:
         self.store, self.ranks, self.rank = store, ranks, rank
-        self.prefix = "refusal/" + "-".join(str(r) for r in ranks)
+        # by the group's name (alike on every rank): two groups of the same ranks count their calls apart
+        self.prefix = f"refusal/{name or '-'.join(str(r) for r in ranks)}"
 
     def _get(self, key: str) -> str | None:
         k = f"{self.prefix}/{key}"
@@ -161,12 +162,12 @@ def _capable(st: _agree.GroupStep) -> bool:
     return rt is not None and (rt._heap is not None or bool(rt._comms))
 
 
-def board_of(st: _agree.GroupStep) -> Board | None:
-    """The group's ``Board``, where the group has a tile-flag path; else None."""
+def board_of(st: _agree.GroupStep, group: Any) -> Board | None:
+    """The ``Board`` of ``group`` (``st`` its step), where it has a tile-flag path; else None."""
     if len(st.ranks) < 2 or not _capable(st):
         return None
     if st.board is None:
-        st.board = Board(_store(), st.ranks, st.rank)
+        st.board = Board(_store(), st.ranks, st.rank, str(getattr(group, "group_name", "") or ""))
     return st.board
 
 
@@ -203,7 +204,7 @@ def before_exchange(st: _agree.GroupStep, group: Any, op: str) -> None:
     """At every exchange of a group with a tile-flag path: post P, then end the group here
     (``RanksRefusedError``) if a peer refused a call in band; a peer still deciding this
     call ("pending") is waited for, bounded."""
-    board = board_of(st)
+    board = board_of(st, group)
     if board is None:
         return
     er, calls = era(st.ranks), st.calls
@@ -235,7 +236,7 @@ def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
     went in band: the records are written, the group is ended here and a note on
     ``error`` says so (the caller raises it)."""
     st = cs.step
-    board = board_of(st)
+    board = board_of(st, cs.group)
     if board is None:
         return False
     er, calls = era(st.ranks), st.calls
@@ -342,12 +343,12 @@ def _on_peer_refusal(err: Any, exc: _flags.PeerRefusedError) -> None:
     ranks = getattr(err, "ranks", None)
     if ranks is None:
         return
-    for _, st in list(_agree._steps.values()):
+    for group, st in list(_agree._steps.values()):
         if st.ranks != ranks:
             continue
         st.broken = f"group rank {exc.refuser} refused a call of the group's ops in band ({exc.kind})"
         try:
-            board = board_of(st)
+            board = board_of(st, group)
             rec = board.refusal(exc.refuser, era(ranks)) if board is not None else None
         except Exception:  # noqa: BLE001 - the record alone still names the rank and its error's type
             rec = None

@@ -61,7 +61,7 @@ def test_error_word_raises_peer_refused_and_ends_the_group(monkeypatch: pytest.M
     store = tdist.HashStore()
     with _Step(ranks, 0) as st:
         st.board = _board(st, store)
-        monkeypatch.setattr(_refusal, "board_of", lambda s: s.board)
+        monkeypatch.setattr(_refusal, "board_of", lambda s, g: s.board)
         er = _refusal.era(ranks)
         _board(st, store, rank=2).post_refusal(er, 70001, "band", "ValueError: x must be 2-D, got 1-D")
         err = F.ErrorWord("cpu", what="all_gather_matmul (rank 0)")
@@ -179,7 +179,7 @@ def test_decide() -> None:
 def test_before_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
     ranks = (20, 21, 22)
     store = tdist.HashStore()
-    monkeypatch.setattr(_refusal, "board_of", lambda s: s.board)
+    monkeypatch.setattr(_refusal, "board_of", lambda s, g: s.board)
     monkeypatch.setenv("OVERLAP_WAIT_TIMEOUT_MS", "3000")
     st = _agree.GroupStep(ranks, 0)
     st.board = _refusal.Board(store, ranks, 0)
