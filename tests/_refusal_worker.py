@@ -122,8 +122,10 @@ class Toy:
 
 
 def right(toy: Toy, tag: str) -> None:
-    for _ in range(3):
-        x = sw.rnd(4, K)
+    """Right calls: at the agreed signature (no exchange) and at a new one (an exchange,
+    which reads the store's refusals: one left from before the reset must not count)."""
+    for m in (4, 4, 10 + toy.case):
+        x = sw.rnd(m, K)
         torch.testing.assert_close(toy(x), x * 2, msg=lambda m: f"{tag}: {m}")
     sw.good(tag)
 
