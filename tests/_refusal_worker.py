@@ -1,12 +1,14 @@
 """One rank of the gloo test of a refusal at a signature the peers agreed before
 (test_refusal.py; ``overlap.ops._refusal``), with the job's real store and the group
-taken to have a tile-flag path (so every exchange posts to the store). Run with
-OVERLAP_WAIT_TIMEOUT_MS=2000 (the refusing rank's bound).
+taken to have a tile-flag path (so every exchange posts to the store). The refusing
+rank's bound (OVERLAP_WAIT_TIMEOUT_MS) is set per case: long where the peers must be
+found in time on a loaded machine, short where the case waits it out.
 
     exchange   the refusals of _steps_worker.py (a bad input on the last rank only, every
-               op, the reference path: the peers are in each call's exchange): each one
-               goes through the store's decision to the exchange, and every rank raises
-               as before; the next calls are right
+               op, the reference path: the peers are in each call's exchange; at 2 ranks)
+               and a toy op's refusals at new signatures (every size): each one goes
+               through the store's decision to the exchange, and every rank raises as
+               before; the next calls are right
     band       a toy op at an agreed signature: the peers make no exchange and "move
                data" (a store key stands in for their pushes landing, another for the
                record the refusing rank writes into their flags); the refusing rank
@@ -59,15 +61,26 @@ def forced_capable() -> None:
     _refusal.decide = recorded  # type: ignore[assignment]
 
 
-def exchange() -> None:
+def exchange(toy: "Toy") -> None:
     n0 = len(verdicts)
     t0 = time.monotonic()
-    sw.refusals()
+    cases = 0
+    if WS == 2:
+        sw.refusals()
+        cases += 16
+    for m in (3, 5, 7):  # new signatures: the peers exchange
+        x = sw.rnd(m, K)
+        if RANK == BAD:
+            sw.expect(lambda: toy(x[0]), "toy, new signature", (ValueError,), "toy: x must be 2-D")
+        else:
+            sw.expect(lambda: toy(x), "toy, new signature", (RanksRefusedError,), f"group rank {BAD}")
+        cases += 1
     got = verdicts[n0:]
     if RANK == BAD:
-        assert len(got) >= 16 and set(got) == {"exchange"}, got
+        assert len(got) == cases and set(got) == {"exchange"}, got
     else:
         assert not got, got
+    right(toy, "after the refusals at new signatures")
     print(f"rank {RANK}: {len(got)} refusals through the store's decision to the exchange "
           f"({time.monotonic() - t0:.1f} s)", flush=True)
 
@@ -153,7 +166,7 @@ def band(toy: Toy) -> None:
         msg = sw.expect(toy.pushes, "the peer's kernel", (F.PeerRefusedError,), f"group rank {BAD} refused",
                         "toy: x must be 2-D", "overlap.reset(group)")
     took = time.monotonic() - t0
-    assert took < 1.5, f"the refusal took {took:.1f} s with the peers moving data"
+    assert took < 0.5 * F.default_timeout_ms() / 1000, f"the refusal took {took:.1f} s with the peers moving data"
     # the group is ended on every rank: no collective until the reset
     sw.expect(lambda: toy(sw.rnd(4, K)), "after the refusal", (RanksOutOfStepError,), "toy", "out of step")
     overlap.reset(toy.grp)
@@ -194,13 +207,16 @@ def main() -> None:
     forced_capable()
     sw.good("start")
     only = sys.argv[1:]
-    if not only or "exchange" in only:
-        exchange()
+    os.environ["OVERLAP_WAIT_TIMEOUT_MS"] = "20000"
     toy = Toy()
+    if not only or "exchange" in only:
+        exchange(toy)
     if not only or "band" in only:
         band(toy)
+    os.environ["OVERLAP_WAIT_TIMEOUT_MS"] = "1000"
     if not only or "late" in only:
         late(toy)
+    os.environ["OVERLAP_WAIT_TIMEOUT_MS"] = "20000"
     sw.good("the end")
     print(f"PASS refusal rank={RANK}", flush=True)
     dist.shutdown()

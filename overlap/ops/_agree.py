@@ -24,7 +24,9 @@ an out-of-memory) leaves this rank a collective behind its peers: the group is t
 on this rank (``GroupStep.broken``): every later call raises ``RanksOutOfStepError`` before
 any collective, until ``overlap.reset(group)`` (collective) or ``overlap.dist.shutdown``.
 
-What is and is not caught without a per-call exchange (a signature agreed before skips it):
+A refusal at a signature agreed before, where the peers make no exchange and are already in
+the call's data movement, takes another way (in band, through peer memory and the job's
+store): ``overlap.ops._refusal``. What is and is not caught without a per-call exchange:
 docs/guarantees.md, "Ranks that disagree, refuse, or get out of step".
 """
 

@@ -222,7 +222,6 @@ def test_before_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_refusal_gloo(world_size: int) -> None:
-    procs = run_ranks(REPO / "tests" / "_refusal_worker.py", world_size, timeout_s=240,
-                      env={"OVERLAP_WAIT_TIMEOUT_MS": "2000"})
+    procs = run_ranks(REPO / "tests" / "_refusal_worker.py", world_size, timeout_s=240)
     for p in procs:
         assert p.returncode == 0 and f"PASS refusal rank={p.rank}" in p.out, p
