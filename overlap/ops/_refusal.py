@@ -167,8 +167,11 @@ def board_of(st: _agree.GroupStep, group: Any) -> Board | None:
     if len(st.ranks) < 2 or not _capable(st):
         return None
     if st.board is None:
-        st.board = Board(_store(), st.ranks, st.rank, str(getattr(group, "group_name", "") or ""))
-    return st.board
+        try:
+            st.board = Board(_store(), st.ranks, st.rank, str(getattr(group, "group_name", "") or ""))
+        except Exception:  # noqa: BLE001 - no store to reach: refusals take the exchange, as before
+            st.board = False
+    return st.board or None
 
 
 def _bound_s(group: Any) -> float:
@@ -208,8 +211,11 @@ def before_exchange(st: _agree.GroupStep, group: Any, op: str) -> None:
     if board is None:
         return
     er, calls = era(st.ranks), st.calls
-    board.post_exchange(er, calls)
-    if not board.any_refused():
+    try:
+        board.post_exchange(er, calls)
+        if not board.any_refused():
+            return
+    except Exception:  # noqa: BLE001 - the store is gone: so is any refusal's post (the exchange as before)
         return
     deadline = time.monotonic() + _bound_s(group) + 5.0
     for r in range(len(st.ranks)):
@@ -241,14 +247,20 @@ def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
         return False
     er, calls = era(st.ranks), st.calls
     why = f"{type(error).__name__}: {error}"
-    board.post_refusal(er, calls, "pending", why)
     rt = _runtime_of(st.ranks)
     bound = _bound_s(cs.group)
-    way = decide(board, er, calls, _moving_probe(rt, cs.op), bound)
+    try:
+        board.post_refusal(er, calls, "pending", why)
+        way = decide(board, er, calls, _moving_probe(rt, cs.op), bound)
+    except Exception:  # noqa: BLE001 - the store is gone: the exchange, as before (bounded by the group's timeout)
+        return False
     if way == "exchange":
         board.post_refusal(er, calls, "exchange", why)
         return False
-    board.post_refusal(er, calls, way, why)  # before the records: a peer that reads one finds the message
+    try:
+        board.post_refusal(er, calls, way, why)  # before the records: a peer that reads one finds the message
+    except Exception:  # noqa: BLE001 - the records still name the rank and its error's type
+        pass
     word = P.refusal_word(st.rank, calls, type(error).__name__)
     wrote = _write_in_band(rt, word, bound)
     late = "" if way == "band" else f"no peer reached this call within the wait bound ({bound:.0f} s); "
