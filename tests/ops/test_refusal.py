@@ -225,3 +225,26 @@ def test_refusal_gloo(world_size: int) -> None:
     procs = run_ranks(REPO / "tests" / "_refusal_worker.py", world_size, timeout_s=240)
     for p in procs:
         assert p.returncode == 0 and f"PASS refusal rank={p.rank}" in p.out, p
+
+
+def test_a_store_that_fails_leaves_the_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the job's store cannot be reached, a refusal takes the exchange (as before this
+    way existed) and an exchange goes on: no error of the store's ends a call."""
+    from types import SimpleNamespace
+
+    class Gone:
+        def __getattr__(self, name: str) -> object:
+            def fail(*a: object, **kw: object) -> None:
+                raise RuntimeError("store: connection reset")
+            return fail
+
+    ranks = (30, 31)
+    st = _agree.GroupStep(ranks, 0)
+    st.board = _refusal.Board(Gone(), ranks, 0)
+    monkeypatch.setattr(_refusal, "board_of", lambda s, g: s.board)
+    st.calls = 3
+    _refusal.before_exchange(st, None, "toy")
+    assert st.broken is None
+    cs = SimpleNamespace(step=st, group=None, op="toy")
+    assert _refusal.refuse_in_band(cs, ValueError("toy: bad")) is False  # type: ignore[arg-type]
+    assert st.broken is None
