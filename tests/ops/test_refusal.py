@@ -248,3 +248,26 @@ def test_a_store_that_fails_leaves_the_exchange(monkeypatch: pytest.MonkeyPatch)
     cs = SimpleNamespace(step=st, group=None, op="toy")
     assert _refusal.refuse_in_band(cs, ValueError("toy: bad")) is False  # type: ignore[arg-type]
     assert st.broken is None
+
+
+def test_a_thread_refusal_takes_the_same_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call refused because another thread's call was in flight (found at the agreement
+    point) goes the same way as a check's refusal: in band where the peers are moving data,
+    with no exchange posted."""
+    from types import SimpleNamespace
+
+    st = _agree.GroupStep((40, 41), 0)
+    cs = SimpleNamespace(step=st, contended="toy: called while a call of toy was in flight in another thread",
+                         untracked=False, group=None, op="toy")
+    monkeypatch.setattr(_agree._tls, "cur", cs, raising=False)
+    seen: list[BaseException] = []
+    monkeypatch.setattr(_refusal, "refuse_in_band", lambda c, e: seen.append(e) or True)
+
+    def exchanged(*a: object) -> None:
+        raise AssertionError("an exchange was posted")
+    monkeypatch.setattr(_agree, "_exchange", exchanged)
+    agreed = {("toy", (4,)): True}
+    with pytest.raises(ValueError, match="in flight in another thread"):
+        _agree.agreement(None, 2, torch.device("cpu"), "toy", ("M",), (4,), agreed=agreed, key=("toy", (4,)),
+                         then_collective=False)
+    assert len(seen) == 1 and st.calls == 1
