@@ -271,3 +271,60 @@ def test_a_thread_refusal_takes_the_same_way(monkeypatch: pytest.MonkeyPatch) ->
         _agree.agreement(None, 2, torch.device("cpu"), "toy", ("M",), (4,), agreed=agreed, key=("toy", (4,)),
                          then_collective=False)
     assert len(seen) == 1 and st.calls == 1
+
+
+def test_write_in_band_order_and_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusing rank's writes (GPU streams stood in for): per op of ``SENDER_REGIONS``
+    that ran, after that op's previous call here, in each peer's flags: the signature word
+    of the op's next call's parity first, then every chunk flag of its region at that
+    call's epoch; an op of no known region is not written."""
+    from types import SimpleNamespace
+
+    from overlap._p2p import flag_stride
+
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, ev: object) -> None:
+            log.append(("wait", self.name, ev))
+
+    class Event:
+        def record(self, s: object = None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("cur"))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(F, "stream_write_value", lambda s, flags, idx, v: log.append(("w", s.name, flags, idx, v)))
+    world, me = 3, 1
+    sfs = {name: SimpleNamespace(epoch=ep, peer=lambda q, name=name: f"{name}@{q}")
+           for name, ep in (("all_gather_matmul", 6), ("all_reduce_matmul", 2 ** 32 - 1), ("mystery", 3))}
+    comm = Stream("comm")
+    order = SimpleNamespace(lock=threading.RLock(), begin=lambda s: log.append(("begin",)),
+                            end=lambda s: log.append(("end",)))
+    rt = SimpleNamespace(_heap=SimpleNamespace(_flags=sfs), world=world, rank=me, device="cpu", comm_stream=comm,
+                         order=order, _p2p_done={"all_gather_matmul": ("agmm-done", None)},
+                         fork=lambda cur, *s: log.append(("fork",)), join=lambda cur, *s: log.append(("join",)))
+    word = P.refusal_word(me, 77, "ValueError")
+    assert _refusal.write_in_band(rt, word, 1.0) == ["all_gather_matmul", "all_reduce_matmul"]
+    stride = flag_stride(world)
+    assert log[:2] == [("begin",), ("fork",)] and log[-2:] == [("join",), ("end",)]
+    assert log[2] == ("wait", "comm", "agmm-done")  # after the op's previous call here
+    writes = [e for e in log if e[0] == "w"]
+    assert all(e[1] == "comm" for e in writes)
+    assert not any("mystery" in e[2] for e in writes)
+    for name, sf in sfs.items():
+        if name == "mystery":
+            continue
+        epoch = F.wrap32(sf.epoch + 1)
+        for q in (0, 2):
+            mine = [e for e in writes if e[2] == f"{name}@{q}"]
+            base = _refusal.sender_region(name, me, q, world) * stride
+            assert mine[0][3:] == (base + stride - 1 - (epoch & 1), word), (name, q, mine[0])  # the record first
+            assert [e[3] for e in mine[1:]] == list(range(base, base + stride - 2))
+            assert all(e[4] == epoch for e in mine[1:])
