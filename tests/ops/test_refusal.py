@@ -328,3 +328,36 @@ def test_write_in_band_order_and_words(monkeypatch: pytest.MonkeyPatch) -> None:
             assert mine[0][3:] == (base + stride - 1 - (epoch & 1), word), (name, q, mine[0])  # the record first
             assert [e[3] for e in mine[1:]] == list(range(base, base + stride - 2))
             assert all(e[4] == epoch for e in mine[1:])
+
+
+@pytest.mark.parametrize("epoch0", [5, 2 ** 31 - 1, 2 ** 32 - 1])
+def test_moving_probe(monkeypatch: pytest.MonkeyPatch, epoch0: int) -> None:
+    """A peer's push of the op's next call landed: a chunk flag of a peer's region at that
+    call's epoch (compared across the wrap); not an earlier epoch, not this rank's own
+    region, not a signature word; no probe for an op that never ran on the peer-copy path."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from overlap._p2p import flag_stride
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    world, me = 3, 1
+    stride = flag_stride(world)
+    local = torch.zeros(1024, dtype=torch.int32)
+    sf = SimpleNamespace(epoch=epoch0, local=local)
+    rt = SimpleNamespace(_heap=SimpleNamespace(_flags={"all_gather_matmul": sf}), world=world, rank=me, device="cpu")
+    assert _refusal._moving_probe(rt, "all_reduce_matmul") is None
+    assert _refusal._moving_probe(SimpleNamespace(_heap=None), "all_gather_matmul") is None
+    moving = _refusal._moving_probe(rt, "all_gather_matmul")
+    e = F.wrap32(epoch0 + 1)
+    local.fill_(F.wrap32(epoch0))  # every flag at this call's epoch - 1: nobody moving
+    assert not moving()
+    local[me * stride + 3] = e  # this rank's own region
+    local[2 * stride + stride - 1] = e  # a peer's signature word
+    assert not moving()
+    local[2 * stride + 7] = e  # peer 2's chunk 7
+    assert moving()
+    local[2 * stride + 7] = F.wrap32(epoch0)
+    local[0 * stride + 0] = e
+    assert moving()
