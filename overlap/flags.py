@@ -156,8 +156,9 @@ class PeerRefusedError(RanksDisagreeError, RanksRefusedError):
     def _message(self) -> str:
         why = (f" ({self.why})" if self.why else
                f" (call {self.calls} mod 2**16 of the group's ops; {self.kind}: its message is in that rank's error)")
-        return (f"{self.what}: rank {self.rank}: group rank {self.refuser} refused this call{why}. Its peers were already moving the call's data "
-                "(a signature agreed before makes no exchange), so the refusal came through peer memory; no rank "
+        return (f"{self.what}: rank {self.rank}: group rank {self.refuser} refused this call{why}. Its peers were "
+                "already moving the call's data (a signature agreed before makes no exchange), so the refusal came "
+                "through peer memory; no rank "
                 "ran the call and the output is not valid. The group's ops are ended on every rank: call "
                 "overlap.reset(group) on every rank to go on")
 

@@ -75,6 +75,7 @@ def read_refusal(word: int) -> tuple[int, int, str] | None:
     return (w >> 5) & 1023, (w >> 15) & 0xFFFF, REFUSAL_KINDS[k - 1]
 
 
-__all__ = ["REFUSAL_KINDS", "refusal_word", "read_refusal", "TABLE_COLS", "COL_A_ROW", "COL_A_SRC", "COL_C_ROW", "COL_C_ROWS", "COL_N_TILE", "COL_WAIT",
+__all__ = ["REFUSAL_KINDS", "refusal_word", "read_refusal",
+           "TABLE_COLS", "COL_A_ROW", "COL_A_SRC", "COL_C_ROW", "COL_C_ROWS", "COL_N_TILE", "COL_WAIT",
            "COL_WAIT_MULT", "COL_POST", "N_TILE_BITS", "N_TILE_MASK", "ERR_WORDS", "ERR_CODE", "ERR_RANK", "ERR_FLAG", "ERR_EXPECTED", "ERR_SEEN",
            "ERR_TILE", "ERR_HOST_LO", "ERR_HOST_HI", "ERR_TIMEOUT", "ERR_AHEAD", "ERR_DISAGREE"]

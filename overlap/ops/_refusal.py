@@ -232,8 +232,9 @@ def before_exchange(st: _agree.GroupStep, group: Any, op: str) -> None:
             st.broken = f"group rank {r} did not decide its refusal of call {c} within the bound"
         else:
             st.broken = f"group rank {r} refused call {c} of the group's ops in band ({why})"
-        raise _flags.RanksRefusedError(f"{op}: group rank {st.rank}: {st.broken}; the group's ops are ended on every rank "
-                                "and no rank ran this call: call overlap.reset(group) on every rank to go on")
+        raise _flags.RanksRefusedError(f"{op}: group rank {st.rank}: {st.broken}; the group's ops are ended on every "
+                                       "rank and no rank ran this call: call overlap.reset(group) on every rank to "
+                                       "go on")
 
 
 def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
@@ -252,7 +253,7 @@ def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
     try:
         board.post_refusal(er, calls, "pending", why)
         way = decide(board, er, calls, _moving_probe(rt, cs.op), bound)
-    except Exception:  # noqa: BLE001 - the store is gone: the exchange, as before (bounded by the group's timeout)
+    except Exception:  # noqa: BLE001 - no store: the exchange, as before (bounded by the group's timeout)
         return False
     if way == "exchange":
         board.post_refusal(er, calls, "exchange", why)

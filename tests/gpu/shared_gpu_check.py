@@ -316,7 +316,8 @@ def t_reset(rank: int, world: int, dev: torch.device) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _refusal_cases(rank: int, world: int, dev: torch.device) -> dict[str, tuple[Callable[..., tuple], Callable, Callable]]:
+def _refusal_cases(rank: int, world: int,
+                   dev: torch.device) -> dict[str, tuple[Callable[..., tuple], Callable, Callable]]:
     """Per op: (inputs for M rows, new values on every call; the op; its reference)."""
     k, n = 256, 256
     seed = [1000]
@@ -364,7 +365,8 @@ def _refused(fn: Callable[[], object], bad: bool, op: str, agreed: bool) -> tupl
     raise AssertionError(f"{op}: no error (refusing rank: {bad})")
 
 
-def _right(op: str, fn: Callable, ref: Callable, mk: Callable, m: int, cfg: OverlapConfig, calls: int, tag: str) -> None:
+def _right(op: str, fn: Callable, ref: Callable, mk: Callable, m: int, cfg: OverlapConfig, calls: int,
+           tag: str) -> None:
     for it in range(calls):
         a, b = mk(m)
         close(fn(a, b, cfg), ref(a, b), f"{op} {tag}, call {it}")
