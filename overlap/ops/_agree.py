@@ -43,8 +43,8 @@ from ..flags import PeerRefusedError, RanksRefusedError  # defined below the ops
 
 __all__ = ["RanksRefusedError", "PeerRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code",
            "check_dtype", "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse",
-           "collective_done", "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step",
-           "count_call", "WIDTH"]
+           "collective_done", "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of",
+           "raise_in_step", "count_call", "WIDTH"]
 
 
 class RanksOutOfStepError(RuntimeError):
