@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 CASES = [
     ("ops", ["tests/gpu/shared_gpu_check.py", "ops"], 100, None, "torchrun"),
     ("guarantees", ["tests/gpu/shared_gpu_check.py", "guarantees"], 70, None, "torchrun"),
+    ("refusals", ["tests/gpu/shared_gpu_check.py", "refusals"], 150, None, "torchrun"),
     ("layers", ["tests/gpu/shared_gpu_check.py", "layers"], 150, None, "torchrun"),
     ("kill", ["tests/gpu/shared_gpu_check.py", "kill"], 90, None, "torchrun"),
     ("producer_p2p_check", ["tests/gpu/producer_p2p_check.py"], 240, r"^PASS producer_p2p world=", "torchrun"),

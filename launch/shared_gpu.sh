@@ -5,7 +5,7 @@
 #
 # Runs the multi-rank GPU checks with RANKS ranks sharing GPU 0 (shared-GPU mode:
 # OVERLAP_SHARED_GPU=1; gloo, the peer-copy transport, no NCCL) and writes
-# DIR/shared_gpu.json and DIR/shared_gpu.log. Cases: ops, guarantees, producer_p2p_check,
+# DIR/shared_gpu.json and DIR/shared_gpu.log. Cases: ops, guarantees, refusals, producer_p2p_check,
 # layers, kill, train (train_gpt.py --tp RANKS against one process). Times are not
 # performance figures. See docs/guarantees.md.
 set -euo pipefail

@@ -30,6 +30,7 @@ import torch
 from . import protocol as P
 
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
+           "RanksRefusedError", "PeerRefusedError", "refusal_hooks",
            "stream_write_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
 
@@ -129,6 +130,50 @@ class RanksDisagreeError(FlagTimeoutError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class RanksRefusedError(ValueError):
+    """Another rank of the group refused this call (its inputs or settings), so no rank ran it
+    (``overlap.ops.RanksRefusedError``)."""
+
+
+class PeerRefusedError(RanksDisagreeError, RanksRefusedError):
+    """A peer refused a call of the group's ops at a signature the ranks had agreed before,
+    while this rank's call was already in its data movement (the tile-flag path makes no
+    exchange there): the peer wrote a refusal record where its signature word goes, and
+    this rank's kernel found it after its wait (``overlap.ops._refusal``). The output is not
+    valid; the group's ops are ended on every rank until ``overlap.reset(group)``.
+    ``refuser``: the refusing group rank; ``calls``: the low 16 bits of the group's call
+    counter there; ``kind``: its error's type; ``why``: its message where the store had it."""
+
+    def __init__(self, what: str, rank: int, flag_idx: int, expected: int, seen: int, tile: int) -> None:
+        FlagTimeoutError.__init__(self, what, rank, flag_idx, expected, seen, tile)
+        self.what = what
+        self.refuser, self.calls, self.kind = P.read_refusal(seen) or (-1, -1, "an error")
+        self.why = ""
+        self.args = (self._message(),)
+
+    def _message(self) -> str:
+        why = (f" ({self.why})" if self.why else
+               f" (call {self.calls} mod 2**16 of the group's ops; {self.kind}: its message is in that rank's error)")
+        return (f"{self.what}: rank {self.rank}: group rank {self.refuser} refused this call{why}. Its peers were "
+                "already moving the call's data (a signature agreed before makes no exchange), so the refusal came "
+                "through peer memory; no rank "
+                "ran the call and the output is not valid. The group's ops are ended on every rank: call "
+                "overlap.reset(group) on every rank to go on")
+
+    def explain(self, why: str) -> None:
+        """Add the refusing rank's own message (from the job's store)."""
+        self.why = why
+        self.args = (self._message(),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+refusal_hooks: list[Any] = []
+"""Called as ``hook(error_word, PeerRefusedError)`` before a refusal record is raised
+(``overlap.ops._refusal`` ends the group there and adds the refusing rank's message)."""
 
 
 class FlagProtocolError(FlagTimeoutError):
@@ -252,6 +297,9 @@ class ErrorWord:
     def __init__(self, device: torch.device | str, what: str = "overlap op") -> None:
         self.word = torch.zeros(P.ERR_WORDS, dtype=torch.int32, device=device)
         self.what = what
+        self.ranks: tuple[int, ...] | None = None
+        """The group's ranks, where a group's runtime made the word (a refusal record ends
+        that group's ops)."""
         dev = torch.device(device)
         self._host = torch.zeros(P.ERR_WORDS, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._host_np = self._host.numpy()
@@ -323,8 +371,13 @@ class ErrorWord:
             self.clear()
             cls = {P.ERR_AHEAD: FlagProtocolError, P.ERR_DISAGREE: RanksDisagreeError}.get(vals[P.ERR_CODE],
                                                                                          FlagTimeoutError)
-            raise cls(self.what, *(vals[i] for i in (P.ERR_RANK, P.ERR_FLAG, P.ERR_EXPECTED, P.ERR_SEEN,
-                                                     P.ERR_TILE)))
+            if cls is RanksDisagreeError and P.read_refusal(vals[P.ERR_SEEN]) is not None:
+                cls = PeerRefusedError
+            e = cls(self.what, *(vals[i] for i in (P.ERR_RANK, P.ERR_FLAG, P.ERR_EXPECTED, P.ERR_SEEN, P.ERR_TILE)))
+            if isinstance(e, PeerRefusedError):
+                for hook in refusal_hooks:
+                    hook(self, e)
+            raise e
 
     def _poll_until_done(self) -> list[int]:
         import time

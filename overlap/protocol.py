@@ -26,6 +26,16 @@ wait stores it, the code last:
 Codes: ERR_TIMEOUT (a wait passed its bound: ``FlagTimeoutError``), ERR_AHEAD (a flag at or
 past the next call's value: ranks out of step, ``FlagProtocolError``), ERR_DISAGREE (a
 peer's call signature differs: ``RanksDisagreeError``).
+
+Refusal record: one int32 that a rank which refused a call writes where its signature word
+goes (``overlap.ops._refusal``); a peer's kernel records it as the "seen" signature of code
+ERR_DISAGREE. A signature is always odd (``overlap.ops._runtime.call_sig``), a record even:
+
+    bit 0      0
+    bit 1      1 (0 is the flags' value before any write)
+    bits 2-4   the refusal's kind (REFUSAL_KINDS)
+    bits 5-14  the refusing rank (group rank)
+    bits 15-30 the group's call counter, its low 16 bits
 """
 
 from __future__ import annotations
@@ -43,6 +53,29 @@ ERR_TIMEOUT = 1
 ERR_AHEAD = 2
 ERR_DISAGREE = 3
 
-__all__ = ["TABLE_COLS", "COL_A_ROW", "COL_A_SRC", "COL_C_ROW", "COL_C_ROWS", "COL_N_TILE", "COL_WAIT",
+REFUSAL_KINDS = ("ValueError", "TypeError", "RuntimeError", "an error")
+"""Kinds 1..4 of a refusal record (the refusing rank's exception type)."""
+
+
+def refusal_word(rank: int, calls: int, kind: str) -> int:
+    """The refusal record of group rank ``rank`` (< 1024) at the group's call ``calls``."""
+    if not 0 <= rank < 1024:
+        raise ValueError(f"refusal record: rank {rank} out of 0..1023")
+    k = REFUSAL_KINDS.index(kind) + 1 if kind in REFUSAL_KINDS else len(REFUSAL_KINDS)
+    return 2 | (k << 2) | (rank << 5) | ((calls & 0xFFFF) << 15)
+
+
+def read_refusal(word: int) -> tuple[int, int, str] | None:
+    """(rank, the call counter's low 16 bits, kind) of a refusal record, or None where
+    ``word`` is not one (a signature, 0, or a value no rank writes)."""
+    w = int(word) & 0xFFFFFFFF
+    k = (w >> 2) & 7
+    if w & 3 != 2 or w >> 31 or not 1 <= k <= len(REFUSAL_KINDS):
+        return None
+    return (w >> 5) & 1023, (w >> 15) & 0xFFFF, REFUSAL_KINDS[k - 1]
+
+
+__all__ = ["REFUSAL_KINDS", "refusal_word", "read_refusal",
+           "TABLE_COLS", "COL_A_ROW", "COL_A_SRC", "COL_C_ROW", "COL_C_ROWS", "COL_N_TILE", "COL_WAIT",
            "COL_WAIT_MULT", "COL_POST", "N_TILE_BITS", "N_TILE_MASK", "ERR_WORDS", "ERR_CODE", "ERR_RANK", "ERR_FLAG", "ERR_EXPECTED", "ERR_SEEN",
            "ERR_TILE", "ERR_HOST_LO", "ERR_HOST_HI", "ERR_TIMEOUT", "ERR_AHEAD", "ERR_DISAGREE"]

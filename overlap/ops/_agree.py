@@ -24,7 +24,9 @@ an out-of-memory) leaves this rank a collective behind its peers: the group is t
 on this rank (``GroupStep.broken``): every later call raises ``RanksOutOfStepError`` before
 any collective, until ``overlap.reset(group)`` (collective) or ``overlap.dist.shutdown``.
 
-What is and is not caught without a per-call exchange (a signature agreed before skips it):
+A refusal at a signature agreed before, where the peers make no exchange and are already in
+the call's data movement, takes another way (in band, through peer memory and the job's
+store): ``overlap.ops._refusal``. What is and is not caught without a per-call exchange:
 docs/guarantees.md, "Ranks that disagree, refuse, or get out of step".
 """
 
@@ -37,14 +39,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["RanksRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code", "check_dtype",
-           "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse", "collective_done",
-           "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of", "raise_in_step",
-           "count_call", "WIDTH"]
+from ..flags import PeerRefusedError, RanksRefusedError  # defined below the ops' layer (the kernels raise one)
 
-
-class RanksRefusedError(ValueError):
-    """Another rank of the group refused this call (its inputs or settings), so no rank ran it."""
+__all__ = ["RanksRefusedError", "PeerRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code",
+           "check_dtype", "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse",
+           "collective_done", "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of",
+           "raise_in_step", "count_call", "WIDTH"]
 
 
 class RanksOutOfStepError(RuntimeError):
@@ -109,7 +109,7 @@ class GroupStep:
     whose exchange is done and whose data collective is not issued yet; ``broken``: why
     the group is ended on this rank (None: it is not)."""
 
-    __slots__ = ("ranks", "rank", "calls", "by_thread", "lock", "broken", "pending", "busy", "depth")
+    __slots__ = ("ranks", "rank", "calls", "by_thread", "lock", "broken", "pending", "busy", "depth", "board")
 
     def __init__(self, ranks: tuple[int, ...], rank: int) -> None:
         self.ranks, self.rank = ranks, rank
@@ -122,6 +122,7 @@ class GroupStep:
         self.pending: str | None = None
         self.busy: str | None = None  # the op of the call in flight (for the thread refusal's message)
         self.depth = 0
+        self.board: Any = None  # the group's keys in the job's store (``overlap.ops._refusal.Board``)
 
 
 _steps: dict[int, tuple[Any, GroupStep]] = {}
@@ -150,6 +151,7 @@ def reset_steps(ranks: tuple[int, ...] | None = None) -> None:
     """Forget the steps of the groups of ``ranks`` (all groups: None): counters from 0, the
     group no longer ended. Every rank of the group must do it at the same point
     (``overlap.reset``, ``overlap.dist.shutdown``)."""
+    _refusal.next_era(ranks)  # a refusal posted before this reset never matches a later call
     with _steps_lock:
         if ranks is None:
             _steps.clear()
@@ -417,6 +419,8 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
     if contended is None and agreed is not None and not every and agreed.get(key):
         return False
     refusal = ValueError(contended) if contended is not None else None
+    if refusal is not None and cs is not None and _refusal.refuse_in_band(cs, refusal):
+        raise refusal  # the peers were in the call's data movement: refused in band, the group ended
     _exchange(st, group, world, device, op, names, values, refusal)
     if agreed is not None:
         agreed.add(key)
@@ -447,6 +451,8 @@ def refuse(cs: call_step, error: BaseException) -> None:
     if world == 1:
         return
     _mirror_first_collectives(cs)
+    if _refusal.refuse_in_band(cs, error):
+        return  # the peers were in the call's data movement: refused in band, the group ended
     _exchange(st, cs.group, world, _exchange_device(cs.group), cs.op, (), (), error)
 
 
@@ -481,6 +487,7 @@ def _exchange(st: GroupStep, group: Any, world: int, device: torch.device, op: s
 
     if len(values) > WIDTH - _HEAD:
         raise AssertionError(f"{op}: {len(values)} values to agree on, the exchange holds {WIDTH - _HEAD}")
+    _refusal.before_exchange(st, group, op)  # a group with a tile-flag path: post P, read the refusals
     verdict = 0 if refusal is None else next((c for t, c in _VERDICTS.items() if isinstance(refusal, t)), 3)
     opc = zlib.crc32(op.encode())
     code = _thread_code()
@@ -528,3 +535,6 @@ def _exchange(st: GroupStep, group: Any, world: int, device: torch.device, op: s
         bad = [i for i, v in enumerate(got) if v != got[0]]
         raise ValueError(f"{op}: ranks disagree on ({', '.join(names)}): {got} (rank order of the group; "
                          f"group ranks {bad} differ from group rank 0)")
+
+
+from . import _refusal  # noqa: E402 - a refusal's other way, in band (it imports this module)

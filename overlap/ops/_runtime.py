@@ -733,6 +733,8 @@ class Runtime:
                 raise OverlapCaptureError(f"{name}: call it once outside the CUDA graph capture first")
             what = name if self.group is None else f"{name} (rank {self.rank})"  # a local runtime has no rank
             self._errs[name] = register_error_word(_flags.ErrorWord(self.device, what=what))
+            if self.group is not None:
+                self._errs[name].ranks = self.ranks  # a peer's refusal record ends this group (ops._refusal)
         return self._errs[name]
 
     def require_warm(self, op: str, sig: tuple) -> None:

@@ -19,6 +19,13 @@ and the script goes on to the next after a failure):
                 sequence parallel and not, against one unsharded reference
     kill        the last rank dies mid-call: the survivors get FlagTimeoutError within the
                 bound and ``overlap.dist.shutdown`` returns
+    refusals    for each op on the peer-copy transport, the last rank refuses a call (a 1-D
+                input) that the others make right: at a new signature (the exchange: every
+                rank raises, the next calls are right) and at one agreed before (the peers
+                are in the data movement: PeerRefusedError on them naming the rank, within
+                seconds, with check="sync" and, for all_gather_matmul, "async" (every row
+                returned is right or NaN); the group ended on every rank until ``reset``,
+                then right calls). Inputs new on every call
 
 Times printed here are not performance figures: the ranks share one GPU.
 """
@@ -37,7 +44,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
-from overlap.flags import FlagTimeoutError, RanksDisagreeError  # noqa: E402
+from overlap.flags import FlagTimeoutError, PeerRefusedError, RanksDisagreeError, RanksRefusedError  # noqa: E402
 from overlap.ops import (Norm, OverlapCaptureError, OverlapConfig, all_gather_matmul,  # noqa: E402
                          all_gather_matmul_ref, all_reduce_matmul, all_reduce_matmul_ref, check_errors,
                          matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref,
@@ -46,6 +53,7 @@ from overlap.ops import (Norm, OverlapCaptureError, OverlapConfig, all_gather_ma
 from overlap.ops import all_gather as agmod  # noqa: E402
 from overlap.ops import all_reduce as armod  # noqa: E402
 from overlap.ops import matmul_reduce as mrmod  # noqa: E402
+from overlap.ops._agree import RanksOutOfStepError  # noqa: E402
 from overlap.ops._runtime import get_runtime, resolve_group  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -333,6 +341,146 @@ def t_reset(rank: int, world: int, dev: torch.device) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# refusals: the last rank refuses a call the others make
+# --------------------------------------------------------------------------------------
+
+
+def _refusal_cases(rank: int, world: int,
+                   dev: torch.device) -> dict[str, tuple[Callable[..., tuple], Callable, Callable]]:
+    """Per op: (inputs for M rows, new values on every call; the op; its reference)."""
+    k, n = 256, 256
+    seed = [1000]
+
+    def b_all() -> torch.Tensor:
+        seed[0] += 1
+        return same_on_all(n, k, seed=seed[0], dev=dev, scale=k ** -0.5).t()
+
+    def b_mine() -> torch.Tensor:
+        seed[0] += 1
+        return same_on_all(k, n, seed=seed[0] + 7 * rank, dev=dev, scale=k ** -0.5)
+
+    return {
+        "all_gather_matmul": (lambda m: (mine(m, k, dev=dev), b_all()),
+                              lambda a, b, cfg: all_gather_matmul(a, b, config=cfg), all_gather_matmul_ref),
+        "all_reduce_matmul": (lambda m: (mine(m, k, dev=dev), b_all()),
+                              lambda a, b, cfg: all_reduce_matmul(a, b, config=cfg)[0],
+                              lambda a, b: all_reduce_matmul_ref(a, b)[0]),
+        "matmul_reduce_scatter": (lambda m: (mine(m, k, dev=dev), b_mine()),
+                                  lambda a, b, cfg: matmul_reduce_scatter(a, b, config=cfg), matmul_reduce_scatter_ref),
+        "matmul_all_reduce": (lambda m: (mine(m, k, dev=dev), b_mine()),
+                              lambda a, b, cfg: matmul_all_reduce(a, b, config=cfg), matmul_all_reduce_ref),
+    }
+
+
+def _refused(fn: Callable[[], object], bad: bool, op: str, agreed: bool) -> tuple[str, float]:
+    """Run ``fn``; the refusing rank must raise its own ValueError (a note on the in-band
+    way where ``agreed``), the others RanksRefusedError naming it (PeerRefusedError where
+    ``agreed``: the refusal came through peer memory). Returns (message, seconds)."""
+    t0 = time.time()
+    try:
+        fn()
+    except RanksRefusedError as e:
+        took = time.time() - t0
+        assert not bad, f"{op}: the refusing rank got {type(e).__name__}: {e}"
+        assert isinstance(e, PeerRefusedError) == agreed, f"{op}: {type(e).__name__} (agreed: {agreed}): {e}"
+        assert f"group rank {tdist.get_world_size() - 1}" in str(e), e
+        return str(e), took
+    except ValueError as e:
+        took = time.time() - t0
+        assert bad, f"{op}: a rank with good inputs got ValueError: {e}"
+        notes = " ".join(getattr(e, "__notes__", []))
+        assert ("peer memory" in notes) == agreed, f"{op}: notes {notes!r} (agreed: {agreed})"
+        return str(e), took
+    raise AssertionError(f"{op}: no error (refusing rank: {bad})")
+
+
+def _right(op: str, fn: Callable, ref: Callable, mk: Callable, m: int, cfg: OverlapConfig, calls: int,
+           tag: str) -> None:
+    for it in range(calls):
+        a, b = mk(m)
+        close(fn(a, b, cfg), ref(a, b), f"{op} {tag}, call {it}")
+
+
+def t_refusal(op: str) -> Callable[[int, int, torch.device], str]:
+    def run(rank: int, world: int, dev: torch.device) -> str:
+        mk, fn, ref = _refusal_cases(rank, world, dev)[op]
+        bad = rank == world - 1
+        cfg = OverlapConfig(chunks=2, check="sync", timeout_ms=20_000)
+        m1, m2 = 384, 640  # row buckets 512 and 1024: signatures new to the group
+        _right(op, fn, ref, mk, 256, cfg, 1, "warm")
+        # a new signature: every rank is in the exchange
+        a, b = mk(m1)
+        msg_new, t_new = _refused(lambda: fn(a[0] if bad else a, b, cfg), bad, op, agreed=False)
+        _right(op, fn, ref, mk, m1, cfg, 2, "after a refusal at a new signature")
+        # agreed before: the peers are in the data movement
+        a, b = mk(m1)
+        msg, took = _refused(lambda: fn(a[0] if bad else a, b, cfg), bad, op, agreed=True)
+        assert took < 15, f"{op}: the refusal at an agreed signature took {took:.1f} s"
+        a, b = mk(m1)
+        try:
+            fn(a, b, cfg)
+        except RanksOutOfStepError:
+            pass
+        else:
+            raise AssertionError(f"{op}: the group was not ended after the in-band refusal")
+        torch.cuda.synchronize()
+        reset()
+        _right(op, fn, ref, mk, m1, cfg, 3, "after the in-band refusal and reset")
+        _right(op, fn, ref, mk, m2, cfg, 1, "after the in-band refusal and reset, a new signature")
+        check_errors()
+        return f"new: {t_new:.2f} s; agreed: {took:.2f} s: {msg[:150]}"
+    return run
+
+
+def t_refusal_async(rank: int, world: int, dev: torch.device) -> str:
+    """all_gather_matmul with check="async": the peer's call returns (each row right or
+    NaN, never a wrong value); check_errors raises PeerRefusedError and ends the group."""
+    mk, fn, ref = _refusal_cases(rank, world, dev)["all_gather_matmul"]
+    bad = rank == world - 1
+    cfg = OverlapConfig(chunks=2, check="async", timeout_ms=20_000)
+    m = 320
+    _right("agmm async", fn, ref, mk, m, cfg, 2, "warm")
+    torch.cuda.synchronize()
+    a, b = mk(m)
+    want = ref(a, b)  # on every rank (a collective), before the refused call
+    torch.cuda.synchronize()
+    t0 = time.time()
+    detail = ""
+    if bad:
+        msg, _ = _refused(lambda: fn(a[0], b, cfg), True, "agmm async", agreed=True)
+        detail = msg[:80]
+    else:
+        c = fn(a, b, cfg)
+        try:
+            check_errors(block=True)
+        except PeerRefusedError as e:
+            detail = str(e)[:120]
+        else:
+            raise AssertionError("check_errors raised nothing after an in-band refusal")
+        rows_nan = torch.isnan(c).all(dim=1)
+        rows_right = torch.isclose(c.float(), want.float(), rtol=2e-2, atol=2e-2).all(dim=1)
+        assert bool((rows_nan | rows_right).all()), "a row neither right nor NaN"
+        peer_rows = slice((world - 1) * m, world * m)
+        assert bool(rows_nan[peer_rows].all()), "rows of the refusing rank are not NaN"
+        detail = f"{int(rows_nan.sum())} NaN rows, the rest right; " + detail
+    took = time.time() - t0
+    assert took < 15, f"took {took:.1f} s"
+    a, b = mk(m)
+    try:
+        fn(a, b, cfg)
+    except RanksOutOfStepError:
+        pass
+    else:
+        raise AssertionError("the group was not ended")
+    torch.cuda.synchronize()
+    reset()
+    _right("agmm async", fn, ref, mk, m, cfg, 3, "after reset")
+    torch.cuda.synchronize()
+    check_errors()
+    return f"{took:.2f} s; {detail}"
+
+
+# --------------------------------------------------------------------------------------
 # kill: the last rank dies mid-call
 # --------------------------------------------------------------------------------------
 
@@ -424,6 +572,9 @@ def main() -> None:
         "guarantees": [("capture_refused", t_capture_refused), ("two_streams", t_streams),
                        ("disagree_host_check", t_disagree_host), ("disagree_signature_words", t_disagree_signature),
                        ("reset_after_timeout", t_reset)],
+        "refusals": [(f"refusal_{op}", t_refusal(op)) for op in ("all_gather_matmul", "all_reduce_matmul",
+                                                                  "matmul_reduce_scatter", "matmul_all_reduce")]
+        + [("refusal_all_gather_matmul_async", t_refusal_async)],
     }
     for sec in sections:
         for name, fn in tests[sec]:
