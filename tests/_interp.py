@@ -47,12 +47,18 @@ _batches: dict[str, dict[str, str]] = {}
 """Directory -> {node id: outcome} of its batch child."""
 
 
+def _node(nodeid: str) -> str:
+    """A test's node id as a child ``pytest`` takes it: pytest-xdist's ``--dist loadgroup``
+    adds ``@<group>`` to the ids of grouped tests (``tests/conftest.py``)."""
+    return nodeid.split("@interpreted:", 1)[0]
+
+
 def note_selected(items: Any) -> None:
     """Note the session's selected interpreted tests (``conftest``, at the end of collection)."""
     for item in items:
         bound = getattr(getattr(item, "function", None), "_interpreted_timeout_s", None)
         if bound is not None:
-            _selected[item.nodeid] = bound
+            _selected[_node(item.nodeid)] = bound
 
 
 def _dir(node: str) -> str:
@@ -87,7 +93,7 @@ def interpreted(fn: Callable[..., Any] | None = None, *, timeout_s: float = 240.
             if INTERPRETING:
                 return f(*args, **kwargs)
             pytest.importorskip("triton")
-            node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+            node = _node(os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0])
             if node in _selected:
                 folder = _dir(node)
                 if folder not in _batches:
