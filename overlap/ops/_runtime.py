@@ -106,8 +106,10 @@ class OverlapCaptureError(RuntimeError):
 
 
 def capturing() -> bool:
-    """True while the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """True while the current CUDA stream is capturing a graph. Asked several times per
+    call: CUDA initialized (a capture needs it) is a flag read, where
+    ``torch.cuda.is_available()`` reads the environment and counts devices."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class DeviceOrder:
@@ -532,7 +534,7 @@ class LocalWords:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._by: dict[str, tuple[int, torch.Tensor]] = {}
+        self._by: dict[str, tuple[int, torch.Tensor, int, Words]] = {}  # counters, buffer, words, views
 
     def get(self, name: str, n_counters: int, n_flags: int) -> Words:
         # the flags start 16-byte aligned: Triton specializes pointers on it
@@ -543,13 +545,18 @@ class LocalWords:
             _captured_words.append(buf)
             return Words(buf, buf[:nc], buf[nc:])
         got = self._by.get(name)
+        if got is not None and got[0] == nc and got[2] == words:
+            return got[3]  # the views of the last call of this size: three slices fewer per call
         if got is None or got[0] != nc or got[1].numel() < words:
             # grown to a power of two: flag counts follow M (the chain's row blocks), and a
             # server whose M changes every call must not reallocate on every larger M
             size = max(1 << (words - 1).bit_length(), nc + 64)
-            got = self._by[name] = (nc, torch.zeros(size, dtype=torch.int32, device=self.device))
-        buf = got[1]
-        return Words(buf[:words], buf[:nc], buf[nc:words])
+            buf = torch.zeros(size, dtype=torch.int32, device=self.device)
+        else:
+            buf = got[1]
+        w = Words(buf[:words], buf[:nc], buf[nc:words])
+        self._by[name] = (nc, buf, words, w)
+        return w
 
 
 class Runtime:
