@@ -152,7 +152,7 @@ class CachedLauncher:
 
 
 def _widths(args: Sequence[Any]) -> tuple[bool, ...]:
-    return tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
+    return tuple([v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int])  # a list: faster
 
 
 class PreparedLaunch:

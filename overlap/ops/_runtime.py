@@ -593,6 +593,21 @@ class Runtime:
         self._p2p_done: dict[str, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}
         self._events: dict[Any, torch.cuda.Event] = {}  # fork / join, reused (see fork)
         self._caches: dict[str, LRU] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}  # by raw handle (``current_stream``)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        """The caller's current stream on this runtime's device, as
+        ``torch.cuda.current_stream(device)`` gives it, but one ``Stream`` object per raw
+        handle, made on first sight (torch builds a new one on every call). A handle names
+        one stream for as long as it lives: torch's pool streams are never destroyed, and
+        an external stream's id is its handle."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        s = self._streams.get(raw)
+        if s is None:
+            if len(self._streams) >= 256:  # external streams come and go: stay bounded
+                self._streams.clear()
+            s = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return s
 
     def cache(self, name: str, cap: int) -> LRU:
         """The runtime's per-shape cache ``name``, an ``LRU`` of at most ``cap`` entries,
@@ -778,7 +793,7 @@ def run_p2p(rt: Runtime, op: str, fn: Any, *args: Any) -> Any:
     if no push was queued (the peers never saw this call; after a push they did, and
     the call counts as made: its pushes set the peers' flags for that epoch, and the
     next call's pushes the next)."""
-    cur = torch.cuda.current_stream(rt.device)
+    cur = rt.current_stream()
     with rt.order.lock:
         # read under the lock: another thread's call in between must not count as this one's
         sf = rt.p2p().flags(op, 1)
@@ -1555,7 +1570,7 @@ class fused_call:
         rt.order.lock.acquire()
         try:
             words = [rt.local_words(*spec) for spec in self.specs]
-            self.cur = cur = torch.cuda.current_stream(rt.device)
+            self.cur = cur = rt.current_stream()
             rt.order.begin(cur)
         except BaseException:
             rt.order.lock.release()
