@@ -28,7 +28,7 @@ import torch
 
 from ._runtime import LRU, Runtime, check_agree, observed
 
-__all__ = ["CallPlan", "call_plans", "run_planned", "aligned", "tensor_key", "grad_refused", "stats"]
+__all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "aligned", "tensor_key", "grad_refused", "stats"]
 
 stats: dict[str, int] = {"made": 0, "planned": 0}
 """Call plans made, and calls that ran from one (proof that the short path ran)."""
@@ -56,6 +56,25 @@ class CallPlan:
 def call_plans(rt: Runtime, op: str) -> LRU:
     """The call plans of ``op`` on ``rt`` by signature key."""
     return rt.cache(f"{op}.calls", CALLS_CAP)
+
+
+def find(rt: Runtime, op: str, key: tuple) -> CallPlan | None:
+    """The plan of ``key`` for ``op`` on ``rt``, or None (also for a key that cannot be
+    hashed: a config holding a list, which then always takes the full path)."""
+    try:
+        return call_plans(rt, op).get(key)
+    except TypeError:
+        return None
+
+
+def keep(rt: Runtime, key: tuple, cp: CallPlan) -> None:
+    """Remember ``cp`` under ``key`` (a call of its signature has returned); an unhashable
+    key is not kept."""
+    try:
+        call_plans(rt, cp.op)[key] = cp
+    except TypeError:
+        return
+    stats["made"] += 1
 
 
 def run_planned(rt: Runtime, cp: CallPlan, fn: Any, *args: Any) -> Any:

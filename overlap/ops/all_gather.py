@@ -45,7 +45,7 @@ from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layo
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
 from . import _calls
 from ._agree import check_dtype, collective_done, group_call
-from ._calls import CallPlan, aligned, call_plans, run_planned
+from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
@@ -474,10 +474,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
             "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b,
             return_gathered, config))
     if not many and a_shard.is_contiguous():  # the call returned: later ones of its signature take its plan
-        key = _call_key(a_shard, b, return_gathered, config, transport, given, tuned)
-        call_plans(rt, "all_gather_matmul")[key] = CallPlan("all_gather_matmul", names, values, 0, sig, shape, path,
-                                                            why, config, transport)
-        _calls.stats["made"] += 1
+        _calls.keep(rt, _call_key(a_shard, b, return_gathered, config, transport, given, tuned),
+                    CallPlan("all_gather_matmul", names, values, 0, sig, shape, path, why, config, transport))
     return out
 
 
@@ -509,8 +507,8 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
     else:
         cfg = config
     transport = rt.transport(cfg)
-    cp = call_plans(rt, "all_gather_matmul").get(
-        _call_key(a_shard, b, return_gathered, cfg, transport, config is not None, tuned))
+    cp = _calls.find(rt, "all_gather_matmul",
+                     _call_key(a_shard, b, return_gathered, cfg, transport, config is not None, tuned))
     if cp is None or not aligned(a_shard, b):
         return None
     _calls.stats["planned"] += 1

@@ -62,7 +62,7 @@ from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, r
                         tail_parts, upload)
 from . import _calls
 from ._agree import check_dtype, collective_done, float_code, group_call
-from ._calls import CallPlan, aligned, call_plans, grad_refused, run_planned, tensor_key
+from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
@@ -507,10 +507,8 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
             norm, config))
     if x_partial.is_contiguous() and type(norm) in (Norm, type(None)):
         # the call returned: later ones of its signature take its plan (``_calls``)
-        call_plans(rt, "all_reduce_matmul")[_call_key(x_partial, b, residual, norm, config, transport, given,
-                                                      tuned)] = CallPlan("all_reduce_matmul", names, values, 0,
-                                                                         sig, shape, path, why, config, transport)
-        _calls.stats["made"] += 1
+        _calls.keep(rt, _call_key(x_partial, b, residual, norm, config, transport, given, tuned),
+                    CallPlan("all_reduce_matmul", names, values, 0, sig, shape, path, why, config, transport))
     return out
 
 
@@ -547,8 +545,8 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
             return None
         cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
     transport = rt.transport(cfg)
-    cp = call_plans(rt, "all_reduce_matmul").get(_call_key(x, b, residual, norm, cfg, transport, config is not None,
-                                                           tuned))
+    cp = _calls.find(rt, "all_reduce_matmul", _call_key(x, b, residual, norm, cfg, transport, config is not None,
+                                                        tuned))
     if cp is None or not aligned(x, b, residual, nw, nb):
         return None
     _calls.stats["planned"] += 1

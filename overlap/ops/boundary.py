@@ -37,7 +37,7 @@ from . import all_reduce as _ar
 from . import matmul_reduce as _mr
 from . import _calls
 from ._agree import group_call
-from ._calls import CallPlan, aligned, call_plans, grad_refused, run_planned, tensor_key
+from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
                        get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
@@ -156,8 +156,7 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     if (a.is_contiguous() and (residual is None or residual.is_contiguous()) and type(norm) in (_ar.Norm, type(None))
             and (norm is None or (norm.weight.is_contiguous() and (norm.bias is None or norm.bias.is_contiguous())))):
         # the call returned: later ones of its signature take its plan (``_calls``)
-        call_plans(rt, OP)[key] = CallPlan(OP, names, values, 0, sig, (m, n2, n), f"nccl x{chunks}", why, cfg, "nccl")
-        _calls.stats["made"] += 1
+        _calls.keep(rt, key, CallPlan(OP, names, values, 0, sig, (m, n2, n), f"nccl x{chunks}", why, cfg, "nccl"))
     return out
 
 
@@ -192,7 +191,7 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
         if isinstance(tuned, Sequential):
             return None
     cfg = config or tuned or OverlapConfig()
-    cp = call_plans(rt, OP).get(_call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned))
+    cp = _calls.find(rt, OP, _call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned))
     if cp is None or not aligned(a, b, b_next, residual, nw, nb):
         return None
     _calls.stats["planned"] += 1

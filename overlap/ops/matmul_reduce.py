@@ -59,7 +59,7 @@ from ..policies import Segment, build_tile_table, flat_groups, split_rows, table
 from ..protocol import COL_POST
 from . import _calls
 from ._agree import check_dtype, collective_done, group_call
-from ._calls import CallPlan, aligned, call_plans, run_planned
+from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
@@ -488,9 +488,8 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
                                              a.contiguous(), b, res, cfg))
     if a.is_contiguous() and (residual is None or residual.is_contiguous()):
         # the call returned: later ones of its signature take its plan (``_calls``)
-        call_plans(rt, op)[_call_key(a, b, residual, cfg, transport, config is not None, tuned)] = CallPlan(
-            op, names, values, 0, sig, (m, n, k), f"{transport} x{chunks}", why, cfg, transport)
-        _calls.stats["made"] += 1
+        _calls.keep(rt, _call_key(a, b, residual, cfg, transport, config is not None, tuned),
+                    CallPlan(op, names, values, 0, sig, (m, n, k), f"{transport} x{chunks}", why, cfg, transport))
     return out
 
 
@@ -524,7 +523,7 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
             return None
     cfg = config or tuned or OverlapConfig()
     transport = _transport(rt, cfg)
-    cp = call_plans(rt, op).get(_call_key(a, b, residual, cfg, transport, config is not None, tuned))
+    cp = _calls.find(rt, op, _call_key(a, b, residual, cfg, transport, config is not None, tuned))
     if cp is None or not aligned(a, b, residual):
         return None
     _calls.stats["planned"] += 1

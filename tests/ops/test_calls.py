@@ -41,3 +41,17 @@ def test_short_path_declines_cpu_inputs() -> None:
     assert ar._planned(a, b, None, None, None, None) is None
     assert bd._planned(a, b, torch.zeros(8, 8), None, None, None, None) is None
     assert ag._planned("not a tensor", b, None, False, None) is None
+
+
+def test_plans_kept_and_found_by_key_unhashable_never() -> None:
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)  # only its caches are used
+    rt._caches = {}
+    cp = _calls.CallPlan("op", (), (), 0, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
+    made = _calls.stats["made"]
+    _calls.keep(rt, ("k", 1), cp)
+    assert _calls.find(rt, "op", ("k", 1)) is cp and _calls.find(rt, "op", ("k", 2)) is None
+    _calls.keep(rt, ("k", [1]), cp)  # a config holding a list: not kept, not found, no error
+    assert _calls.find(rt, "op", ("k", [1])) is None and _calls.stats["made"] == made + 1
+    assert len(_calls.call_plans(rt, "op")) == 1
