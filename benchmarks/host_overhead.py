@@ -18,7 +18,9 @@ warm-up), the slowest rank's median and 99th percentile. The shapes are small
 (M x N x K = 512 x 1024 x 1024, bf16: about 10 us of GPU work; 64 x 128 x 128 in fp32 on
 the CPU), so the host sets the pace and a call returns as soon as it is queued. gpu_us: GPU time per call with the host far
 ahead (the calls queued behind a sleep kernel, timed from its end); None on the CPU.
-Layers time forward + backward (``y.backward(dy)``) of one layer.
+Layers time forward + backward (``y.backward(dy)``) of one layer. The context's
+``call_plans`` counts the ops' call plans made and the calls run from one
+(``overlap.ops._calls``): on a GPU nearly every timed call of a group op.
 """
 
 from __future__ import annotations
@@ -225,8 +227,11 @@ def main() -> None:
 
     if ctx.rank == 0:
         os.makedirs(args.out, exist_ok=True)
+        from overlap.ops import _calls
+
         out = {"context": {**run_context(R), "shape": [M, N, K], "dtype": str(dt).replace("torch.", ""),
-                           "path": "fused (nccl x2)" if gpu else "reference (no GPU)"}, "rows": rows}
+                           "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
+                           "call_plans": dict(_calls.stats)}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:
