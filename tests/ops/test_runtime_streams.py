@@ -104,7 +104,9 @@ def test_fused_call_frame(monkeypatch) -> None:  # noqa: ANN001
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "cur")
     monkeypatch.setattr(fl, "stream_zero", lambda s, t, n: (log.append(f"zero {s}"), t.zero_()))
-    monkeypatch.setattr(_runtime, "report_errors", lambda err, check: log.append(f"report {check}"))
+    from overlap.ops import _plans
+
+    monkeypatch.setattr(_plans, "report_errors", lambda err, check: log.append(f"report {check}"))
     def free(lock: threading.RLock) -> bool:  # another thread can take it (an RLock is reentrant here)
         got: list = []
 

@@ -139,7 +139,9 @@ def test_run_p2p_failure(pushed: int) -> None:
 
 
 def test_check_errors_without_words() -> None:
-    with mock.patch.object(rtmod, "_error_words", []):
+    from overlap.ops import _state
+
+    with mock.patch.object(_state, "_error_words", []):
         rtmod.check_errors()
 
 
