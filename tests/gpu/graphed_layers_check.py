@@ -1,8 +1,8 @@
 """The layers' forward + backward captured whole, at world size 1 (see test_nn_gpu.py).
 
 ``torch.cuda.make_graphed_callables`` over each of ColumnParallelLinear,
-RowParallelLinear and NormColumnParallelLinear (bf16, the fused path: NCCL transport, 2
-chunks): every replayed step, with new inputs and output gradients, gives the output and
+RowParallelLinear (each also sequence-parallel) and NormColumnParallelLinear (bf16, the
+fused path: NCCL transport, 2 chunks): every replayed step, with new inputs and output gradients, gives the output and
 the input's and weights' gradients of the same layer run eagerly (its twin, the same
 weights), to bf16 rounding. Prints ``PASS graphed_layers ...`` or ``FAIL graphed_layers: ...``.
 """
@@ -38,6 +38,9 @@ def main() -> None:
         "column": (lambda: onn.ColumnParallelLinear(K, N, **kw), (M, K), (M, N)),
         "row": (lambda: onn.RowParallelLinear(N, K, **kw), (M, N), (M, K)),
         "norm_column": (lambda: onn.NormColumnParallelLinear(K, N, **kw), (M, K), None),
+        # sequence-parallel: all-gather -> GEMM forward, GEMM -> reduce-scatter backward (and back)
+        "column_sp": (lambda: onn.ColumnParallelLinear(K, N, sequence_parallel=True, **kw), (M, K), (M, N)),
+        "row_sp": (lambda: onn.RowParallelLinear(N, K, sequence_parallel=True, **kw), (M, N), (M, K)),
     }
     try:
         for name, (make, x_shape, y_shape) in layers.items():
