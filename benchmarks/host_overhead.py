@@ -1,6 +1,7 @@
 """Host cost of one eager call of each op and layer, beside torch.mm, on a shape already run.
 
     python benchmarks/host_overhead.py --out DIR                 # world size 1 (a GPU, or the CPU)
+    python benchmarks/host_overhead.py --out DIR --profile 200   # and where each row's host time goes
     bash launch/torchrun.sh 2 benchmarks/host_overhead.py --out DIR
 
 Every row times the fused path, the one a call takes at 2 or more ranks (at world size 1
@@ -17,7 +18,9 @@ warm-up), the slowest rank's median and 99th percentile. The shapes are small
 (M x N x K = 512 x 1024 x 1024, bf16: about 10 us of GPU work; 64 x 128 x 128 in fp32 on
 the CPU), so the host sets the pace and a call returns as soon as it is queued. gpu_us: GPU time per call with the host far
 ahead (the calls queued behind a sleep kernel, timed from its end); None on the CPU.
-Layers time forward + backward (``y.backward(dy)``) of one layer.
+Layers time forward + backward (``y.backward(dy)``) of one layer. The context's
+``call_plans`` counts the ops' call plans made and the calls run from one
+(``overlap.ops._calls``): on a GPU nearly every timed call of a group op.
 """
 
 from __future__ import annotations
@@ -64,6 +67,38 @@ def host_times(fn: Callable[[], Any], calls: int, dev: torch.device, barrier: Ca
     return out
 
 
+def profile_calls(fn: Callable[[], Any], calls: int, dev: torch.device) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (already warm): the top functions by own time
+    and by cumulative time, as text."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    st = pstats.Stats(pr)
+
+    def where(f: tuple) -> str:
+        path, line, name = f
+        for cut in ("site-packages/", "overlap/", "benchmarks/"):
+            if cut in path:
+                path = path[path.rindex(cut) + (len(cut) if cut == "site-packages/" else 0):]
+                break
+        return f"{path}:{line}({name})" if line else name
+
+    ent = [(tt, ct, nc, where(f)) for f, (_, nc, tt, ct, _) in st.stats.items()]  # type: ignore[attr-defined]
+    lines = [f"{'own us':>8s} {'cum us':>8s} {'n':>6s}  (per call of the row)"]
+    for title, k in (("by own time", 0), ("by cumulative time", 1)):
+        lines.append(f"-- {title}")
+        for e in sorted(ent, key=lambda e: -e[k])[:40]:
+            lines.append(f"{e[0] / calls * 1e6:8.1f} {e[1] / calls * 1e6:8.1f} {e[2] / calls:6.1f}  {e[3]}")
+    return "\n".join(lines)
+
+
 def gpu_us(fn: Callable[[], Any], host_us: float, dev: torch.device, barrier: Callable[[], None],
            calls: int = 50) -> float | None:
     """GPU microseconds per call, the calls queued behind a sleep long enough to cover
@@ -92,6 +127,9 @@ def main() -> None:
                     help="default 512 1024 1024 on a GPU, 64 128 128 on the CPU (where the arithmetic "
                          "of the GPU's shape would outweigh the host work it is to show)")
     ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also run CALLS more calls of each row under cProfile and write where their host time "
+                         "goes (rank 0: DIR/host_profile.txt, by own time and by cumulative time)")
     args = ap.parse_args()
 
     import overlap
@@ -119,6 +157,7 @@ def main() -> None:
             tdist.barrier(group)
 
     rows: list[dict[str, Any]] = []
+    profiles: list[tuple[str, str]] = []
 
     def row(name: str, fn: Callable[[], Any]) -> None:
         if only and name not in only:
@@ -131,6 +170,8 @@ def main() -> None:
         rows.append(r)
         if ctx.rank == 0:
             print(json.dumps(r), flush=True)
+        if args.profile:
+            profiles.append((name, profile_calls(fn, args.profile, dev)))
 
     # torch's own, the yardsticks
     a, w = rnd(M, K), rnd(N, K) / K ** 0.5
@@ -186,10 +227,17 @@ def main() -> None:
 
     if ctx.rank == 0:
         os.makedirs(args.out, exist_ok=True)
+        from overlap.ops import _calls
+
         out = {"context": {**run_context(R), "shape": [M, N, K], "dtype": str(dt).replace("torch.", ""),
-                           "path": "fused (nccl x2)" if gpu else "reference (no GPU)"}, "rows": rows}
+                           "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
+                           "call_plans": dict(_calls.stats)}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
+        if profiles:
+            with open(os.path.join(args.out, "host_profile.txt"), "w") as fh:
+                for name, text in profiles:
+                    fh.write(f"===== {name}: {args.profile} calls =====\n{text}\n")
         mm = next((r["host_us_p50"] for r in rows if r["op"] == "torch.mm"), None)
         print(f"{'op':40s} {'p50 us':>8s} {'p99 us':>8s} {'gpu us':>8s} {'p50/mm':>7s}")
         for r in rows:

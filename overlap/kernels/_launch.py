@@ -30,13 +30,23 @@ from typing import Any, Sequence
 __all__ = ["CachedLauncher", "PreparedLaunch"]
 
 
-def _hooks() -> tuple[Any, Any]:
-    try:
-        from triton import knobs
+_runtime_knobs: Any = None  # triton.knobs.runtime, looked up on the first launch; False: none
 
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    except Exception:  # noqa: BLE001 - an older Triton without knobs: no fast path
+
+def _hooks() -> tuple[Any, Any]:
+    global _runtime_knobs
+    rk = _runtime_knobs
+    if rk is None:
+        try:
+            from triton import knobs
+
+            rk = knobs.runtime
+        except Exception:  # noqa: BLE001 - an older Triton without knobs: no fast path
+            rk = False
+        _runtime_knobs = rk
+    if rk is False:
         return None, None
+    return rk.launch_enter_hook, rk.launch_exit_hook
 
 
 def _current_device() -> int:
@@ -114,8 +124,8 @@ class CachedLauncher:
             stream = _raw_stream(device)
             vals = (*args, *[constexprs[n] for n in self.const_names])
             try:
-                meta = k.launch_metadata((grid, 1, 1), stream, *vals)
-                k.run(grid, 1, 1, stream, k.function, k.packed_metadata, meta, enter, leave, *vals)
+                # no hook is set on this path (``fast``): no launch metadata to make for one
+                k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *vals)
                 self.hits += 1
                 return k, device, widths
             except TypeError as e:  # another Triton's launcher signature: nothing was launched
@@ -142,7 +152,7 @@ class CachedLauncher:
 
 
 def _widths(args: Sequence[Any]) -> tuple[bool, ...]:
-    return tuple(v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int)
+    return tuple([v > 0x7FFFFFFF or v < -0x80000000 for v in args if type(v) is int])  # a list: faster
 
 
 class PreparedLaunch:

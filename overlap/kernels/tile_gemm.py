@@ -1328,6 +1328,11 @@ class TileGemmPlan:
                                               num_stages=cfg.num_stages, interpret=self.interp)
         self.tail = (int(rank), int(timeout_ns), int(max_spins))
         self.start = int(start_flag) if start_flag is not None else 0
+        # the plan's own tensors are checked for 16-byte alignment (what the cached launch
+        # assumes, ``_launch``) once here; a launch checks only the tensors it brings
+        own = (self.table, self.flags, self.err, self.groups) if self.flat else \
+            (self.table, self.flags, self.err, self.counter, self.ws)
+        self.own_aligned = not any(t.data_ptr() % 16 for t in own)
 
     def _rows_free(self, t: Any) -> tuple:
         """What a launch must match of A or A2: shape and strides, but not the row count
@@ -1403,13 +1408,17 @@ class TileGemmPlan:
             self.prepared.launch(nprog, (*descs[:3], c, self.table, self.flags, self.err, self.groups,
                                          *self.head[:2], *self.flat_head, int(epoch), *self.tail, nprog, self.start,
                                          int(sig), self.sig_stride, *self.c_layouts[0][1]),
-                                 aligned=(c, self.table, self.flags, self.err, self.groups))
+                                 aligned=(c,) if self.own_aligned else (c, self.table, self.flags, self.err,
+                                                                        self.groups))
             return
         args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride, *clip,
                 *self.c_layouts[0][1], *more)
-        self.prepared.launch(nprog, args, aligned=(*cs, self.table, self.flags, self.err, self.counter, rowstat,
-                                                   colvec, self.ws))
+        if self.own_aligned:
+            aligned = (*cs, rowstat, colvec) if self.norm_epi else cs
+        else:
+            aligned = (*cs, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws)
+        self.prepared.launch(nprog, args, aligned=aligned)
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

@@ -43,7 +43,9 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
+from . import _calls
 from ._agree import check_dtype, collective_done, group_call
+from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, all_gather_single, keep_for_capture, capturing, check_agree, observed,
@@ -389,6 +391,10 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     in ``overlap.report()``.
     """
     many = isinstance(b, (list, tuple))
+    if not many:
+        out = _planned(a_shard, b, group, return_gathered, config)
+        if out is not None:
+            return out
     if many:
         b = list(b)
         _check_many(a_shard, b)
@@ -436,10 +442,10 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     # sequential path): ranks must agree or peers hang; with a list, on every weight's N
     ns = n if many else (n,)
     chunks = 0 if config is None else (config.chunks or _default_chunks(plan_rows_for(ms, config, transport)))
-    check_agree(rt, "all_gather_matmul", ("M/R", "K", "N", "dtype", "chunks", "p2p", "bucketed")
-                + tuple(f"N{i}" for i in range(1, len(ns))),
-                (ms, k, ns[0], dtype_code(a_shard.dtype), chunks, int(transport == "p2p"), bucketed(config, transport))
-                + ns[1:], rows_at=0)
+    names = ("M/R", "K", "N", "dtype", "chunks", "p2p", "bucketed") + tuple(f"N{i}" for i in range(1, len(ns)))
+    values = (ms, k, ns[0], dtype_code(a_shard.dtype), chunks, int(transport == "p2p"),
+              bucketed(config, transport)) + ns[1:]
+    check_agree(rt, "all_gather_matmul", names, values, rows_at=0)
     shape = (ms * rt.world, n_all, k)
     if config is None:  # the tuner picked the sequential path
         stats["sequential_by_tuner"] += 1
@@ -460,12 +466,56 @@ def all_gather_matmul(a_shard: torch.Tensor, b: Any, *, group: Any = None, retur
     path = f"{transport} x{chunks}" + (f", {len(b)} weights in one grid" if many else "")
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return rt.mark_warm("all_gather_matmul", sig, observed(
+        out = rt.mark_warm("all_gather_matmul", sig, observed(
             "all_gather_matmul", shape, path, why, a_shard.device, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p,
             rt, a_shard.contiguous(), b, return_gathered, config))
-    return rt.mark_warm("all_gather_matmul", sig, observed(
-        "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b, return_gathered,
-        config))
+    else:
+        out = rt.mark_warm("all_gather_matmul", sig, observed(
+            "all_gather_matmul", shape, path, why, a_shard.device, _fused, rt, a_shard.contiguous(), b,
+            return_gathered, config))
+    if not many and a_shard.is_contiguous():  # the call returned: later ones of its signature take its plan
+        _calls.keep(rt, _call_key(a_shard, b, return_gathered, config, transport, given, tuned),
+                    CallPlan("all_gather_matmul", names, values, 0, sig, shape, path, why, config, transport))
+    return out
+
+
+def _call_key(a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool, cfg: OverlapConfig, transport: str,
+              given: bool, tuned: Any) -> tuple:
+    """A call's signature for its ``CallPlan``: everything the full path's checks and
+    decisions read, but the pointers (``_calls.aligned``, per call)."""
+    return (a_shard.shape, a_shard.stride(), a_shard.dtype, a_shard.device, b.shape, b.stride(), b.dtype, b.device,
+            return_gathered, cfg, transport, given, tuned is not None)
+
+
+def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: OverlapConfig | None) -> Any:
+    """The call run from its signature's ``CallPlan`` (``_calls``), or None where it has
+    none or needs the full path (a capture, autograd, an unaligned pointer, another
+    tuned pick or transport than the plan's)."""
+    if not isinstance(a_shard, torch.Tensor) or not isinstance(b, torch.Tensor) or not a_shard.is_cuda:
+        return None
+    if capturing() or (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
+        return None
+    rt = get_runtime_if_made(resolve_group(group), a_shard.device)
+    if rt is None:
+        return None
+    tuned = None
+    if config is None:
+        tuned = _tuned(rt).get((a_shard.shape[0], b.shape[1], a_shard.shape[1], a_shard.dtype))
+        if isinstance(tuned, Sequential):
+            return None
+        cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    else:
+        cfg = config
+    transport = rt.transport(cfg)
+    cp = _calls.find(rt, "all_gather_matmul",
+                     _call_key(a_shard, b, return_gathered, cfg, transport, config is not None, tuned))
+    if cp is None or not aligned(a_shard, b):
+        return None
+    _calls.stats["planned"] += 1
+    if transport == "p2p":
+        return run_planned(rt, cp, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p, rt, a_shard, b,
+                           return_gathered, cfg)
+    return run_planned(rt, cp, _fused, rt, a_shard, b, return_gathered, cfg)
 
 
 def _many_refusal(bs: list[torch.Tensor]) -> str | None:

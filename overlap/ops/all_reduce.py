@@ -60,7 +60,9 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
                         tail_parts, upload)
+from . import _calls
 from ._agree import check_dtype, collective_done, float_code, group_call
+from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
@@ -425,6 +427,9 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     """
     if isinstance(b, (list, tuple)):
         return _many(x_partial, list(b), group, residual, norm, config)
+    out = _planned(x_partial, b, group, residual, norm, config)
+    if out is not None:
+        return out
     _check_inputs(x_partial, b, residual, norm)
     refuse_grad("all_reduce_matmul", x_partial, b, residual, *((norm.weight, norm.bias) if norm else ()))
     group = resolve_group(group)
@@ -461,9 +466,10 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     else:  # the tuner's pick: the reference (one all-reduce) or the chunked baseline
         chunks = tuned.chunks if isinstance(tuned, Chunked) else 1
     # NCCL call sizes and pushed rows come from (M, K) and the chunks: ranks must agree or peers hang
-    check_agree(rt, "all_reduce_matmul", ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p", "bucketed"),
-                (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
-                 int(transport == "p2p"), bucketed(config, transport)), rows_at=0)
+    names = ("M", "K", "N", "dtype", "residual", "norm", "chunks", "p2p", "bucketed")
+    values = (m, k, n, dtype_code(x_partial.dtype), int(residual is not None), _norm_code(norm), chunks,
+              int(transport == "p2p"), bucketed(config, transport))
+    check_agree(rt, "all_reduce_matmul", names, values, rows_at=0)
     shape = (m, n, k)
 
     def ref() -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,12 +498,61 @@ def all_reduce_matmul(x_partial: torch.Tensor, b: torch.Tensor, *, group: Any = 
     path = f"{transport}{' two-shot' if config.two_shot and transport == 'p2p' else ''} x{chunks}"
     why = "config given" if given else ("tuner pick" if tuned is not None else "default config")
     if transport == "p2p":
-        return rt.mark_warm("all_reduce_matmul", sig, observed(
+        out = rt.mark_warm("all_reduce_matmul", sig, observed(
             "all_reduce_matmul", shape, path, why, x_partial.device, run_p2p, rt, "all_reduce_matmul", _peer._fused_p2p,
             rt, x_partial.contiguous(), b, residual, norm, config))
-    return rt.mark_warm("all_reduce_matmul", sig, observed(
-        "all_reduce_matmul", shape, path, why, x_partial.device, _fused, rt, x_partial.contiguous(), b, residual,
-        norm, config))
+    else:
+        out = rt.mark_warm("all_reduce_matmul", sig, observed(
+            "all_reduce_matmul", shape, path, why, x_partial.device, _fused, rt, x_partial.contiguous(), b, residual,
+            norm, config))
+    if x_partial.is_contiguous() and type(norm) in (Norm, type(None)):
+        # the call returned: later ones of its signature take its plan (``_calls``)
+        _calls.keep(rt, _call_key(x_partial, b, residual, norm, config, transport, given, tuned),
+                    CallPlan("all_reduce_matmul", names, values, 0, sig, shape, path, why, config, transport))
+    return out
+
+
+def _call_key(x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None,
+              cfg: OverlapConfig, transport: str, given: bool, tuned: Any) -> tuple:
+    """A call's signature for its ``CallPlan``: everything the full path's checks and
+    decisions read, but the pointers (``_calls.aligned``, per call)."""
+    nk = None if norm is None else (norm.kind, norm.eps, tensor_key(norm.weight), tensor_key(norm.bias))
+    return (tensor_key(x), tensor_key(b), tensor_key(residual), nk, cfg, transport, given, tuned is not None)
+
+
+def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: OverlapConfig | None) -> Any:
+    """The call run from its signature's ``CallPlan`` (``_calls``), or None where it has
+    none or needs the full path (a capture, autograd, an unaligned pointer, another
+    tuned pick or transport than the plan's)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(b, torch.Tensor) or not x.is_cuda:
+        return None
+    if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (Norm, type(None)):
+        return None
+    if norm is not None and not (isinstance(norm.weight, torch.Tensor)
+                                 and (norm.bias is None or isinstance(norm.bias, torch.Tensor))):
+        return None
+    nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
+    if capturing() or grad_refused(x, b, residual, nw, nb):
+        return None
+    rt = get_runtime_if_made(resolve_group(group), x.device)
+    if rt is None:
+        return None
+    tuned = None
+    cfg = config
+    if config is None:
+        tuned = _tuned(rt).get(_tune_key(x, b.shape[1], residual, norm))
+        if isinstance(tuned, (Sequential, Chunked)):
+            return None
+        cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+    transport = rt.transport(cfg)
+    cp = _calls.find(rt, "all_reduce_matmul", _call_key(x, b, residual, norm, cfg, transport, config is not None,
+                                                        tuned))
+    if cp is None or not aligned(x, b, residual, nw, nb):
+        return None
+    _calls.stats["planned"] += 1
+    if transport == "p2p":
+        return run_planned(rt, cp, run_p2p, rt, "all_reduce_matmul", _peer._fused_p2p, rt, x, b, residual, norm, cfg)
+    return run_planned(rt, cp, _fused, rt, x, b, residual, norm, cfg)
 
 
 def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual: torch.Tensor | None,

@@ -37,7 +37,9 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
+from . import _calls
 from ._agree import group_call
+from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
                        get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
@@ -98,6 +100,9 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     fp16 and bf16 on CUDA take the pipeline (NCCL transport), or in shared-GPU mode
     ``matmul_all_reduce`` on the peer-copy transport and then the norm and the second GEMM;
     other inputs take the reference with a one-time warning."""
+    out = _planned(a, b, b_next, group, residual, norm, config)
+    if out is not None:
+        return out
     refuse_grad(OP, a, b, b_next, residual, *(() if norm is None else (norm.weight, norm.bias)))
     _check(a, b, b_next, residual, norm)
     group = resolve_group(group)
@@ -140,19 +145,63 @@ def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Ten
     chunks = 0 if sequential else (cfg.chunks or _mr._default_chunks(m))
     # the NCCL calls' sizes come from (M, N) and the chunks (0: the sequential path): ranks
     # must agree or peers hang
-    check_agree(rt, OP, ("M", "K/R", "N", "N2", "dtype", "residual", "norm", "chunks"),
-                (m, k, n, n2, dtype_code(a.dtype), int(residual is not None), _ar._norm_code(norm), chunks),
-                rows_at=0)
+    names = ("M", "K/R", "N", "N2", "dtype", "residual", "norm", "chunks")
+    values = (m, k, n, n2, dtype_code(a.dtype), int(residual is not None), _ar._norm_code(norm), chunks)
+    check_agree(rt, OP, names, values, rows_at=0)
     if sequential:
         return observed(OP, (m, n2, n), "sequential", "tuner pick", a.device, ref)
+    key = _call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned)
     cfg = _nccl(cfg, chunks)
     sig = (m, k, n, n2, a.dtype, b.stride(), b_next.stride(), residual is not None,
            None if norm is None else (norm.kind, norm.weight.dtype, norm.bias is not None, norm.eps), cfg)
     rt.require_warm(OP, sig)
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     res, nrm = _ar._contiguous(None if residual is None else residual.contiguous(), norm)
-    return rt.mark_warm(OP, sig, observed(OP, (m, n2, n), f"nccl x{chunks}", why, a.device, _fused, rt,
-                                          a.contiguous(), b, b_next, res, nrm, cfg))
+    out = rt.mark_warm(OP, sig, observed(OP, (m, n2, n), f"nccl x{chunks}", why, a.device, _fused, rt,
+                                         a.contiguous(), b, b_next, res, nrm, cfg))
+    if (a.is_contiguous() and (residual is None or residual.is_contiguous()) and type(norm) in (_ar.Norm, type(None))
+            and (norm is None or (norm.weight.is_contiguous() and (norm.bias is None or norm.bias.is_contiguous())))):
+        # the call returned: later ones of its signature take its plan (``_calls``)
+        _calls.keep(rt, key, CallPlan(OP, names, values, 0, sig, (m, n2, n), f"nccl x{chunks}", why, cfg, "nccl"))
+    return out
+
+
+def _call_key(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None, norm: Any,
+              cfg: OverlapConfig, given: bool, tuned: Any) -> tuple:
+    """A call's signature for its ``CallPlan``: everything the full path's checks and
+    decisions read, but the pointers (``_calls.aligned``, per call)."""
+    nk = None if norm is None else (norm.kind, norm.eps, tensor_key(norm.weight), tensor_key(norm.bias))
+    return (tensor_key(a), tensor_key(b), tensor_key(b_next), tensor_key(residual), nk, cfg, given, tuned is not None)
+
+
+def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, config: OverlapConfig | None) -> Any:
+    """The call run from its signature's ``CallPlan`` (``_calls``), or None where it has
+    none or needs the full path (a capture, autograd, an unaligned pointer, another
+    tuned pick than the plan's). Its config is the plan's, on the NCCL transport."""
+    if not all(isinstance(t, torch.Tensor) for t in (a, b, b_next)) or not a.is_cuda:
+        return None
+    if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (_ar.Norm, type(None)):
+        return None
+    if norm is not None and not (isinstance(norm.weight, torch.Tensor)
+                                 and (norm.bias is None or isinstance(norm.bias, torch.Tensor))):
+        return None
+    nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
+    if capturing() or grad_refused(a, b, b_next, residual, nw, nb):
+        return None
+    rt = get_runtime_if_made(resolve_group(group), a.device)
+    if rt is None:
+        return None
+    tuned = None
+    if config is None:
+        tuned = _tuned(rt).get(_tune_key(a, b, b_next, residual, norm))
+        if isinstance(tuned, Sequential):
+            return None
+    cfg = config or tuned or OverlapConfig()
+    cp = _calls.find(rt, OP, _call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned))
+    if cp is None or not aligned(a, b, b_next, residual, nw, nb):
+        return None
+    _calls.stats["planned"] += 1
+    return run_planned(rt, cp, _fused, rt, a, b, b_next, residual, norm, cp.config)
 
 
 def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,

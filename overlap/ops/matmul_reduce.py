@@ -57,7 +57,9 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
+from . import _calls
 from ._agree import check_dtype, collective_done, group_call
+from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
@@ -460,9 +462,10 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
         plan_rows_for(m // rt.world if scatter else m, cfg, transport)))
     # the NCCL calls' and the pushes' sizes come from (M, N) and the chunks (0: the
     # sequential path): ranks must agree or peers hang
-    check_agree(rt, op, ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p", "bucketed"),
-                (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks, int(transport == "p2p"),
-                 bucketed(None if sequential else cfg, transport)), rows_at=0)
+    names = ("M", "K/R", "N", "dtype", "residual", "chunks", "p2p", "bucketed")
+    values = (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks, int(transport == "p2p"),
+              bucketed(None if sequential else cfg, transport))
+    check_agree(rt, op, names, values, rows_at=0)
     if sequential:
         return observed(op, (m, n, k), "sequential", "tuner pick", a.device, ref)
     if transport == "p2p" and capturing():
@@ -478,10 +481,57 @@ def _run(op: str, a: torch.Tensor, b: torch.Tensor, group: Any, residual: torch.
     if transport == "p2p":
         from . import matmul_reduce_p2p as _peer
 
-        return rt.mark_warm(op, sig, observed(op, (m, n, k), f"p2p x{chunks}", why, a.device, run_p2p, rt, op,
-                                              _peer._fused_p2p, rt, op, a.contiguous(), b, res, cfg))
-    return rt.mark_warm(op, sig, observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op,
-                                          a.contiguous(), b, res, cfg))
+        out = rt.mark_warm(op, sig, observed(op, (m, n, k), f"p2p x{chunks}", why, a.device, run_p2p, rt, op,
+                                             _peer._fused_p2p, rt, op, a.contiguous(), b, res, cfg))
+    else:
+        out = rt.mark_warm(op, sig, observed(op, (m, n, k), f"nccl x{chunks}", why, a.device, _fused, rt, op,
+                                             a.contiguous(), b, res, cfg))
+    if a.is_contiguous() and (residual is None or residual.is_contiguous()):
+        # the call returned: later ones of its signature take its plan (``_calls``)
+        _calls.keep(rt, _call_key(a, b, residual, cfg, transport, config is not None, tuned),
+                    CallPlan(op, names, values, 0, sig, (m, n, k), f"{transport} x{chunks}", why, cfg, transport))
+    return out
+
+
+def _call_key(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, cfg: OverlapConfig, transport: str,
+              given: bool, tuned: Any) -> tuple:
+    """A call's signature for its ``CallPlan``: everything the full path's checks and
+    decisions read, but the pointers (``_calls.aligned``, per call)."""
+    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device),
+            cfg, transport, given, tuned is not None)
+
+
+def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: OverlapConfig | None) -> Any:
+    """The call run from its signature's ``CallPlan`` (``_calls``), or None where it has
+    none or needs the full path (a capture, autograd, an unaligned pointer, another
+    tuned pick or transport than the plan's)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not a.is_cuda:
+        return None
+    if residual is not None and not isinstance(residual, torch.Tensor):
+        return None
+    if capturing() or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (
+            residual is not None and residual.requires_grad))):
+        return None
+    rt = get_runtime_if_made(resolve_group(group), a.device)
+    if rt is None:
+        return None
+    tuned = None
+    if config is None:
+        tuned = _tuned(rt).get((op, a.shape[0], b.shape[1], a.shape[1], a.dtype, residual is not None))
+        if isinstance(tuned, Sequential):
+            return None
+    cfg = config or tuned or OverlapConfig()
+    transport = _transport(rt, cfg)
+    cp = _calls.find(rt, op, _call_key(a, b, residual, cfg, transport, config is not None, tuned))
+    if cp is None or not aligned(a, b, residual):
+        return None
+    _calls.stats["planned"] += 1
+    if transport == "p2p":
+        from . import matmul_reduce_p2p as _peer
+
+        return run_planned(rt, cp, run_p2p, rt, op, _peer._fused_p2p, rt, op, a, b, residual, cfg)
+    return run_planned(rt, cp, _fused, rt, op, a, b, residual, cfg)
 
 
 def _transport(rt: Runtime, cfg: OverlapConfig) -> str:
@@ -516,6 +566,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: Any = None
     (``matmul_reduce_p2p``); other inputs (a CPU / gloo group, fp32) take
     ``matmul_reduce_scatter_ref`` with a one-time warning. M must be a multiple of R.
     """
+    out = _planned("matmul_reduce_scatter", a, b, group, None, config)
+    if out is not None:
+        return out
     _check_inputs("matmul_reduce_scatter", a, b)
     group = resolve_group(group)
     return _run("matmul_reduce_scatter", a, b, group, None, config,
@@ -538,6 +591,9 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: Any = None, re
 
     As ``matmul_reduce_scatter`` for paths and config.
     """
+    out = _planned("matmul_all_reduce", a, b, group, residual, config)
+    if out is not None:
+        return out
     _check_inputs("matmul_all_reduce", a, b, residual)
     group = resolve_group(group)
     return _run("matmul_all_reduce", a, b, group, residual, config,

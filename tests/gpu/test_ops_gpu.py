@@ -42,3 +42,13 @@ def test_random_m_gpu(world: int) -> None:
     r = run_cmd(["bash", "launch/torchrun.sh", str(world), RANDOM_M], timeout_s=500)
     assert r.returncode == 0, r.out[-6000:]
     assert len(re.findall(rf"^PASS random_m world={world} ", r.out, re.M)) == world, r.out[-6000:]
+
+
+@pytest.mark.gpu
+def test_call_plans_gpu() -> None:
+    """The five group ops from their call plans at world size 1 (planned_check.py): a plan
+    per signature, later calls counted as planned and right with new inputs, refusals and
+    unaligned inputs through the full path, a CUDA graph at a planned signature."""
+    r = run_cmd(["python", "tests/gpu/planned_check.py"], timeout_s=400)
+    assert r.returncode == 0, r.out[-6000:]
+    assert re.search(r"^PASS planned world=1 ops=10 ", r.out, re.M), r.out[-6000:]

@@ -103,6 +103,9 @@ class _StandIn:
     def push(self, dst, src, nbytes, flags, idx, value):
         self.pushes.append((dst, src, nbytes, idx, value))
 
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
     def p2p_begin(self, *a):
         pass
 
@@ -230,6 +233,9 @@ class _NcclStandIn:
 
     def local_words(self, name, n_counters, n_flags):
         return self._local.get(name, n_counters, n_flags)
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
 
     def comm(self, max_ctas):
         return self.Comm(self)

@@ -8,6 +8,8 @@ import pytest
 
 from overlap.kernels import _launch
 
+_real_hooks = _launch._hooks  # before the fixture below replaces it
+
 
 class FakeCompiled:
     def __init__(self, log: list, fail_run: bool = False) -> None:
@@ -68,6 +70,8 @@ def test_second_launch_takes_the_compiled_kernel_with_constexprs_last():
     # grid, the current stream, the compiled handle, then args in signature order
     assert fn.log[1] == ("fast", 6, 1234, "fn-handle", "packed", (a, b, 64, 128, True))
     assert (lc.hits, lc.misses) == (1, 1)
+    # no hook is set on the cached path: no launch metadata made, no hooks passed
+    assert fn.log[1] and lc._cache[next(iter(lc._cache))].hooks == (None, None, None)
 
 
 def test_another_key_options_or_device_compile_through_triton():
@@ -266,3 +270,43 @@ def test_a_new_row_count_keeps_the_tile_gemm_key():
 
     assert key(7) == key(4096) == key(1)
     assert key(7, k=128) != key(7) and key(7, n=256) != key(7)
+
+
+def test_hooks_read_live_from_tritons_knobs(monkeypatch):
+    """The knobs module is looked up once; the hooks themselves on every launch (a profiler
+    that sets one later turns the cached path off from its next launch)."""
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.setattr(_launch, "_runtime_knobs", None)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)
+    assert _real_hooks() == (None, None)
+
+    def hook(*a):
+        return None
+
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    assert _real_hooks() == (hook, None) and _launch._runtime_knobs is knobs.runtime
+
+
+def test_tile_gemm_plan_checks_its_own_tensors_once():
+    """A plan checks the alignment of its own tensors (table, flags, error word, counter,
+    workspace) when made; a launch asks the cached path to check only the C it brings,
+    unless one of the plan's own is unaligned (then all, and Triton's path takes it)."""
+    import torch
+
+    from overlap.kernels.tile_gemm import TileGemmPlan
+    from tests.kernels._interp_common import CFG, Segment, _table
+
+    m, n, k = 64, 48, 32
+    table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, CFG)
+    a, w = torch.randn(m, k, dtype=torch.float16), torch.randn(n, k, dtype=torch.float16)
+    c = torch.empty(m, n, dtype=torch.float16)
+    buf, err = torch.zeros(16, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    for flags, aligned in ((buf[:4], True), (buf[1:5], False)):
+        plan = TileGemmPlan(a, w.t(), c, table, flags=flags, err=err, config=CFG, wait=True)
+        got: list = []
+        plan.prepared = SimpleNamespace(launch=lambda nprog, args, aligned=(): got.append(aligned))
+        plan.launch((0, 0, 0), c, epoch=1, grid=2)
+        assert plan.own_aligned is aligned
+        ptrs = [t.data_ptr() for t in got[0]]
+        assert ptrs == [c.data_ptr()] if aligned else flags.data_ptr() in ptrs and c.data_ptr() in ptrs

@@ -118,6 +118,19 @@ def test_local_words_grow_by_powers_of_two() -> None:
     assert len(bufs) <= 8, len(bufs)
 
 
+def test_local_words_views_reused_only_at_their_size() -> None:
+    """A call of the size of the last one gets the same views back (no slicing per call);
+    any other size gets views of its own size, over the same buffer while it fits."""
+    lw = rtm.LocalWords(torch.device("cpu"))
+    for nc, nf in ((1, 2), (1, 2), (5, 2), (5, 3), (1, 2), (5, 3), (4, 40), (4, 40), (1, 1)):
+        w = lw.get("op", nc, nf)
+        ncr = -(-nc // 4) * 4
+        assert (w.counters.numel(), w.flags.numel(), w.buf.numel()) == (ncr, nf, ncr + nf)
+        assert w.flags.data_ptr() == w.buf.data_ptr() + 4 * ncr and w.counters.data_ptr() == w.buf.data_ptr()
+        assert lw.get("op", nc, nf) is w
+    assert lw.get("other", 1, 2) is not lw.get("op", 1, 2)
+
+
 def test_tile_table_fast() -> None:
     """A new M builds a new tile table on the hot path: 2048 tiles in well under the 6 ms
     a Python loop took (a generous bound for a loaded CI machine)."""

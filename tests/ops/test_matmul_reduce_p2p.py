@@ -233,6 +233,9 @@ class _PeerRt:
         self.pushes, self.log = 0, []
         self.drop: set[int] = set()  # chunk indices whose pushes this rank loses (a failing link)
 
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream()
+
     def p2p(self) -> _Heap:
         return self.heap
 

@@ -138,7 +138,9 @@ def test_local_runtime_is_not_collective(monkeypatch: pytest.MonkeyPatch) -> Non
     names no rank in its error word."""
     assert not tdist.is_initialized()
     monkeypatch.setattr(rtm, "_runtimes", {})
-    monkeypatch.setattr(rtm, "_error_words", [])  # (the CPU word below is not for check_errors)
+    from overlap.ops import _state
+
+    monkeypatch.setattr(_state, "_error_words", [])  # (the CPU word below is not for check_errors)
     with cuda_stand_ins():
         rt = rtm.local_runtime(CPU)
     assert rtm.local_runtime(CPU) is rt is rtm.local_runtime_if_made(CPU)

@@ -89,6 +89,9 @@ def test_fused_call_frame(monkeypatch) -> None:  # noqa: ANN001
     class Rt:
         device, order = torch.device("cpu"), Order()
 
+        def current_stream(self) -> object:
+            return torch.cuda.current_stream()
+
         def local_words(self, name: str, counters: int, flags: int) -> Words:
             log.append(f"words {name}")
             return Words(name)
@@ -101,7 +104,9 @@ def test_fused_call_frame(monkeypatch) -> None:  # noqa: ANN001
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "cur")
     monkeypatch.setattr(fl, "stream_zero", lambda s, t, n: (log.append(f"zero {s}"), t.zero_()))
-    monkeypatch.setattr(_runtime, "report_errors", lambda err, check: log.append(f"report {check}"))
+    from overlap.ops import _plans
+
+    monkeypatch.setattr(_plans, "report_errors", lambda err, check: log.append(f"report {check}"))
     def free(lock: threading.RLock) -> bool:  # another thread can take it (an RLock is reentrant here)
         got: list = []
 
@@ -132,3 +137,35 @@ def test_fused_call_frame(monkeypatch) -> None:  # noqa: ANN001
         pass
     assert log == ["words a", "begin", "zero cur", "fork 1", "body", "join 1", "end"], log  # no report
     assert free(Order.lock)
+
+
+def test_current_stream_one_object_per_handle(monkeypatch) -> None:
+    """The caller's stream as a ``Stream`` object made once per raw handle: the same handle
+    gives the same object (torch asked once), another handle its own, and the map stays
+    bounded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    handle = [7]
+    made: list = []
+
+    def current_stream(device: object) -> object:
+        made.append(SimpleNamespace(handle=handle[0]))
+        return made[-1]
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: handle[0], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    rt = Runtime.__new__(Runtime)
+    rt.device, rt._streams = torch.device("cuda", 0), {}
+    s7 = rt.current_stream()
+    assert rt.current_stream() is s7 and s7.handle == 7 and len(made) == 1
+    handle[0] = 9
+    s9 = rt.current_stream()
+    assert s9.handle == 9 and s9 is not s7 and rt.current_stream() is s9
+    handle[0] = 7
+    assert rt.current_stream() is s7 and len(made) == 2
+    for h in range(1000, 1600):
+        handle[0] = h
+        assert rt.current_stream().handle == h
+    assert len(rt._streams) <= 256

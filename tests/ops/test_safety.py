@@ -110,6 +110,7 @@ def _fake_rt() -> Any:
     rt = SimpleNamespace(device=torch.device("cpu"), pushes=0, order=_FakeOrder(), comm_stream="cs",
                          aux_stream="ns", copy_stream="cs2", joined=[], ended=[])
     rt.p2p = lambda: SimpleNamespace(flags=lambda name, n: sf)
+    rt.current_stream = lambda: torch.cuda.current_stream()
     rt.join = lambda cur, *s: rt.joined.append(s)
     rt.p2p_end = lambda op, cur: rt.ended.append(op)
     return rt, sf
@@ -138,7 +139,9 @@ def test_run_p2p_failure(pushed: int) -> None:
 
 
 def test_check_errors_without_words() -> None:
-    with mock.patch.object(rtmod, "_error_words", []):
+    from overlap.ops import _state
+
+    with mock.patch.object(_state, "_error_words", []):
         rtmod.check_errors()
 
 

@@ -172,7 +172,7 @@ def test_warp_specialize_supported_rule(gpu: bool, version: str, cc: int, interp
 
 def _fake_timing(monkeypatch: pytest.MonkeyPatch, ms: dict[Any, float]) -> list[Any]:
     """``time_ms`` replaced: each callable returns its path's key, timed as ``ms[key]``."""
-    from overlap.ops import _runtime
+    from overlap.ops import _tuning
 
     calls: list[Any] = []
 
@@ -181,7 +181,7 @@ def _fake_timing(monkeypatch: pytest.MonkeyPatch, ms: dict[Any, float]) -> list[
         calls.append(key)
         return ms[key]
 
-    monkeypatch.setattr(_runtime, "time_ms", timer)
+    monkeypatch.setattr(_tuning, "time_ms", timer)
     return calls
 
 
@@ -270,9 +270,9 @@ def test_chain_tuner_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     from overlap.ops import ChainConfig
     from overlap.ops import chain as ch
 
-    from overlap.ops import _runtime as rtmod
+    from overlap.ops import _state
 
-    monkeypatch.setattr(rtmod, "_warned", set())  # warn_once's memory: this test's warning fires
+    monkeypatch.setattr(_state, "_warned", set())  # warn_once's memory: this test's warning fires
     err = _Err()
     caches: dict[str, dict] = {}
     rt = types.SimpleNamespace(err=lambda op: err, cache=lambda name, size: caches.setdefault(name, {}))

@@ -1,0 +1,57 @@
+"""overlap.ops._calls without a GPU: a call plan's text, the per-call checks it leaves,
+and the short path declining what only the full path may take (the ops' call plans
+themselves run on CUDA: tests/gpu/planned_check.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from overlap.ops import _calls
+from overlap.ops import all_gather as ag
+from overlap.ops import all_reduce as ar
+from overlap.ops import boundary as bd
+from overlap.ops import matmul_reduce as mr
+
+
+def test_call_plan_prints_what_it_decided() -> None:
+    cp = _calls.CallPlan("all_gather_matmul", ("M/R", "K", "N"), (256, 1024, 1024), 0, (), (512, 1024, 1024),
+                         "nccl x2", "config given", None, "nccl")
+    assert repr(cp) == ("CallPlan(all_gather_matmul 512x1024x1024 on nccl x2 (config given); ranks agree on "
+                        "M/R=256, K=1024, N=1024)")
+
+
+def test_aligned_and_grad_and_tensor_key() -> None:
+    buf = torch.zeros(64, dtype=torch.float16)
+    assert _calls.aligned(buf, None, buf[8:])          # 16 bytes on
+    assert not _calls.aligned(buf, buf[1:])            # 2 bytes on
+    w = torch.zeros(4, 4, requires_grad=True)
+    assert _calls.grad_refused(buf, w) and not _calls.grad_refused(buf, None)
+    with torch.no_grad():
+        assert not _calls.grad_refused(w)
+    t = torch.zeros(3, 5).t()
+    assert _calls.tensor_key(t) == (torch.Size([5, 3]), (1, 5), torch.float32, torch.device("cpu"))
+    assert _calls.tensor_key(None) is None
+
+
+def test_short_path_declines_cpu_inputs() -> None:
+    """No CUDA, no plan: every op's short path hands the call to the full path."""
+    a, b = torch.zeros(8, 16), torch.zeros(16, 8)
+    assert ag._planned(a, b, None, False, None) is None
+    assert mr._planned("matmul_all_reduce", a, b, None, None, None) is None
+    assert ar._planned(a, b, None, None, None, None) is None
+    assert bd._planned(a, b, torch.zeros(8, 8), None, None, None, None) is None
+    assert ag._planned("not a tensor", b, None, False, None) is None
+
+
+def test_plans_kept_and_found_by_key_unhashable_never() -> None:
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)  # only its caches are used
+    rt._caches = {}
+    cp = _calls.CallPlan("op", (), (), 0, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
+    made = _calls.stats["made"]
+    _calls.keep(rt, ("k", 1), cp)
+    assert _calls.find(rt, "op", ("k", 1)) is cp and _calls.find(rt, "op", ("k", 2)) is None
+    _calls.keep(rt, ("k", [1]), cp)  # a config holding a list: not kept, not found, no error
+    assert _calls.find(rt, "op", ("k", [1])) is None and _calls.stats["made"] == made + 1
+    assert len(_calls.call_plans(rt, "op")) == 1
