@@ -9,11 +9,15 @@ ranks are forked from this process afterwards, each then running its script as
 environment and log file, its exit status). Nothing of torch runs before the fork
 (no thread pool, no device), so a forked rank starts as a fresh process would, less the
 import. Each rank's exit status goes to ``rc<rank>`` in the spec's folder as soon as it
-ends (a job killed at its deadline keeps the statuses of the ranks that ended).
+ends (a job killed at its deadline keeps the statuses of the ranks that ended). A test may
+name more modules its ranks import (``run_ranks(preload=...)``: libraries such as
+transformers' model files, never this package, whose settings are read from the
+environment when it is imported).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -21,7 +25,11 @@ import sys
 import time
 
 spec = json.loads(open(sys.argv[1]).read())
+del sys.path[0]  # this file's folder: the modules below are libraries, found where they are installed
 import torch  # noqa: E402,F401  (the point: imported once, before the forks)
+
+for name in spec.get("preload", ()):  # more modules every rank imports (a test names them)
+    importlib.import_module(name)
 
 children: dict[int, int] = {}
 for rank in spec["ranks"]:
@@ -35,7 +43,7 @@ for rank in spec["ranks"]:
         os.environ.update(spec["envs"][str(rank)])
         script = spec["script"]
         sys.argv = [script, *spec["args"]]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as ``python script`` has it
         runpy.run_path(script, run_name="__main__")
         sys.exit(0)  # as the script's end would: atexit handlers and non-daemon threads, then exit
     children[pid] = rank

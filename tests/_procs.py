@@ -60,14 +60,15 @@ _PER_RANK = ("RANK", "LOCAL_RANK")
 
 def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
               ranks: Sequence[int] | None = None, timeout_s: float = 60.0,
-              env: dict[str, str] | None = None, fork: bool | None = None) -> list[Proc]:
+              env: dict[str, str] | None = None, fork: bool | None = None,
+              preload: Sequence[str] = ()) -> list[Proc]:
     """Run ``python script args`` once per rank with torchrun-style variables.
 
     ``ranks`` picks which ranks to start (default all) so a test can leave one out.
     Every process is killed at ``timeout_s``; its returncode is then None. ``fork``
     (default: where the OS forks and ``OVERLAP_TEST_FORK`` is not 0): the ranks are forked
     from one process that imported torch once (``tests/_forkrun.py``) instead of each
-    importing it.
+    importing it; ``preload``: more modules imported there once (``tests/_forkrun.py``).
     """
     port = str(free_port())
     ranks = list(range(world_size)) if ranks is None else list(ranks)
@@ -78,7 +79,7 @@ def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
         fork = hasattr(os, "fork") and os.environ.get("OVERLAP_TEST_FORK", "1") != "0"
     with tempfile.TemporaryDirectory() as tmp:
         if fork and ranks:
-            return _forked(script, args, ranks, envs, Path(tmp), timeout_s)
+            return _forked(script, args, ranks, envs, Path(tmp), timeout_s, preload)
         procs = []
         for r in ranks:
             log = open(Path(tmp) / f"rank{r}.log", "w+")
@@ -89,11 +90,11 @@ def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
 
 
 def _forked(script: Path | str, args: Sequence[str], ranks: list[int], envs: dict[int, dict[str, str]],
-            tmp: Path, timeout_s: float) -> list[Proc]:
+            tmp: Path, timeout_s: float, preload: Sequence[str] = ()) -> list[Proc]:
     """``run_ranks`` through one forking process (its environment: the ranks' less their rank)."""
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"dir": str(tmp), "script": str(script), "args": list(args), "ranks": ranks,
-                                "envs": {str(r): e for r, e in envs.items()}}))
+                                "preload": list(preload), "envs": {str(r): e for r, e in envs.items()}}))
     base = {k: v for k, v in envs[ranks[0]].items() if k not in _PER_RANK}
     start = time.monotonic()
     with open(tmp / "forkrun.log", "w+") as log:

@@ -12,9 +12,21 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import shutil
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One CPU thread for torch in the test processes (the ranks' processes get the same,
+    # tests._procs): the tensors here are tiny, and with a thread per core a matmul waits for
+    # a thread the other busy core does not run (the host-time tests then took seconds)
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @functools.cache

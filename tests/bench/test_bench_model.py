@@ -15,7 +15,8 @@ pytest.importorskip("transformers", reason="the benchmark builds HF transformers
 
 
 def test_bench_model_cpu(tmp_path: Path) -> None:
-    procs = run_ranks(REPO / "benchmarks" / "bench_model.py", 2, ["--sp", "--out", str(tmp_path)], timeout_s=240)
+    procs = run_ranks(REPO / "benchmarks" / "bench_model.py", 2, ["--sp", "--out", str(tmp_path)], timeout_s=240,
+                      preload=("transformers.models.llama.modeling_llama",))
     assert all(p.returncode == 0 for p in procs), procs
     out = procs[0].out
     for mode in ("plain", "overlap", "dtensor"):
