@@ -57,6 +57,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 _PER_RANK = ("RANK", "LOCAL_RANK")
 
+COMPILER = ("torch._dynamo", "torch._functorch.aot_autograd")
+"""``run_ranks(preload=...)`` for ranks that call torch.compile."""
+
 
 def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
               ranks: Sequence[int] | None = None, timeout_s: float = 60.0,

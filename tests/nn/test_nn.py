@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests._procs import REPO, run_ranks
+from tests._procs import COMPILER, REPO, run_ranks
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -24,7 +24,7 @@ def test_layers_gloo(world_size: int) -> None:
 
 
 def test_layers_compiled_gloo() -> None:
-    procs = run_ranks(REPO / "tests" / "_nn_worker.py", 2, ["compile"], timeout_s=150)
+    procs = run_ranks(REPO / "tests" / "_nn_worker.py", 2, ["compile"], timeout_s=150, preload=COMPILER)
     for p in procs:
         assert p.returncode == 0 and f"PASS nn compile world=2 rank={p.rank}" in p.out, p
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests._procs import REPO, run_ranks
+from tests._procs import COMPILER, REPO, run_ranks
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_compat_gloo(world_size: int) -> None:
-    procs = run_ranks(REPO / "tests" / "_compat_worker.py", world_size, timeout_s=300)
+    procs = run_ranks(REPO / "tests" / "_compat_worker.py", world_size, timeout_s=300, preload=COMPILER)
     for p in procs:
         assert p.returncode == 0 and f"PASS compat rank={p.rank} world={world_size}" in p.out, p
 
@@ -36,7 +36,8 @@ def test_compat_schemas_match_torch() -> None:
 def test_inductor_async_tp_emits_overlap_ops() -> None:
     """torch.compile's async-TP pass, retargeted: the generated code calls overlap's ops."""
     pytest.importorskip("torch._inductor")
-    procs = run_ranks(REPO / "tests" / "_inductor_tp_worker.py", 2, timeout_s=400)
+    procs = run_ranks(REPO / "tests" / "_inductor_tp_worker.py", 2, timeout_s=400,
+                      preload=COMPILER + ("torch._inductor.compile_fx",))
     for p in procs:
         assert p.returncode == 0 and f"PASS inductor_tp rank={p.rank} world=2" in p.out, p
 

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import overlap
 from overlap import ChainConfig, Norm, OverlapConfig, _library
-from tests._procs import REPO, run_ranks
+from tests._procs import COMPILER, REPO, run_ranks
 
 OPS = ("all_gather_matmul", "all_reduce_matmul", "mlp_chain")
 pytestmark = pytest.mark.filterwarnings("ignore:.*no tile-flag path")  # the CPU fallback's one-time warning
@@ -174,7 +174,7 @@ def test_inductor(world1: Any) -> None:
 
 @pytest.mark.slow
 def test_compiled_gloo_2_ranks() -> None:
-    procs = run_ranks(REPO / "tests" / "_compile_worker.py", 2, timeout_s=150)
+    procs = run_ranks(REPO / "tests" / "_compile_worker.py", 2, timeout_s=150, preload=COMPILER)
     for p in procs:
         assert p.returncode == 0 and f"PASS compile rank={p.rank}" in p.out, p
 
