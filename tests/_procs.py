@@ -69,7 +69,7 @@ def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
 
     ``ranks`` picks which ranks to start (default all) so a test can leave one out.
     Every process is killed at ``timeout_s``; its returncode is then None. ``fork``
-    (default: where the OS forks and ``OVERLAP_TEST_FORK`` is not 0): the ranks are forked
+    (default: on Linux, where ``OVERLAP_TEST_FORK`` is not 0): the ranks are forked
     from one process that imported torch once (``tests/_forkrun.py``) instead of each
     importing it; ``preload``: more modules imported there once (``tests/_forkrun.py``).
     """
@@ -79,7 +79,7 @@ def run_ranks(script: Path | str, world_size: int, args: Sequence[str] = (), *,
                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=port, **(env or {})) for r in ranks}
     if fork is None:
-        fork = hasattr(os, "fork") and os.environ.get("OVERLAP_TEST_FORK", "1") != "0"
+        fork = sys.platform.startswith("linux") and os.environ.get("OVERLAP_TEST_FORK", "1") != "0"
     with tempfile.TemporaryDirectory() as tmp:
         if fork and ranks:
             return _forked(script, args, ranks, envs, Path(tmp), timeout_s, preload)
