@@ -493,6 +493,8 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
     tuned pick or transport than the plan's)."""
     if not isinstance(a_shard, torch.Tensor) or not isinstance(b, torch.Tensor) or not a_shard.is_cuda:
         return None
+    if a_shard.dim() != 2 or b.dim() != 2:  # the full path's checks say what is wrong
+        return None
     if capturing() or (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
         return None
     rt = get_runtime_if_made(resolve_group(group), a_shard.device)

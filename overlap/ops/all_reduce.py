@@ -526,6 +526,8 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     tuned pick or transport than the plan's)."""
     if not isinstance(x, torch.Tensor) or not isinstance(b, torch.Tensor) or not x.is_cuda:
         return None
+    if x.dim() != 2 or b.dim() != 2:  # the full path's checks say what is wrong
+        return None
     if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (Norm, type(None)):
         return None
     if norm is not None and not (isinstance(norm.weight, torch.Tensor)

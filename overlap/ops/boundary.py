@@ -180,6 +180,8 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     tuned pick than the plan's). Its config is the plan's, on the NCCL transport."""
     if not all(isinstance(t, torch.Tensor) for t in (a, b, b_next)) or not a.is_cuda:
         return None
+    if a.dim() != 2 or b.dim() != 2 or b_next.dim() != 2:  # the full path's checks say what is wrong
+        return None
     if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (_ar.Norm, type(None)):
         return None
     if norm is not None and not (isinstance(norm.weight, torch.Tensor)

@@ -508,6 +508,8 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
     tuned pick or transport than the plan's)."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not a.is_cuda:
         return None
+    if a.dim() != 2 or b.dim() != 2:  # the full path's checks say what is wrong
+        return None
     if residual is not None and not isinstance(residual, torch.Tensor):
         return None
     if capturing() or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (

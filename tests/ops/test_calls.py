@@ -55,3 +55,32 @@ def test_plans_kept_and_found_by_key_unhashable_never() -> None:
     _calls.keep(rt, ("k", [1]), cp)  # a config holding a list: not kept, not found, no error
     assert _calls.find(rt, "op", ("k", [1])) is None and _calls.stats["made"] == made + 1
     assert len(_calls.call_plans(rt, "op")) == 1
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the short paths' first look."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_short_path_declines_wrong_dims(monkeypatch) -> None:  # noqa: ANN001
+    """An input of the wrong number of dims at a group whose runtime exists goes to the full
+    path (whose checks name the op and what is wrong), never fails inside the short path."""
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    for mod in (ag, ar, mr, bd):
+        monkeypatch.setattr(mod, "get_runtime_if_made", lambda *a: rt)
+        monkeypatch.setattr(mod, "resolve_group", lambda g: g)
+    two = torch.Tensor._make_subclass(_OnCuda, torch.zeros(8, 8))
+    for bad in (torch.Tensor._make_subclass(_OnCuda, torch.zeros(8)),
+                torch.Tensor._make_subclass(_OnCuda, torch.zeros(()))):
+        for a, b in ((bad, two), (two, bad)):
+            assert ag._planned(a, b, None, False, None) is None
+            assert ar._planned(a, b, None, None, None, None) is None
+            assert mr._planned("matmul_all_reduce", a, b, None, None, None) is None
+            assert bd._planned(a, b, two, None, None, None, None) is None
+        assert bd._planned(two, two, bad, None, None, None, None) is None
