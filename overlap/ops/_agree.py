@@ -470,7 +470,15 @@ def _mirror_first_collectives(cs: call_step) -> None:
         return  # decided by an earlier call: the peers (in step) decided it then too
     from ._runtime import get_runtime
 
-    get_runtime(cs.group, torch.device("cuda", torch.cuda.current_device())).p2p()
+    rt = get_runtime(cs.group, torch.device("cuda", torch.cuda.current_device()))
+    if cs.op in NCCL_ONLY and not (rt.shared_gpu and rt.world > 1):
+        return  # on the NCCL transport the op opens no peer memory
+    rt.p2p()
+
+
+NCCL_ONLY = ("matmul_all_reduce_matmul",)
+"""Ops with no peer-copy transport of their own, that open peer memory only in shared-GPU
+mode (there the block boundary runs ``matmul_all_reduce`` on the peer-copy transport)."""
 
 
 def _exchange_device(group: Any) -> torch.device:

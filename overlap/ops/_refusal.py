@@ -221,10 +221,13 @@ def before_exchange(st: _agree.GroupStep, group: Any, op: str) -> None:
     for r in range(len(st.ranks)):
         if r == st.rank:
             continue
-        rec = board.refusal(r, er)
-        while rec is not None and rec[1] == "pending" and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        try:
             rec = board.refusal(r, er)
+            while rec is not None and rec[1] == "pending" and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                rec = board.refusal(r, er)
+        except Exception:  # noqa: BLE001 - the store is gone: the refusing rank falls back to the exchange too
+            return
         if rec is None or rec[1] == "exchange":
             continue
         c, state, why = rec
@@ -252,11 +255,14 @@ def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
     bound = _bound_s(cs.group)
     try:
         board.post_refusal(er, calls, "pending", why)
-        way = decide(board, er, calls, _moving_probe(rt, cs.op), bound)
+        way = decide(board, er, calls, _moving_probe(rt, _data_op(rt, cs.op)), bound)
     except Exception:  # noqa: BLE001 - no store: the exchange, as before (bounded by the group's timeout)
         return False
     if way == "exchange":
-        board.post_refusal(er, calls, "exchange", why)
+        try:
+            board.post_refusal(er, calls, "exchange", why)
+        except Exception:  # noqa: BLE001 - the peers' reads fail alike and they go to the exchange
+            pass
         return False
     try:
         board.post_refusal(er, calls, way, why)  # before the records: a peer that reads one finds the message
@@ -273,6 +279,14 @@ def refuse_in_band(cs: _agree.call_step, error: BaseException) -> bool:
     if hasattr(error, "add_note"):
         error.add_note(note)
     return True
+
+
+def _data_op(rt: Any, op: str) -> str:
+    """The op whose peer-copy flags a call of ``op`` moves data under: itself, but the block
+    boundary's in shared-GPU mode, where it runs ``matmul_all_reduce`` (``boundary._shared_gpu``)."""
+    if op == "matmul_all_reduce_matmul" and getattr(rt, "shared_gpu", False):
+        return "matmul_all_reduce"
+    return op
 
 
 def _moving_probe(rt: Any, op: str) -> Callable[[], bool] | None:

@@ -79,7 +79,7 @@ def matmul_all_reduce_matmul_ref(a: torch.Tensor, b: torch.Tensor, b_next: torch
     return y @ b_next, h
 
 
-@group_call(OP, opens_p2p=False)
+@group_call(OP)  # opens peer memory in shared-GPU mode only (``_agree.NCCL_ONLY``)
 def matmul_all_reduce_matmul(a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, *, group: Any = None,
                              residual: torch.Tensor | None = None, norm: Any = None,
                              config: OverlapConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -361,3 +361,63 @@ def test_moving_probe(monkeypatch: pytest.MonkeyPatch, epoch0: int) -> None:
     local[2 * stride + 7] = F.wrap32(epoch0)
     local[0 * stride + 0] = e
     assert moving()
+
+
+def test_block_boundary_in_shared_gpu_mode_refuses_like_matmul_all_reduce(monkeypatch) -> None:  # noqa: ANN001
+    """In shared-GPU mode matmul_all_reduce_matmul runs matmul_all_reduce on the peer-copy
+    transport: a rank refusing it makes the peer-memory check the peers make first, and
+    probes matmul_all_reduce's flags for the peers' pushes; on the NCCL transport neither."""
+    import types
+
+    from overlap.ops import _agree, _refusal
+    from overlap.ops import _runtime as rtm
+
+    class FakeRt:
+        def __init__(self, shared: bool) -> None:
+            self.shared_gpu, self.world, self._p2p_why, self.opened = shared, 2, None, 0
+
+        def p2p(self) -> None:
+            self.opened += 1
+
+    monkeypatch.setattr(_agree, "_tile_flag_input", lambda x: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(rtm, "get_runtime_if_made", lambda *a: None)
+    for op, shared, opened in (("matmul_all_reduce_matmul", False, 0), ("matmul_all_reduce_matmul", True, 1),
+                               ("all_gather_matmul", False, 1)):
+        rt = FakeRt(shared)
+        monkeypatch.setattr(rtm, "get_runtime", lambda *a, rt=rt: rt)
+        _agree._mirror_first_collectives(types.SimpleNamespace(mirror=object(), group=None, op=op))
+        assert rt.opened == opened, (op, shared)
+        want = "matmul_all_reduce" if shared and op == "matmul_all_reduce_matmul" else op
+        assert _refusal._data_op(rt, op) == want, (op, shared)
+
+
+def test_a_store_failing_midway_leaves_the_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that fails after the first reads (a refusal was posted on the group before):
+    the exchange still goes on on both sides, no store error ends a call."""
+    from types import SimpleNamespace
+
+    def fail(*a: object, **kw: object) -> None:
+        raise RuntimeError("store: connection reset")
+
+    st = _agree.GroupStep((50, 51), 0)
+    st.calls = 5
+    st.board = SimpleNamespace(post_exchange=lambda *a: None, any_refused=lambda: True, refusal=fail)
+    monkeypatch.setattr(_refusal, "board_of", lambda s, g: s.board)
+    monkeypatch.setattr(_refusal, "_bound_s", lambda g: 1.0)
+    _refusal.before_exchange(st, None, "toy")  # the peer's record cannot be read: the exchange
+    assert st.broken is None
+
+    posted: list[str] = []
+
+    def post_refusal(er: object, calls: int, state: str, why: str) -> None:
+        posted.append(state)
+        if state == "exchange":
+            fail()
+    st.board = SimpleNamespace(post_refusal=post_refusal)
+    monkeypatch.setattr(_refusal, "_runtime_of", lambda ranks: None)
+    monkeypatch.setattr(_refusal, "decide", lambda *a: "exchange")
+    cs = SimpleNamespace(step=st, group=None, op="toy")
+    assert _refusal.refuse_in_band(cs, ValueError("toy: bad")) is False  # type: ignore[arg-type]
+    assert posted == ["pending", "exchange"] and st.broken is None
