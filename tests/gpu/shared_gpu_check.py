@@ -359,6 +359,7 @@ def _refusal_cases(rank: int, world: int,
         seed[0] += 1
         return same_on_all(k, n, seed=seed[0] + 7 * rank, dev=dev, scale=k ** -0.5)
 
+    b_next = same_on_all(n, 128, seed=999, dev=dev, scale=n ** -0.5)
     return {
         "all_gather_matmul": (lambda m: (mine(m, k, dev=dev), b_all()),
                               lambda a, b, cfg: all_gather_matmul(a, b, config=cfg), all_gather_matmul_ref),
@@ -369,6 +370,10 @@ def _refusal_cases(rank: int, world: int,
                                   lambda a, b, cfg: matmul_reduce_scatter(a, b, config=cfg), matmul_reduce_scatter_ref),
         "matmul_all_reduce": (lambda m: (mine(m, k, dev=dev), b_mine()),
                               lambda a, b, cfg: matmul_all_reduce(a, b, config=cfg), matmul_all_reduce_ref),
+        # in this mode: matmul_all_reduce on the peer-copy transport, then the second GEMM
+        "matmul_all_reduce_matmul": (lambda m: (mine(m, k, dev=dev), b_mine()),
+                                     lambda a, b, cfg: matmul_all_reduce_matmul(a, b, b_next, config=cfg)[0],
+                                     lambda a, b: matmul_all_reduce_matmul_ref(a, b, b_next)[0]),
     }
 
 
@@ -573,7 +578,8 @@ def main() -> None:
                        ("disagree_host_check", t_disagree_host), ("disagree_signature_words", t_disagree_signature),
                        ("reset_after_timeout", t_reset)],
         "refusals": [(f"refusal_{op}", t_refusal(op)) for op in ("all_gather_matmul", "all_reduce_matmul",
-                                                                  "matmul_reduce_scatter", "matmul_all_reduce")]
+                                                                  "matmul_reduce_scatter", "matmul_all_reduce",
+                                                                  "matmul_all_reduce_matmul")]
         + [("refusal_all_gather_matmul_async", t_refusal_async)],
     }
     for sec in sections:
