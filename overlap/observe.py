@@ -291,12 +291,18 @@ def record_warning(op: str, shape: Sequence[int], msg: str) -> None:
 
 
 def record_timeout(op: str, shape: Sequence[int], err: Any) -> None:
-    """Count a flag-wait timeout of ``op`` (``err``: the ``FlagTimeoutError`` or its text)."""
+    """Count a failed flag wait of ``op`` (``err``: the ``FlagTimeoutError`` or its text). A
+    failed wait that is not a plain timeout (``RanksDisagreeError``, ``PeerRefusedError``)
+    keeps its type's name in front of its message, so a report does not call a refusal a
+    timeout."""
     key = (op, tuple(shape))
+    text = str(err)
+    if isinstance(err, BaseException) and type(err).__name__ != "FlagTimeoutError":
+        text = f"{type(err).__name__}: {text}"
     with _lock:
         t = _timeouts.setdefault(key, [0, ""])
         t[0] += 1
-        t[1] = str(err)
+        t[1] = text
 
 
 def record_tuning(op: str, shape: Sequence[int], candidates: Iterable[tuple[str, float]], picked: str) -> None:
@@ -492,11 +498,11 @@ class Report:
             for w in r["warnings"]:
                 notes.append(f"{tag}: warning x{w['count']}: {w['msg']}")
             if r["timeouts"]:
-                notes.append(f"{tag}: {r['timeouts']['count']} timeout(s), last: {r['timeouts']['last']}")
+                notes.append(f"{tag}: {r['timeouts']['count']} failed wait(s), last: {r['timeouts']['last']}")
         for n in self.notes:  # the messages name their op
             notes += [f"warning x{w['count']}: {w['msg']}" for w in n["warnings"]]
             if n["timeouts"]:
-                notes.append(f"{n['op']}: {n['timeouts']['count']} timeout(s), last: {n['timeouts']['last']}")
+                notes.append(f"{n['op']}: {n['timeouts']['count']} failed wait(s), last: {n['timeouts']['last']}")
         out: list[str] = []
         if lines:
             widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]

@@ -78,7 +78,7 @@ def test_report_counts_paths_warnings_timeouts_tuning() -> None:
     assert json.loads(rep.to_json())["rows"] == rep.rows
     table = str(rep)
     for s in ("all_gather_matmul", "4096x2048x8192", "p2p x4 (tuner pick)", "reference (dtype)",
-              "tuner picked p2p x4", "warning x2", "1 timeout"):
+              "tuner picked p2p x4", "warning x2", "1 failed wait"):
         assert s in table, table
 
     observe.reset_report()
@@ -104,7 +104,20 @@ def test_report_shapeless_records_are_notes_not_rows() -> None:
     assert len(lines) == 5, lines  # header, rule, one row, two notes
     assert lines[2].split()[:2] == ["all_gather_matmul", "4096x2048x8192"]
     assert "warning x1: all_gather_matmul: no tile-flag path" in lines[3]
-    assert "all_reduce_matmul: 1 timeout(s)" in lines[4]
+    assert "all_reduce_matmul: 1 failed wait(s)" in lines[4]
+
+
+def test_report_names_a_failed_wait_that_is_no_timeout() -> None:
+    """A disagreement or a peer's refusal is a ``FlagTimeoutError`` by type (it ends a
+    wait), but the report names it for what it is; a plain timeout keeps its bare text."""
+    from overlap.flags import FlagTimeoutError, RanksDisagreeError
+
+    observe.record_timeout("matmul_all_reduce", (), FlagTimeoutError("matmul_all_reduce", 1, 0, 4, 3, 2))
+    assert observe.report().notes[0]["timeouts"]["last"].startswith("matmul_all_reduce: rank 1 timed out")
+    observe.record_timeout("matmul_all_reduce", (), RanksDisagreeError("matmul_all_reduce", 1, 0, 0x1234, 0x99, 2))
+    last = observe.report().notes[0]["timeouts"]
+    assert last["count"] == 2
+    assert last["last"].startswith("RanksDisagreeError: matmul_all_reduce: rank 1: the peer"), last
 
 
 def test_report_is_linear_in_records() -> None:
