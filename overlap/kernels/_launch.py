@@ -179,7 +179,9 @@ def _hooks() -> tuple[Any, Any]:
 def _current_device() -> int:
     import torch
 
-    return torch.cuda.current_device()
+    # what ``torch.cuda.current_device()`` returns after its lazy-init check; a launch on
+    # this path follows a compiled launch, so CUDA is initialized
+    return torch._C._cuda_getDevice()
 
 
 def _raw_stream(device: int) -> int:

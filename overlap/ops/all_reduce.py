@@ -671,6 +671,10 @@ def gate(flags: torch.Tensor, err: Any, rank: int, timeout_ns: int, *, idx: int 
             _gate.launch_gate(flags, idx, expected, ahead, err.word, rank=rank, timeout_ns=timeout_ns)
 
 
+_chunk_events: dict[tuple[int, int], Any] = {}
+"""``chunk_ready``'s events by (device, chunk)."""
+
+
 def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, start: int, rows: int,
                 residual: torch.Tensor | None, norm: Norm | None, flags: torch.Tensor, idx: int) -> None:
     """Rows [start, start + rows) of ``h`` were reduced on the comm stream ``cs``: add the
@@ -682,7 +686,12 @@ def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, st
     if ns is None:
         _flags.stream_write_value(cs, flags, idx, 1)
         return
-    ev = torch.cuda.Event()
+    # one event per device and chunk, reused: a wait takes the record made before it, and
+    # the calls of a device queue their work one at a time (``fused_call``'s order lock)
+    key = (h.device.index, idx)
+    ev = _chunk_events.get(key)
+    if ev is None:
+        ev = _chunk_events[key] = torch.cuda.Event()
     ev.record(cs)
     ns.wait_event(ev)
     with on_stream(ns, cur), gpu_range("aux", "add+norm", idx):
