@@ -103,11 +103,16 @@ class _RawLaunch:
         if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
             return None  # scratch is allocated per launch by the wrapper: keep it
         code = getattr(wrapper, "__code__", None)
-        if code is None or wrapper.__closure__ is None:
-            return None  # no descriptor argument (the C launcher itself), or unknown
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
-        c_launch, idx, meta = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
         dtypes = getattr(mod, "TMA_DTYPE_DEVICE_TO_HOST", None)
+        if code is None:
+            if type(wrapper).__name__ != "builtin_function_or_method":
+                return None
+            c_launch, idx, meta = wrapper, set(), []  # no descriptor argument: the C launcher itself
+        else:
+            if wrapper.__closure__ is None:
+                return None
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+            c_launch, idx, meta = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
         if c_launch is None or not isinstance(idx, (set, frozenset)) or not isinstance(meta, (list, tuple)) \
                 or len(meta) != len(idx) or dtypes is None:
             return None
@@ -141,7 +146,7 @@ class _RawLaunch:
             if len(self.maps) >= MAPS_CAP:
                 self.maps.clear()
             m = self.maps[key] = self.fill(ptr, meta["swizzle"], meta["elem_size"], self.dtypes[meta["elem_type"]],
-                                           meta["block_size"], list(d.shape), list(d.strides), 0)
+                                           meta["block_size"], d.shape, d.strides, 0)
         return [m, *d.shape, *d.strides]
 
     def __call__(self, grid: int, stream: int, args: Sequence[Any], const_vals: tuple) -> None:

@@ -333,7 +333,7 @@ class _Launcher36:
                     m = tensordesc_meta[j]
                     j += 1
                     out += [fill(arg.base.data_ptr(), m["swizzle"], m["elem_size"], m["elem_type"], m["block_size"],
-                                 list(arg.shape), list(arg.strides), 0), *arg.shape, *arg.strides]
+                                 arg.shape, arg.strides, 0), *arg.shape, *arg.strides]
                 else:
                     out.append(arg)
             return launcher(*out)
@@ -437,3 +437,24 @@ def test_another_launcher_form_takes_compiled_run():
     assert pl.raw is None
     pl.launch(1, (a, a, 3))
     assert [e[0] for e in fn.log] == ["jit", "fast"]
+
+
+def test_raw_launch_without_descriptors_calls_the_c_launcher(driver36, capsys):
+    fn, fills, c_calls = driver36
+    # Triton 3.6 keeps the C launcher itself where no argument is a descriptor: a builtin
+    # (``print`` stands in for it here and shows what it was handed)
+    fn.run.launch = print
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    a = Ptr(256)
+    pl.launch(2, (a, a, 7))  # through Triton (compiles)
+    assert pl.raw is not None and pl.raw.descs == ()
+    capsys.readouterr()
+    pl.launch(5, (a, a, 9))
+    got = capsys.readouterr().out.split()
+    # grid, stream, function, cooperative, PDL, two scratches, packed metadata, launch
+    # metadata and hooks (None), then the arguments and constexprs
+    assert got[:13] == ["5", "1", "1", "1234", "fn-handle", "False", "False", "None", "None", "packed",
+                        "None", "None", "None"]
+    assert got[-3:] == ["9", "64", "True"]
+    assert [e[0] for e in fn.log] == ["jit"]
