@@ -214,6 +214,7 @@ class CachedLauncher:
         self.max_entries = max_entries
         self.enabled = True
         self._cache: dict[Any, Any] = {}
+        self._prepared: dict[Any, PreparedLaunch] = {}
         params = getattr(fn, "params", None)
         if params is not None:
             kinds = [bool(p.is_constexpr) for p in params]
@@ -283,6 +284,20 @@ class CachedLauncher:
                 interpret: bool = False) -> "PreparedLaunch":
         """Launches whose key, constexprs and options are fixed (see ``PreparedLaunch``)."""
         return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret)
+
+    def prepared(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
+                 interpret: bool = False) -> "PreparedLaunch":
+        """``prepare``'s launches, one per (key, options), kept here (the most recent
+        ``max_entries``): for a launcher function called per launch with a key that
+        determines its constexprs (``launch_add_norm``, ``launch_gate``)."""
+        k = (key, num_warps, num_stages, interpret)
+        pl = self._prepared.get(k)
+        if pl is None:
+            if len(self._prepared) >= self.max_entries:
+                self._prepared.pop(next(iter(self._prepared)))
+            pl = self._prepared[k] = self.prepare(key, constexprs, num_warps=num_warps, num_stages=num_stages,
+                                                  interpret=interpret)
+        return pl
 
 
 def _widths(args: Sequence[Any]) -> tuple[bool, ...]:

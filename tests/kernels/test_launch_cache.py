@@ -458,3 +458,17 @@ def test_raw_launch_without_descriptors_calls_the_c_launcher(driver36, capsys):
                         "None", "None", "None"]
     assert got[-3:] == ["9", "64", "True"]
     assert [e[0] for e in fn.log] == ["jit"]
+
+
+def test_prepared_launches_are_kept_per_key_and_options():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn, max_entries=2)
+    a = Ptr(256)
+    p1 = lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=4)
+    assert lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=4) is p1
+    p2 = lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=8)  # other options: another
+    p3 = lc.prepared(("k", 2), {"BLOCK": 32, "FLAG": 1}, num_warps=4)
+    assert len({id(p1), id(p2), id(p3)}) == 3 and len(lc._prepared) == 2  # bounded
+    p3.launch(1, (a, a, 5))
+    p3.launch(1, (a, a, 6))
+    assert [e[0] for e in fn.log] == ["jit", "fast"] and fn.log[1][-1] == (a, a, 6, 32, 1)
