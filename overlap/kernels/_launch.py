@@ -215,6 +215,7 @@ class CachedLauncher:
         self.enabled = True
         self._cache: dict[Any, Any] = {}
         self._prepared: dict[Any, PreparedLaunch] = {}
+        self._raws: dict[Any, _RawLaunch | None] = {}  # by the key of ``_cache``
         params = getattr(fn, "params", None)
         if params is not None:
             kinds = [bool(p.is_constexpr) for p in params]
@@ -257,7 +258,15 @@ class CachedLauncher:
         k = self._cache.get(full_key) if fast else None
         if k is not None:
             stream = _raw_stream(device)
-            vals = (*args, *[constexprs[n] for n in self.const_names])
+            raw = self._raws.get(full_key)
+            if raw is not None:
+                try:
+                    raw(grid, stream, args, tuple([constexprs[n] for n in self.const_names]))
+                    self.hits += 1
+                    return k, device, widths
+                except (TypeError, OverflowError, ValueError):  # nothing was launched: the
+                    self._raws[full_key] = None  # compiled kernel's own launcher from now on
+            vals = (*_for_triton(args), *[constexprs[n] for n in self.const_names])
             try:
                 # no hook is set on this path (``fast``): no launch metadata to make for one
                 k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *vals)
@@ -266,17 +275,21 @@ class CachedLauncher:
             except TypeError as e:  # another Triton's launcher signature: nothing was launched
                 self.enabled = False
                 self._cache.clear()
+                self._raws.clear()
                 fast = False
                 warnings.warn(f"overlap: cached kernel launch unavailable with this Triton ({e}); "
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
             except (OverflowError, ValueError):  # an argument the cached kernel cannot take
                 fast = False  # (nothing was launched): Triton's path, and do not cache its pick
-        compiled = self.fn[(grid,)](*args, **constexprs, **opts)
+        compiled = self.fn[(grid,)](*_for_triton(args), **constexprs, **opts)
         self.misses += 1
         if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             if len(self._cache) >= self.max_entries:
-                self._cache.pop(next(iter(self._cache)))
+                old = next(iter(self._cache))
+                self._cache.pop(old)
+                self._raws.pop(old, None)
             self._cache[full_key] = compiled
+            self._raws[full_key] = _RawLaunch.of(compiled)
             return compiled, device, widths
         return None
 

@@ -886,8 +886,6 @@ def launch_tile_gemm(
     instead: its checks and key are then made once, and one call's descriptors serve
     several launches.
     """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if config.tail_block_m:
         raise ValueError("GemmConfig.tail_block_m/n: two launches of the GEMM alone, which launch_gemm makes; "
                          "launch_tile_gemm takes one table")
@@ -907,10 +905,9 @@ def launch_tile_gemm(
     if config.flatten:
         cfg = config
         interp = interpreting()
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-        b_desc = TensorDescriptor.from_tensor(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn
-                                              else [cfg.block_n, cfg.block_k])
+        a_desc = _desc(a, [cfg.block_m, cfg.block_k])
+        a2_desc = _desc(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+        b_desc = _desc(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         flags = flags if flags is not None else table
         err = err if err is not None else table
         meta = _flat_meta(cfg, a, a2, b_kn, groups is not None, wait, post, activation, interp, start_flag,
@@ -929,10 +926,9 @@ def launch_tile_gemm(
     err = err if err is not None else table
     cnt = counter if counter is not None else table
     cfg = config
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-    a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-    b_descs = [TensorDescriptor.from_tensor(t, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
-               for t in b_stores]
+    a_desc = _desc(a, [cfg.block_m, cfg.block_k])
+    a2_desc = _desc(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+    b_descs = [_desc(t, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]) for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
                  sig is not None, len(b_stores), mode, pdl_trigger, pdl_dependent)
@@ -948,6 +944,12 @@ def launch_tile_gemm(
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                      interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws),
                      launch_pdl=bool(pdl_dependent))
+
+
+def _desc(t: Any, block: list[int]) -> HostDesc:
+    """``t``'s TMA descriptor fields (``TensorDescriptor.from_tensor``'s; ``_check_launch``
+    checked the layout TMA needs, a launch checks the pointer and shape when it fills one)."""
+    return HostDesc(t, t.shape, t.stride(), block)
 
 
 TAIL_RINGS: dict[tuple[int, int], tuple[int, int]] = {(128, 128): (4, 4), (64, 256): (4, 8)}

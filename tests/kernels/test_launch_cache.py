@@ -472,3 +472,23 @@ def test_prepared_launches_are_kept_per_key_and_options():
     p3.launch(1, (a, a, 5))
     p3.launch(1, (a, a, 6))
     assert [e[0] for e in fn.log] == ["jit", "fast"] and fn.log[1][-1] == (a, a, 6, 32, 1)
+
+
+def test_cached_launch_takes_the_raw_launcher_with_new_descriptors_per_pointer(driver36):
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    c = torch.zeros(4, dtype=torch.int32)
+    xs = [torch.zeros(64, 64, dtype=torch.float16) for _ in range(2)]
+
+    def go(x):
+        lc.launch(3, (_launch.HostDesc(x, x.shape, x.stride(), [64, 32]), c, 5), {"BLOCK": 64, "FLAG": True},
+                  key=("k",), num_warps=4, aligned=(c,))
+
+    go(xs[0])  # Triton's path: a TensorDescriptor made of the HostDesc
+    assert type(fn.log[0][2][0]).__name__ == "TensorDescriptor"
+    for x in (xs[0], xs[1], xs[0]):
+        go(x)
+        assert c_calls[-1][13][1] == x.data_ptr()  # this call's pointer, never the last one's
+    assert len(fills) == 2 and [e[0] for e in fn.log] == ["jit"] and lc.hits == 3
