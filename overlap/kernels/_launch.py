@@ -24,11 +24,12 @@ path for good, once, with a warning.
 Host TMA descriptors: a plan's launches take ``HostDesc`` (a descriptor's fields, made
 without Triton's per-object checks). Where the compiled kernel's launcher has the form
 of Triton 3.6 (its Python wrapper fills each descriptor argument with
-``fill_tma_descriptor`` on every launch, then calls the C launcher), ``PreparedLaunch``
-calls the C launcher itself with the descriptors filled once per (pointer, shape,
-strides) and kept per compiled kernel (``_RawLaunch``): a filled descriptor holds only
-an address and a geometry, so a tensor of the same address and geometry takes the
-same one exactly. Any other launcher form gets ``TensorDescriptor`` objects through
+``fill_tma_descriptor`` on every launch, then calls the C launcher), a cached launch
+(``PreparedLaunch``, and ``CachedLauncher``'s once its kernel is cached) calls the C
+launcher itself with the descriptors filled once per (pointer, shape, strides) and kept
+per compiled kernel (``_RawLaunch``): a filled descriptor holds only an address and a
+geometry, so a tensor of the same address and geometry takes the same one exactly. Any
+other launcher form gets ``TensorDescriptor`` objects through
 ``CompiledKernel.run``, as before.
 """
 
