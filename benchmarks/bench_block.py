@@ -31,7 +31,13 @@ which fused ops Inductor's generated code calls (a pass that did not fire shows)
 ``--sp``, what ``regather_plan`` picks for the block's column layers is printed and saved.
 
     bash launch/torchrun.sh 2 benchmarks/bench_block.py --sp [--batch 1 --seq 4096 --embd 8192 --heads 64]
-        [--modes plain,library,...] [--save-gathered true|false|auto] [--steps 20] [--out DIR]
+        [--modes plain,library,...] [--save-gathered true|false|auto] [--steps 20] [--out DIR] [--busy 5]
+
+``--busy N`` (a GPU): N more steps, queued back to back, under torch.profiler (device
+activity only, so the profiler adds no host work per op): the GPU-busy share, the union of
+the intervals of every kernel, memcpy and memset over the span from the first one's start
+to the last one's end. Where the host is slower than the GPU the kernels wait for it and
+the share falls below 1 (``gpu_busy`` per mode; the issue's target for the layers is 0.95).
 
 Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
 on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
@@ -176,6 +182,48 @@ def _regather_plans(args: argparse.Namespace, world: int, dt: torch.dtype) -> li
     return out
 
 
+def busy_share(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(union of ``intervals`` / their span, span): the share of the span from the first
+    start to the last end that at least one interval covers."""
+    if not intervals:
+        return 0.0, 0.0
+    iv = sorted(intervals)
+    busy, (lo, hi), span_lo, span_hi = 0.0, iv[0], iv[0][0], max(e for _, e in iv)
+    for s, e in iv[1:]:
+        if s > hi:
+            busy += hi - lo
+            lo, hi = s, e
+        else:
+            hi = max(hi, e)
+    busy += hi - lo
+    span = span_hi - span_lo
+    return (busy / span if span > 0 else 0.0), span
+
+
+def _gpu_busy(one: Any, steps: int, dev: torch.device) -> dict[str, Any]:
+    """``steps`` steps queued back to back under torch.profiler (device activity only): the
+    GPU-busy share of their span (``busy_share`` of the kernels', memcpys' and memsets'
+    intervals in the trace) and the span per step."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            one(i)
+        torch.cuda.synchronize(dev)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    iv = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in trace.get("traceEvents", [])
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    share, span = busy_share(iv)
+    return {"gpu_busy": share, "busy_span_ms_per_step": span / 1e3 / steps, "busy_events": len(iv)}
+
+
 def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     from torch._inductor.utils import run_and_get_code
 
@@ -237,6 +285,8 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
             out["save_gathered"] = _save_gathered(mode, args)
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        if args.busy:
+            out.update(_gpu_busy(one, args.busy, dev))
     return out
 
 
@@ -254,6 +304,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--pretend-nccl", action="store_true", help="patch the pass's NCCL check (CPU smoke runs)")
+    p.add_argument("--busy", type=int, default=0, metavar="STEPS",
+                   help="a GPU: the GPU-busy share of STEPS more steps under torch.profiler (device activity)")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
@@ -296,6 +348,9 @@ def main() -> None:
             print(f"{r['mode']:17} {r['ms_per_step']:9.3f} {r['tokens_per_s']:10.0f} "
                   f"{r.get('peak_gib', float('nan')):9.2f} {r.get('saved_mib', float('nan')):9.2f} "
                   f"{r['first_step_s']:10.1f}  {calls}")
+            if "gpu_busy" in r:
+                print(f"{'':17} GPU busy {r['gpu_busy']:.1%} of {r['busy_span_ms_per_step']:.3f} ms per step "
+                      f"({args.busy} steps back to back, {r['busy_events']} device events)")
         for q in doc.get("regather_plan", ()):
             print(f"save_gathered='auto' at {q['layer']} ({q['m']} x {q['n_shard']} x {q['k']}): "
                   f"{'regather' if q['regather'] else 'save'}; estimated gather {q['gather_ms']:.3f} + "

@@ -18,7 +18,8 @@ warm-up), the slowest rank's median and 99th percentile. The shapes are small
 (M x N x K = 512 x 1024 x 1024, bf16: about 10 us of GPU work; 64 x 128 x 128 in fp32 on
 the CPU), so the host sets the pace and a call returns as soon as it is queued. gpu_us: GPU time per call with the host far
 ahead (the calls queued behind a sleep kernel, timed from its end); None on the CPU.
-Layers time forward + backward (``y.backward(dy)``) of one layer. The context's
+Layers time forward + backward (``y.backward(dy)``) of one layer, beside torch's
+``nn.Linear`` of the same shape (M x N x K, not sharded: a layer's ops at one rank). The context's
 ``call_plans`` counts the ops' call plans made and the calls run from one
 (``overlap.ops._calls``): on a GPU nearly every timed call of a group op.
 """
@@ -91,7 +92,11 @@ def profile_calls(fn: Callable[[], Any], calls: int, dev: torch.device) -> str:
         return f"{path}:{line}({name})" if line else name
 
     ent = [(tt, ct, nc, where(f)) for f, (_, nc, tt, ct, _) in st.stats.items()]  # type: ignore[attr-defined]
-    lines = [f"{'own us':>8s} {'cum us':>8s} {'n':>6s}  (per call of the row)"]
+    # every Python-level and built-in call cProfile saw: a count that falls is progress
+    # whatever the host's speed
+    total = sum(nc for _, _, nc, _ in ent)
+    lines = [f"python calls per call of the row: {total / calls:.1f}",
+             f"{'own us':>8s} {'cum us':>8s} {'n':>6s}  (per call of the row)"]
     for title, k in (("by own time", 0), ("by cumulative time", 1)):
         lines.append(f"-- {title}")
         for e in sorted(ent, key=lambda e: -e[k])[:40]:
@@ -200,7 +205,11 @@ def main() -> None:
             w1, w2 = rnd(4 * K, K) / K ** 0.5, rnd(K, 4 * K) / (4 * K) ** 0.5
             row("mlp_chain", lambda: overlap.mlp_chain(a, w1.t(), w2.t()))
 
-    # the layers, forward + backward
+    # the layers, forward + backward; torch's own nn.Linear first, the yardstick of a layer
+    lin = torch.nn.Linear(K, N, device=dev, dtype=dt)
+    xl = rnd(M, K).requires_grad_()
+    dy_lin = rnd(M, N)
+    row("torch nn.Linear fwd+bwd", lambda: lin(xl).backward(dy_lin))
     kw = {"group": group, "device": dev, "dtype": dt, "config": cfg}
     col = onn.ColumnParallelLinear(K, N, sequence_parallel=R > 1, **kw)
     rowl = onn.RowParallelLinear(N, K, sequence_parallel=R > 1, **kw)

@@ -199,9 +199,19 @@ def check_norm_backward() -> None:
         w, b = leaf(torch.rand(16, generator=g).to(DEV, DT) + 0.5), leaf(rand(16, generator=g)) if has_bias else None
         out = functional._apply_norm(h, kind, w, b, 1e-5)
         want = torch.autograd.grad(out, [t for t in (h, w, b) if t is not None], gn)
-        got = functional.norm_backward(gn, h.detach(), kind, w.detach(), None if b is None else b.detach(), 1e-5)
+        args = (gn, h.detach(), kind, w.detach(), None if b is None else b.detach(), 1e-5)
+        got = functional.norm_backward(*args)
         for i, (u, v) in enumerate(zip(got, want)):
             close(u, v, f"norm_backward {kind} bias={has_bias} output {i}")
+        # both routes: torch's LayerNorm backward kernels (with the normed output they make
+        # on the way) and the closed form
+        for fused in ((True, False) if kind == "layernorm" else (False,)):
+            *grads, normed = functional._norm_backward_with_out(*args, fused=fused)
+            for i, (u, v) in enumerate(zip(grads, want)):
+                close(u, v, f"norm_backward {kind} bias={has_bias} fused={fused} output {i}")
+            assert (normed is None) != fused, (kind, fused)
+            if normed is not None:
+                close(normed, out.detach(), f"norm_backward {kind} bias={has_bias}: the normed output")
 
 
 # ---- save_gathered: the weight gradient's input kept, or gathered again -----------------

@@ -20,6 +20,17 @@ Off under the interpreter and while Triton's launch hooks are set (a profiler
 that wants them gets the normal path). If the compiled kernel's ``run`` does not
 take the call (another Triton version), the launcher falls back to the normal
 path for good, once, with a warning.
+
+Host TMA descriptors: a plan's launches take ``HostDesc`` (a descriptor's fields, made
+without Triton's per-object checks). Where the compiled kernel's launcher has the form
+of Triton 3.6 (its Python wrapper fills each descriptor argument with
+``fill_tma_descriptor`` on every launch, then calls the C launcher), a cached launch
+(``PreparedLaunch``, and ``CachedLauncher``'s once its kernel is cached) calls the C
+launcher itself with the descriptors filled once per (pointer, shape, strides) and kept
+per compiled kernel (``_RawLaunch``): a filled descriptor holds only an address and a
+geometry, so a tensor of the same address and geometry takes the same one exactly. Any
+other launcher form gets ``TensorDescriptor`` objects through
+``CompiledKernel.run``, as before.
 """
 
 from __future__ import annotations
@@ -27,7 +38,129 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-__all__ = ["CachedLauncher", "PreparedLaunch"]
+__all__ = ["CachedLauncher", "PreparedLaunch", "HostDesc"]
+
+
+class HostDesc:
+    """A host TMA descriptor's fields: ``base`` (a tensor), ``shape``, ``strides`` and
+    ``block_shape``, with no checks of its own: its maker checked the layout once
+    (``TileGemmPlan``), and a launch checks the pointer and the shape when it fills one
+    (``_RawLaunch``) or Triton does (``triton()``)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape")
+
+    def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any) -> None:
+        self.base, self.shape, self.strides, self.block_shape = base, shape, strides, block_shape
+
+    def triton(self) -> Any:
+        """Triton's ``TensorDescriptor`` of the same fields (and its checks)."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(self.base, self.shape, self.strides, self.block_shape)
+
+    def __repr__(self) -> str:
+        return f"HostDesc({tuple(self.shape)}, strides {tuple(self.strides)}, block {list(self.block_shape)})"
+
+
+def _for_triton(args: Sequence[Any]) -> tuple:
+    """``args`` with every ``HostDesc`` as Triton's ``TensorDescriptor``."""
+    return tuple(v.triton() if type(v) is HostDesc else v for v in args)
+
+
+_BASE_ARGS = 13
+"""Arguments of Triton 3.6's C launcher before the kernel's own: grid (3), stream, function,
+cooperative, PDL, global and profile scratch, packed metadata, launch metadata, two hooks."""
+
+MAPS_CAP = 64
+"""Filled descriptors a compiled kernel's ``_RawLaunch`` keeps (cleared when full)."""
+
+
+def _fill_tma() -> Any:
+    """Triton 3.6's ``fill_tma_descriptor`` (the C helper its launcher wrapper calls), or None."""
+    try:
+        import triton
+
+        return triton.runtime.driver.active.utils.fill_tma_descriptor
+    except Exception:  # noqa: BLE001 - another Triton, or no driver: its own path
+        return None
+
+
+class _RawLaunch:
+    """Triton 3.6's C launcher of one compiled kernel, called with the descriptors filled
+    once per (pointer, shape, strides): what its Python wrapper (``wrap_handle_tensordesc``)
+    does on every launch, less the filling. ``of(k)`` returns None for any other form."""
+
+    __slots__ = ("c_launch", "head", "descs", "fill", "dtypes", "maps")
+
+    @staticmethod
+    def of(k: Any) -> "_RawLaunch | None":
+        import sys
+
+        run = getattr(k, "run", None)
+        wrapper = getattr(run, "launch", None)
+        mod = sys.modules.get(type(run).__module__)
+        if mod is None or getattr(mod, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS:
+            return None
+        if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return None  # scratch is allocated per launch by the wrapper: keep it
+        code = getattr(wrapper, "__code__", None)
+        dtypes = getattr(mod, "TMA_DTYPE_DEVICE_TO_HOST", None)
+        if code is None:
+            if type(wrapper).__name__ != "builtin_function_or_method":
+                return None
+            c_launch, idx, meta = wrapper, set(), []  # no descriptor argument: the C launcher itself
+        else:
+            if wrapper.__closure__ is None:
+                return None
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+            c_launch, idx, meta = cells.get("launcher"), cells.get("tensordesc_indices"), cells.get("tensordesc_meta")
+        if c_launch is None or not isinstance(idx, (set, frozenset)) or not isinstance(meta, (list, tuple)) \
+                or len(meta) != len(idx) or dtypes is None:
+            return None
+        if any(m is not None and (m.get("fp4_padded") or m.get("is_im2col")) for m in meta):
+            return None
+        fill = _fill_tma()
+        if fill is None:
+            return None
+        raw = _RawLaunch()
+        raw.c_launch, raw.fill, raw.dtypes = c_launch, fill, dtypes
+        raw.head = (k.function, bool(run.launch_cooperative_grid), bool(run.launch_pdl), k.packed_metadata)
+        raw.descs = tuple(zip(sorted(idx), meta))
+        raw.maps = {}
+        return raw
+
+    def _expand(self, j: int, d: Any, meta: Any) -> list:
+        if type(d) is not HostDesc:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            if not isinstance(d, TensorDescriptor) or d.padding != "zero":
+                raise TypeError("a descriptor argument of another kind")  # the caller's fallback
+        if meta is None:  # lowered to a pointer and sizes: nothing to fill
+            return [d.base, *d.shape, *d.strides, False, *d.shape, *d.strides]
+        ptr = d.base.data_ptr()
+        key = (j, ptr, tuple(d.shape), tuple(d.strides))
+        m = self.maps.get(key)
+        if m is None:
+            if ptr % 16 or min(d.shape) <= 0:
+                HostDesc.triton(d)  # Triton's check raises and names what is wrong
+                raise ValueError(f"TMA descriptor of {tuple(d.shape)} at {ptr:#x}")
+            if len(self.maps) >= MAPS_CAP:
+                self.maps.clear()
+            m = self.maps[key] = self.fill(ptr, meta["swizzle"], meta["elem_size"], self.dtypes[meta["elem_type"]],
+                                           meta["block_size"], d.shape, d.strides, 0)
+        return [m, *d.shape, *d.strides]
+
+    def __call__(self, grid: int, stream: int, args: Sequence[Any], const_vals: tuple) -> None:
+        function, coop, pdl, packed = self.head
+        vals = (*args, *const_vals)
+        out = [grid, 1, 1, stream, function, coop, pdl, None, None, packed, None, None, None]
+        at = 0
+        for j, (i, meta) in enumerate(self.descs):
+            out.extend(vals[at:i])
+            out.extend(self._expand(j, vals[i], meta))
+            at = i + 1
+        out.extend(vals[at:])
+        self.c_launch(*out)
 
 
 _runtime_knobs: Any = None  # triton.knobs.runtime, looked up on the first launch; False: none
@@ -52,7 +185,9 @@ def _hooks() -> tuple[Any, Any]:
 def _current_device() -> int:
     import torch
 
-    return torch.cuda.current_device()
+    # what ``torch.cuda.current_device()`` returns after its lazy-init check; a launch on
+    # this path follows a compiled launch, so CUDA is initialized
+    return torch._C._cuda_getDevice()
 
 
 def _raw_stream(device: int) -> int:
@@ -80,6 +215,8 @@ class CachedLauncher:
         self.max_entries = max_entries
         self.enabled = True
         self._cache: dict[Any, Any] = {}
+        self._prepared: dict[Any, PreparedLaunch] = {}
+        self._raws: dict[Any, _RawLaunch | None] = {}  # by the key of ``_cache``
         params = getattr(fn, "params", None)
         if params is not None:
             kinds = [bool(p.is_constexpr) for p in params]
@@ -122,7 +259,15 @@ class CachedLauncher:
         k = self._cache.get(full_key) if fast else None
         if k is not None:
             stream = _raw_stream(device)
-            vals = (*args, *[constexprs[n] for n in self.const_names])
+            raw = self._raws.get(full_key)
+            if raw is not None:
+                try:
+                    raw(grid, stream, args, tuple([constexprs[n] for n in self.const_names]))
+                    self.hits += 1
+                    return k, device, widths
+                except (TypeError, OverflowError, ValueError):  # nothing was launched: the
+                    self._raws[full_key] = None  # compiled kernel's own launcher from now on
+            vals = (*_for_triton(args), *[constexprs[n] for n in self.const_names])
             try:
                 # no hook is set on this path (``fast``): no launch metadata to make for one
                 k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *vals)
@@ -131,17 +276,21 @@ class CachedLauncher:
             except TypeError as e:  # another Triton's launcher signature: nothing was launched
                 self.enabled = False
                 self._cache.clear()
+                self._raws.clear()
                 fast = False
                 warnings.warn(f"overlap: cached kernel launch unavailable with this Triton ({e}); "
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
             except (OverflowError, ValueError):  # an argument the cached kernel cannot take
                 fast = False  # (nothing was launched): Triton's path, and do not cache its pick
-        compiled = self.fn[(grid,)](*args, **constexprs, **opts)
+        compiled = self.fn[(grid,)](*_for_triton(args), **constexprs, **opts)
         self.misses += 1
         if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             if len(self._cache) >= self.max_entries:
-                self._cache.pop(next(iter(self._cache)))
+                old = next(iter(self._cache))
+                self._cache.pop(old)
+                self._raws.pop(old, None)
             self._cache[full_key] = compiled
+            self._raws[full_key] = _RawLaunch.of(compiled)
             return compiled, device, widths
         return None
 
@@ -149,6 +298,20 @@ class CachedLauncher:
                 interpret: bool = False) -> "PreparedLaunch":
         """Launches whose key, constexprs and options are fixed (see ``PreparedLaunch``)."""
         return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret)
+
+    def prepared(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
+                 interpret: bool = False) -> "PreparedLaunch":
+        """``prepare``'s launches, one per (key, options), kept here (the most recent
+        ``max_entries``): for a launcher function called per launch with a key that
+        determines its constexprs (``launch_add_norm``, ``launch_gate``)."""
+        k = (key, num_warps, num_stages, interpret)
+        pl = self._prepared.get(k)
+        if pl is None:
+            if len(self._prepared) >= self.max_entries:
+                self._prepared.pop(next(iter(self._prepared)))
+            pl = self._prepared[k] = self.prepare(key, constexprs, num_warps=num_warps, num_stages=num_stages,
+                                                  interpret=interpret)
+        return pl
 
 
 def _widths(args: Sequence[Any]) -> tuple[bool, ...]:
@@ -165,7 +328,7 @@ class PreparedLaunch:
     metadata, and pass no hooks (none are set). Anything else takes the cache's path."""
 
     __slots__ = ("owner", "key", "constexprs", "num_warps", "num_stages", "interpret", "const_vals",
-                 "compiled", "device", "widths")
+                 "compiled", "device", "widths", "raw")
 
     def __init__(self, owner: CachedLauncher, key: Any, constexprs: dict[str, Any], num_warps: int,
                  num_stages: int | None, interpret: bool) -> None:
@@ -176,6 +339,7 @@ class PreparedLaunch:
         self.compiled: Any = None
         self.device: Any = None
         self.widths: Any = None
+        self.raw: _RawLaunch | None = None
 
     def launch(self, grid: int, args: Sequence[Any], aligned: Sequence[Any] = ()) -> None:
         k = self.compiled
@@ -183,16 +347,25 @@ class PreparedLaunch:
             enter, leave = _hooks()
             if (not _hook_set(enter) and not _hook_set(leave) and _current_device() == self.device
                     and _widths(args) == self.widths and not any(t.data_ptr() % 16 for t in aligned)):
+                raw = self.raw
+                if raw is not None:
+                    try:
+                        raw(grid, _raw_stream(self.device), args, self.const_vals)
+                        self.owner.hits += 1
+                        return
+                    except (TypeError, OverflowError, ValueError):  # nothing was launched: the
+                        self.raw = None  # compiled kernel's own launcher from now on
                 try:
                     k.run(grid, 1, 1, _raw_stream(self.device), k.function, k.packed_metadata, None, None, None,
-                          *args, *self.const_vals)
+                          *_for_triton(args), *self.const_vals)
                     self.owner.hits += 1
                     return
                 except TypeError:  # another Triton's launcher signature: nothing was launched
                     self.compiled = None  # the cache's path below turns the fast path off with a warning
                 except (OverflowError, ValueError):  # an argument the kernel cannot take: nothing launched
                     pass
-        got = self.owner.launch(grid, args, self.constexprs, key=self.key, num_warps=self.num_warps,
+        got = self.owner.launch(grid, _for_triton(args), self.constexprs, key=self.key, num_warps=self.num_warps,
                                 num_stages=self.num_stages, interpret=self.interpret, aligned=aligned)
         if got is not None:
             self.compiled, self.device, self.widths = got
+            self.raw = _RawLaunch.of(got[0])

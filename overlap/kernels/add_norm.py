@@ -125,8 +125,8 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
     # the op launches this once per chunk: through the cached launcher, not Triton's binding
     # path; keyed on what Triton specializes on (row0 is not: do_not_specialize)
     key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, strides)
-    _add_norm_launcher.launch(rows, (*tensors, int(row0), K, float(eps), *strides), meta, key=key,
-                              num_warps=num_warps, interpret=interpreting(), aligned=tensors)
+    _add_norm_launcher.prepared(key, meta, num_warps=num_warps, interpret=interpreting()).launch(
+        rows, (*tensors, int(row0), K, float(eps), *strides), aligned=tensors)
 
 
 # --------------------------------------------------------------------------

@@ -53,5 +53,5 @@ def launch_gate(flags: Any, idx: int, expected: int, ahead: int, err: Any, *, ra
     interp = interpreting()
     meta = {"USE_TIMER": not interp, "FENCE_ASYNC": not interp}
     args = (flags, err, int(idx), int(expected), int(ahead), int(rank), int(timeout_ns), int(max_spins))
-    _launcher.launch(1, args, meta, key=(flags.dtype, err.dtype, interp), num_warps=1, interpret=interp,
-                     aligned=(flags, err))
+    _launcher.prepared((flags.dtype, err.dtype, interp), meta, num_warps=1, interpret=interp).launch(
+        1, args, aligned=(flags, err))

@@ -669,6 +669,7 @@ import threading  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
 
 from ._launch import CachedLauncher as _CachedLauncher  # noqa: E402
+from ._launch import HostDesc  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 
@@ -885,8 +886,6 @@ def launch_tile_gemm(
     instead: its checks and key are then made once, and one call's descriptors serve
     several launches.
     """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if config.tail_block_m:
         raise ValueError("GemmConfig.tail_block_m/n: two launches of the GEMM alone, which launch_gemm makes; "
                          "launch_tile_gemm takes one table")
@@ -906,10 +905,9 @@ def launch_tile_gemm(
     if config.flatten:
         cfg = config
         interp = interpreting()
-        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-        b_desc = TensorDescriptor.from_tensor(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn
-                                              else [cfg.block_n, cfg.block_k])
+        a_desc = _desc(a, [cfg.block_m, cfg.block_k])
+        a2_desc = _desc(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+        b_desc = _desc(b_stores[0], [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
         flags = flags if flags is not None else table
         err = err if err is not None else table
         meta = _flat_meta(cfg, a, a2, b_kn, groups is not None, wait, post, activation, interp, start_flag,
@@ -928,10 +926,9 @@ def launch_tile_gemm(
     err = err if err is not None else table
     cnt = counter if counter is not None else table
     cfg = config
-    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-    a2_desc = TensorDescriptor.from_tensor(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
-    b_descs = [TensorDescriptor.from_tensor(t, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k])
-               for t in b_stores]
+    a_desc = _desc(a, [cfg.block_m, cfg.block_k])
+    a2_desc = _desc(a2, [cfg.block_m, cfg.block_k]) if a2 is not None else a_desc
+    b_descs = [_desc(t, [cfg.block_k, cfg.block_n] if b_kn else [cfg.block_n, cfg.block_k]) for t in b_stores]
     interp = interpreting()
     meta = _meta(cfg, a, a2, b_kn, wait, post, activation, interp, counter, start_flag, k_wait, rowstat, split,
                  sig is not None, len(b_stores), mode, pdl_trigger, pdl_dependent)
@@ -947,6 +944,12 @@ def launch_tile_gemm(
     _launcher.launch(nprog, args, meta, key=key, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                      interpret=interp, aligned=(*cs, table, flags, err, cnt, rowstat, colvec, ws),
                      launch_pdl=bool(pdl_dependent))
+
+
+def _desc(t: Any, block: list[int]) -> HostDesc:
+    """``t``'s TMA descriptor fields (``TensorDescriptor.from_tensor``'s; ``_check_launch``
+    checked the layout TMA needs, a launch checks the pointer and shape when it fills one)."""
+    return HostDesc(t, t.shape, t.stride(), block)
 
 
 TAIL_RINGS: dict[tuple[int, int], tuple[int, int]] = {(128, 128): (4, 4), (64, 256): (4, 8)}
@@ -1341,13 +1344,13 @@ class TileGemmPlan:
         return (shape[1:] if self.clip else shape, tuple(t.stride()))
 
     def operands(self, a: Any, b: Any, a2: Any = None) -> tuple[Any, ...]:
-        """The TMA descriptors (A, A2, B) of one call; for a plan of several weights ``b`` is
-        their list and the B descriptors come in its order, (A, A2, B0, B1, ...)."""
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
+        """The TMA descriptors (A, A2, B) of one call, as ``HostDesc`` (the layouts are compared
+        with the plan's here; Triton's checks of a pointer and shape run when a launch fills
+        one); for a plan of several weights ``b`` is their list and the B descriptors come in
+        its order, (A, A2, B0, B1, ...)."""
         if self._rows_free(a) != self.a_layout:
             raise ValueError(f"a is {tuple(a.shape)} with strides {a.stride()}; the plan's is {self.a_layout}")
-        a_desc = TensorDescriptor(a, a.shape, a.stride(), self.a_block)
+        a_desc = HostDesc(a, a.shape, a.stride(), self.a_block)
         if a2 is None:
             if self.a2_layout is not None:
                 raise ValueError("the plan has an a2; none given")
@@ -1356,7 +1359,7 @@ class TileGemmPlan:
             if self._rows_free(a2) != self.a2_layout:
                 raise ValueError(f"a2 is {tuple(a2.shape)} with strides {a2.stride()}; "
                                  f"the plan's is {self.a2_layout}")
-            a2_desc = TensorDescriptor(a2, a2.shape, a2.stride(), self.a_block)
+            a2_desc = HostDesc(a2, a2.shape, a2.stride(), self.a_block)
         if isinstance(b, (list, tuple)) != self.many or (self.many and len(b) != len(self.b_layouts)):
             raise ValueError(f"the plan is of {len(self.b_layouts) if self.many else 'one'} weight(s): b must be "
                              f"{'a list of as many' if self.many else 'one tensor'}")
@@ -1365,15 +1368,13 @@ class TileGemmPlan:
         return (a_desc, a2_desc, *[self._b_desc(x, layout) for x, layout in zip(b, self.b_layouts)])
 
     def _b_desc(self, b: Any, layout: tuple) -> Any:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         b_store = b if self.b_kn else b.t()
         if (tuple(b_store.shape), b_store.stride()) != layout:
             b_store, b_kn = b_operand(b)  # a layout TMA reads through a copy
             if b_kn != self.b_kn or (tuple(b_store.shape), b_store.stride()) != layout:
                 raise ValueError(f"b's storage is {tuple(b_store.shape)} with strides {b_store.stride()}; "
                                  f"the plan's is {layout}")
-        return TensorDescriptor(b_store, b_store.shape, b_store.stride(), self.b_block)
+        return HostDesc(b_store, b_store.shape, b_store.stride(), self.b_block)
 
     def launch(self, descs: tuple[Any, ...], c: Any, *, epoch: int, grid: int, rowstat: Any = None,
                colvec: Any = None, sig: int = 0, rows: tuple[int, int] | None = None) -> None:

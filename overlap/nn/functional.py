@@ -610,14 +610,41 @@ def copy_linear_many(x: torch.Tensor, w_shards: list[torch.Tensor], biases: list
 
 def norm_backward(grad_n: torch.Tensor, h: torch.Tensor, kind: str, weight: torch.Tensor,
                   bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``torch.autograd.grad(norm(h), (h, weight, bias), grad_n)`` in closed form, in fp32.
+    """``torch.autograd.grad(norm(h), (h, weight, bias), grad_n)``, without autograd.
 
-    LayerNorm: ``xh = (h - mean) * rstd``, ``g = grad_n * weight``,
+    LayerNorm with one dtype throughout: torch's own kernels (``aten.native_layer_norm`` for
+    the statistics, then ``aten.native_layer_norm_backward``), two launches where the closed
+    form takes some twenty. Else (RMSNorm: torch's fused backward is not on every backend and
+    version) in closed form, in fp32:
+    LayerNorm ``xh = (h - mean) * rstd``, ``g = grad_n * weight``,
     ``dh = rstd * (g - mean(g) - xh * mean(g * xh))``; RMSNorm the same without the means
-    of ``h`` and ``g``. ``dweight = sum(grad_n * xh)``, ``dbias = sum(grad_n)`` over rows.
-    Written out (not ``torch.autograd.grad`` on a recomputed norm) so that torch.compile
-    traces the backward whole; the tests check it against torch's autograd.
-    """
+    of ``h`` and ``g``; ``dweight = sum(grad_n * xh)``, ``dbias = sum(grad_n)`` over rows.
+    Aten ops and plain tensor code, so torch.compile traces the backward whole; the tests
+    check both forms against torch's autograd."""
+    return _norm_backward_with_out(grad_n, h, kind, weight, bias, eps)[:3]
+
+
+def _fused_norm_ok(grad_n: torch.Tensor, h: torch.Tensor, kind: str, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> bool:
+    """torch's LayerNorm backward takes these: a LayerNorm, one dtype throughout."""
+    if kind != "layernorm" or grad_n.dtype != h.dtype or weight.dtype != h.dtype:
+        return False
+    return bias is None or bias.dtype == h.dtype
+
+
+def _norm_backward_with_out(grad_n: torch.Tensor, h: torch.Tensor, kind: str, weight: torch.Tensor,
+                            bias: torch.Tensor | None, eps: float,
+                            fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Any]:
+    """``norm_backward``'s (dh, dweight, dbias) and ``norm(h)`` where the fused route made it
+    on the way (else None). ``fused``: force a route (tests), default where it applies."""
+    k = h.shape[-1]
+    if fused is None:
+        fused = _fused_norm_ok(grad_n, h, kind, weight, bias)
+    if fused and kind == "layernorm":
+        out, mean, rstd = torch.ops.aten.native_layer_norm(h, [k], weight, bias, eps)
+        dh, dw, db = torch.ops.aten.native_layer_norm_backward(grad_n, h, [k], mean, rstd, weight, bias,
+                                                               [True, True, bias is not None])
+        return dh, dw, db if bias is not None else None, out
     hf, gf, wf = h.float(), grad_n.float(), weight.float()
     if kind == "layernorm":
         mu = hf.mean(-1, keepdim=True)
@@ -632,7 +659,7 @@ def norm_backward(grad_n: torch.Tensor, h: torch.Tensor, kind: str, weight: torc
         dh = rstd * (g - xh * (g * xh).mean(-1, keepdim=True))
     dw = (gf * xh).sum(0).to(weight.dtype)
     db = gf.sum(0).to(bias.dtype) if bias is not None else None
-    return dh.to(h.dtype), dw, db
+    return dh.to(h.dtype), dw, db, None
 
 
 def _apply_norm(h: torch.Tensor, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -679,10 +706,12 @@ class _AllReduceNormLinear(torch.autograd.Function):
                 grad_y = grad_y.contiguous()  # [M, N/R]
                 # the norm's output feeds every rank's columns: its gradient is the sum over ranks
                 grad_n = _mm_ar(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M, K]
-                dh, dnw, dnb = norm_backward(grad_n, h, ctx.kind, nw, nb, ctx.eps)
+                dh, dnw, dnb, normed = _norm_backward_with_out(grad_n, h, ctx.kind, nw, nb, ctx.eps)
                 grad_h = dh if grad_h is None else grad_h + dh  # [M, K]
                 if need[4]:
-                    grad_w = grad_y.t() @ _apply_norm(h, ctx.kind, nw, nb, ctx.eps)  # [N/R, K]
+                    if normed is None:
+                        normed = _apply_norm(h, ctx.kind, nw, nb, ctx.eps)
+                    grad_w = grad_y.t() @ normed  # [N/R, K]
                 if ctx.has_bias and need[5]:
                     grad_b = grad_y.sum(0)
             if grad_h is None:

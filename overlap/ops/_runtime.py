@@ -124,6 +124,15 @@ class Runtime:
         for s in streams:
             s.wait_event(ev)
 
+    def event(self, key: Any) -> torch.cuda.Event:
+        """The runtime's event ``key``, made on first use and reused by every call (a wait
+        takes the record made before it; a device's calls queue their work one at a time,
+        ``fused_call``'s order lock): ``fork``'s and ``join``'s, a chunk's (``chunk_ready``)."""
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event()
+        return ev
+
     def join(self, cur: torch.cuda.Stream, *streams: torch.cuda.Stream) -> None:
         """Make ``cur`` wait for the work queued on ``streams`` so far.
 

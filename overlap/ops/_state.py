@@ -89,7 +89,10 @@ def capturing() -> bool:
     """True while the current CUDA stream is capturing a graph. Asked several times per
     call: CUDA initialized (a capture needs it) is a flag read, where
     ``torch.cuda.is_available()`` reads the environment and counts devices."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    # what ``torch.cuda.is_initialized()`` and ``is_current_stream_capturing()`` read,
+    # without their two Python frames (asked about six times a call)
+    cuda = torch.cuda
+    return bool(cuda._initialized) and not cuda._is_in_bad_fork() and torch._C._cuda_isCurrentStreamCapturing()
 
 
 class DeviceOrder:

@@ -672,7 +672,8 @@ def gate(flags: torch.Tensor, err: Any, rank: int, timeout_ns: int, *, idx: int 
 
 
 def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, start: int, rows: int,
-                residual: torch.Tensor | None, norm: Norm | None, flags: torch.Tensor, idx: int) -> None:
+                residual: torch.Tensor | None, norm: Norm | None, flags: torch.Tensor, idx: int,
+                event: Any = None) -> None:
     """Rows [start, start + rows) of ``h`` were reduced on the comm stream ``cs``: add the
     residual and write ``norm(h)`` to ``y`` on the aux stream ``ns`` behind them, then post
     flag ``idx`` there; without a prologue (``ns`` None) post it on ``cs`` right away. The
@@ -682,7 +683,9 @@ def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, st
     if ns is None:
         _flags.stream_write_value(cs, flags, idx, 1)
         return
-    ev = torch.cuda.Event()
+    # ``event``: the runtime's of the chunk (``Runtime.event``, reused call after call), or
+    # None: a new one
+    ev = event if event is not None else torch.cuda.Event()
     ev.record(cs)
     ns.wait_event(ev)
     with on_stream(ns, cur), gpu_range("aux", "add+norm", idx):
@@ -723,7 +726,8 @@ def _fused(rt: Runtime, x: torch.Tensor, b: Any, residual: torch.Tensor | None, 
             if live > 0:
                 with gpu_range("comm", "chunk", c_idx):
                     comm.all_reduce(x[start:start + live], h[start:start + live], stream=cs)
-                chunk_ready(cur, cs, ns if prologue else None, h, y, start, live, residual, norm, w.flags, c_idx)
+                chunk_ready(cur, cs, ns if prologue else None, h, y, start, live, residual, norm, w.flags, c_idx,
+                            rt.event(("chunk", c_idx)) if prologue else None)
             else:
                 _flags.stream_write_value(ns if prologue else cs, w.flags, c_idx, 1)
             start += rows

@@ -237,7 +237,8 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
             with gpu_range("comm", "chunk", ci):
                 _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
                 comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
-            _ar.chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w2.flags, ci)
+            _ar.chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w2.flags, ci,
+                            rt.event(("chunk", ci)) if prologue else None)
         gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word, timeout_ns=timeout_ns,
                         counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True, split=p2.split,
                         groups=p2.groups)

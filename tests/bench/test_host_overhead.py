@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["torch.mm", "torch layer_norm + mm", "all_gather_matmul", "all_reduce_matmul + layernorm",
         "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce_matmul + layernorm",
-        "ColumnParallelLinear fwd+bwd", "RowParallelLinear fwd+bwd", "NormColumnParallelLinear fwd+bwd"]
+        "torch nn.Linear fwd+bwd", "ColumnParallelLinear fwd+bwd", "RowParallelLinear fwd+bwd",
+        "NormColumnParallelLinear fwd+bwd"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

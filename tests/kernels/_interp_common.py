@@ -251,6 +251,9 @@ class _NcclStandIn:
 
     join = fork
 
+    def event(self, key):
+        return self.Event()
+
     def patched(self):
         import contextlib
         from unittest import mock

@@ -310,3 +310,185 @@ def test_tile_gemm_plan_checks_its_own_tensors_once():
         assert plan.own_aligned is aligned
         ptrs = [t.data_ptr() for t in got[0]]
         assert ptrs == [c.data_ptr()] if aligned else flags.data_ptr() in ptrs and c.data_ptr() in ptrs
+
+
+# ---- the C launcher called with descriptors filled once (Triton 3.6's launcher form) ----
+
+class _Launcher36:
+    """A compiled kernel's ``run`` of the form ``_RawLaunch.of`` recognizes: ``launch`` is a
+    wrapper whose closure holds the C launcher, the descriptor indices and their metadata,
+    and fills every descriptor on every call."""
+
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = False
+
+    def __init__(self, launcher, tensordesc_indices, tensordesc_meta, fill):
+        def inner(*args):
+            out = list(args[:13])
+            j = 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    m = tensordesc_meta[j]
+                    j += 1
+                    out += [fill(arg.base.data_ptr(), m["swizzle"], m["elem_size"], m["elem_type"], m["block_size"],
+                                 arg.shape, arg.strides, 0), *arg.shape, *arg.strides]
+                else:
+                    out.append(arg)
+            return launcher(*out)
+        self.launch = inner
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
+
+
+class FakeJit36(FakeJit):
+    """Signature (a_desc, c, N, BLOCK: constexpr, FLAG: constexpr); a_desc a TMA descriptor."""
+
+    def __init__(self, fills: list, c_calls: list) -> None:
+        super().__init__()
+        self.params[0].name = "a_desc"
+
+        def fill(*a):
+            fills.append(a)
+            return ("map", a[0], tuple(a[5]), tuple(a[6]))
+
+        self.fill = fill
+        meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [64, 32], "fp4_padded": False}]
+        self.run = _Launcher36(lambda *a: c_calls.append(a), {0}, meta, fill)
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.log.append(("jit", grid[0], args, kw))
+            return SimpleNamespace(run=self.run, function="fn-handle", packed_metadata="packed")
+        return call
+
+
+@pytest.fixture
+def driver36(monkeypatch):
+    import sys
+    import types
+
+    mod = types.ModuleType("fake_driver36")
+    mod._BASE_ARGS_FORMAT_LEN = 13
+    mod.TMA_DTYPE_DEVICE_TO_HOST = {i: i for i in range(16)}
+    monkeypatch.setitem(sys.modules, "fake_driver36", mod)
+    monkeypatch.setattr(_Launcher36, "__module__", "fake_driver36")
+    fills: list = []
+    c_calls: list = []
+    fn = FakeJit36(fills, c_calls)
+    monkeypatch.setattr(_launch, "_fill_tma", lambda: fn.fill)
+    return fn, fills, c_calls
+
+
+def test_raw_launch_fills_a_descriptor_once_per_pointer_and_matches_the_wrapper(driver36):
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    x = torch.zeros(128, 64, dtype=torch.float16)
+    y = torch.zeros(128, 64, dtype=torch.float16)  # same geometry, another address
+    c = torch.zeros(4, dtype=torch.int32)
+
+    def desc(t):
+        return _launch.HostDesc(t, t.shape, t.stride(), [64, 32])
+
+    pl.launch(2, (desc(x), c, 7))  # Triton's path (compiles); the raw launcher is found
+    assert pl.raw is not None
+    before = len(c_calls)
+    pl.compiled.run(3, 1, 1, 1234, "fn-handle", "packed", None, None, None, desc(x).triton(), c, 7, 64, True)
+    wrapper_args = c_calls[before]  # what Triton's wrapper hands the C launcher
+    pl.launch(3, (desc(x), c, 7))
+    assert c_calls[-1] == wrapper_args  # the same arguments, in the same order
+    n = len(fills)
+    pl.launch(3, (desc(x), c, 7))
+    assert len(fills) == n  # filled once for this pointer and geometry
+    pl.launch(3, (desc(y), c, 7))
+    assert len(fills) == n + 1 and c_calls[-1][13][1] == y.data_ptr()  # a new pointer: a new descriptor
+    pl.launch(3, (desc(x[:64]), c, 7))  # same pointer, fewer rows: a new descriptor
+    assert len(fills) == n + 2 and c_calls[-1][13][2] == (64, 64)
+    assert [e[0] for e in fn.log] == ["jit"]  # every launch after the first took the raw launcher
+
+
+def test_raw_launch_refuses_an_unaligned_descriptor_as_triton_does(driver36):
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    x = torch.zeros(4096, dtype=torch.float16)
+    good, bad = x[:2048].view(32, 64), x[1:2049].view(32, 64)
+    c = torch.zeros(4, dtype=torch.int32)
+    pl.launch(1, (_launch.HostDesc(good, good.shape, good.stride(), [64, 32]), c, 7))
+    n = len(c_calls)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        pl.launch(1, (_launch.HostDesc(bad, bad.shape, bad.stride(), [64, 32]), c, 7))
+    assert len(c_calls) == n  # nothing launched
+
+
+def test_another_launcher_form_takes_compiled_run():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 128, "FLAG": True}, num_warps=8)
+    a = Ptr(256)
+    pl.launch(1, (a, a, 3))
+    assert pl.raw is None
+    pl.launch(1, (a, a, 3))
+    assert [e[0] for e in fn.log] == ["jit", "fast"]
+
+
+def test_raw_launch_without_descriptors_calls_the_c_launcher(driver36, capsys):
+    fn, fills, c_calls = driver36
+    # Triton 3.6 keeps the C launcher itself where no argument is a descriptor: a builtin
+    # (``print`` stands in for it here and shows what it was handed)
+    fn.run.launch = print
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    a = Ptr(256)
+    pl.launch(2, (a, a, 7))  # through Triton (compiles)
+    assert pl.raw is not None and pl.raw.descs == ()
+    capsys.readouterr()
+    pl.launch(5, (a, a, 9))
+    got = capsys.readouterr().out.split()
+    # grid, stream, function, cooperative, PDL, two scratches, packed metadata, launch
+    # metadata and hooks (None), then the arguments and constexprs
+    assert got[:13] == ["5", "1", "1", "1234", "fn-handle", "False", "False", "None", "None", "packed",
+                        "None", "None", "None"]
+    assert got[-3:] == ["9", "64", "True"]
+    assert [e[0] for e in fn.log] == ["jit"]
+
+
+def test_prepared_launches_are_kept_per_key_and_options():
+    fn = FakeJit()
+    lc = _launch.CachedLauncher(fn, max_entries=2)
+    a = Ptr(256)
+    p1 = lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=4)
+    assert lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=4) is p1
+    p2 = lc.prepared(("k", 1), {"BLOCK": 16, "FLAG": 0}, num_warps=8)  # other options: another
+    p3 = lc.prepared(("k", 2), {"BLOCK": 32, "FLAG": 1}, num_warps=4)
+    assert len({id(p1), id(p2), id(p3)}) == 3 and len(lc._prepared) == 2  # bounded
+    p3.launch(1, (a, a, 5))
+    p3.launch(1, (a, a, 6))
+    assert [e[0] for e in fn.log] == ["jit", "fast"] and fn.log[1][-1] == (a, a, 6, 32, 1)
+
+
+def test_cached_launch_takes_the_raw_launcher_with_new_descriptors_per_pointer(driver36):
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    c = torch.zeros(4, dtype=torch.int32)
+    xs = [torch.zeros(64, 64, dtype=torch.float16) for _ in range(2)]
+
+    def go(x):
+        lc.launch(3, (_launch.HostDesc(x, x.shape, x.stride(), [64, 32]), c, 5), {"BLOCK": 64, "FLAG": True},
+                  key=("k",), num_warps=4, aligned=(c,))
+
+    go(xs[0])  # Triton's path: a TensorDescriptor made of the HostDesc
+    assert type(fn.log[0][2][0]).__name__ == "TensorDescriptor"
+    for x in (xs[0], xs[1], xs[0]):
+        go(x)
+        assert c_calls[-1][13][1] == x.data_ptr()  # this call's pointer, never the last one's
+    assert len(fills) == 2 and [e[0] for e in fn.log] == ["jit"] and lc.hits == 3
