@@ -148,7 +148,8 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
         if v:
             gl_[kind] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": round(min(v), 4),
                          "shapes": len(v)}
-    return {"shapes": len(ok), "wait": wait, "tile_wait": tile_wait, **gl_, "geomean": round(geo, 4), "min": round(min(sp), 4),
+    return {"shapes": len(ok), "wait": wait, "tile_wait": tile_wait, **gl_, "geomean": round(geo, 4),
+            "min": round(min(sp), 4),
             "max": round(max(sp), 4),
             "worst": [[label(r), round(r["cublas_ms"] / r["tile_ms"], 4)] for r in worst[:5]],
             "under_min_target": [label(r) for r in worst if r["cublas_ms"] / r["tile_ms"] < target_min],

@@ -65,8 +65,8 @@ import torch
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["profile", "op_range", "gpu_range", "record_call", "record_warning", "record_timeout", "record_tuning",
-           "record_alone", "record_engine", "record_phases", "timer", "EventTimer", "Why", "Report", "report", "reset_report",
-           "hidden_fraction",
+           "record_alone", "record_engine", "record_phases", "timer", "EventTimer", "Why", "Report", "report",
+           "reset_report", "hidden_fraction",
            "trace", "tile_gemm_metadata", "add_norm_metadata", "reduce_norm_metadata", "fold_norm_metadata"]
 
 _enabled: bool = os.environ.get("OVERLAP_PROFILE", "").strip().lower() not in ("", "0", "false", "no", "off")
