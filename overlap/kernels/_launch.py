@@ -95,11 +95,13 @@ class CachedLauncher:
 
     def launch(self, grid: int, args: Sequence[Any], constexprs: dict[str, Any], *, key: Any,
                num_warps: int, num_stages: int | None = None, interpret: bool = False,
-               device: int | None = None, aligned: Sequence[Any] = (), launch_pdl: bool = False) -> Any:
+               device: int | None = None, aligned: Sequence[Any] = (), launch_pdl: bool = False,
+               options: tuple[tuple[str, Any], ...] = ()) -> Any:
         """Launch; returns ``(compiled kernel, device, integer widths)`` when the compiled
         kernel is cached for this launch (for ``PreparedLaunch``), else None. ``launch_pdl``:
-        Triton's option of that name (a programmatic dependent launch: another compiled kernel)."""
-        opts: dict[str, Any] = {"num_warps": num_warps}
+        Triton's option of that name (a programmatic dependent launch: another compiled kernel).
+        ``options``: more compile options, as (name, value) pairs (``maxnreg``)."""
+        opts: dict[str, Any] = {"num_warps": num_warps, **dict(options)}
         if num_stages is not None:
             opts["num_stages"] = num_stages
         if launch_pdl:
@@ -111,7 +113,7 @@ class CachedLauncher:
         # Triton types every integer argument by its width (i32, i64, u64), even those it
         # does not specialize on: a value past int32 needs another compiled kernel
         widths = _widths(args)
-        full_key = (key, widths, num_warps, num_stages, device, bool(launch_pdl))
+        full_key = (key, widths, num_warps, num_stages, device, bool(launch_pdl), options)
         if fast:
             for t in aligned:
                 if t.data_ptr() % 16:
@@ -136,7 +138,8 @@ class CachedLauncher:
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
             except (OverflowError, ValueError):  # an argument the cached kernel cannot take
                 fast = False  # (nothing was launched): Triton's path, and do not cache its pick
-        compiled = self.fn[(grid,)](*args, **constexprs, **opts)
+        # (a constexpr parameter named as an option, Gluon's num_warps, is passed once)
+        compiled = self.fn[(grid,)](*args, **constexprs, **{k: v for k, v in opts.items() if k not in constexprs})
         self.misses += 1
         if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             if len(self._cache) >= self.max_entries:

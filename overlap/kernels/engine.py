@@ -137,7 +137,8 @@ def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
     mode = engine_mode()
     cfg = kw.get("config") or GemmConfig()
     # (M, N, K, dtype) as the report shows it, then what else the pick depends on
-    problem = (c.shape[0], _ns(b), a.shape[1], str(a.dtype).removeprefix("torch."), tile.b_kn, cfg.block_m,
+    c0 = c[0] if isinstance(c, (list, tuple)) else c
+    problem = (c0.shape[0], _ns(b), a.shape[1], str(a.dtype).removeprefix("torch."), tile.b_kn, cfg.block_m,
                cfg.block_n, table.shape[0], kw.get("a2") is not None, bool(kw.get("wait")), kw.get("activation"))
     if mode == "tile":
         _record(problem, "tile", f"{ENGINE_ENV}=tile")
@@ -204,8 +205,16 @@ class EnginePlan:
         ops = _Operands(a, b, a2)
         if self.decided and self.gluon is None:
             ops.descs = self.tile.operands(a, b, a2)
-        else:
-            self.tile.operands(a, b, a2)  # (its checks; the descriptors are the engine's)
+            return ops
+        t = self.tile
+        b_store = b if t.b_kn else b.t()
+        if (t._rows_free(a) != t.a_layout or (a2 is None) != (t.a2_layout is None)
+                or (a2 is not None and t._rows_free(a2) != t.a2_layout)
+                or (tuple(b_store.shape), b_store.stride()) != t.b_layouts[0]):
+            # not the plan's layouts: the tile plan's own checks say how (or take B through
+            # the copy they make for an odd layout, which this plan then reads as well)
+            descs = t.operands(a, b, a2)
+            ops.b = descs[2].base if t.b_kn else descs[2].base.t()
         return ops
 
     def launch(self, descs: Any, c: Any, *, epoch: int, grid: int, rowstat: Any = None, colvec: Any = None,

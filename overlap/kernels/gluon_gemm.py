@@ -640,18 +640,30 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     counter_t = counter if dynamic else table
     flags_t = flags if has_wait else table
     err_t = err if has_wait else table
-    nw = cfg.num_warps
     # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
     # the MMA partition(s) take what the loader's few leave (setmaxnreg)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, B_KN=b_kn,
+                HAS_A2=a2 is not None, HAS_WAIT=has_wait, ACTIVATION=int(activation), DYNAMIC=dynamic,
+                LOADER_REGS=cfg.loader_regs)
     if cfg.pingpong:
-        gluon_gemm_pp_kernel[(grid,)](
-            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
-            c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0), cap, span,
-            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
-            cfg.loader_regs, 232, _c.WS_LIST_FORM, clip, num_warps=nw, maxnreg=168)
-        return
-    gluon_gemm_kernel[(grid,)](
-        a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
-        c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0), cap, span,
-        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
-        cfg.loader_regs, _c.WS_LIST_FORM, clip, num_warps=nw, maxnreg=168)
+        meta["MMA_REGS"] = 232
+    meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=clip, num_warps=cfg.num_warps)
+    a2_ = a2 if a2 is not None else a
+    b_store = b if b_kn else b.t()
+    # what Triton specializes on beside the constexprs: dtypes, N, K and C's row stride (the
+    # integers it does not skip), and, to be safe, the operands' row strides and B's layout
+    key = (tuple(meta.values()), a.dtype, c.dtype, c.shape[1], a.shape[1], c.stride(0), a.stride(0), a2_.stride(0),
+           tuple(b_store.shape), tuple(b_store.stride()))
+    args = (a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
+            c.shape[1], a.shape[1], table.shape[0], int(epoch), int(rank), int(timeout_ns), c.stride(0), cap, span)
+    _LAUNCHERS[bool(cfg.pingpong)].launch(int(grid), args, meta, key=key, num_warps=cfg.num_warps,
+                                          aligned=(c, table, flags_t, err_t, counter_t), options=(("maxnreg", 168),))
+
+
+_LAUNCHERS: dict[bool, Any] = {}
+"""The two kernels' cached launchers (``overlap.kernels._launch``): a launch of a kernel
+already built skips Triton's per-call argument binding (tens of microseconds of host time)."""
+if AVAILABLE:
+    from ._launch import CachedLauncher as _CachedLauncher
+
+    _LAUNCHERS.update({False: _CachedLauncher(gluon_gemm_kernel), True: _CachedLauncher(gluon_gemm_pp_kernel)})

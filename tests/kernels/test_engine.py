@@ -74,6 +74,10 @@ def test_what_gluon_cannot_run_stays_on_the_tile_gemm(fake_gluon: list, monkeypa
     for want, more in cases.items():
         assert want in (engine.misfit(x["b"], **{**x["kw"], **more}) or ""), want
     assert engine.misfit([x["b"], x["b"]], **x["kw"]) == "several weights"
+    c2 = [x["c"], x["c"][:, :256]]
+    gp = engine.engine_plan(x["a"], [x["b"], x["b"][:, :256]], c2, x["table"], **{**x["kw"], "clip": None})
+    assert type(gp) is TileGemmPlan and _engines()[(512, 768, 256, "float16")] == ("tile", "Gluon: several weights")
+    observe.reset_report()
     assert engine.misfit(x["b"], **x["kw"]) is None
     counter = torch.zeros(8, dtype=torch.int32)
     gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **{**x["kw"], "counter": counter, "split": (2, 2)})
