@@ -44,6 +44,7 @@ says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -318,12 +319,15 @@ if AVAILABLE:
         to C's rows and columns (``tile_gemm._poison``): a call that returns before its error
         is raised returns NaN where it may have had no data, never C's old values. A dead
         tile (``c_rows`` <= 0: a row cut) stores nothing."""
+        # (constexpr branches spelled out: Triton 3.6's Gluon front end emitted the NaN store of
+        # a flag that stayed a Python int, and its build of that failed)
         if c_rows > 0:
-            failed = 0
             if HAS_WAIT:
-                failed = (gl.load(err_ptr + _ERR_CODE, volatile=True) != 0).to(gl.int32)
-            if failed != 0:
-                _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
+                if gl.load(err_ptr + _ERR_CODE, volatile=True) != 0:
+                    _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
+                else:
+                    _store(acc, acc_layout, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
+                           BLOCK_N, ACTIVATION)
             else:
                 _store(acc, acc_layout, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N,
                        ACTIVATION)
@@ -561,23 +565,28 @@ def _gl_dtype(dt: torch.dtype) -> Any:
     return table[dt]
 
 
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, cols: int, dt: torch.dtype) -> Any:
+    """The shared-memory layout of a [rows, cols] TMA tile (made once: a few microseconds each)."""
+    return _c.gl.NVMMASharedLayout.get_default_for([rows, cols], _gl_dtype(dt))
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: GluonGemmConfig,
                 a2: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any, bool]:
     """TMA descriptors of A (and A2), B and C, and whether B is read as row-major [K, N]
     (``b`` itself) or as the [N, K] storage of an ``nn.Linear`` weight (``b = w.t()``)."""
-    TD, gl = _c.TensorDescriptor, _c.gl
-    dt = _gl_dtype(a.dtype)
+    TD = _c.TensorDescriptor
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], dt)
+    a_layout = _smem_layout(bm, bk, a.dtype)
     a_desc = TD.from_tensor(a, [bm, bk], a_layout)
     a2_desc = TD.from_tensor(a2, [bm, bk], a_layout) if a2 is not None else a_desc
     b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
     if b_kn:
-        b_desc = TD.from_tensor(b, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], dt))
+        b_desc = TD.from_tensor(b, [bk, bn], _smem_layout(bk, bn, b.dtype))
     else:
         w = b.t()  # [N, K] row-major
-        b_desc = TD.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
-    c_desc = TD.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype)))
+        b_desc = TD.from_tensor(w, [bn, bk], _smem_layout(bn, bk, b.dtype))
+    c_desc = TD.from_tensor(c, [bm, bn], _smem_layout(bm, bn, c.dtype))
     return a_desc, a2_desc, b_desc, c_desc, b_kn
 
 
