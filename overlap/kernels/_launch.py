@@ -149,9 +149,9 @@ class CachedLauncher:
         return None
 
     def prepare(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
-                interpret: bool = False) -> "PreparedLaunch":
+                interpret: bool = False, options: tuple[tuple[str, Any], ...] = ()) -> "PreparedLaunch":
         """Launches whose key, constexprs and options are fixed (see ``PreparedLaunch``)."""
-        return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret)
+        return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret, options)
 
 
 def _widths(args: Sequence[Any]) -> tuple[bool, ...]:
@@ -168,11 +168,11 @@ class PreparedLaunch:
     metadata, and pass no hooks (none are set). Anything else takes the cache's path."""
 
     __slots__ = ("owner", "key", "constexprs", "num_warps", "num_stages", "interpret", "const_vals",
-                 "compiled", "device", "widths")
+                 "compiled", "device", "widths", "options")
 
     def __init__(self, owner: CachedLauncher, key: Any, constexprs: dict[str, Any], num_warps: int,
-                 num_stages: int | None, interpret: bool) -> None:
-        self.owner, self.key, self.constexprs = owner, key, constexprs
+                 num_stages: int | None, interpret: bool, options: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.owner, self.key, self.constexprs, self.options = owner, key, constexprs, options
         self.num_warps, self.num_stages, self.interpret = num_warps, num_stages, interpret
         names = owner.const_names or []
         self.const_vals = tuple(constexprs[n] for n in names)
@@ -196,6 +196,7 @@ class PreparedLaunch:
                 except (OverflowError, ValueError):  # an argument the kernel cannot take: nothing launched
                     pass
         got = self.owner.launch(grid, args, self.constexprs, key=self.key, num_warps=self.num_warps,
-                                num_stages=self.num_stages, interpret=self.interpret, aligned=aligned)
+                                num_stages=self.num_stages, interpret=self.interpret, aligned=aligned,
+                                options=self.options)
         if got is not None:
             self.compiled, self.device, self.widths = got

@@ -196,6 +196,7 @@ class EnginePlan:
         self.gluon: GluonGemmConfig | None = None  # the pick; None: the tile GEMM
         self.decided = False
         self.b_kn = tile.b_kn
+        self._gplans: dict[tuple, Any] = {}  # (config, flags, err, counter) -> GluonGemmPlan
         self.engine = "undecided"
         self.why = ""
 
@@ -241,11 +242,14 @@ class EnginePlan:
 
     def _launch_gluon(self, cfg: GluonGemmConfig, a: Any, b: Any, a2: Any, c: Any, epoch: int, grid: int,
                       rows: Any, flags: Any, err: Any, counter: Any) -> None:
-        nprog = max(1, min(int(grid), self.table.shape[0]))
-        _gg.launch_gluon_gemm(a, b, c, self.table, grid=nprog, a2=a2, flags=flags if self.wait else None,
-                              err=err if self.wait else None, epoch=int(epoch), rank=self.rank,
-                              timeout_ns=self.timeout_ns, activation=self.activation, counter=counter, config=cfg,
-                              rows=rows)
+        key = (cfg, id(flags), id(err), id(counter))
+        gp = self._gplans.get(key)
+        if gp is None:
+            gp = self._gplans[key] = _gg.GluonGemmPlan(
+                a, b, c, self.table, a2=a2, flags=flags if self.wait else None, err=err if self.wait else None,
+                rank=self.rank, timeout_ns=self.timeout_ns, activation=self.activation, counter=counter,
+                config=cfg, clip=self.clip)
+        gp.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
     def _decide(self, ops: _Operands, c: Any, grid: int, rows: Any) -> None:
         with _lock:
@@ -339,6 +343,8 @@ class EnginePlan:
                     e1.record(side)
                     e1.synchronize()
                     times.setdefault(name, []).append(e0.elapsed_time(e1) / reps)
+        scratch = {id(t) for t in (flags, err, counter) if t is not None}
+        self._gplans = {kk: v for kk, v in self._gplans.items() if not scratch & set(kk[1:])}
         med = {name: statistics.median(v) for name, v in times.items()}
         # the Gluon GEMM only where it is MARGIN faster: its launch costs the host a little more,
         # and three rounds do not rank configs closer than that

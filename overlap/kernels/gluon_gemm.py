@@ -53,7 +53,7 @@ import torch
 from .. import protocol as _p
 from . import _gluon_compat as _c
 
-__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "launch_gluon_gemm", "descriptors"]
+__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "GluonGemmPlan", "launch_gluon_gemm", "descriptors"]
 
 AVAILABLE: bool = _c.AVAILABLE
 REASON: str = _c.REASON
@@ -620,53 +620,104 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     left neither waits nor stores. Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon_gemm: {REASON}")
-    cfg = config or GluonGemmConfig()
-    if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
-        raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do not "
-                         "make c = a @ b")
-    if not (a.dtype == b.dtype == c.dtype) or (a2 is not None and a2.dtype != a.dtype):
-        raise ValueError(f"gluon_gemm: dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
-    if c.stride(1) != 1:
-        raise ValueError(f"gluon_gemm: c must be row-major, got strides {c.stride()}")
-    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
-        raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
-                         f"{tuple(table.shape)}")
     if grid < 1:
         raise ValueError(f"gluon_gemm: grid must be >= 1, got {grid}")
-    has_wait = flags is not None
-    if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
-                     or err.numel() < _p.ERR_WORDS):
-        raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
-    dynamic = counter is not None
-    if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
-        raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, got "
-                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
-    if rows is not None and not (isinstance(rows, tuple) and len(rows) == 2 and 1 <= rows[0] <= rows[1]):
-        raise ValueError(f"gluon_gemm: rows must be (cap, span) with 1 <= cap <= span, got {rows!r}")
-    clip = rows is not None
-    cap, span = rows if clip else (1, 1)
-    a_desc, a2_desc, b_desc, c_desc, b_kn = descriptors(a, b, c, cfg, a2)
-    counter_t = counter if dynamic else table
-    flags_t = flags if has_wait else table
-    err_t = err if has_wait else table
-    # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
-    # the MMA partition(s) take what the loader's few leave (setmaxnreg)
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, B_KN=b_kn,
-                HAS_A2=a2 is not None, HAS_WAIT=has_wait, ACTIVATION=int(activation), DYNAMIC=dynamic,
-                LOADER_REGS=cfg.loader_regs)
-    if cfg.pingpong:
-        meta["MMA_REGS"] = 232
-    meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=clip, num_warps=cfg.num_warps)
-    a2_ = a2 if a2 is not None else a
-    b_store = b if b_kn else b.t()
-    # what Triton specializes on beside the constexprs: dtypes, N, K and C's row stride (the
-    # integers it does not skip), and, to be safe, the operands' row strides and B's layout
-    key = (tuple(meta.values()), a.dtype, c.dtype, c.shape[1], a.shape[1], c.stride(0), a.stride(0), a2_.stride(0),
-           tuple(b_store.shape), tuple(b_store.stride()))
-    args = (a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
-            c.shape[1], a.shape[1], table.shape[0], int(epoch), int(rank), int(timeout_ns), c.stride(0), cap, span)
-    _LAUNCHERS[bool(cfg.pingpong)].launch(int(grid), args, meta, key=key, num_warps=cfg.num_warps,
-                                          aligned=(c, table, flags_t, err_t, counter_t), options=(("maxnreg", 168),))
+    plan = GluonGemmPlan(a, b, c, table, a2=a2, flags=flags, err=err, rank=rank, timeout_ns=timeout_ns,
+                         activation=activation, counter=counter, config=config, clip=rows is not None)
+    plan.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
+
+
+class GluonGemmPlan:
+    """``launch_gluon_gemm``'s checks, constexprs and launch key made once, for a GEMM an op
+    launches call after call (``overlap.kernels.engine``): per launch only the operands'
+    storage (their shapes and strides as the plan's; A's and C's row counts free with
+    ``clip``), the epoch, the grid and the row cut change, and the kernel is launched
+    through a prepared launch (no per-call argument binding by Triton)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
+                 a2: torch.Tensor | None = None, flags: torch.Tensor | None = None, err: torch.Tensor | None = None,
+                 rank: int = 0, timeout_ns: int = 2_000_000_000, activation: int = 0,
+                 counter: torch.Tensor | None = None, config: GluonGemmConfig | None = None,
+                 clip: bool = False) -> None:
+        if not AVAILABLE:
+            raise RuntimeError(f"gluon_gemm: {REASON}")
+        cfg = config or GluonGemmConfig()
+        if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
+            raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do "
+                             "not make c = a @ b")
+        if not (a.dtype == b.dtype == c.dtype) or (a2 is not None and a2.dtype != a.dtype):
+            raise ValueError(f"gluon_gemm: dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
+        _gl_dtype(a.dtype)
+        if c.stride(1) != 1:
+            raise ValueError(f"gluon_gemm: c must be row-major, got strides {c.stride()}")
+        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
+            raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                             f"{tuple(table.shape)}")
+        has_wait = flags is not None
+        if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
+                         or err.numel() < _p.ERR_WORDS):
+            raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
+        dynamic = counter is not None
+        if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
+            raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, "
+                             f"got {counter.dtype} {tuple(counter.shape)} on {counter.device}")
+        b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
+        self.cfg, self.b_kn, self.clip, self.table = cfg, b_kn, bool(clip), table
+        self.flags = flags if has_wait else table  # never read without waits / a counter
+        self.err = err if has_wait else table
+        self.counter = counter if dynamic else table
+        # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
+        # the MMA partition(s) take what the loader's few leave (setmaxnreg)
+        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, B_KN=b_kn,
+                    HAS_A2=a2 is not None, HAS_WAIT=has_wait, ACTIVATION=int(activation), DYNAMIC=dynamic,
+                    LOADER_REGS=cfg.loader_regs)
+        if cfg.pingpong:
+            meta["MMA_REGS"] = 232
+        meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip), num_warps=cfg.num_warps)
+        a2_ = a2 if a2 is not None else a
+        b_store = b if b_kn else b.t()
+        self.has_a2 = a2 is not None
+        self.layouts = (self._rows_free(a), self._rows_free(a2_), (tuple(b_store.shape), tuple(b_store.stride())),
+                        (c.shape[1], tuple(c.stride())))
+        # what Triton specializes on beside the constexprs: dtypes, N, K and C's row stride (the
+        # integers it does not skip), and, to be safe, the operands' row strides and B's layout
+        key = (tuple(meta.values()), a.dtype, c.dtype, c.shape[1], a.shape[1], c.stride(0), a.stride(0),
+               a2_.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+        self.prepared = _LAUNCHERS[bool(cfg.pingpong)].prepare(key, meta, num_warps=cfg.num_warps,
+                                                               options=(("maxnreg", 168),))
+        self.head = (c.shape[1], a.shape[1], table.shape[0])
+        self.tail = (int(rank), int(timeout_ns), c.stride(0))
+        own = (table, self.flags, self.err, self.counter)
+        self.own_aligned = not any(t.data_ptr() % 16 for t in own)
+
+    def _rows_free(self, t: torch.Tensor) -> tuple:
+        return (tuple(t.shape)[1:] if self.clip else tuple(t.shape), tuple(t.stride()))
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a2: torch.Tensor | None = None,
+               epoch: int, grid: int, rows: tuple[int, int] | None = None) -> None:
+        """Launch on the current stream (``launch_gluon_gemm``'s arguments)."""
+        if (rows is not None) != self.clip:
+            raise ValueError(f"gluon_gemm: rows=(cap, span) must be given {'with' if self.clip else 'without'} "
+                             "the plan's clip")
+        if rows is not None and not (isinstance(rows, tuple) and len(rows) == 2 and 1 <= rows[0] <= rows[1]):
+            raise ValueError(f"gluon_gemm: rows must be (cap, span) with 1 <= cap <= span, got {rows!r}")
+        if (a2 is not None) != self.has_a2:
+            raise ValueError(f"gluon_gemm: the plan was made {'with' if self.has_a2 else 'without'} an a2")
+        a2_ = a2 if a2 is not None else a
+        b_store = b if self.b_kn else b.t()
+        got = (self._rows_free(a), self._rows_free(a2_), (tuple(b_store.shape), tuple(b_store.stride())),
+               (c.shape[1], tuple(c.stride())))
+        if got != self.layouts:
+            raise ValueError(f"gluon_gemm: operands (a, a2, b, c) laid out as {got}; the plan's are {self.layouts}")
+        if self.table.shape[0] == 0:
+            return
+        cap, span = rows if rows is not None else (1, 1)
+        a_desc, a2_desc, b_desc, c_desc, _ = descriptors(a, b, c, self.cfg, a2)
+        nprog = max(1, min(int(grid), self.table.shape[0]))
+        args = (a_desc, a2_desc, b_desc, c_desc, c, self.table, self.flags, self.err, self.counter, *self.head,
+                int(epoch), *self.tail, int(cap), int(span))
+        self.prepared.launch(nprog, args, aligned=(c,) if self.own_aligned else
+                             (c, self.table, self.flags, self.err, self.counter))
 
 
 _LAUNCHERS: dict[bool, Any] = {}

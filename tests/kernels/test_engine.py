@@ -41,9 +41,16 @@ def _call(m: int = 512, n: int = 512, k: int = 256, cfg: GemmConfig = CFG, count
 def fake_gluon(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Gluon 'available' on this CPU; its launches recorded, not run."""
     launches: list[dict] = []
+
+    class FakePlan:
+        def __init__(self, a: Any, b: Any, c: Any, table: Any, **kw: Any) -> None:
+            self.made = dict(table=table, **kw)
+
+        def launch(self, a: Any, b: Any, c: Any, **kw: Any) -> None:
+            launches.append(dict(self.made, a=a, b=b, c=c, **kw))
+
     monkeypatch.setattr(engine, "unavailable", lambda device, dtype: None)
-    monkeypatch.setattr(engine._gg, "launch_gluon_gemm",
-                        lambda a, b, c, table, **kw: launches.append(dict(a=a, b=b, c=c, table=table, **kw)))
+    monkeypatch.setattr(engine._gg, "GluonGemmPlan", FakePlan)
     observe.reset_report()
     return launches
 
@@ -120,7 +127,7 @@ def test_forced_gluon_launches_with_the_plans_words(fake_gluon: list, monkeypatc
             assert got["table"] is x["table"] and got["flags"] is x["kw"]["flags"] and got["err"] is x["kw"]["err"]
             assert got["counter"] is x["kw"]["counter"] and got["rows"] == (cap, 256)
             assert got["epoch"] == 5 + it and got["rank"] == 1 and got["timeout_ns"] == 123_000
-            assert got["grid"] == min(grid, x["table"].shape[0]) and got["activation"] == 0
+            assert got["grid"] == grid and got["activation"] == 0 and got["clip"] is True
             assert got["config"] == engine.gluon_configs(cfg)[0]
         assert gp.engine.startswith("gluon") and len(fake_gluon) == 2
         with pytest.raises(ValueError, match="rows"):
