@@ -34,9 +34,10 @@ warps through a two-slot queue in shared memory, and ends with an end mark per M
 warpgroup.
 
 Not here (the ``triton.language`` kernel has them): posts (producer tiles), split tiles,
-several weights, the folded norm, signature words, row-bucket cuts, TileSync. So no op
-runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
-what it measured and why it is not an engine: docs/experiments.md, 2026-12-04).
+several weights, the folded norm, signature words, A-row cuts, TileSync. The consumer ops
+run it where their call needs none of these and it measured faster
+(``overlap.kernels.engine``; ``GluonGemmPlan`` is the form they launch); the tile GEMM runs
+everything else.
 
 Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
 says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
