@@ -22,16 +22,19 @@ calls run the tile GEMM, which stays the fallback everywhere.
 plan's first launch outside a graph capture, the GEMM as the op runs it (its table, A
 rows, grid and row cut, every flag already set, on scratch flags, error word, counter and
 C) on the tile GEMM and each Gluon config of the table's tile, three interleaved rounds,
-medians; the Gluon GEMM runs only where it was ``MARGIN`` (1%) faster. The pick is kept per problem for
-the process (``picks()``). A first launch inside a capture runs the tile GEMM (no
-measuring in a capture) unless the problem was measured before. ``tile`` never runs the
-Gluon GEMM; ``gluon`` runs it wherever it can (the table tile's first config), unmeasured.
+medians; the Gluon GEMM runs only where it was ``MARGIN`` (1%) faster. The pick is kept
+per problem for the process (``picks()``) and, with ``OVERLAP_GEMM_CACHE`` set, in a file
+beside the GEMM tuner's (``cache_path()``), keyed like the tuner's by the GPU, the versions
+and the problem. A first launch inside a capture runs the tile GEMM (no measuring in a
+capture) unless the problem was measured before. ``tile`` never runs the Gluon GEMM;
+``gluon`` runs it wherever it can (the table tile's first config), unmeasured.
 ``overlap.report()`` lists each GEMM problem's engine and why (measured times, forced, or
 why Gluon cannot run it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -153,6 +156,81 @@ def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
     return EnginePlan(tile, a, b, c, table, kw, problem, forced=mode == "gluon")
 
 
+_FORMAT = "overlap-gemm-engine-1"
+_disk: dict[str, dict] = {}
+_disk_loaded = [False]
+
+
+def cache_path() -> str | None:
+    """Where measured picks are kept across processes: beside the GEMM tuner's cache
+    (``OVERLAP_GEMM_CACHE`` + ``.engines.json``); None without one (the process only)."""
+    p = os.environ.get("OVERLAP_GEMM_CACHE")
+    return p + ".engines.json" if p else None
+
+
+def _env(device: Any) -> dict[str, Any]:
+    """What a pick depends on besides the problem: the GPU and versions (the GEMM tuner's),
+    the Gluon configs measured and the margin."""
+    from .autotune import device_env
+
+    return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v], "margin": MARGIN}
+
+
+def _disk_key(key: tuple, device: Any) -> str:
+    return json.dumps({"env": _env(device), "problem": [str(x) for x in key]}, sort_keys=True, separators=(",", ":"))
+
+
+def _read(path: str) -> dict[str, dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("entries"), dict):
+        return {}
+    return {k: v for k, v in data["entries"].items()
+            if isinstance(v, dict) and isinstance(v.get("engine"), str) and isinstance(v.get("why"), str)}
+
+
+def _known(key: tuple, configs: tuple, device: Any) -> tuple[str, str] | None:
+    """A pick measured before for ``key``: in this process, or in the file (``cache_path``);
+    None where there is none, or the file's names a config that is no candidate."""
+    with _lock:
+        got = _measured.get(key)
+        path = cache_path()
+        if got is not None or path is None:
+            return got
+        if not _disk_loaded[0]:
+            _disk_loaded[0] = True
+            _disk.update(_read(path))
+        entry = _disk.get(_disk_key(key, device))
+    if entry is None or entry["engine"] not in ("tile", *(_label(g) for g in configs)):
+        return None
+    got = (entry["engine"], entry["why"] + " (kept from an earlier process)")
+    with _lock:
+        _measured[key] = got
+    return got
+
+
+def _keep(key: tuple, label: str, why: str, device: Any) -> None:
+    """A new measured pick: for the process, and merged into the file (others' entries kept)."""
+    from .autotune import _write_atomic
+
+    with _lock:
+        _measured[key] = (label, why)
+        path = cache_path()
+        if path is None:
+            return
+        dk = _disk_key(key, device)
+        _disk[dk] = {"engine": label, "why": why}
+        merged = _read(path)
+        merged[dk] = _disk[dk]
+        try:
+            _write_atomic(path, {"format": _FORMAT, "entries": merged})
+        except OSError:
+            pass  # an unwritable file only costs a measurement in the next process
+
+
 def _capturing() -> bool:
     import torch
 
@@ -252,13 +330,13 @@ class EnginePlan:
         gp.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
     def _decide(self, ops: _Operands, c: Any, grid: int, rows: Any) -> None:
-        with _lock:
-            known = _measured.get(self.problem + (int(grid), rows))
-        if known is not None:
+        key = self.problem + (int(grid), rows)
+        known = None if self.forced else _known(key, self.configs, c.device)
+        if self.forced:
+            self.gluon, why = self.configs[0], f"{ENGINE_ENV}=gluon"
+        elif known is not None:
             label, why = known
             self.gluon = next((g for g in self.configs if _label(g) == label), None)
-        elif self.forced:
-            self.gluon, why = self.configs[0], f"{ENGINE_ENV}=gluon"
         elif _capturing():
             # no measuring inside a capture: the tile GEMM, undecided for the next plan
             self.decided, self.engine = True, "tile"
@@ -267,8 +345,7 @@ class EnginePlan:
             return
         else:
             self.gluon, why = self._measure(ops, c, grid, rows)
-            with _lock:
-                _measured[self.problem + (int(grid), rows)] = (_label(self.gluon) if self.gluon else "tile", why)
+            _keep(key, _label(self.gluon) if self.gluon else "tile", why, c.device)
         self.decided = True
         self.engine = _label(self.gluon) if self.gluon is not None else "tile"
         self.why = why

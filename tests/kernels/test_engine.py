@@ -181,3 +181,56 @@ def test_auto_measures_once_per_problem_and_never_in_a_capture(fake_gluon: list,
     gp4.launch(gp4.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=80, rows=(512, 512))
     assert len(measured) == 2 and gp4.engine == "tile" and len(tile_launches) == 2
     assert "capture" in list(_engines().values())[0][1]
+
+
+def test_measured_picks_kept_on_disk(fake_gluon: list, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """With OVERLAP_GEMM_CACHE the measured pick is written beside it and a later process
+    (fresh in-memory caches) takes it from there without measuring; a file of another
+    format is ignored; a forced engine overrides a kept pick."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setenv("OVERLAP_GEMM_CACHE", str(tmp_path / "gemm.json"))
+    monkeypatch.setattr(engine, "_env", lambda device: {"gpu": "test", "sms": 132})
+    measured: list[Any] = []
+
+    def measure(self: Any, ops: Any, c: Any, grid: int, rows: Any) -> tuple:
+        measured.append(grid)
+        return engine.gluon_configs(CFG)[0], "measured here"
+
+    monkeypatch.setattr(engine.EnginePlan, "_measure", measure)
+    x = _call(m=768, n=512, k=128)
+
+    def fresh_process() -> None:
+        monkeypatch.setattr(engine, "_measured", {})
+        monkeypatch.setattr(engine, "_disk", {})
+        monkeypatch.setattr(engine, "_disk_loaded", [False])
+
+    def run() -> Any:
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.tile.launch = lambda descs, c, **kw: None
+        gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=64, rows=(384, 384))
+        return gp
+
+    fresh_process()
+    assert run().engine == "gluon 128x256x64 s3" and measured == [64]
+    path = engine.cache_path()
+    assert path == str(tmp_path / "gemm.json") + ".engines.json"
+    import json
+
+    data = json.load(open(path))
+    assert data["format"] == "overlap-gemm-engine-1" and len(data["entries"]) == 1, data
+    fresh_process()
+    gp = run()
+    assert measured == [64] and gp.engine == "gluon 128x256x64 s3" and "earlier process" in gp.why
+    # a pick naming no candidate config, and a file of another format: measured again
+    data["entries"] = {k: {"engine": "gluon 512x512x64 s9", "why": "?"} for k in data["entries"]}
+    json.dump(data, open(path, "w"))
+    fresh_process()
+    assert run().engine == "gluon 128x256x64 s3" and measured == [64, 64]
+    open(path, "w").write("not json")
+    fresh_process()
+    run()
+    assert measured == [64, 64, 64]
+    # forced: the kept pick (here Gluon's) is not consulted, nor measured
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    assert run().why == "OVERLAP_GEMM_ENGINE=gluon" and len(measured) == 3
