@@ -181,8 +181,9 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                   f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
                   (f"As the consumer ops run it ({WAIT_CHUNKS} chunk flags already set, the engine the ops pick, "
                    f"wait ms): geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x "
-                   f"(Gluon picked on {summary['wait']['gluon_picked']} shapes); the tile GEMM alone on that table: "
-                   f"geo-mean {summary['tile_wait']['geomean']:.3f}x, min {summary['tile_wait']['min']:.3f}x."
+                   f"(Gluon picked on {summary['wait']['gluon_picked']} shapes)"
+                   + (f"; the tile GEMM alone on that table: geo-mean {summary['tile_wait']['geomean']:.3f}x, "
+                      f"min {summary['tile_wait']['min']:.3f}x." if summary.get("tile_wait") else ".")
                    if summary.get("wait") else "No wait column."),
                   *[f"Gluon GEMM {what} (its fastest config per shape): geo-mean "
                     f"{summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x."

@@ -244,12 +244,11 @@ def _ns(b: Any) -> int:
 class _Operands:
     """One call's operands, their descriptors made for the engine that launches them."""
 
-    __slots__ = ("a", "b", "a2", "descs", "gdescs")
+    __slots__ = ("a", "b", "a2", "descs")
 
     def __init__(self, a: Any, b: Any, a2: Any) -> None:
         self.a, self.b, self.a2 = a, b, a2
-        self.descs: Any = None
-        self.gdescs: Any = None
+        self.descs: Any = None  # the tile GEMM's, made once where it launches them
 
 
 class EnginePlan:
