@@ -19,10 +19,13 @@ compiled once in a pool of processes (Triton's on-disk cache then serves the tun
 then per shape: ``tune_gemm`` (its wall time is the tuner's cost for a new shape), and
 interleaved rounds of cuBLAS (``torch.mm``) and the tuned tile GEMM over every SM, each
 timed as CUDA-graph replays (host launch cost left out), medians kept. Beside the GEMM
-alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: the per-tile
-kernel (``tune_gemm`` without the flattened configs) over a table of 4 chunks of rows whose
-flags are already set (``wait_table``), so its figure is what waiting on flags costs when
-nothing is late (its kernels, with waits, are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
+alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over a table of 4
+chunks of rows whose flags are already set (``wait_table``), of the per-tile kernel's tuned
+tile (``tune_gemm`` without the flattened configs), on the engine the ops pick
+(``overlap.kernels.engine.engine_plan``: the tile GEMM or the Gluon GEMM, measured; its
+pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. So these
+figures are what waiting on flags costs when nothing is late (their kernels, with waits,
+are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
 (``gluon_ms``, ``gluon_wait_ms``). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
@@ -133,14 +136,20 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
     tune = [r["tune_s"] for r in ok if r.get("tune_s") is not None]
     wsp = [r["cublas_ms"] / r["wait_ms"] for r in ok if r.get("wait_ms")]
     wait = ({"geomean": round(math.exp(sum(math.log(s) for s in wsp) / len(wsp)), 4), "min": round(min(wsp), 4),
-             "shapes": len(wsp)} if wsp else None)
+             "shapes": len(wsp), "gluon_picked": sum(str(r.get("wait_engine", "")).startswith("gluon") for r in ok),
+             "under_0.93": [label(r) for r in ok if r.get("wait_ms") and r["cublas_ms"] / r["wait_ms"] < 0.93]}
+            if wsp else None)
+    tsp = [r["cublas_ms"] / r["tile_wait_ms"] for r in ok if r.get("tile_wait_ms")]
+    tile_wait = ({"geomean": round(math.exp(sum(math.log(s) for s in tsp) / len(tsp)), 4), "min": round(min(tsp), 4),
+                  "shapes": len(tsp)} if tsp else None)
     gl_ = {}
     for kind in ("gluon", "gluon_wait"):
         v = [r[f"{kind}_vs_cublas"] for r in ok if r.get(f"{kind}_vs_cublas")]
         if v:
             gl_[kind] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": round(min(v), 4),
                          "shapes": len(v)}
-    return {"shapes": len(ok), "wait": wait, **gl_, "geomean": round(geo, 4), "min": round(min(sp), 4),
+    return {"shapes": len(ok), "wait": wait, "tile_wait": tile_wait, **gl_, "geomean": round(geo, 4),
+            "min": round(min(sp), 4),
             "max": round(max(sp), 4),
             "worst": [[label(r), round(r["cublas_ms"] / r["tile_ms"], 4)] for r in worst[:5]],
             "under_min_target": [label(r) for r in worst if r["cublas_ms"] / r["tile_ms"] < target_min],
@@ -153,8 +162,8 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines = [f"# Tile GEMM vs cuBLAS ({context.get('gpu')}, commit {context.get('commit')})", "",
              "| M | N | K | B | dtype | model / layer / TP | cuBLAS ms | tile ms | tile / cuBLAS speed | config "
-             "| tune s | wait ms | wait / cuBLAS speed | wait config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tune s | wait ms | wait / cuBLAS speed | wait config | wait engine | tile wait / cuBLAS |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("tile_ms"):
             continue
@@ -162,15 +171,19 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                      f"{r.get('model')} {r.get('layer')} {r.get('tp')} | {r['cublas_ms']:.4f} | {r['tile_ms']:.4f} | "
                      f"{r['cublas_ms'] / r['tile_ms']:.3f} | {r['config']} | {r.get('tune_s', float('nan')):.2f} | "
                      f"{r.get('wait_ms', float('nan')):.4f} | {r.get('wait_vs_cublas', float('nan')):.3f} | "
-                     f"{r.get('wait_config', '-')} |")
+                     f"{r.get('wait_config', '-')} | {r.get('wait_engine', '-')} | "
+                     f"{r.get('tile_wait_vs_cublas', float('nan')):.3f} |")
     if summary.get("shapes"):
         lines += ["", f"{summary['shapes']} shapes: geo-mean {summary['geomean']:.3f}x cuBLAS, "
                       f"min {summary['min']:.3f}x, max {summary['max']:.3f}x; targets geo-mean >= "
                       f"{summary['targets']['geomean']}, min >= {summary['targets']['min']}: "
                       f"{'met' if summary['met'] else 'missed'}.",
                   f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
-                  (f"As the consumer ops run it (per-tile kernel, {WAIT_CHUNKS} chunk flags already set, wait ms): "
-                   f"geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x."
+                  (f"As the consumer ops run it ({WAIT_CHUNKS} chunk flags already set, the engine the ops pick, "
+                   f"wait ms): geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x "
+                   f"(Gluon picked on {summary['wait']['gluon_picked']} shapes)"
+                   + (f"; the tile GEMM alone on that table: geo-mean {summary['tile_wait']['geomean']:.3f}x, "
+                      f"min {summary['tile_wait']['min']:.3f}x." if summary.get("tile_wait") else ".")
                    if summary.get("wait") else "No wait column."),
                   *[f"Gluon GEMM {what} (its fastest config per shape): geo-mean "
                     f"{summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x."
@@ -257,6 +270,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
+    from overlap.kernels.engine import engine_plan
     from overlap.kernels.tile_gemm import launch_gemm, launch_tile_gemm
 
     m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
@@ -282,10 +296,19 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     flags = torch.ones(WAIT_CHUNKS, dtype=torch.int32, device=dev)
     err = torch.zeros(8, dtype=torch.int32, device=dev)
     c_w = torch.empty(m, n, device=dev, dtype=dtype)
+    c_e = torch.empty(m, n, device=dev, dtype=dtype)
+    # the engine the ops pick on this table (measured at its first launch, outside the timers)
+    t0 = time.perf_counter()
+    ep = engine_plan(a, b, c_e, wtab, flags=flags, err=err, timeout_ns=2_000_000_000, config=wcfg, wait=True)
+    ep.launch(ep.operands(a, b), c_e, epoch=1, grid=sms)
+    torch.cuda.synchronize()
+    engine_s = time.perf_counter() - t0
+    wait_engine = getattr(ep, "engine", "tile")
     timers = {"cublas": GraphTimer(lambda: torch.mm(a, b, out=c_ref)),
               "tile": GraphTimer(lambda: launch_gemm(a, b, c, grid=sms, config=cfg)),
-              "wait": GraphTimer(lambda: launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1, wait=True,
-                                                          grid=sms, config=wcfg))}
+              "wait": GraphTimer(lambda: ep.launch(ep.operands(a, b), c_e, epoch=1, grid=sms)),
+              "tile_wait": GraphTimer(lambda: launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1,
+                                                               wait=True, grid=sms, config=wcfg))}
     g_runs = _gluon_runs(a, b, m, n, flags, err, sms) if gluon else {}
     for kk, (fn, _out) in g_runs.items():
         timers[kk] = GraphTimer(fn)
@@ -295,16 +318,19 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
             times[kk].append(t.ms())
     c.fill_(float("nan"))
     c_w.fill_(float("nan"))
+    c_e.fill_(float("nan"))
+    ep.launch(ep.operands(a, b), c_e, epoch=1, grid=sms)
     launch_gemm(a, b, c, grid=sms, config=cfg)
     launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1, wait=True, grid=sms, config=wcfg)
     torch.mm(a, b, out=c_ref)
     ref = c_ref.float()
     rel = ((c.float() - ref).norm() / ref.norm()).item()
-    rel_w = ((c_w.float() - ref).norm() / ref.norm()).item()
+    rel_w = ((c_e.float() - ref).norm() / ref.norm()).item()
+    rel_tw = ((c_w.float() - ref).norm() / ref.norm()).item()
     if int(err[0]) != 0:
         raise RuntimeError(f"wait_ms: a wait failed on flags already set: error word {err.tolist()}")
     cb, tl_ = statistics.median(times["cublas"]), statistics.median(times["tile"])
-    wt = statistics.median(times["wait"])
+    wt, twt = statistics.median(times["wait"]), statistics.median(times["tile_wait"])
     extra = _gluon_fields(g_runs, times, cb, ref) if gluon else {}
     if int(err[0]) != 0:
         raise RuntimeError(f"gluon: a wait failed on flags already set: error word {err.tolist()}")
@@ -313,6 +339,10 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
             "wait_ms": round(wt, 5), "wait_vs_cublas": round(cb / wt, 4), "wait_config": _cfg_str(wcfg),
             "wait_tune_s": round(wait_tune_s, 3), "wait_rel_err_vs_cublas": rel_w,
+            "wait_engine": wait_engine, "wait_engine_s": round(engine_s, 3),
+            "wait_engine_why": getattr(ep, "why", None),
+            "tile_wait_ms": round(twt, 5), "tile_wait_vs_cublas": round(cb / twt, 4),
+            "tile_wait_rel_err_vs_cublas": rel_tw,
             "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
             "cublas_tflops": round(flops / cb / 1e9, 1), "tile_tflops": round(flops / tl_ / 1e9, 1),
             "config": _cfg_str(cfg), "config_fields": {f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
@@ -446,7 +476,8 @@ def main() -> None:
         else:
             print(f"[{i + 1}/{len(shapes)}] {r['m']:>5}x{r['n']:>5}x{r['k']:>5} {r['b_layout']} {r['dtype']:>8}: "
                   f"cuBLAS {r['cublas_ms']:.4f} ms, tile {r['tile_ms']:.4f} ms = {r['speed_vs_cublas']:.3f}x, "
-                  f"waiting {r['wait_ms']:.4f} ms = {r['wait_vs_cublas']:.3f}x ({r['wait_config']}) "
+                  f"waiting {r['wait_ms']:.4f} ms = {r['wait_vs_cublas']:.3f}x ({r['wait_config']}, "
+                  f"{r['wait_engine']}; tile GEMM {r['tile_wait_vs_cublas']:.3f}x) "
                   f"({r['config']}; tuned in {r['tune_s']:.2f} s; err {r['rel_err_vs_cublas']:.1e}) "
                   f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
         write_results(args.out, context, rows, {"compile": {"jobs": len(jobs), "wall_s": round(compile_wall, 2),

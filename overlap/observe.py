@@ -65,8 +65,8 @@ import torch
 from torch.autograd import profiler as _autograd_profiler
 
 __all__ = ["profile", "op_range", "gpu_range", "record_call", "record_warning", "record_timeout", "record_tuning",
-           "record_alone", "record_phases", "timer", "EventTimer", "Why", "Report", "report", "reset_report",
-           "hidden_fraction",
+           "record_alone", "record_engine", "record_phases", "timer", "EventTimer", "Why", "Report", "report",
+           "reset_report", "hidden_fraction",
            "trace", "tile_gemm_metadata", "add_norm_metadata", "reduce_norm_metadata", "fold_norm_metadata"]
 
 _enabled: bool = os.environ.get("OVERLAP_PROFILE", "").strip().lower() not in ("", "0", "false", "no", "off")
@@ -206,6 +206,7 @@ _warnings: dict[tuple, int] = {}        # (op, shape, msg) -> times
 _timeouts: dict[tuple, list] = {}       # (op, shape) -> [count, last message]
 _tunings: dict[tuple, tuple] = {}       # (op, shape) -> (candidates, picked)
 _alone: dict[tuple, dict] = {}          # (op, shape) -> {"comm": ms, "gemm": ms}
+_engines: dict[tuple, tuple] = {}       # (M, N, K, dtype) -> (engine, why), the last GEMM plan's
 _samples: dict[tuple, deque] = {}       # (op, shape, path, serial, phase) -> ms
 _pending: deque = deque()               # (op, shape, path, serial, {phase: (start, end)})
 _dropped = [0]
@@ -311,6 +312,13 @@ def record_tuning(op: str, shape: Sequence[int], candidates: Iterable[tuple[str,
     cands = [(str(label), float(ms)) for label, ms in candidates]
     with _lock:
         _tunings[(op, tuple(shape))] = (cands, str(picked))
+
+
+def record_engine(problem: Sequence[Any], engine: str, why: str) -> None:
+    """Which GEMM engine (``overlap.kernels.engine``) runs a consumer GEMM of ``problem``
+    ((M, N, K, dtype)) and why: measured times, a forced engine, or why Gluon cannot."""
+    with _lock:
+        _engines[tuple(problem)] = (str(engine), str(why))
 
 
 def record_alone(op: str, shape: Sequence[int], *, comm_ms: float | None = None,
@@ -423,7 +431,7 @@ def _resolve_locked(limit: int | None = None, drop: bool = False) -> None:
 def reset_report() -> None:
     """Forget everything recorded (events still pending are dropped)."""
     with _lock:
-        for d in (_calls, _warnings, _timeouts, _tunings, _alone, _samples):
+        for d in (_calls, _warnings, _timeouts, _tunings, _alone, _samples, _engines):
             d.clear()
         _pending.clear()
         _dropped[0] = 0
@@ -460,21 +468,23 @@ class Report:
     ``timeouts`` as in a row."""
 
     def __init__(self, rows: list[dict], dropped: int = 0, pending: int = 0,
-                 notes: list[dict] | None = None) -> None:
+                 notes: list[dict] | None = None, engines: list[dict] | None = None) -> None:
         self.rows = rows
         self.notes = notes or []
+        self.engines = engines or []
         self.dropped = dropped
         self.pending = pending
 
     def to_json(self, **kw: Any) -> str:
-        return json.dumps({"rows": self.rows, "notes": self.notes, "dropped_timings": self.dropped,
+        return json.dumps({"rows": self.rows, "notes": self.notes, "engines": self.engines,
+                           "dropped_timings": self.dropped,
                            "pending_timings": self.pending}, **kw)
 
     def __repr__(self) -> str:
         return f"Report({len(self.rows)} rows)"
 
     def __str__(self) -> str:
-        if not self.rows and not self.notes:
+        if not self.rows and not self.notes and not self.engines:
             return "overlap report: no calls recorded"
         head = ("op", "shape", "path (why)", "calls", "op ms", "comm alone", "gemm alone", "hidden")
         lines: list[tuple] = []
@@ -508,6 +518,9 @@ class Report:
             widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
             out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
             out += ["  ".join(v.ljust(w) for v, w in zip(l, widths)).rstrip() for l in lines]
+        for e in self.engines:
+            m, n, k, dt = e["gemm"]
+            notes.append(f"GEMM {m}x{n}x{k} {dt}: engine {e['engine']} ({e['why']})")
         if self.pending or self.dropped:
             notes.append(f"timings: {self.pending} call(s) not complete yet, {self.dropped} dropped")
         return "\n".join(out + notes)
@@ -562,7 +575,8 @@ def report() -> Report:
                 "timeouts": timeouts,
                 "timing": _timing(e["samples"], _alone.get((op, shape), {})),
             })
-        return Report(rows, _dropped[0], len(_pending), notes)
+        engines = [{"gemm": list(k), "engine": v[0], "why": v[1]} for k, v in sorted(_engines.items(), key=str)]
+        return Report(rows, _dropped[0], len(_pending), notes, engines)
 
 
 def _timing(by: dict[tuple, dict], alone_given: dict) -> list[dict]:

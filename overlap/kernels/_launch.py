@@ -232,11 +232,13 @@ class CachedLauncher:
 
     def launch(self, grid: int, args: Sequence[Any], constexprs: dict[str, Any], *, key: Any,
                num_warps: int, num_stages: int | None = None, interpret: bool = False,
-               device: int | None = None, aligned: Sequence[Any] = (), launch_pdl: bool = False) -> Any:
+               device: int | None = None, aligned: Sequence[Any] = (), launch_pdl: bool = False,
+               options: tuple[tuple[str, Any], ...] = ()) -> Any:
         """Launch; returns ``(compiled kernel, device, integer widths)`` when the compiled
         kernel is cached for this launch (for ``PreparedLaunch``), else None. ``launch_pdl``:
-        Triton's option of that name (a programmatic dependent launch: another compiled kernel)."""
-        opts: dict[str, Any] = {"num_warps": num_warps}
+        Triton's option of that name (a programmatic dependent launch: another compiled kernel).
+        ``options``: more compile options, as (name, value) pairs (``maxnreg``)."""
+        opts: dict[str, Any] = {"num_warps": num_warps, **dict(options)}
         if num_stages is not None:
             opts["num_stages"] = num_stages
         if launch_pdl:
@@ -248,7 +250,7 @@ class CachedLauncher:
         # Triton types every integer argument by its width (i32, i64, u64), even those it
         # does not specialize on: a value past int32 needs another compiled kernel
         widths = _widths(args)
-        full_key = (key, widths, num_warps, num_stages, device, bool(launch_pdl))
+        full_key = (key, widths, num_warps, num_stages, device, bool(launch_pdl), options)
         if fast:
             for t in aligned:
                 if t.data_ptr() % 16:
@@ -282,7 +284,9 @@ class CachedLauncher:
                               "using Triton's launch path", RuntimeWarning, stacklevel=3)
             except (OverflowError, ValueError):  # an argument the cached kernel cannot take
                 fast = False  # (nothing was launched): Triton's path, and do not cache its pick
-        compiled = self.fn[(grid,)](*_for_triton(args), **constexprs, **opts)
+        # (a constexpr parameter named as an option, Gluon's num_warps, is passed once)
+        compiled = self.fn[(grid,)](*_for_triton(args), **constexprs,
+                                    **{k: v for k, v in opts.items() if k not in constexprs})
         self.misses += 1
         if fast and self.const_names is not None and hasattr(compiled, "run") and hasattr(compiled, "function"):
             if len(self._cache) >= self.max_entries:
@@ -295,9 +299,9 @@ class CachedLauncher:
         return None
 
     def prepare(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
-                interpret: bool = False) -> "PreparedLaunch":
+                interpret: bool = False, options: tuple[tuple[str, Any], ...] = ()) -> "PreparedLaunch":
         """Launches whose key, constexprs and options are fixed (see ``PreparedLaunch``)."""
-        return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret)
+        return PreparedLaunch(self, key, constexprs, num_warps, num_stages, interpret, options)
 
     def prepared(self, key: Any, constexprs: dict[str, Any], *, num_warps: int, num_stages: int | None = None,
                  interpret: bool = False) -> "PreparedLaunch":
@@ -328,11 +332,11 @@ class PreparedLaunch:
     metadata, and pass no hooks (none are set). Anything else takes the cache's path."""
 
     __slots__ = ("owner", "key", "constexprs", "num_warps", "num_stages", "interpret", "const_vals",
-                 "compiled", "device", "widths", "raw")
+                 "compiled", "device", "widths", "raw", "options")
 
     def __init__(self, owner: CachedLauncher, key: Any, constexprs: dict[str, Any], num_warps: int,
-                 num_stages: int | None, interpret: bool) -> None:
-        self.owner, self.key, self.constexprs = owner, key, constexprs
+                 num_stages: int | None, interpret: bool, options: tuple[tuple[str, Any], ...] = ()) -> None:
+        self.owner, self.key, self.constexprs, self.options = owner, key, constexprs, options
         self.num_warps, self.num_stages, self.interpret = num_warps, num_stages, interpret
         names = owner.const_names or []
         self.const_vals = tuple(constexprs[n] for n in names)
@@ -365,7 +369,8 @@ class PreparedLaunch:
                 except (OverflowError, ValueError):  # an argument the kernel cannot take: nothing launched
                     pass
         got = self.owner.launch(grid, _for_triton(args), self.constexprs, key=self.key, num_warps=self.num_warps,
-                                num_stages=self.num_stages, interpret=self.interpret, aligned=aligned)
+                                num_stages=self.num_stages, interpret=self.interpret, aligned=aligned,
+                                options=self.options)
         if got is not None:
             self.compiled, self.device, self.widths = got
             self.raw = _RawLaunch.of(got[0])

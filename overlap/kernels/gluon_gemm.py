@@ -34,9 +34,10 @@ warps through a two-slot queue in shared memory, and ends with an end mark per M
 warpgroup.
 
 Not here (the ``triton.language`` kernel has them): posts (producer tiles), split tiles,
-several weights, the folded norm, signature words, row-bucket cuts, TileSync. So no op
-runs it: it is a benchmark kernel (``benchmarks/gluon_gemm_bench.py``;
-what it measured and why it is not an engine: docs/experiments.md, 2026-12-04).
+several weights, the folded norm, signature words, A-row cuts, TileSync. The consumer ops
+run it where their call needs none of these and it measured faster
+(``overlap.kernels.engine``; ``GluonGemmPlan`` is the form they launch); the tile GEMM runs
+everything else.
 
 Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
 says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
@@ -44,6 +45,7 @@ says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +54,7 @@ import torch
 from .. import protocol as _p
 from . import _gluon_compat as _c
 
-__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "launch_gluon_gemm", "descriptors"]
+__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "GluonGemmPlan", "launch_gluon_gemm", "descriptors"]
 
 AVAILABLE: bool = _c.AVAILABLE
 REASON: str = _c.REASON
@@ -136,6 +138,11 @@ if AVAILABLE:
     _ERR_TIMEOUT = gl.constexpr(_p.ERR_TIMEOUT)
     _ERR_AHEAD = gl.constexpr(_p.ERR_AHEAD)
 
+    _PER_CALL = ["num_tiles", "epoch", "rank", "timeout_ns", "rows_cap", "rows_span"]
+    """Integers that change from call to call (an epoch of 1, a row count that divides by
+    16): not specialized on, so a new value never compiles another kernel (which a CUDA
+    graph capture could not take)."""
+
     @gluon.jit
     def _warp_any(x):
         """1 in every lane of the warp if ``x`` is nonzero in any lane (``vote.any``): the
@@ -149,6 +156,15 @@ if AVAILABLE:
     def _globaltimer():
         return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
                                          pack=1)
+
+    @gluon.jit
+    def _cut_rows(row, rows, rows_cap, rows_span):
+        """Table row ``row`` of a block of ``rows_span`` rows, moved to this call's block of
+        ``rows_cap``; the tile's ``rows`` cut at that block's end (0 or less: a dead tile).
+        As ``tile_gemm._cut_rows``."""
+        blk = row // rows_span
+        off = row - blk * rows_span
+        return blk * rows_cap + off, gl.minimum(rows, rows_cap - off)
 
     @gluon.jit
     def _record(err_ptr, code, rank, idx, expected, seen, t):
@@ -222,14 +238,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _loader(a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs, ready, empty,
-                tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns,
+                tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap, rows_span,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                 B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr, DYNAMIC: gl.constexpr,
-                CONSUMERS: gl.constexpr):
+                CLIP: gl.constexpr, CONSUMERS: gl.constexpr):
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
         ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
         each tile from the dispatch counter and passes its index to the MMA side through the
-        tile queue, then one end mark (``num_tiles``) per MMA consumer."""
+        tile queue, then one end mark (``num_tiles``) per MMA consumer. With ``CLIP`` a tile
+        whose C rows the call's row blocks cut away (a dead tile) neither waits nor loads."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -248,14 +265,20 @@ if AVAILABLE:
             a_src = gl.load(row + _COL_A_SRC)
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             ok = 1
+            if CLIP:
+                cut_row, cut_rows = _cut_rows(gl.load(row + _COL_C_ROW), gl.load(row + _COL_C_ROWS), rows_cap,
+                                              rows_span)
+                if cut_rows <= 0:
+                    ok = 0
             if HAS_WAIT:
                 w_idx = gl.load(row + _COL_WAIT)
                 w_mult = gl.load(row + _COL_WAIT_MULT)
-                if _warp_any(gl.load(err_ptr + _ERR_CODE, volatile=True) != 0) != 0:
-                    ok = 0
-                elif w_idx >= 0:
-                    ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
-                                    timeout_ns)
+                if ok != 0:  # (a dead tile neither waits nor records)
+                    if _warp_any(gl.load(err_ptr + _ERR_CODE, volatile=True) != 0) != 0:
+                        ok = 0
+                    elif w_idx >= 0:
+                        ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
+                                        timeout_ns)
             load = ok != 0
             from_a2 = False
             if HAS_A2:
@@ -292,33 +315,60 @@ if AVAILABLE:
                   ACTIVATION: gl.constexpr):
         """Activation and the C store of one tile: a whole tile through shared memory and one
         TMA store (clipped at N; the buffer's previous store must have read it first), a
-        ragged one (``c_rows`` < BLOCK_M) by masked stores. Nothing after a failed wait
-        anywhere (this tile's included: its slots were never loaded)."""
-        live = 1
-        if HAS_WAIT:
-            live = (gl.load(err_ptr + _ERR_CODE, volatile=True) == 0).to(gl.int32)
-        if live != 0:
-            if ACTIVATION == 1:
-                acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
-            out = acc.to(c_ptr.dtype.element_ty)
-            if c_rows >= BLOCK_M:
-                _c.tma.store_wait(0)
-                c_smem.store(out)
-                _c.fence_async_shared()
-                _c.tma_store(c_desc, [c_row, off_n], c_smem)
+        ragged one (``c_rows`` < BLOCK_M) by masked stores. After a failed wait anywhere
+        (this tile's included: its slots were never loaded) NaN over the tile instead, masked
+        to C's rows and columns (``tile_gemm._poison``): a call that returns before its error
+        is raised returns NaN where it may have had no data, never C's old values. A dead
+        tile (``c_rows`` <= 0: a row cut) stores nothing."""
+        # (constexpr branches spelled out: Triton 3.6's Gluon front end emitted the NaN store of
+        # a flag that stayed a Python int, and its build of that failed)
+        if c_rows > 0:
+            if HAS_WAIT:
+                if gl.load(err_ptr + _ERR_CODE, volatile=True) != 0:
+                    _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
+                else:
+                    _store(acc, acc_layout, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
+                           BLOCK_N, ACTIVATION)
             else:
-                offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
-                ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-                gl.store(ptrs, out, mask=mask)
+                _store(acc, acc_layout, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N,
+                       ACTIVATION)
+
+    @gluon.jit
+    def _poison(c_ptr, acc_layout: gl.constexpr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """NaN over a tile's rows and columns of C (masked stores)."""
+        offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+        ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        nan = gl.full([BLOCK_M, BLOCK_N], float("nan"), gl.float32, layout=acc_layout)
+        gl.store(ptrs, nan.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _store(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACTIVATION: gl.constexpr):
+        """Activation, then the tile into C."""
+        if ACTIVATION == 1:
+            acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+        out = acc.to(c_ptr.dtype.element_ty)
+        if c_rows >= BLOCK_M:
+            _c.tma.store_wait(0)
+            c_smem.store(out)
+            _c.fence_async_shared()
+            _c.tma_store(c_desc, [c_row, off_n], c_smem)
+        else:
+            offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+            ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, out, mask=mask)
 
     @gluon.jit
     def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
-             N, K, num_tiles, stride_cm,
+             N, K, num_tiles, stride_cm, rows_cap, rows_span,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-             num_warps: gl.constexpr):
+             CLIP: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
         flight, then the epilogue."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -336,6 +386,8 @@ if AVAILABLE:
             row = table_ptr + t * _TABLE_COLS
             c_row = gl.load(row + _COL_C_ROW)
             c_rows = gl.load(row + _COL_C_ROWS)
+            if CLIP:
+                c_row, c_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             for ki in range(k_tiles):
@@ -361,13 +413,13 @@ if AVAILABLE:
                 t += num_progs
         _c.tma.store_wait(0)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=_PER_CALL)
     def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
-                          N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
+                          N, K, num_tiles, epoch, rank, timeout_ns, stride_cm, rows_cap, rows_span,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                           ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          WS_LIST: gl.constexpr, num_warps: gl.constexpr):
+                          WS_LIST: gl.constexpr, CLIP: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -392,20 +444,20 @@ if AVAILABLE:
         if WS_LIST:
             gl.warp_specialize([
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
-                        err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT,
-                        ACTIVATION, DYNAMIC, num_warps)),
+                        err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                        B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
-                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 1)),
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
+                           rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, CLIP, 1)),
             ], [1], [LOADER_REGS])
 
 
     @gluon.jit
     def _mma_pp(a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
-                err_ptr, N, K, num_tiles, stride_cm,
+                err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                 B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-                WG: gl.constexpr):
+                CLIP: gl.constexpr, WG: gl.constexpr):
         """One of the two ping-pong MMA warpgroups: the program's tiles WG, WG + 2, ...
 
         Its n-th tile is the program's tile j = 2n + WG, whose K steps are ring uses
@@ -430,6 +482,8 @@ if AVAILABLE:
             row = table_ptr + t * _TABLE_COLS
             c_row = gl.load(row + _COL_C_ROW)
             c_rows = gl.load(row + _COL_C_ROWS)
+            if CLIP:
+                c_row, c_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             cnt = (2 * n + WG) * k_tiles
             # warpgroup 0 waits for phase n - 1 of its turn barrier (none at n = 0: parity 1
@@ -459,14 +513,14 @@ if AVAILABLE:
                 t += 2 * num_progs
         _c.tma.store_wait(0)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=_PER_CALL)
     def gluon_gemm_pp_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
-                             N, K, num_tiles, epoch, rank, timeout_ns, stride_cm,
+                             N, K, num_tiles, epoch, rank, timeout_ns, stride_cm, rows_cap, rows_span,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                              STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
                              HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
                              LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             CLIP: gl.constexpr, num_warps: gl.constexpr):
         """``gluon_gemm_kernel`` with two MMA warpgroups in ping-pong (``_mma_pp``): the
         default partition is warpgroup 0, a worker partition of 4 warps warpgroup 1."""
         dtype: gl.constexpr = a_desc.dtype
@@ -493,14 +547,14 @@ if AVAILABLE:
         if WS_LIST:
             gl.warp_specialize([
                 (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
-                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
-                           HAS_WAIT, ACTIVATION, DYNAMIC, 0)),
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
+                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 0)),
                 (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
-                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN,
-                           HAS_WAIT, ACTIVATION, DYNAMIC, 1)),
+                           table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
+                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 1)),
                 (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
-                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, 2)),
+                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
+                           rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, CLIP, 2)),
             ], [4, 1], [MMA_REGS, LOADER_REGS])
 
 
@@ -512,23 +566,28 @@ def _gl_dtype(dt: torch.dtype) -> Any:
     return table[dt]
 
 
+@functools.lru_cache(maxsize=64)
+def _smem_layout(rows: int, cols: int, dt: torch.dtype) -> Any:
+    """The shared-memory layout of a [rows, cols] TMA tile (made once: a few microseconds each)."""
+    return _c.gl.NVMMASharedLayout.get_default_for([rows, cols], _gl_dtype(dt))
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: GluonGemmConfig,
                 a2: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any, bool]:
     """TMA descriptors of A (and A2), B and C, and whether B is read as row-major [K, N]
     (``b`` itself) or as the [N, K] storage of an ``nn.Linear`` weight (``b = w.t()``)."""
-    TD, gl = _c.TensorDescriptor, _c.gl
-    dt = _gl_dtype(a.dtype)
+    TD = _c.TensorDescriptor
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], dt)
+    a_layout = _smem_layout(bm, bk, a.dtype)
     a_desc = TD.from_tensor(a, [bm, bk], a_layout)
     a2_desc = TD.from_tensor(a2, [bm, bk], a_layout) if a2 is not None else a_desc
     b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
     if b_kn:
-        b_desc = TD.from_tensor(b, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], dt))
+        b_desc = TD.from_tensor(b, [bk, bn], _smem_layout(bk, bn, b.dtype))
     else:
         w = b.t()  # [N, K] row-major
-        b_desc = TD.from_tensor(w, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], dt))
-    c_desc = TD.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype)))
+        b_desc = TD.from_tensor(w, [bn, bk], _smem_layout(bn, bk, b.dtype))
+    c_desc = TD.from_tensor(c, [bm, bn], _smem_layout(bm, bn, c.dtype))
     return a_desc, a2_desc, b_desc, c_desc, b_kn
 
 
@@ -536,7 +595,7 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
                       grid: int, a2: torch.Tensor | None = None, flags: torch.Tensor | None = None,
                       err: torch.Tensor | None = None, epoch: int = 0, rank: int = 0,
                       timeout_ns: int = 2_000_000_000, activation: int = 0, counter: torch.Tensor | None = None,
-                      config: GluonGemmConfig | None = None) -> None:
+                      config: GluonGemmConfig | None = None, rows: tuple[int, int] | None = None) -> None:
     """Run the tiles of ``table`` (``overlap.policies.build_tile_table``'s int32 [T, 8]) on
     ``grid`` programs: ``c[c_row + i, n] = (a2 if a_src else a)[a_row + i, :] @ b[:, n]``.
 
@@ -556,46 +615,116 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     first launch: tiles are then handed out in table order by an atomic add on it (each
     program's loader takes the next and passes it to its MMA warps), so a second launch,
     on other SMs or behind a stream wait, can join the same table. Without it program p runs
-    rows p, p + grid, ... Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
+    rows p, p + grid, ... ``rows=(cap, span)``: the table was made for C rows in blocks of
+    ``span`` and this call's blocks hold ``cap <= span`` (``tile_gemm.launch_tile_gemm``'s
+    ``rows``, C rows only): a tile's rows are cut at its block's end, and a tile with none
+    left neither waits nor stores. Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon_gemm: {REASON}")
-    cfg = config or GluonGemmConfig()
-    if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
-        raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do not "
-                         "make c = a @ b")
-    if not (a.dtype == b.dtype == c.dtype) or (a2 is not None and a2.dtype != a.dtype):
-        raise ValueError(f"gluon_gemm: dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
-    if c.stride(1) != 1:
-        raise ValueError(f"gluon_gemm: c must be row-major, got strides {c.stride()}")
-    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
-        raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
-                         f"{tuple(table.shape)}")
     if grid < 1:
         raise ValueError(f"gluon_gemm: grid must be >= 1, got {grid}")
-    has_wait = flags is not None
-    if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
-                     or err.numel() < _p.ERR_WORDS):
-        raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
-    dynamic = counter is not None
-    if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
-        raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, got "
-                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
-    a_desc, a2_desc, b_desc, c_desc, b_kn = descriptors(a, b, c, cfg, a2)
-    counter_t = counter if dynamic else table
-    flags_t = flags if has_wait else table
-    err_t = err if has_wait else table
-    nw = cfg.num_warps
-    # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
-    # the MMA partition(s) take what the loader's few leave (setmaxnreg)
-    if cfg.pingpong:
-        gluon_gemm_pp_kernel[(grid,)](
-            a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
-            c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
-            cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
-            cfg.loader_regs, 232, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)
-        return
-    gluon_gemm_kernel[(grid,)](
-        a_desc, a2_desc, b_desc, c_desc, c, table, flags_t, err_t, counter_t,
-        c.shape[1], a.shape[1], table.shape[0], epoch, rank, timeout_ns, c.stride(0),
-        cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages, b_kn, a2 is not None, has_wait, activation, dynamic,
-        cfg.loader_regs, _c.WS_LIST_FORM, num_warps=nw, maxnreg=168)
+    plan = GluonGemmPlan(a, b, c, table, a2=a2, flags=flags, err=err, rank=rank, timeout_ns=timeout_ns,
+                         activation=activation, counter=counter, config=config, clip=rows is not None)
+    plan.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
+
+
+class GluonGemmPlan:
+    """``launch_gluon_gemm``'s checks, constexprs and launch key made once, for a GEMM an op
+    launches call after call (``overlap.kernels.engine``): per launch only the operands'
+    storage (their shapes and strides as the plan's; A's and C's row counts free with
+    ``clip``), the epoch, the grid and the row cut change, and the kernel is launched
+    through a prepared launch (no per-call argument binding by Triton)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
+                 a2: torch.Tensor | None = None, flags: torch.Tensor | None = None, err: torch.Tensor | None = None,
+                 rank: int = 0, timeout_ns: int = 2_000_000_000, activation: int = 0,
+                 counter: torch.Tensor | None = None, config: GluonGemmConfig | None = None,
+                 clip: bool = False) -> None:
+        if not AVAILABLE:
+            raise RuntimeError(f"gluon_gemm: {REASON}")
+        cfg = config or GluonGemmConfig()
+        if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
+            raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do "
+                             "not make c = a @ b")
+        if not (a.dtype == b.dtype == c.dtype) or (a2 is not None and a2.dtype != a.dtype):
+            raise ValueError(f"gluon_gemm: dtypes differ: a {a.dtype}, b {b.dtype}, c {c.dtype}")
+        _gl_dtype(a.dtype)
+        if c.stride(1) != 1:
+            raise ValueError(f"gluon_gemm: c must be row-major, got strides {c.stride()}")
+        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
+            raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                             f"{tuple(table.shape)}")
+        has_wait = flags is not None
+        if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
+                         or err.numel() < _p.ERR_WORDS):
+            raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
+        dynamic = counter is not None
+        if dynamic and (counter.dtype != torch.int32 or counter.numel() < 1 or counter.device != table.device):
+            raise ValueError(f"gluon_gemm: counter must be an int32 tensor of >= 1 word on the table's device, "
+                             f"got {counter.dtype} {tuple(counter.shape)} on {counter.device}")
+        b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
+        self.cfg, self.b_kn, self.clip, self.table = cfg, b_kn, bool(clip), table
+        self.flags = flags if has_wait else table  # never read without waits / a counter
+        self.err = err if has_wait else table
+        self.counter = counter if dynamic else table
+        # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
+        # the MMA partition(s) take what the loader's few leave (setmaxnreg)
+        meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STAGES=cfg.stages, B_KN=b_kn,
+                    HAS_A2=a2 is not None, HAS_WAIT=has_wait, ACTIVATION=int(activation), DYNAMIC=dynamic,
+                    LOADER_REGS=cfg.loader_regs)
+        if cfg.pingpong:
+            meta["MMA_REGS"] = 232
+        meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip), num_warps=cfg.num_warps)
+        a2_ = a2 if a2 is not None else a
+        b_store = b if b_kn else b.t()
+        self.has_a2 = a2 is not None
+        self.layouts = (self._rows_free(a), self._rows_free(a2_), (tuple(b_store.shape), tuple(b_store.stride())),
+                        (c.shape[1], tuple(c.stride())))
+        # what Triton specializes on beside the constexprs: dtypes, N, K and C's row stride (the
+        # integers it does not skip), and, to be safe, the operands' row strides and B's layout
+        key = (tuple(meta.values()), a.dtype, c.dtype, c.shape[1], a.shape[1], c.stride(0), a.stride(0),
+               a2_.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
+        self.prepared = _LAUNCHERS[bool(cfg.pingpong)].prepare(key, meta, num_warps=cfg.num_warps,
+                                                               options=(("maxnreg", 168),))
+        self.head = (c.shape[1], a.shape[1], table.shape[0])
+        self.tail = (int(rank), int(timeout_ns), c.stride(0))
+        own = (table, self.flags, self.err, self.counter)
+        self.own_aligned = not any(t.data_ptr() % 16 for t in own)
+
+    def _rows_free(self, t: torch.Tensor) -> tuple:
+        return (tuple(t.shape)[1:] if self.clip else tuple(t.shape), tuple(t.stride()))
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a2: torch.Tensor | None = None,
+               epoch: int, grid: int, rows: tuple[int, int] | None = None) -> None:
+        """Launch on the current stream (``launch_gluon_gemm``'s arguments)."""
+        if (rows is not None) != self.clip:
+            raise ValueError(f"gluon_gemm: rows=(cap, span) must be given {'with' if self.clip else 'without'} "
+                             "the plan's clip")
+        if rows is not None and not (isinstance(rows, tuple) and len(rows) == 2 and 1 <= rows[0] <= rows[1]):
+            raise ValueError(f"gluon_gemm: rows must be (cap, span) with 1 <= cap <= span, got {rows!r}")
+        if (a2 is not None) != self.has_a2:
+            raise ValueError(f"gluon_gemm: the plan was made {'with' if self.has_a2 else 'without'} an a2")
+        a2_ = a2 if a2 is not None else a
+        b_store = b if self.b_kn else b.t()
+        got = (self._rows_free(a), self._rows_free(a2_), (tuple(b_store.shape), tuple(b_store.stride())),
+               (c.shape[1], tuple(c.stride())))
+        if got != self.layouts:
+            raise ValueError(f"gluon_gemm: operands (a, a2, b, c) laid out as {got}; the plan's are {self.layouts}")
+        if self.table.shape[0] == 0:
+            return
+        cap, span = rows if rows is not None else (1, 1)
+        a_desc, a2_desc, b_desc, c_desc, _ = descriptors(a, b, c, self.cfg, a2)
+        nprog = max(1, min(int(grid), self.table.shape[0]))
+        args = (a_desc, a2_desc, b_desc, c_desc, c, self.table, self.flags, self.err, self.counter, *self.head,
+                int(epoch), *self.tail, int(cap), int(span))
+        self.prepared.launch(nprog, args, aligned=(c,) if self.own_aligned else
+                             (c, self.table, self.flags, self.err, self.counter))
+
+
+_LAUNCHERS: dict[bool, Any] = {}
+"""The two kernels' cached launchers (``overlap.kernels._launch``): a launch of a kernel
+already built skips Triton's per-call argument binding (tens of microseconds of host time)."""
+if AVAILABLE:
+    from ._launch import CachedLauncher as _CachedLauncher
+
+    _LAUNCHERS.update({False: _CachedLauncher(gluon_gemm_kernel), True: _CachedLauncher(gluon_gemm_pp_kernel)})

@@ -68,22 +68,26 @@ def plan_rows_for(rows: int, cfg: OverlapConfig, transport: str) -> int:
 def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
               flags: torch.Tensor, err: torch.Tensor, timeout_ns: int, counter: torch.Tensor | None = None,
               **kw: Any) -> Any:
-    """The ``TileGemmPlan`` in ``plans`` (an op plan's own ``LRU``) for these operands'
+    """The GEMM plan in ``plans`` (an op plan's own ``LRU``) for these operands'
     dtype, B's layout (each weight's, for a list of them), the wait bound, the table (a part
-    of the op plan's, for a grid over some of its rows) and the flag, error and counter
-    tensors; made on first use. The op plan fixes everything else (shapes,
-    table, config, rank); with ``clip`` (a plan of a row bucket) not A's rows, which
-    each launch gives (``TileGemmPlan.launch(rows=)``)."""
+    of the op plan's, for a grid over some of its rows), the flag, error and counter
+    tensors and the GEMM engine asked for (``OVERLAP_GEMM_ENGINE``); made on first use: a
+    ``TileGemmPlan``, or where the Gluon GEMM can run the call an ``engine.EnginePlan``
+    (same methods; it picks its engine at its first launch, ``overlap.kernels.engine``).
+    The op plan fixes everything else (shapes, table, config, rank); with ``clip`` (a plan
+    of a row bucket) not A's rows, which each launch gives (``launch(rows=)``)."""
+    from ..kernels.engine import engine_mode
+
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
     key = (a.dtype, b_strides, timeout_ns, table.data_ptr(), table.shape[0], flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
-           kw.get("sig_stride"), kw.get("clip") or None)
+           kw.get("sig_stride"), kw.get("clip") or None, engine_mode())
     gp = plans.get(key)
     if gp is None:
-        from ..kernels.tile_gemm import TileGemmPlan
+        from ..kernels.engine import engine_plan
 
-        gp = plans[key] = TileGemmPlan(a, b, c, table, flags=flags, err=err, timeout_ns=timeout_ns,
-                                       counter=counter, **kw)
+        gp = plans[key] = engine_plan(a, b, c, table, flags=flags, err=err, timeout_ns=timeout_ns,
+                                      counter=counter, **kw)
     # a captured launch reads the plan's table and split workspace on every replay: never freed
     return keep_for_capture(gp)
 

@@ -49,3 +49,118 @@ def test_gluon_gemm_dispatch_counter() -> None:
     log: list[str] = []
     check_dynamic(log, {kk: VARIANTS[kk] for kk in DYNAMIC_VARIANTS})
     assert len(log) == len(DYNAMIC_VARIANTS)
+
+
+def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str) -> dict:
+    """The all-gather op's kind of call at world size 2, as rank 0: its shard's rows (A, no
+    wait) then the peer's from the gathered buffer laid out for the bucket (A2, rows
+    ``m_span`` on, waiting on flag 0 at 3x the epoch), C rows cut at ``cap`` per rank."""
+    from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.policies import Segment, build_tile_table, table_tensor
+
+    cfg = GemmConfig(block_m=128, block_n=128)
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=m_span),
+            Segment(a_src=1, a_row=m_span, c_row=m_span, rows=m_span, wait_idx=0, wait_mult=3)]
+    table = table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, 8), "cuda")
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    b = w.t() if layout == "nk" else w.t().contiguous()
+    return dict(cfg=cfg, table=table, b=b, flags=torch.zeros(4, dtype=torch.int32, device="cuda"),
+                err=torch.zeros(8, dtype=torch.int32, device="cuda"),
+                counter=torch.zeros(4, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["gluon", "auto"])
+def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer GEMM's plan on the engine ``OVERLAP_GEMM_ENGINE`` gives (forced Gluon, or
+    measured): right with new inputs every call and rows cut per bucket, both B layouts;
+    the give-back grid joining by the counter on another stream; a flag never set: code 1
+    within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
+    the call (flags zeroed and posted inside it) replayed with new inputs."""
+    _need_gluon()
+    from overlap import observe
+    from overlap.kernels import engine
+
+    monkeypatch.setenv(engine.ENGINE_ENV, mode)
+    observe.reset_report()
+    span, n, k = 512, 640, 384
+    side = torch.cuda.Stream()
+    for layout in ("nk", "kn"):
+        x = _engine_call(span, span, n, k, layout)
+        flags, err, counter, b = x["flags"], x["err"], x["counter"], x["b"]
+        gathered = torch.empty(2 * span, k, device="cuda", dtype=torch.bfloat16)
+        c0 = torch.empty(2 * span, n, device="cuda", dtype=torch.bfloat16)
+        a0 = torch.empty(span, k, device="cuda", dtype=torch.bfloat16)
+        gp = engine.engine_plan(a0, b, c0, x["table"], a2=gathered, flags=flags, err=err, counter=counter,
+                                timeout_ns=2_000_000_000, config=x["cfg"], wait=True, clip=True)
+        assert isinstance(gp, engine.EnginePlan), gp
+        for it, cap in enumerate((span, 300, 437, 129)):
+            a = torch.randn(cap, k, device="cuda", dtype=torch.bfloat16)
+            gathered.normal_()
+            c = torch.full((2 * cap, n), 7.0, device="cuda", dtype=torch.bfloat16)
+            counter.zero_()
+            flags[0] = 3
+            ops = gp.operands(a, b, gathered)
+            gp.launch(ops, c, epoch=1, grid=100, rows=(cap, span))
+            if it % 2:  # the give-back grid: the same table and counter, another stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    gp.launch(ops, c, epoch=1, grid=32, rows=(cap, span))
+                torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, err.tolist()
+            want = torch.cat([a, gathered[span:span + cap]]).float() @ b.float()
+            rel = ((c.float() - want).norm() / want.norm()).item()
+            assert rel < 1e-2, (mode, layout, cap, rel)
+            n_tiles = x["table"].shape[0]
+            # every tile taken once, and one failed take per program (the grids capped at the tiles)
+            assert int(counter[0]) == n_tiles + min(100, n_tiles) + (32 if it % 2 else 0), (int(counter[0]), n_tiles)
+        assert gp.engine != "undecided" and (gp.engine.startswith("gluon") or mode == "auto"), gp.engine
+        if gp.engine == "tile":
+            continue  # (auto picked the tile GEMM: its guarantees are its own tests')
+        # a flag never set: bounded, code 1, NaN over the peer's rows, no old value anywhere
+        gp2 = engine.engine_plan(a0, b, c0, x["table"], a2=gathered, flags=flags, err=err, counter=counter,
+                                 timeout_ns=50_000_000, config=x["cfg"], wait=True, clip=True)
+        cap = 300
+        a = torch.randn(cap, k, device="cuda", dtype=torch.bfloat16)
+        c = torch.full((2 * cap, n), 7.0, device="cuda", dtype=torch.bfloat16)
+        counter.zero_()
+        flags[0] = 2  # the last call's epoch (3 x 1 wanted... at epoch 1: 3; 2 is stale)
+        gp2.launch(gp2.operands(a, b, gathered), c, epoch=1, grid=100, rows=(cap, span))
+        torch.cuda.synchronize()
+        e = err.tolist()
+        assert e[0] == 1 and e[2] == 0 and e[3] == 3 and e[4] == 2, e
+        assert torch.isnan(c[cap:]).all(), "a tile that never got its data stored numbers"
+        want = a.float() @ b.float()
+        ok = torch.isnan(c[:cap]) | ((c[:cap].float() - want).abs() < 0.05 + 0.02 * want.abs())
+        assert ok.all(), "a tile stored neither NaN nor its result (old values left?)"
+        err.zero_()
+        # a CUDA graph of a call: the flag zeroed and posted inside it, new inputs per replay
+        cap = 437
+        a = torch.empty(cap, k, device="cuda", dtype=torch.bfloat16)
+        src_a, src_g = torch.empty_like(a), torch.empty_like(gathered)
+        c = torch.empty(2 * cap, n, device="cuda", dtype=torch.bfloat16)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                counter.zero_()
+                flags.zero_()
+                a.copy_(src_a)
+                gathered.copy_(src_g)
+                flags[0:1].fill_(3)
+                gp.launch(gp.operands(a, b, gathered), c, epoch=1, grid=100, rows=(cap, span))
+        for _ in range(3):
+            src_a.normal_()
+            src_g.normal_()
+            c.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert int(err[0]) == 0, err.tolist()
+            want = torch.cat([src_a, src_g[span:span + cap]]).float() @ b.float()
+            rel = ((c.float() - want).norm() / want.norm()).item()
+            assert rel < 1e-2, ("graph", mode, layout, rel)
+    rep = observe.report()
+    assert rep.engines and all(e["engine"] != "undecided" for e in rep.engines), rep.engines
+    print(mode, [(e["gemm"], e["engine"], e["why"]) for e in rep.engines])

@@ -369,6 +369,7 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
     rows = [{"m": 512, "n": 4096, "k": 4096, "b_layout": "nk", "dtype": "bfloat16", "cublas_ms": 0.1,
              "tile_ms": 0.1, "config": "128x128x64 s5 w8 g8", "tune_s": 1.0, "model": "x", "layer": "fc1", "tp": 1,
              "wait_ms": 0.125, "wait_vs_cublas": 0.8, "wait_config": "128x256x64 s3 w8 g8",
+             "wait_engine": "gluon 128x256x64 s3", "tile_wait_ms": 0.2, "tile_wait_vs_cublas": 0.5,
              "gluon_vs_cublas": 0.95, "gluon_wait_vs_cublas": 0.9},
             {"m": 1024, "n": 4096, "k": 4096, "b_layout": "kn", "dtype": "float16", "cublas_ms": 0.09,
              "tile_ms": 0.1, "config": "64x256x64 s4 w4 g8", "tune_s": 2.0, "model": "x", "layer": "fc2", "tp": 2},
@@ -385,8 +386,11 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
     md = (tmp_path / "gemm_sweep.md").read_text()
     assert "| 512 | 4096 | 4096 | nk | bfloat16 |" in md and "geo-mean 0.949x" in md
     # the wait column: only the rows that have it count
-    assert summary["wait"] == {"geomean": 0.8, "min": 0.8, "shapes": 1}
-    assert "| 0.1250 | 0.800 | 128x256x64 s3 w8 g8 |" in md and "consumer ops run it" in md and "min 0.800x" in md
+    assert summary["wait"] == {"geomean": 0.8, "min": 0.8, "shapes": 1, "gluon_picked": 1,
+                               "under_0.93": ["512x4096x4096 nk bfloat16"]}
+    assert summary["tile_wait"] == {"geomean": 0.5, "min": 0.5, "shapes": 1}
+    assert "| 0.1250 | 0.800 | 128x256x64 s3 w8 g8 | gluon 128x256x64 s3 | 0.500 |" in md
+    assert "consumer ops run it" in md and "min 0.800x" in md and "Gluon picked on 1 shapes" in md
     assert summary["gluon"]["geomean"] == 0.95 and summary["gluon_wait"]["min"] == 0.9
     assert "Gluon GEMM alone (its fastest config per shape): geo-mean 0.950x" in md and "waiting" in md
 

@@ -72,7 +72,7 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
-         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False) -> Any:
+         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -93,7 +93,7 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
                 counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
-                WS_LIST=compat.WS_LIST_FORM, num_warps=cfg.num_warps)
+                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, num_warps=cfg.num_warps)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         if nm in meta:
@@ -191,3 +191,20 @@ def test_sm90_dispatch_counter_taken_by_the_loader_only() -> None:
         assert k.metadata.shared <= 227 * 1024, k.metadata.shared
         static = _build(block_m=128, block_n=128 if pp else 256, pingpong=pp)
         assert take not in static.asm["ttgir"]
+
+
+def test_sm90_row_cut_and_nan_over_skipped_tiles() -> None:
+    """A row cut (``rows=``, a row bucket's plan): both the loader (a dead tile neither
+    waits nor loads) and the MMA warps (their stores masked at the cut) cut the tile's C
+    rows; without it neither does. With waits the MMA warps store NaN (bf16 0x7FC0) over a
+    tile skipped after a failed wait; without waits there is no such store."""
+    for pp in (False, True):
+        tile = dict(block_m=128, block_n=128 if pp else 256, pingpong=pp)
+        *mmas, loader = _regions(_build(clip=True, **tile))
+        assert "arith.minsi" in loader, pp
+        for wg in mmas:
+            assert "arith.minsi" in wg, pp
+        *plain_mmas, plain_loader = _regions(_build(**tile))
+        assert all("arith.minsi" not in r for r in (*plain_mmas, plain_loader)), pp
+        assert "dense<0x7FC0>" in _build(clip=True, **tile).asm["ttgir"], pp
+        assert "dense<0x7FC0>" not in _build(has_wait=False, **tile).asm["ttgir"], pp

@@ -1,0 +1,236 @@
+"""The GEMM engine choice on the CPU (``overlap.kernels.engine``): the env knob, what the
+Gluon GEMM cannot run (the tile GEMM then, with the reason in the report), a forced
+Gluon plan's launch arguments, the measured pick made once per problem and never inside a
+capture. The Gluon launch and the tile launch are stand-ins here; the engines' results are
+checked on the GPU (tests/gpu/test_gluon_gemm_gpu.py, the ops' GPU tests)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from overlap import observe  # noqa: E402
+from overlap.kernels import engine  # noqa: E402
+from overlap.kernels.tile_gemm import GemmConfig, TileGemmPlan  # noqa: E402
+from overlap.policies import Segment, build_tile_table  # noqa: E402
+
+CFG = GemmConfig(block_m=128, block_n=256)
+
+
+def _call(m: int = 512, n: int = 512, k: int = 256, cfg: GemmConfig = CFG, counter: bool = True) -> dict:
+    g = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m // 2, k, generator=g).half()
+    a2 = torch.randn(m // 2, k, generator=g).half()
+    w = torch.randn(n, k, generator=g).half()
+    c = torch.empty(m, n, dtype=torch.float16)
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=m // 2),
+            Segment(a_src=1, a_row=0, c_row=m // 2, rows=m // 2, wait_idx=0, wait_mult=3)]
+    table = torch.tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, 8), dtype=torch.int32)
+    kw = dict(a2=a2, flags=torch.zeros(4, dtype=torch.int32), err=torch.zeros(8, dtype=torch.int32),
+              counter=torch.zeros(4, dtype=torch.int32) if counter else None, timeout_ns=123_000, rank=1,
+              config=cfg, wait=True, clip=True)
+    return dict(a=a, a2=a2, b=w.t(), c=c, table=table, kw=kw)
+
+
+@pytest.fixture
+def fake_gluon(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Gluon 'available' on this CPU; its launches recorded, not run."""
+    launches: list[dict] = []
+
+    class FakePlan:
+        def __init__(self, a: Any, b: Any, c: Any, table: Any, **kw: Any) -> None:
+            self.made = dict(table=table, **kw)
+
+        def launch(self, a: Any, b: Any, c: Any, **kw: Any) -> None:
+            launches.append(dict(self.made, a=a, b=b, c=c, **kw))
+
+    monkeypatch.setattr(engine, "unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(engine._gg, "GluonGemmPlan", FakePlan)
+    observe.reset_report()
+    return launches
+
+
+def _engines() -> dict:
+    return {tuple(e["gemm"]): (e["engine"], e["why"]) for e in observe.report().engines}
+
+
+def test_env_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    for v, want in (("", "auto"), ("tile", "tile"), (" Gluon ", "gluon"), ("auto", "auto")):
+        monkeypatch.setenv(engine.ENGINE_ENV, v)
+        assert engine.engine_mode() == want
+    monkeypatch.setenv(engine.ENGINE_ENV, "cublas")
+    with pytest.raises(ValueError, match="OVERLAP_GEMM_ENGINE='cublas'"):
+        engine.engine_mode()
+    x = _call()
+    with pytest.raises(ValueError, match="OVERLAP_GEMM_ENGINE"):
+        engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+
+
+def test_what_gluon_cannot_run_stays_on_the_tile_gemm(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    x = _call()
+    cases = {"split tiles": dict(split=(2, 2)), "a folded norm": dict(norm_epi=True),
+             "signature words": dict(sig_stride=4, clip=None), "posts": dict(post=True),
+             "a 64x128 tile": dict(config=GemmConfig(block_m=64, block_n=128)),
+             "flattened": dict(config=replace(CFG, flatten=True), clip=None, counter=None)}
+    for want, more in cases.items():
+        assert want in (engine.misfit(x["b"], **{**x["kw"], **more}) or ""), want
+    assert engine.misfit([x["b"], x["b"]], **x["kw"]) == "several weights"
+    c2 = [x["c"], x["c"][:, :256]]
+    gp = engine.engine_plan(x["a"], [x["b"], x["b"][:, :256]], c2, x["table"], **{**x["kw"], "clip": None})
+    assert type(gp) is TileGemmPlan and _engines()[(512, 768, 256, "float16")] == ("tile", "Gluon: several weights")
+    observe.reset_report()
+    assert engine.misfit(x["b"], **x["kw"]) is None
+    counter = torch.zeros(8, dtype=torch.int32)
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **{**x["kw"], "counter": counter, "split": (2, 2)})
+    assert type(gp) is TileGemmPlan
+    (eng, why), = _engines().values()
+    assert eng == "tile" and why == "Gluon: split tiles", (eng, why)
+    # Gluon missing: the tile GEMM, and the reason said
+    monkeypatch.setattr(engine, "unavailable", lambda device, dtype: "no Gluon in this Triton")
+    observe.reset_report()
+    assert type(engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])) is TileGemmPlan
+    assert list(_engines().values()) == [("tile", "Gluon: no Gluon in this Triton")]
+    assert "engine tile (Gluon: no Gluon in this Triton)" in str(observe.report())
+    monkeypatch.setenv(engine.ENGINE_ENV, "tile")
+    monkeypatch.setattr(engine, "unavailable", lambda device, dtype: None)
+    observe.reset_report()
+    assert type(engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])) is TileGemmPlan
+    assert list(_engines().values()) == [("tile", "OVERLAP_GEMM_ENGINE=tile")]
+
+
+def test_unavailable_on_this_machine() -> None:
+    """On a CPU (or under the interpreter) the reason names it; fp32 is refused by dtype."""
+    why = engine.unavailable("cpu", torch.float16)
+    assert why and ("cuda" in why.lower() or "interpreter" in why or "Gluon" in why), why
+
+
+def test_forced_gluon_launches_with_the_plans_words(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    picked = []
+    for cfg in (CFG, GemmConfig(block_m=128, block_n=128), GemmConfig(block_m=64, block_n=256)):
+        fake_gluon.clear()
+        x = _call(cfg=cfg)
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        assert isinstance(gp, engine.EnginePlan)
+        for it, (cap, grid) in enumerate(((200, 500), (256, 3))):  # a row cut, then none; grids capped
+            a = x["a"][:cap].clone() if cap < 256 else x["a"]
+            ops = gp.operands(a, x["b"], x["a2"])
+            gp.launch(ops, x["c"], epoch=5 + it, grid=grid, rows=(cap, 256))
+            got = fake_gluon[-1]
+            assert got["a"] is a and got["a2"] is x["a2"] and got["b"] is x["b"] and got["c"] is x["c"]
+            assert got["table"] is x["table"] and got["flags"] is x["kw"]["flags"] and got["err"] is x["kw"]["err"]
+            assert got["counter"] is x["kw"]["counter"] and got["rows"] == (cap, 256)
+            assert got["epoch"] == 5 + it and got["rank"] == 1 and got["timeout_ns"] == 123_000
+            assert got["grid"] == grid and got["activation"] == 0 and got["clip"] is True
+            assert got["config"] == engine.gluon_configs(cfg)[0]
+        assert gp.engine.startswith("gluon") and len(fake_gluon) == 2
+        with pytest.raises(ValueError, match="rows"):
+            gp.launch(ops, x["c"], epoch=1, grid=4)
+        with pytest.raises(TypeError, match="operands"):
+            gp.launch((None, None, None), x["c"], epoch=1, grid=4, rows=(256, 256))
+        with pytest.raises(ValueError, match="plan"):  # the tile plan's operand checks hold
+            gp.operands(x["a"][:, :128].contiguous(), x["b"], x["a2"])
+        picked += list(_engines().values())  # (one GEMM problem: the last plan's engine)
+    assert picked == [(e, "OVERLAP_GEMM_ENGINE=gluon") for e in
+                      ("gluon 128x256x64 s3", "gluon pp128x128x64 s5", "gluon pp64x256x64 s4")], picked
+
+
+def test_auto_measures_once_per_problem_and_never_in_a_capture(fake_gluon: list,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    measured: list[Any] = []
+    pick: list[Any] = [engine.gluon_configs(CFG)[0]]
+
+    def measure(self: Any, ops: Any, c: Any, grid: int, rows: Any) -> tuple:
+        measured.append((grid, rows))
+        return pick[0], f"measured {len(measured)}"
+
+    monkeypatch.setattr(engine.EnginePlan, "_measure", measure)
+    tile_launches: list[Any] = []
+    x = _call(m=1024, n=768)
+
+    def plan() -> Any:
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.tile.launch = lambda descs, c, **kw: tile_launches.append(kw)
+        gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+        return gp
+
+    gp = plan()
+    for _ in range(3):
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(512, 512))
+    assert measured == [(100, (512, 512))] and len(fake_gluon) == 3 and not tile_launches
+    gp2 = plan()  # a second plan of the problem: the pick is known
+    gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(512, 512))
+    assert len(measured) == 1 and len(fake_gluon) == 4
+    assert list(_engines().values()) == [("gluon 128x256x64 s3", "measured 1")]
+    # another grid is another measurement; the tile GEMM picked runs the tile plan
+    pick[0] = None
+    gp3 = plan()
+    gp3.launch(gp3.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=2, grid=90, rows=(512, 512))
+    assert measured[-1] == (90, (512, 512)) and len(fake_gluon) == 4
+    assert tile_launches == [dict(epoch=2, grid=90, rows=(512, 512))] and gp3.engine == "tile"
+    # a first launch inside a capture: no measuring, the tile GEMM
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp4 = plan()
+    gp4.launch(gp4.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=80, rows=(512, 512))
+    assert len(measured) == 2 and gp4.engine == "tile" and len(tile_launches) == 2
+    assert "capture" in list(_engines().values())[0][1]
+
+
+def test_measured_picks_kept_on_disk(fake_gluon: list, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """With OVERLAP_GEMM_CACHE the measured pick is written beside it and a later process
+    (fresh in-memory caches) takes it from there without measuring; a file of another
+    format is ignored; a forced engine overrides a kept pick."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setenv("OVERLAP_GEMM_CACHE", str(tmp_path / "gemm.json"))
+    monkeypatch.setattr(engine, "_env", lambda device: {"gpu": "test", "sms": 132})
+    measured: list[Any] = []
+
+    def measure(self: Any, ops: Any, c: Any, grid: int, rows: Any) -> tuple:
+        measured.append(grid)
+        return engine.gluon_configs(CFG)[0], "measured here"
+
+    monkeypatch.setattr(engine.EnginePlan, "_measure", measure)
+    x = _call(m=768, n=512, k=128)
+
+    def fresh_process() -> None:
+        monkeypatch.setattr(engine, "_measured", {})
+        monkeypatch.setattr(engine, "_disk", {})
+        monkeypatch.setattr(engine, "_disk_loaded", [False])
+
+    def run() -> Any:
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.tile.launch = lambda descs, c, **kw: None
+        gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=64, rows=(384, 384))
+        return gp
+
+    fresh_process()
+    assert run().engine == "gluon 128x256x64 s3" and measured == [64]
+    path = engine.cache_path()
+    assert path == str(tmp_path / "gemm.json") + ".engines.json"
+    import json
+
+    data = json.load(open(path))
+    assert data["format"] == "overlap-gemm-engine-1" and len(data["entries"]) == 1, data
+    fresh_process()
+    gp = run()
+    assert measured == [64] and gp.engine == "gluon 128x256x64 s3" and "earlier process" in gp.why
+    # a pick naming no candidate config, and a file of another format: measured again
+    data["entries"] = {k: {"engine": "gluon 512x512x64 s9", "why": "?"} for k in data["entries"]}
+    json.dump(data, open(path, "w"))
+    fresh_process()
+    assert run().engine == "gluon 128x256x64 s3" and measured == [64, 64]
+    open(path, "w").write("not json")
+    fresh_process()
+    run()
+    assert measured == [64, 64, 64]
+    # forced: the kept pick (here Gluon's) is not consulted, nor measured
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    assert run().why == "OVERLAP_GEMM_ENGINE=gluon" and len(measured) == 3
