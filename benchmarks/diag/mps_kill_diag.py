@@ -71,7 +71,7 @@ class Block:
         self.peer = None
         if kind == "vmm":
             sys.path.insert(0, str(REPO))
-            from overlap._vmm import load_driver
+            from benchmarks.diag.vmm_driver import load_driver
 
             self.drv = load_driver()
             why = self.drv.supported(0)

@@ -10,7 +10,7 @@ the importer then holds a reference of its own to the physical memory, which is 
 once every handle is released and every mapping unmapped, in whichever process.
 
 Only the driver calls are here (through ``ctypes`` on ``libcuda``), behind a small class
-that tests replace with a fake; how the file descriptors travel is ``overlap._fdpass``.
+(used by ``mps_kill_diag.py``, which passes the descriptors over a socket pair).
 """
 
 from __future__ import annotations
