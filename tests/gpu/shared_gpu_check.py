@@ -361,6 +361,14 @@ def _refusal_cases(rank: int, world: int,
         return same_on_all(k, n, seed=seed[0] + 7 * rank, dev=dev, scale=k ** -0.5)
 
     b_next = same_on_all(n, 128, seed=999, dev=dev, scale=n ** -0.5)
+    k2 = 192  # matmul_all_reduce_matmul runs matmul_all_reduce here: a K of its own keeps its signatures
+    # new to the group (at matmul_all_reduce's K, its row bucket was agreed by that op's case before,
+    # and the refusal at "a new signature" came in band: 2026-12-04_1xH200_a6d2ccb)
+
+    def b_mine2() -> torch.Tensor:
+        seed[0] += 1
+        return same_on_all(k2, n, seed=seed[0] + 7 * rank, dev=dev, scale=k2 ** -0.5)
+
     return {
         "all_gather_matmul": (lambda m: (mine(m, k, dev=dev), b_all()),
                               lambda a, b, cfg: all_gather_matmul(a, b, config=cfg), all_gather_matmul_ref),
@@ -372,7 +380,7 @@ def _refusal_cases(rank: int, world: int,
         "matmul_all_reduce": (lambda m: (mine(m, k, dev=dev), b_mine()),
                               lambda a, b, cfg: matmul_all_reduce(a, b, config=cfg), matmul_all_reduce_ref),
         # in this mode: matmul_all_reduce on the peer-copy transport, then the second GEMM
-        "matmul_all_reduce_matmul": (lambda m: (mine(m, k, dev=dev), b_mine()),
+        "matmul_all_reduce_matmul": (lambda m: (mine(m, k2, dev=dev), b_mine2()),
                                      lambda a, b, cfg: matmul_all_reduce_matmul(a, b, b_next, config=cfg)[0],
                                      lambda a, b: matmul_all_reduce_matmul_ref(a, b, b_next)[0]),
     }
