@@ -159,7 +159,11 @@ class SharedBlock:
                     except Exception:  # noqa: BLE001 - best effort at teardown
                         pass
             if self._own is not None:
-                runtime.free(self._own)
+                try:
+                    runtime.free(self._own)
+                except Exception:  # noqa: BLE001 - a failed context (a dead peer under MPS) frees nothing
+                    if collective:
+                        raise
         self.ptrs, self._own = [], None
         self.peers = None  # type: ignore[assignment]
 

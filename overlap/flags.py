@@ -30,7 +30,7 @@ import torch
 from . import protocol as P
 
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
-           "RanksRefusedError", "PeerRefusedError", "refusal_hooks",
+           "RanksRefusedError", "PeerRefusedError", "GpuContextLostError", "refusal_hooks",
            "stream_write_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
 
@@ -171,6 +171,36 @@ class PeerRefusedError(RanksDisagreeError, RanksRefusedError):
         return str(self.args[0])
 
 
+class GpuContextLostError(RuntimeError):
+    """Shared-GPU mode (``overlap.dist.shared``): this process's CUDA context failed with a
+    sticky error while ranks share its GPU. Under MPS a rank that exits with GPU work in
+    flight (killed, or crashed mid-call) faults every process on that GPU, so the
+    survivors see this instead of ``FlagTimeoutError``; the message names the ranks on the
+    GPU whose process has exited. ``gone``: those ranks' ``overlap.dist.shared.GpuPeer``.
+    The context cannot be used again (``reset()`` cannot help): restart the job."""
+
+    def __init__(self, message: str, gone: list[Any]) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+def _cuda_failure(e: BaseException) -> bool:
+    """``e`` is a CUDA error raised by torch or cupy (a sticky one leaves the context unusable)."""
+    return type(e).__name__ in ("AcceleratorError", "CUDARuntimeError", "CUDADriverError") or \
+        "CUDA error" in str(e)
+
+
+def _context_lost(what: str, e: BaseException) -> GpuContextLostError | None:
+    """The ``GpuContextLostError`` for CUDA error ``e`` where ranks share this GPU, else None."""
+    from .dist import shared
+
+    if not shared.gpu_peers() or not _cuda_failure(e):
+        return None
+    gone = shared.gone_gpu_peers()
+    cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return GpuContextLostError(shared.lost_context_message(what, cause, gone), gone)
+
+
 refusal_hooks: list[Any] = []
 """Called as ``hook(error_word, PeerRefusedError)`` before a refusal record is raised
 (``overlap.ops._refusal`` ends the group there and adds the refusing rank's message)."""
@@ -304,7 +334,8 @@ class ErrorWord:
         self._host = torch.zeros(P.ERR_WORDS, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._host_np = self._host.numpy()
         self._event: Any = None
-        self._mirror = self.word.is_cuda and self._open_mirror()
+        self._on_gpu = self.word.is_cuda
+        self._mirror = self._on_gpu and self._open_mirror()
 
     def _open_mirror(self) -> bool:
         """Point slots 6-7 at the pinned words after one checked store into them by a
@@ -344,6 +375,12 @@ class ErrorWord:
     def check(self, block: bool = True) -> None:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
 
+        Where ranks share this GPU (``overlap.dist.shared.gpu_peers``), a failed CUDA
+        context is raised as ``GpuContextLostError`` naming the peers that exited, and
+        ``block=False`` with no record also asks the current stream (a query, no wait)
+        whether the context failed: under MPS a dead peer's exit does that, and no
+        timeout is then ever recorded.
+
         ``block=True`` waits for the current stream's work so far, polling: it raises as
         soon as the host mirror shows a record (a stream held by a dead peer's NCCL
         kernel, behind a tile that timed out, cannot hold the report), and past the wait
@@ -351,18 +388,35 @@ class ErrorWord:
         ``block=False`` reads the host mirror (the failing kernel stores the whole record
         there), or without one the latest landed snapshot; it never waits on the GPU.
         """
-        if block and self.word.is_cuda and self._mirror:
+        try:
+            self._check_word(block)
+        except (FlagTimeoutError, TimeoutError):
+            raise
+        except Exception as e:
+            lost = _context_lost(self.what, e)
+            if lost is not None:
+                raise lost from e
+            raise
+
+    def _probe_context(self) -> None:
+        """Raise the context's sticky CUDA error, if any (a stream query: never waits)."""
+        torch.cuda.current_stream(self.word.device).query()
+
+    def _check_word(self, block: bool) -> None:
+        if block and self._on_gpu and self._mirror:
             vals = self._poll_until_done()
-        elif block or not self.word.is_cuda:
+        elif block or not self._on_gpu:
             vals = self.word.tolist()
         elif self._mirror:
             if self._host_np[P.ERR_CODE] == 0:
+                self._probe_if_shared()
                 return
             # the kernel stored the whole record here before the code: no
             # synchronization, so a stream that never finishes cannot hold the report
             vals = self._host.tolist()
         else:
             if self._event is None or not self._event.query():
+                self._probe_if_shared()
                 return
             vals = self._host.tolist()
         if vals[P.ERR_CODE] != 0:
@@ -378,6 +432,12 @@ class ErrorWord:
                 for hook in refusal_hooks:
                     hook(self, e)
             raise e
+
+    def _probe_if_shared(self) -> None:
+        from .dist import shared
+
+        if shared.gpu_peers():
+            self._probe_context()
 
     def _poll_until_done(self) -> list[int]:
         import time

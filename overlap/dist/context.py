@@ -28,7 +28,7 @@ import torch.distributed as tdist
 
 from .._env import require
 from .launch import DistInitError, LaunchEnv, detect_launch
-from .shared import nccl_refusal, place_on_gpus, shared_gpu_env
+from .shared import forget_gpu_peers, nccl_refusal, place_on_gpus, shared_gpu_env
 from .store import _mpi_confirm, _rendezvous
 
 __all__ = ["DistContext", "SHUTDOWN_BOUND_S", "get_context", "init", "on_shutdown", "shutdown"]
@@ -380,6 +380,7 @@ def shutdown(*, failed: bool | None = None) -> None:
         if ctx is None:
             return
         _ctx = None
+        forget_gpu_peers()
         for hook in list(_shutdown_hooks):  # e.g. the ops forget state built on these communicators
             try:
                 hook()

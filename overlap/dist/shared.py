@@ -26,18 +26,29 @@ visible GPUs (``OVERLAP_SHARED_GPU`` unset or ``auto``); ``OVERLAP_SHARED_GPU=0`
 keeps the old refusal. Ranks are placed round-robin: local rank ``r`` on GPU
 ``r % n_gpu``. Times measured in this mode are not performance figures.
 
-Pure functions of their arguments (and ``os.environ``), tested on any machine.
+A process that exits with GPU work in flight under MPS faults every other process on
+that GPU (MPS reports the fatal error to all its clients on the device; measured on one
+H200, ``benchmarks/diag/mps_kill_diag.py``): their CUDA contexts are lost, whatever
+peer memory they hold. So the ranks sharing a GPU note each other's process
+(``note_gpu_peers``, when the group's peer memory is opened), and a lost context is
+reported as ``overlap.flags.GpuContextLostError`` naming the peers that have exited
+(``gone_gpu_peers``, ``lost_context_message``).
+
+The rest are pure functions of their arguments (and ``os.environ``), tested on any machine.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from .launch import DistInitError
 
 __all__ = ["SHARED_WAIT_FLOOR_MS", "shared_gpu_env", "place_on_gpus", "sm_share", "library_wait_ms",
-           "nccl_refusal"]
+           "nccl_refusal", "GpuPeer", "process_start", "this_process", "note_gpu_peers", "gpu_peers",
+           "gone_gpu_peers", "forget_gpu_peers", "lost_context_message"]
 
 ENV = "OVERLAP_SHARED_GPU"
 
@@ -126,3 +137,82 @@ def nccl_refusal(what: str, rank: int, ranks: object) -> str:
             f"{ranks} share a GPU, and NCCL refuses two ranks on one device ('Duplicate GPU "
             "detected'). Use the peer-copy transport (transport='p2p' or None); host collectives "
             "run on gloo")
+
+
+class GpuPeer(NamedTuple):
+    """A rank's process on this node: global ``rank``, ``pid`` and its start time
+    (``process_start``), which tells a dead process from a new one given the same pid."""
+
+    rank: int
+    pid: int
+    start: str
+
+
+def process_start(pid: int, proc: str = "/proc") -> str | None:
+    """The start time of live process ``pid`` (field 22 of ``/proc/PID/stat``, clock ticks
+    since boot); None where there is no such process, or it has exited and not been reaped
+    (a zombie), or ``/proc`` cannot be read."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state is field 3
+    if len(fields) < 20 or fields[0] in ("Z", "X", "x"):
+        return None
+    return fields[19]
+
+
+def this_process(rank: int) -> GpuPeer:
+    """This process as a ``GpuPeer`` of global rank ``rank``."""
+    pid = os.getpid()
+    return GpuPeer(rank, pid, process_start(pid) or "")
+
+
+_peers_lock = threading.Lock()
+_gpu_peers: dict[int, GpuPeer] = {}
+_me: list[int] = []
+
+
+def note_gpu_peers(me: int, peers: Iterable[GpuPeer]) -> None:
+    """Note the other ranks' processes on this rank's GPU (global rank ``me``): kept until
+    ``forget_gpu_peers`` (``overlap.dist.shutdown``); every group's peers add up."""
+    with _peers_lock:
+        _me[:] = [me]
+        for p in peers:
+            if p.rank != me:
+                _gpu_peers[p.rank] = p
+
+
+def gpu_peers() -> list[GpuPeer]:
+    """The noted processes of other ranks on this rank's GPU (none: the mode is off, or no
+    group's peer memory was opened yet)."""
+    with _peers_lock:
+        return sorted(_gpu_peers.values())
+
+
+def forget_gpu_peers() -> None:
+    with _peers_lock:
+        _gpu_peers.clear()
+        _me.clear()
+
+
+def gone_gpu_peers(proc: str = "/proc") -> list[GpuPeer]:
+    """The noted peers whose process has exited (or was replaced under the same pid)."""
+    return [p for p in gpu_peers() if process_start(p.pid, proc) != p.start]
+
+
+def lost_context_message(what: str, cause: str, gone: list[GpuPeer]) -> str:
+    """The message of ``overlap.flags.GpuContextLostError``: ``cause``, the CUDA error seen."""
+    me = f"rank {_me[0]}" if _me else "this rank"
+    if gone:
+        who = ", ".join(f"rank {p.rank} (pid {p.pid})" for p in gone)
+        why = (f"{who}, which shared this GPU, has exited. Under MPS a process that exits with GPU work in "
+               "flight faults every process on its GPU (MPS reports the fatal error to all its clients there), "
+               "so this is that exit's doing, not a fault of this rank's work")
+    else:
+        why = ("no rank sharing this GPU has exited as far as this rank can see; under MPS a fault in any "
+               "process on the GPU is reported to every process on it")
+    return (f"{what}: {me}: the CUDA context failed ({cause}): {why}. The context cannot be used again and "
+            "reset() cannot help: end this process and restart the job (under MPS the server takes new "
+            "processes on this GPU once every process on it has exited)")

@@ -353,21 +353,24 @@ def _open_heap(rt: Runtime) -> tuple[Any, str]:
     if rt.world == 1:
         return None, "one rank: nothing to move"
     host, gpu = socket.gethostname(), _gpu_id(rt.device)
+    me = _share.this_process(tdist.get_rank())
     try:
         import cupy  # noqa: F401
 
-        mine = (host, "", gpu)
+        mine = (host, "", gpu, me)
     except Exception as e:  # noqa: BLE001
-        mine = (host, f"rank {rt.rank}: cupy: {e}", gpu)
+        mine = (host, f"rank {rt.rank}: cupy: {e}", gpu, me)
     if not mine[1] and not _flags._cuda_driver():
         # the flag writes would fall back to a fill kernel, which finds no SM while
         # the GEMM (all SMs) waits for it: every call would time out
-        mine = (host, f"rank {rt.rank}: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12])", gpu)
+        mine = (host, f"rank {rt.rank}: cuda-bindings missing (pip install 'overlap[cu13]' or [cu12])", gpu, me)
     alls: list[Any] = [None] * rt.world
     tdist.all_gather_object(alls, mine, group=rt.group)
-    _note_sharing(rt, host, [(h, g) for h, _, g in alls])
-    hosts = {h for h, _, _ in alls}
-    errs = [e for _, e, _ in alls if e]
+    _note_sharing(rt, host, [(h, g) for h, _, g, _ in alls])
+    if rt.shared_gpu:  # the processes on this GPU, named if this rank's context is lost
+        _share.note_gpu_peers(me.rank, [p for h, _, g, p in alls if (h, g) == (host, gpu)])
+    hosts = {h for h, _, _, _ in alls}
+    errs = [e for _, e, _, _ in alls if e]
     if errs:
         return None, "; ".join(errs)
     if len(hosts) > 1:

@@ -18,7 +18,8 @@ and the script goes on to the next after a failure):
     layers      the overlap.nn checks (tests/_nn_worker.py) in bf16: forward and backward,
                 sequence parallel and not, against one unsharded reference
     kill        the last rank dies mid-call: the survivors get FlagTimeoutError within the
-                bound and ``overlap.dist.shutdown`` returns
+                bound (under MPS, where the dead process faults every context on the GPU:
+                GpuContextLostError naming the dead rank) and ``overlap.dist.shutdown`` returns
     refusals    for each op on the peer-copy transport, the last rank refuses a call (a 1-D
                 input) that the others make right: at a new signature (the exchange: every
                 rank raises, the next calls are right) and at one agreed before (the peers
@@ -44,7 +45,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
-from overlap.flags import FlagTimeoutError, PeerRefusedError, RanksDisagreeError, RanksRefusedError  # noqa: E402
+from overlap.flags import FlagTimeoutError, GpuContextLostError, PeerRefusedError, RanksDisagreeError, RanksRefusedError  # noqa: E402
 from overlap.ops import (Norm, OverlapCaptureError, OverlapConfig, all_gather_matmul,  # noqa: E402
                          all_gather_matmul_ref, all_reduce_matmul, all_reduce_matmul_ref, check_errors,
                          matmul_all_reduce, matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref,
@@ -360,6 +361,14 @@ def _refusal_cases(rank: int, world: int,
         return same_on_all(k, n, seed=seed[0] + 7 * rank, dev=dev, scale=k ** -0.5)
 
     b_next = same_on_all(n, 128, seed=999, dev=dev, scale=n ** -0.5)
+    k2 = 192  # matmul_all_reduce_matmul runs matmul_all_reduce here: a K of its own keeps its signatures
+    # new to the group (at matmul_all_reduce's K, its row bucket was agreed by that op's case before,
+    # and the refusal at "a new signature" came in band: 2026-12-04_1xH200_a6d2ccb)
+
+    def b_mine2() -> torch.Tensor:
+        seed[0] += 1
+        return same_on_all(k2, n, seed=seed[0] + 7 * rank, dev=dev, scale=k2 ** -0.5)
+
     return {
         "all_gather_matmul": (lambda m: (mine(m, k, dev=dev), b_all()),
                               lambda a, b, cfg: all_gather_matmul(a, b, config=cfg), all_gather_matmul_ref),
@@ -371,7 +380,7 @@ def _refusal_cases(rank: int, world: int,
         "matmul_all_reduce": (lambda m: (mine(m, k, dev=dev), b_mine()),
                               lambda a, b, cfg: matmul_all_reduce(a, b, config=cfg), matmul_all_reduce_ref),
         # in this mode: matmul_all_reduce on the peer-copy transport, then the second GEMM
-        "matmul_all_reduce_matmul": (lambda m: (mine(m, k, dev=dev), b_mine()),
+        "matmul_all_reduce_matmul": (lambda m: (mine(m, k2, dev=dev), b_mine2()),
                                      lambda a, b, cfg: matmul_all_reduce_matmul(a, b, b_next, config=cfg)[0],
                                      lambda a, b: matmul_all_reduce_matmul_ref(a, b, b_next)[0]),
     }
@@ -518,23 +527,41 @@ def kill(rank: int, world: int, dev: torch.device) -> None:
         with late_pushes(True, cycles=DEAD_PUSH_CYCLES):
             all_gather_matmul(a, b, config=cfg)  # queued, its pushes behind a long sleep
         os._exit(0)  # dies with its call in flight
+    # under MPS (the launcher's daemon) a process that exits with work in flight faults every
+    # context on the GPU (benchmarks/diag/mps_kill_diag.py): the survivors must say so, naming it
+    mps = bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))
+    want = GpuContextLostError if mps else FlagTimeoutError
     t0 = time.time()
-    all_gather_matmul(a, b, config=cfg)
-    done = torch.cuda.Event()
-    done.record()
-    err, state = None, ""
+    state, failed_before = "", False
+    done: torch.cuda.Event | None = None
+    try:
+        all_gather_matmul(a, b, config=cfg)
+        done = torch.cuda.Event()
+        done.record()
+    except Exception as e:  # noqa: BLE001 - under MPS the context can fail while the call is queued
+        if not mps:
+            raise
+        state = f"the survivor's call raised {type(e).__name__}: {str(e).splitlines()[0]}"
+    err: Exception | None = None
     while err is None and time.time() - t0 < 30:
         try:
             check_errors(block=False)
-        except FlagTimeoutError as e:
+        except (FlagTimeoutError, GpuContextLostError) as e:
             err = e
-        state = _call_state(done)
-        if "failed" in state:  # a faulted context reports nothing more: no use waiting on
             break
+        if done is not None:
+            state = _call_state(done)
+        if "failed" in state or "raised" in state:
+            if failed_before:  # check_errors had one more look after the context failed
+                break
+            failed_before = True
         time.sleep(0.01)
     took = time.time() - t0
-    ok = err is not None and took < 3.0 + 10.0
-    why = f"{str(err)[:80]}..." if err is not None else f"no FlagTimeoutError after {took:.1f} s; {state}"
+    ok = isinstance(err, want) and took < 3.0 + 10.0
+    if ok and isinstance(err, GpuContextLostError):
+        ok = [p.rank for p in err.gone] == [world - 1] and f"rank {world - 1} (pid" in str(err)
+    why = (f"{type(err).__name__} (wanted {want.__name__}): {str(err)[:240]}..." if err is not None else
+           f"no {want.__name__} after {took:.1f} s; {state}")
     if rank == 0:  # before shutdown: a shutdown that hangs still leaves this line
         print(f"KILL error after {took:.1f} s: {why}", flush=True)
     t1 = time.time()
