@@ -133,7 +133,7 @@ class _RawLaunch:
         if type(d) is not HostDesc:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            if not isinstance(d, TensorDescriptor) or d.padding != "zero":
+            if not isinstance(d, TensorDescriptor) or d.padding != "zero" or getattr(d, "round_f32_to_tf32", False):
                 raise TypeError("a descriptor argument of another kind")  # the caller's fallback
         if meta is None:  # lowered to a pointer and sizes: nothing to fill
             return [d.base, *d.shape, *d.strides, False, *d.shape, *d.strides]
