@@ -285,14 +285,15 @@ def _parse_entry(entry: Any, smem_limit: int = SMEM_LIMIT) -> GemmConfig | None:
     return cfg if rejects(cfg, smem_limit=smem_limit) is None else None
 
 
-def _read_file(path: str) -> dict[str, Any]:
-    """The file's entries; {} when it is missing, unreadable or of another format."""
+def _read_file(path: str, fmt: Any = _FORMAT) -> dict[str, Any]:
+    """The file's entries; {} when it is missing, unreadable or of another format than
+    ``fmt`` (this cache's by default; the engine picks' file shares the layout)."""
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("entries"), dict):
+    if not isinstance(data, dict) or data.get("format") != fmt or not isinstance(data.get("entries"), dict):
         return {}
     return {k: v for k, v in data["entries"].items() if isinstance(v, dict)}
 

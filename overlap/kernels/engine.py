@@ -181,15 +181,10 @@ def _disk_key(key: tuple, device: Any) -> str:
 
 
 def _read(path: str) -> dict[str, dict]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("entries"), dict):
-        return {}
-    return {k: v for k, v in data["entries"].items()
-            if isinstance(v, dict) and isinstance(v.get("engine"), str) and isinstance(v.get("why"), str)}
+    from .autotune import _read_file
+
+    return {k: v for k, v in _read_file(path, _FORMAT).items()
+            if isinstance(v.get("engine"), str) and isinstance(v.get("why"), str)}
 
 
 def _known(key: tuple, configs: tuple, device: Any) -> tuple[str, str] | None:
