@@ -25,7 +25,7 @@ tile (``tune_gemm`` without the flattened configs), on the engine the ops pick
 (``overlap.kernels.engine.engine_plan``: the tile GEMM or the Gluon GEMM, measured; its
 pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. So these
 figures are what waiting on flags costs when nothing is late (their kernels, with waits,
-are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
+are built at their first use; the Gluon configs the engine measures are built in the pool too, waiting). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
 (``gluon_ms``, ``gluon_wait_ms``). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
@@ -237,14 +237,72 @@ def _compile_one(job: tuple[dict[str, Any], str, bool]) -> tuple[dict[str, Any],
     return cfg_d, dtype_s, b_kn, time.perf_counter() - t0, err
 
 
-def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> list[tuple[Any, ...]]:
+def _compile_gluon_one(job: tuple[dict[str, Any], str, bool, bool]) -> tuple[dict[str, Any], str, bool, float,
+                                                                           str | None]:
+    """Build and run one Gluon config (``gluon_gemm``) alone or waiting on a small problem of
+    the sweep's specialization (sizes multiples of 16), filling Triton's on-disk cache so the
+    timed process does not build it serially."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment, build_tile_table, table_tensor
+
+    fields, dtype_s, b_kn, waiting = job
+    gc = GluonGemmConfig(**fields)
+    dtype = getattr(torch, dtype_s)
+    dev = torch.device("cuda")
+    m, n, k = 576, 512, 1024
+    a = torch.randn(m, k, device=dev, dtype=dtype)
+    w = torch.randn(n, k, device=dev, dtype=dtype)
+    b = w.t().contiguous() if b_kn else w.t()
+    c = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+    t0 = time.perf_counter()
+    try:
+        if waiting:
+            tab = wait_table(m, n, gc, dev)
+            kw = {"flags": torch.ones(WAIT_CHUNKS, dtype=torch.int32, device=dev),
+                  "err": torch.zeros(8, dtype=torch.int32, device=dev), "epoch": 1}
+        else:
+            tab = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, gc.block_m,
+                                                gc.block_n), dev)
+            kw = {}
+        launch_gluon_gemm(a, b, c, tab, grid=8, config=gc, **kw)
+        torch.cuda.synchronize()
+        ref = (a @ b).float()
+        rel = ((c.float() - ref).norm() / ref.norm()).item()
+        err = None if rel < 2e-2 else f"wrong result: rel err {rel:.2e}"
+    except Exception as e:  # noqa: BLE001 - a config that does not build here: reported
+        err = f"{type(e).__name__}: {str(e)[:200]}"
+    return fields, dtype_s, b_kn, time.perf_counter() - t0, err
+
+
+def gluon_compile_jobs(shapes: Iterable[dict[str, Any]], alone: bool) -> list[tuple[dict[str, Any], str, bool, bool]]:
+    """Every (Gluon config, dtype, B layout, waiting) the engine measures on ``shapes``
+    (its configs, waiting) and, with ``alone`` (``--gluon``), every config alone too."""
+    from dataclasses import asdict
+
+    from overlap.kernels.engine import TILE_CONFIGS
+
+    configs = {g: None for v in TILE_CONFIGS.values() for g in v}
+    if alone:
+        from benchmarks.gluon_gemm_bench import VARIANTS
+        from overlap.kernels.gluon_gemm import GluonGemmConfig
+
+        configs.update({GluonGemmConfig(**f): None for f in VARIANTS.values()})
+    kinds = sorted({(r["dtype"], r["b_layout"] == "kn") for r in shapes})
+    return [(asdict(g), d, kn, waiting) for g in configs for d, kn in kinds
+            for waiting in ((False, True) if alone else (True,))]
+
+
+def precompile(jobs: list[tuple[Any, ...]], workers: int, fn: Any = None) -> list[tuple[Any, ...]]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
+    fn = fn or _compile_one
     if workers <= 1:
-        return [_compile_one(j) for j in jobs]
+        return [fn(j) for j in jobs]
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, jobs))
+        return list(ex.map(fn, jobs))
 
 
 WAIT_CHUNKS = 4
@@ -452,6 +510,17 @@ def main() -> None:
     print(f"compiled in {compile_wall:.1f} s wall; one kernel's build and first run: median "
           f"{statistics.median(per) if per else float('nan'):.2f} s, max {max(per) if per else float('nan'):.2f} s; "
           f"{len(failed)} failed", flush=True)
+    from overlap.kernels.engine import unavailable
+
+    if unavailable(torch.device("cuda"), torch.bfloat16) is None:
+        gjobs = gluon_compile_jobs(shapes, args.gluon)
+        t0 = time.perf_counter()
+        gbuilt = precompile(gjobs, args.workers, _compile_gluon_one)
+        gfail = [f"{f} {d} {'kn' if kn else 'nk'}: {e}" for f, d, kn, _s, e in gbuilt if e is not None]
+        for line in gfail:
+            print(f"  Gluon config does not build: {line}", flush=True)
+        print(f"Gluon: compiled {len(gjobs)} kernels in {time.perf_counter() - t0:.1f} s wall; {len(gfail)} failed",
+              flush=True)
     context = run_context()
     context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
                     "timing": "CUDA-graph replays",
