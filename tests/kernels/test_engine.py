@@ -234,3 +234,79 @@ def test_measured_picks_kept_on_disk(fake_gluon: list, monkeypatch: pytest.Monke
     # forced: the kept pick (here Gluon's) is not consulted, nor measured
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
     assert run().why == "OVERLAP_GEMM_ENGINE=gluon" and len(measured) == 3
+
+
+def test_split_columns_keeps_each_tiles_rows_and_waits() -> None:
+    """A 128x256 table as 128x128 tiles: the same tiles as a table built at 128 columns
+    (rows, source, flag, multiple), each 256-wide tile's halves next to each other, a right
+    half past N left out; bad tables refused."""
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=200),
+            Segment(a_src=1, a_row=64, c_row=200, rows=300, wait_idx=1, wait_mult=3),
+            Segment(a_src=1, a_row=0, c_row=500, rows=128, wait_idx=0, wait_mult=2)]
+    for n in (640, 768, 700, 100):
+        wide = torch.tensor(build_tile_table(segs, n, 128, 256, 4), dtype=torch.int32)
+        half = engine.split_columns(wide, n, 256)
+        narrow = build_tile_table(segs, n, 128, 128, 4)
+        assert sorted(map(tuple, half.tolist())) == sorted(map(tuple, narrow)), n
+        i = 0
+        for t in wide.tolist():  # tile i's halves, in the wide table's order
+            assert half[i].tolist() == t[:4] + [2 * t[4]] + t[5:]
+            i += 1
+            if (2 * t[4] + 1) * 128 < n:
+                assert half[i].tolist() == t[:4] + [2 * t[4] + 1] + t[5:]
+                i += 1
+        assert i == half.shape[0]
+    with pytest.raises(ValueError, match="even"):
+        engine.split_columns(wide, 100, 255)
+    with pytest.raises(ValueError, match="int32"):
+        engine.split_columns(wide.long(), 100, 256)
+    multi = wide.clone()
+    multi[:, 4] |= 1 << 24  # a second weight's tiles (protocol.N_TILE_BITS)
+    with pytest.raises(ValueError, match="one weight"):
+        engine.split_columns(multi, 100, 256)
+    with pytest.raises(ValueError, match="past N"):
+        engine.split_columns(torch.tensor(build_tile_table(segs, 640, 128, 256, 4), dtype=torch.int32), 256, 256)
+
+
+def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a 128x256 table the candidates are 128x256 and ping-pong 128x128 on the table's
+    column halves; picked, the halves run on the split table (same words, rows and grid) and
+    the report names them. A pick of the halves kept from before is not taken inside a
+    capture, where the split table cannot be built (the tile GEMM runs)."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    cands = engine.gluon_configs(CFG)
+    assert [c.block_n for c in cands] == [256, 128] and cands[1].pingpong
+    pick: list[Any] = [cands[1]]
+    monkeypatch.setattr(engine.EnginePlan, "_measure", lambda self, ops, c, grid, rows: (pick[0], "measured"))
+    x = _call(m=1024, n=640)
+
+    def plan() -> Any:
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+        gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+        return gp
+
+    gp = plan()
+    for it in range(2):
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=3 + it, grid=77, rows=(512, 512))
+        got = fake_gluon[-1]
+        assert torch.equal(got["table"], engine.split_columns(x["table"], 640, 256))
+        assert got["config"] == cands[1] and got["flags"] is x["kw"]["flags"] and got["err"] is x["kw"]["err"]
+        assert got["counter"] is x["kw"]["counter"] and got["rows"] == (512, 512) and got["grid"] == 77
+        assert got["epoch"] == 3 + it and got["clip"] is True
+    assert fake_gluon[0]["table"] is fake_gluon[1]["table"]  # built once
+    assert gp.engine == "gluon pp128x128x64 s5 halves"
+    assert list(_engines().values()) == [("gluon pp128x128x64 s5 halves", "measured")]
+    # known from the first plan; a new plan's first launch inside a capture: the tile GEMM
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp2 = plan()
+    gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert gp2.engine == "tile" and fake_gluon[-1].get("tile")
+    # the 128x256 config, known, runs inside a capture on the op's own table
+    monkeypatch.setattr(engine, "_capturing", lambda: False)
+    pick[0] = cands[0]
+    plan().launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=60, rows=(512, 512))
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp3 = plan()
+    gp3.launch(gp3.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=60, rows=(512, 512))
+    assert gp3.engine == "gluon 128x256x64 s3" and fake_gluon[-1]["table"] is x["table"]
