@@ -12,8 +12,9 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   (a give-back grid joins the same table by the counter), C rows cut per row block
   (``rows=``, C rows only), the gelu activation, one or two A sources;
 - a table of a tile it has (128x256, 256x128, 128x128; 64x256 in ping-pong); a table of
-  128x256 tiles may also run as its column halves on ping-pong 128x128 (``HALF_CONFIGS``,
-  ``split_columns``: the same rows, flags and row cuts, twice the tiles);
+  128x256 (256x128) tiles may also run as its column (row) halves on ping-pong 128x128
+  (``HALF_CONFIGS``, ``split_columns`` / ``split_rows``: each tile's flag, multiple and row
+  cut kept, twice the tiles);
 - bf16 / fp16 on an sm_90 GPU, a Triton whose Gluon it knows (``_gluon_compat``);
 
 and not: posts (producer tiles), split tiles, a folded norm, several weights, TileSync,
@@ -48,6 +49,7 @@ from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
 __all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
+           "split_rows",
            "engine_plan",
            "EnginePlan", "picks"]
 
@@ -66,12 +68,13 @@ a table's tile fixes the config's, as its rows and column tiles are the kernel's
 
 HALF_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
     (128, 256): (GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True),),
+    (256, 128): (GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True),),
 }
-"""Gluon configs of half the table tile's width, also measured on a table of that tile:
-each of the table's tiles cut into its two column halves (``split_columns``), so every
-tile keeps the op's rows, A source, flag, multiple and row cut. Ping-pong 128x128 was the
-fastest Gluon config at K <= 6144 with many tiles (docs/experiments.md, 2026-12-04), where
-the op's tile is 128x256."""
+"""Gluon configs of half the table tile, also measured on a table of that tile: each of
+the table's tiles cut into its two column halves (``split_columns``) or row halves
+(``split_rows``), so every tile keeps the op's A source, flag, multiple and row cut.
+Ping-pong 128x128 waiting was the fastest Gluon config on 26 of the 48 sweep shapes
+(docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
 
 MARGIN = 0.01
 """How much faster (a fraction of the tile GEMM's time) the Gluon GEMM must measure to be picked."""
@@ -110,7 +113,7 @@ def unavailable(device: Any, dtype: Any) -> str | None:
 
 def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
-    the tile itself first, then those that run its column halves (``HALF_CONFIGS``)."""
+    the tile itself first, then those that run its halves (``HALF_CONFIGS``)."""
     tile = (config.block_m, config.block_n)
     return TILE_CONFIGS.get(tile, ()) + HALF_CONFIGS.get(tile, ())
 
@@ -120,7 +123,7 @@ def split_columns(table: Any, n: int, block_n: int) -> Any:
     ``block_n // 2``-wide ones: tile i becomes tiles 2i and 2i + 1, its left and right
     column halves, each with tile i's A rows, source, C rows, flag and multiple (so the
     waits and row cuts are the op's); a right half wholly past ``n`` columns is left out.
-    A CPU tensor in, a CPU tensor out."""
+    Tables that post are refused. A CPU tensor in, a CPU tensor out."""
     import torch
 
     if block_n % 2 or block_n <= 0:
@@ -128,6 +131,10 @@ def split_columns(table: Any, n: int, block_n: int) -> Any:
     if table.dim() != 2 or table.shape[1] != _p.TABLE_COLS or table.dtype != torch.int32:
         raise ValueError(f"split_columns: a table is int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
                          f"{tuple(table.shape)}")
+    from ..policies import NO_FLAG
+
+    if bool((table[:, _p.COL_POST] != NO_FLAG).any()):
+        raise ValueError("split_columns: a table whose tiles post cannot be split (each post would count twice)")
     nt = table[:, _p.COL_N_TILE]
     if bool((nt < 0).any()) or bool((nt > _p.N_TILE_MASK).any()):
         raise ValueError("split_columns: a table of one weight (column tiles in [0, N_TILE_MASK]) only")
@@ -136,6 +143,37 @@ def split_columns(table: Any, n: int, block_n: int) -> Any:
     out = table.repeat_interleave(2, dim=0)
     out[:, _p.COL_N_TILE] = 2 * out[:, _p.COL_N_TILE] + torch.arange(out.shape[0], dtype=torch.int32) % 2
     return out[out[:, _p.COL_N_TILE] * (block_n // 2) < n].contiguous()
+
+
+def split_rows(table: Any, block_m: int) -> Any:
+    """A tile table (int32 [T, 8]) of ``block_m``-row tiles as a table of ``block_m // 2``-row
+    ones: tile i becomes tiles 2i (its first half of rows) and 2i + 1 (the rest, left out
+    where the tile has no more than half its rows), each with tile i's column tile, A
+    source, flag and multiple; the halves' rows lie inside tile i's, so a row cut of the
+    op's (C rows in blocks, ``rows=(cap, span)``) cuts them as it cut tile i. Tables that
+    post are refused (a post would count twice). A CPU tensor in, a CPU tensor out."""
+    import torch
+
+    if block_m % 2 or block_m <= 0:
+        raise ValueError(f"split_rows: block_m must be even and positive, got {block_m}")
+    if table.dim() != 2 or table.shape[1] != _p.TABLE_COLS or table.dtype != torch.int32:
+        raise ValueError(f"split_rows: a table is int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    from ..policies import NO_FLAG
+
+    if bool((table[:, _p.COL_POST] != NO_FLAG).any()):
+        raise ValueError("split_rows: a table whose tiles post cannot be split (each post would count twice)")
+    rows = table[:, _p.COL_C_ROWS]
+    if bool((rows > block_m).any()):
+        raise ValueError(f"split_rows: a tile of more than block_m = {block_m} rows")
+    half = block_m // 2
+    out = table.repeat_interleave(2, dim=0)
+    second = (torch.arange(out.shape[0]) % 2 == 1)
+    r = out[:, _p.COL_C_ROWS]
+    out[:, _p.COL_C_ROWS] = torch.where(second, r - half, torch.clamp(r, max=half))
+    out[second, _p.COL_A_ROW] += half
+    out[second, _p.COL_C_ROW] += half
+    return out[out[:, _p.COL_C_ROWS] > 0].contiguous()
 
 
 def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False, k_wait: int = 0,
@@ -305,9 +343,9 @@ class EnginePlan:
         self.forced = forced
         cfg = kw.get("config") or GemmConfig()
         self.configs = gluon_configs(cfg)
-        self.tile_n = cfg.block_n
+        self.tile_shape = (cfg.block_m, cfg.block_n)
         self.n = _ns(b)
-        self._tables: dict[int, Any] = {cfg.block_n: table}  # tile width -> its table (the op's, its halves)
+        self._tables: dict[tuple, Any] = {self.tile_shape: table}  # tile -> its table (the op's, or its halves)
         self.gluon: GluonGemmConfig | None = None  # the pick; None: the tile GEMM
         self.decided = False
         self.b_kn = tile.b_kn
@@ -369,19 +407,24 @@ class EnginePlan:
     def label(self, cfg: GluonGemmConfig | None) -> str:
         """The engine's name in the report: "tile", or the Gluon config (+ " halves" where it
         runs the column halves of the op's tiles)."""
-        return "tile" if cfg is None else _label(cfg, cfg.block_n != self.tile_n)
+        return "tile" if cfg is None else _label(cfg, (cfg.block_m, cfg.block_n) != self.tile_shape)
 
     def _table_for(self, cfg: GluonGemmConfig) -> Any:
-        """The table ``cfg`` runs: the op's, or (a config of half its tile's width) its
-        column halves, built once from a host copy of the op's (not inside a capture)."""
-        t = self._tables.get(cfg.block_n)
+        """The table ``cfg`` runs: the op's, or (a config of half its tile) its column or
+        row halves, built once from a host copy of the op's (not inside a capture)."""
+        key = (cfg.block_m, cfg.block_n)
+        t = self._tables.get(key)
         if t is None:
-            if cfg.block_n * 2 != self.tile_n:
-                raise ValueError(f"gluon_gemm: a {cfg.block_n}-wide config on a table of {self.tile_n}-wide tiles")
+            tm, tn = self.tile_shape
+            if key == (tm, tn // 2):
+                split = lambda tab: split_columns(tab, self.n, tn)  # noqa: E731
+            elif key == (tm // 2, tn):
+                split = lambda tab: split_rows(tab, tm)  # noqa: E731
+            else:
+                raise ValueError(f"gluon_gemm: a {key[0]}x{key[1]} config on a table of {tm}x{tn} tiles")
             if _capturing():
-                raise RuntimeError("the column-halves table is built outside a CUDA graph capture")
-            t = self._tables[cfg.block_n] = split_columns(self.table.cpu(), self.n, self.tile_n).to(
-                self.table.device)
+                raise RuntimeError("a table of halves is built outside a CUDA graph capture")
+            t = self._tables[key] = split(self.table.cpu()).to(self.table.device)
         return t
 
     def _decide(self, ops: _Operands, c: Any, grid: int, rows: Any) -> None:
@@ -390,7 +433,8 @@ class EnginePlan:
         if self.forced:
             self.gluon, why = self.configs[0], f"{ENGINE_ENV}=gluon"
         elif known is not None and not (_capturing() and known[0] != "tile"
-                                        and any(self.label(g) == known[0] and g.block_n not in self._tables
+                                        and any(self.label(g) == known[0]
+                                                and (g.block_m, g.block_n) not in self._tables
                                                 for g in self.configs)):
             label, why = known
             self.gluon = next((g for g in self.configs if self.label(g) == label), None)
