@@ -19,8 +19,10 @@ compiled once in a pool of processes (Triton's on-disk cache then serves the tun
 then per shape: ``tune_gemm`` (its wall time is the tuner's cost for a new shape), and
 interleaved rounds of cuBLAS (``torch.mm``) and the tuned tile GEMM over every SM, each
 timed as CUDA-graph replays (host launch cost left out), medians kept. Beside the GEMM
-alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over a table of 4
-chunks of rows whose flags are already set (``wait_table``), of the per-tile kernel's tuned
+alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over the table
+``all_reduce_matmul`` builds, its rows in the op's chunks (one per 2048 rows, 1 to 4;
+``--wait-chunks 4`` fixes 4 at every M, as this column was measured before), whose flags
+are already set (``wait_table``), of the per-tile kernel's tuned
 tile (``tune_gemm`` without the flattened configs), on the engine the ops pick
 (``overlap.kernels.engine.engine_plan``: the tile GEMM or the Gluon GEMM, measured; its
 pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. So these
@@ -159,6 +161,11 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
             "tune_s_max": round(max(tune), 3) if tune else None}
 
 
+def _chunks_words() -> str:
+    return (f"{FIXED_CHUNKS[0]} chunk flags" if FIXED_CHUNKS[0]
+            else "all_reduce_matmul's chunks: 1 per 2048 rows, 1 to 4")
+
+
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines = [f"# Tile GEMM vs cuBLAS ({context.get('gpu')}, commit {context.get('commit')})", "",
              "| M | N | K | B | dtype | model / layer / TP | cuBLAS ms | tile ms | tile / cuBLAS speed | config "
@@ -179,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                       f"{summary['targets']['geomean']}, min >= {summary['targets']['min']}: "
                       f"{'met' if summary['met'] else 'missed'}.",
                   f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
-                  (f"As the consumer ops run it ({WAIT_CHUNKS} chunk flags already set, the engine the ops pick, "
+                  (f"As the consumer ops run it ({_chunks_words()}, flags already set, the engine the ops pick, "
                    f"wait ms): geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x "
                    f"(Gluon picked on {summary['wait']['gluon_picked']} shapes)"
                    + (f"; the tile GEMM alone on that table: geo-mean {summary['tile_wait']['geomean']:.3f}x, "
@@ -306,17 +313,30 @@ def precompile(jobs: list[tuple[Any, ...]], workers: int, fn: Any = None) -> lis
 
 
 WAIT_CHUNKS = 4
-"""Chunks of the ``wait_ms`` column's table: rows in 4 segments, each waiting on its flag."""
+"""Most chunks of the ``wait_ms`` column's table (flags allocated)."""
+FIXED_CHUNKS: list[int] = [0]
+"""``--wait-chunks``: 0 (the default) takes the op's own chunk count (``wait_chunks``); a
+positive number fixes it (4 at every M was the column's table before 2026-12-04's second run)."""
 
 
-def wait_table(m: int, n: int, cfg: Any, device: Any) -> Any:
-    """The consumer ops' kind of tile table for C[m, n]: ``WAIT_CHUNKS`` segments of rows in
-    arrival order, each tile waiting on its segment's flag (index = segment)."""
-    from overlap.policies import Segment, build_tile_table, table_tensor
+def wait_chunks(m: int) -> int:
+    """Chunks of the ``wait_ms`` table at M rows: ``all_reduce_matmul``'s own policy (one
+    per 2048 rows, 1 to 4: fewer chunks at small M, where each chunk would read all of B
+    again), unless ``--wait-chunks`` fixed it."""
+    from overlap.ops.all_reduce import _default_chunks
 
-    bounds = [m * i // WAIT_CHUNKS for i in range(WAIT_CHUNKS + 1)]
-    segs = [Segment(a_src=0, a_row=lo, c_row=lo, rows=hi - lo, wait_idx=i)
-            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
+    return FIXED_CHUNKS[0] or _default_chunks(m)
+
+
+def wait_table(m: int, n: int, cfg: Any, device: Any, chunks: int | None = None) -> Any:
+    """The table ``all_reduce_matmul`` builds for C[m, n] at ``cfg``'s tile: ``chunks``
+    (default ``wait_chunks(m)``) segments of rows in arrival order, sized as the op sizes
+    them (multiples of 128 rows but the last), each tile waiting on its segment's flag
+    (index = segment)."""
+    from overlap.policies import build_tile_table, row_chunk_segments, table_tensor
+
+    chunks = min(chunks or wait_chunks(m), WAIT_CHUNKS)
+    _sizes, segs = row_chunk_segments(m, chunks, 128)
     return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, group_m=getattr(cfg, "group_m", 8)),
                         device)
 
@@ -396,6 +416,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     ratios = sorted(x / y for x, y in zip(times["cublas"], times["tile"]))
     return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
             "wait_ms": round(wt, 5), "wait_vs_cublas": round(cb / wt, 4), "wait_config": _cfg_str(wcfg),
+            "wait_chunks": min(wait_chunks(m), WAIT_CHUNKS),
             "wait_tune_s": round(wait_tune_s, 3), "wait_rel_err_vs_cublas": rel_w,
             "wait_engine": wait_engine, "wait_engine_s": round(engine_s, 3),
             "wait_engine_why": getattr(ep, "why", None),
@@ -476,9 +497,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
     ap.add_argument("--gluon", action="store_true",
                     help="also time the Gluon GEMM's configs, alone and waiting (sm_90, a Triton with Gluon)")
+    ap.add_argument("--wait-chunks", type=int, default=0,
+                    help="chunks of the wait_ms table (0: all_reduce_matmul's own policy; 4 was the fixed count "
+                         "before)")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     args = ap.parse_args()
+    if not 0 <= args.wait_chunks <= WAIT_CHUNKS:
+        sys.exit(f"--wait-chunks must be 0 to {WAIT_CHUNKS}")
+    FIXED_CHUNKS[0] = args.wait_chunks
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OVERLAP_GEMM_CACHE", os.path.join(os.path.abspath(args.out), "gemm_cache.json"))
@@ -523,6 +550,7 @@ def main() -> None:
               flush=True)
     context = run_context()
     context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
+                    "wait_chunks": args.wait_chunks or "all_reduce_matmul's (1 per 2048 rows, 1-4)",
                     "timing": "CUDA-graph replays",
                     "cmdline": " ".join(sys.argv[1:])})
     rows: list[dict[str, Any]] = []
