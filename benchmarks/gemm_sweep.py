@@ -539,7 +539,10 @@ def main() -> None:
           f"{len(failed)} failed", flush=True)
     from overlap.kernels.engine import unavailable
 
-    if unavailable(torch.device("cuda"), torch.bfloat16) is None:
+    why_not = unavailable(torch.device("cuda"), torch.bfloat16)
+    if why_not is not None:
+        print(f"Gluon configs not built in the pool: {why_not}", flush=True)
+    else:
         gjobs = gluon_compile_jobs(shapes, args.gluon)
         t0 = time.perf_counter()
         gbuilt = precompile(gjobs, args.workers, _compile_gluon_one)
