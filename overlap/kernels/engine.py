@@ -73,7 +73,7 @@ HALF_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
 """Gluon configs of half the table tile, also measured on a table of that tile: each of
 the table's tiles cut into its two column halves (``split_columns``) or row halves
 (``split_rows``), so every tile keeps the op's A source, flag, multiple and row cut.
-Ping-pong 128x128 waiting was the fastest Gluon config on 26 of the 48 sweep shapes
+Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep shapes
 (docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
 
 MARGIN = 0.01
