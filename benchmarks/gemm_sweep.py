@@ -494,6 +494,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=48, help="shapes of the full sweep")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--m-at-least", type=int, default=0, help="only the shapes of at least this M")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
     ap.add_argument("--gluon", action="store_true",
                     help="also time the Gluon GEMM's configs, alone and waiting (sm_90, a Triton with Gluon)")
@@ -517,7 +518,7 @@ def main() -> None:
     from overlap.kernels.autotune import note_failed
     from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported
 
-    shapes = quick_shapes() if args.quick else sweep_shapes(args.count)
+    shapes = [r for r in (quick_shapes() if args.quick else sweep_shapes(args.count)) if r["m"] >= args.m_at_least]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ws = warp_specialize_supported(0)
     flatten = not args.no_flatten
