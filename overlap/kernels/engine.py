@@ -24,8 +24,7 @@ calls run the tile GEMM, which stays the fallback everywhere.
 ``OVERLAP_GEMM_ENGINE`` (read when a plan is made): ``auto`` (the default) measures, at a
 plan's first launch outside a graph capture, the GEMM as the op runs it (its table, A
 rows, grid and row cut, every flag already set, on scratch flags, error word, counter and
-C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), each
-candidate about ``MEASURE_MS`` back to back a round, an untimed round then three interleaved rounds,
+C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), three interleaved rounds,
 medians; the Gluon GEMM runs only where it was ``MARGIN`` (1%) faster. The pick is kept
 per problem for the process (``picks()``) and, with ``OVERLAP_GEMM_CACHE`` set, in a file
 beside the GEMM tuner's (``cache_path()``), keyed like the tuner's by the GPU, the versions
@@ -49,7 +48,7 @@ from . import gluon_gemm as _gg
 from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
-__all__ = ["ENGINE_ENV", "ENGINES", "MEASURE_MS", "measure_reps", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
+__all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
            "split_rows",
            "engine_plan",
            "EnginePlan", "picks"]
@@ -76,20 +75,6 @@ the table's tiles cut into its two column halves (``split_columns``) or row halv
 (``split_rows``), so every tile keeps the op's A source, flag, multiple and row cut.
 Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep shapes
 (docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
-
-MEASURE_MS = 20.0
-"""Time each candidate runs back to back per round of the engine's measurement (3 timed
-rounds after an untimed one): long enough for the GPU's clocks to settle as they do under
-sustained load, where a few launches in a burst ranked the engines otherwise."""
-
-
-def measure_reps(one_ms: float, target_ms: float = MEASURE_MS, most: int = 500) -> int:
-    """Launches of a candidate per measurement round: ``target_ms`` worth at ``one_ms`` a
-    launch (its first timed launch), at least 3, at most ``most``."""
-    if not one_ms > 0:  # NaN, zero or negative: the timer said nothing; the most
-        return most
-    return max(3, min(most, -(-int(target_ms * 1000) // max(1, int(one_ms * 1000)))))
-
 
 MARGIN = 0.01
 """How much faster (a fraction of the tile GEMM's time) the Gluon GEMM must measure to be picked."""
@@ -265,8 +250,7 @@ def _env(device: Any) -> dict[str, Any]:
     from .autotune import device_env
 
     return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
-            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
-            "measure_ms": MEASURE_MS}
+            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN}
 
 
 def _disk_key(key: tuple, device: Any) -> str:
@@ -527,24 +511,16 @@ class EnginePlan:
                     if g is None:
                         raise
                     failed.append(f"{name} failed ({type(e).__name__}: {str(e)[:120]})")
-            def timed(fn: Any, n: int) -> float:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(side)
-                for _r in range(n):
-                    fn()
-                e1.record(side)
-                e1.synchronize()
-                return e0.elapsed_time(e1)
-
-            # each candidate's launches a round sized to MEASURE_MS, and one untimed round
-            # first: a short burst runs at clocks the GPU does not hold under sustained
-            # load, and the engines gain from them unequally (docs/experiments.md)
-            reps = {name: measure_reps(timed(fn, 1)) for name, fn, _g in live}
-            for name, fn, _g in live:
-                timed(fn, reps[name])
+            reps = 3
             for _ in range(3):
                 for name, fn, _g in live:
-                    times.setdefault(name, []).append(timed(fn, reps[name]) / reps[name])
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record(side)
+                    for _r in range(reps):
+                        fn()
+                    e1.record(side)
+                    e1.synchronize()
+                    times.setdefault(name, []).append(e0.elapsed_time(e1) / reps)
         scratch = {id(t) for t in (flags, err, counter) if t is not None}
         self._gplans = {kk: v for kk, v in self._gplans.items() if not scratch & set(kk[1:])}
         med = {name: statistics.median(v) for name, v in times.items()}

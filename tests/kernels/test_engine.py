@@ -371,21 +371,3 @@ def test_a_256x128_table_may_run_as_its_row_halves(fake_gluon: list, monkeypatch
     got = fake_gluon[-1]
     assert torch.equal(got["table"], engine.split_rows(x["table"], 256)) and got["rows"] == (300, 512)
     assert got["config"] == cands[1] and gp.engine == "gluon pp128x128x64 s5 halves"
-
-
-def test_measure_rounds_last_long_enough_for_sustained_clocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A candidate's launches per measurement round: MEASURE_MS worth (at least 3, at most
-    500); a timer that said nothing takes the most. Picks measured another way are not
-    taken from the file (the measurement is part of its key)."""
-    assert engine.measure_reps(0.066) == 304  # 20 ms of 66 us launches
-    assert engine.measure_reps(1.0) == 20 and engine.measure_reps(2.5) == 8
-    assert engine.measure_reps(22.0) == 3 and engine.measure_reps(0.001) == 500
-    assert engine.measure_reps(float("nan")) == 500 and engine.measure_reps(0.0) == 500
-    assert engine.measure_reps(1.0, target_ms=5.0) == 5
-    from overlap.kernels import autotune
-
-    monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
-    key = (1024, 512, 256, "float16", False, 128, 256, 16, True, True, None, 100, None)
-    before = engine._disk_key(key, "cpu")
-    monkeypatch.setattr(engine, "MEASURE_MS", 5.0)
-    assert engine._disk_key(key, "cpu") != before
