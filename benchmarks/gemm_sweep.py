@@ -1,7 +1,7 @@
 """The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
 
     python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
-                                    [--no-flatten] [--gluon]
+                                    [--no-flatten] [--gluon] [--wait-chunks N] [--m-at-least M]
 
 Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
 hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
