@@ -1,7 +1,7 @@
 """The tuned tile GEMM against cuBLAS on 40+ layer shapes of GPT-3, LLaMA, Qwen and Mixtral (one GPU).
 
     python benchmarks/gemm_sweep.py [--out DIR] [--quick] [--max-seconds S] [--rounds 7] [--workers 12]
-                                    [--no-flatten] [--gluon]
+                                    [--no-flatten] [--gluon] [--wait-chunks N] [--m-at-least M]
 
 Shapes (``sweep_shapes``): M (tokens) from 512 to 32768; N and K from each model's
 hidden and FFN sizes divided by a tensor-parallel degree of 1, 2, 4 or 8, as the
@@ -19,13 +19,15 @@ compiled once in a pool of processes (Triton's on-disk cache then serves the tun
 then per shape: ``tune_gemm`` (its wall time is the tuner's cost for a new shape), and
 interleaved rounds of cuBLAS (``torch.mm``) and the tuned tile GEMM over every SM, each
 timed as CUDA-graph replays (host launch cost left out), medians kept. Beside the GEMM
-alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over a table of 4
-chunks of rows whose flags are already set (``wait_table``), of the per-tile kernel's tuned
+alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over the table
+``all_reduce_matmul`` builds, its rows in the op's chunks (one per 2048 rows, 1 to 4;
+``--wait-chunks 4`` fixes 4 at every M, as this column was measured before), whose flags
+are already set (``wait_table``), of the per-tile kernel's tuned
 tile (``tune_gemm`` without the flattened configs), on the engine the ops pick
 (``overlap.kernels.engine.engine_plan``: the tile GEMM or the Gluon GEMM, measured; its
 pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. So these
 figures are what waiting on flags costs when nothing is late (their kernels, with waits,
-are built at their first use, not in the pool). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
+are built at their first use; the Gluon configs the engine measures are built in the pool too, waiting). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
 (``gluon_ms``, ``gluon_wait_ms``). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
@@ -159,6 +161,11 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
             "tune_s_max": round(max(tune), 3) if tune else None}
 
 
+def _chunks_words() -> str:
+    return (f"{FIXED_CHUNKS[0]} chunk flags" if FIXED_CHUNKS[0]
+            else "all_reduce_matmul's chunks: 1 per 2048 rows, 1 to 4")
+
+
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[str, Any]) -> str:
     lines = [f"# Tile GEMM vs cuBLAS ({context.get('gpu')}, commit {context.get('commit')})", "",
              "| M | N | K | B | dtype | model / layer / TP | cuBLAS ms | tile ms | tile / cuBLAS speed | config "
@@ -179,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                       f"{summary['targets']['geomean']}, min >= {summary['targets']['min']}: "
                       f"{'met' if summary['met'] else 'missed'}.",
                   f"Slowest: {', '.join(f'{s} {v:.3f}x' for s, v in summary['worst'])}.",
-                  (f"As the consumer ops run it ({WAIT_CHUNKS} chunk flags already set, the engine the ops pick, "
+                  (f"As the consumer ops run it ({_chunks_words()}, flags already set, the engine the ops pick, "
                    f"wait ms): geo-mean {summary['wait']['geomean']:.3f}x cuBLAS, min {summary['wait']['min']:.3f}x "
                    f"(Gluon picked on {summary['wait']['gluon_picked']} shapes)"
                    + (f"; the tile GEMM alone on that table: geo-mean {summary['tile_wait']['geomean']:.3f}x, "
@@ -237,28 +244,99 @@ def _compile_one(job: tuple[dict[str, Any], str, bool]) -> tuple[dict[str, Any],
     return cfg_d, dtype_s, b_kn, time.perf_counter() - t0, err
 
 
-def precompile(jobs: list[tuple[dict[str, Any], str, bool]], workers: int) -> list[tuple[Any, ...]]:
+def _compile_gluon_one(job: tuple[dict[str, Any], str, bool, bool]) -> tuple[dict[str, Any], str, bool, float,
+                                                                           str | None]:
+    """Build and run one Gluon config (``gluon_gemm``) alone or waiting on a small problem of
+    the sweep's specialization (sizes multiples of 16), filling Triton's on-disk cache so the
+    timed process does not build it serially."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment, build_tile_table, table_tensor
+
+    fields, dtype_s, b_kn, waiting = job
+    gc = GluonGemmConfig(**fields)
+    dtype = getattr(torch, dtype_s)
+    dev = torch.device("cuda")
+    m, n, k = 576, 512, 1024
+    a = torch.randn(m, k, device=dev, dtype=dtype)
+    w = torch.randn(n, k, device=dev, dtype=dtype)
+    b = w.t().contiguous() if b_kn else w.t()
+    c = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+    t0 = time.perf_counter()
+    try:
+        if waiting:
+            tab = wait_table(m, n, gc, dev)
+            kw = {"flags": torch.ones(WAIT_CHUNKS, dtype=torch.int32, device=dev),
+                  "err": torch.zeros(8, dtype=torch.int32, device=dev), "epoch": 1}
+        else:
+            tab = table_tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, gc.block_m,
+                                                gc.block_n), dev)
+            kw = {}
+        launch_gluon_gemm(a, b, c, tab, grid=8, config=gc, **kw)
+        torch.cuda.synchronize()
+        ref = (a @ b).float()
+        rel = ((c.float() - ref).norm() / ref.norm()).item()
+        err = None if rel < 2e-2 else f"wrong result: rel err {rel:.2e}"
+    except Exception as e:  # noqa: BLE001 - a config that does not build here: reported
+        err = f"{type(e).__name__}: {str(e)[:200]}"
+    return fields, dtype_s, b_kn, time.perf_counter() - t0, err
+
+
+def gluon_compile_jobs(shapes: Iterable[dict[str, Any]], alone: bool) -> list[tuple[dict[str, Any], str, bool, bool]]:
+    """Every (Gluon config, dtype, B layout, waiting) the engine measures on ``shapes``
+    (its configs, waiting) and, with ``alone`` (``--gluon``), every config alone too."""
+    from dataclasses import asdict
+
+    from overlap.kernels.engine import HALF_CONFIGS, TILE_CONFIGS
+
+    configs = {g: None for v in (*TILE_CONFIGS.values(), *HALF_CONFIGS.values()) for g in v}
+    if alone:
+        from benchmarks.gluon_gemm_bench import VARIANTS
+        from overlap.kernels.gluon_gemm import GluonGemmConfig
+
+        configs.update({GluonGemmConfig(**f): None for f in VARIANTS.values()})
+    kinds = sorted({(r["dtype"], r["b_layout"] == "kn") for r in shapes})
+    return [(asdict(g), d, kn, waiting) for g in configs for d, kn in kinds
+            for waiting in ((False, True) if alone else (True,))]
+
+
+def precompile(jobs: list[tuple[Any, ...]], workers: int, fn: Any = None) -> list[tuple[Any, ...]]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
+    fn = fn or _compile_one
     if workers <= 1:
-        return [_compile_one(j) for j in jobs]
+        return [fn(j) for j in jobs]
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        return list(ex.map(_compile_one, jobs))
+        return list(ex.map(fn, jobs))
 
 
 WAIT_CHUNKS = 4
-"""Chunks of the ``wait_ms`` column's table: rows in 4 segments, each waiting on its flag."""
+"""Most chunks of the ``wait_ms`` column's table (flags allocated)."""
+FIXED_CHUNKS: list[int] = [0]
+"""``--wait-chunks``: 0 (the default) takes the op's own chunk count (``wait_chunks``); a
+positive number fixes it (4 at every M was the column's table before 2026-12-04's second run)."""
 
 
-def wait_table(m: int, n: int, cfg: Any, device: Any) -> Any:
-    """The consumer ops' kind of tile table for C[m, n]: ``WAIT_CHUNKS`` segments of rows in
-    arrival order, each tile waiting on its segment's flag (index = segment)."""
-    from overlap.policies import Segment, build_tile_table, table_tensor
+def wait_chunks(m: int) -> int:
+    """Chunks of the ``wait_ms`` table at M rows: ``all_reduce_matmul``'s own policy (one
+    per 2048 rows, 1 to 4: fewer chunks at small M, where each chunk would read all of B
+    again), unless ``--wait-chunks`` fixed it."""
+    from overlap.ops.all_reduce import _default_chunks
 
-    bounds = [m * i // WAIT_CHUNKS for i in range(WAIT_CHUNKS + 1)]
-    segs = [Segment(a_src=0, a_row=lo, c_row=lo, rows=hi - lo, wait_idx=i)
-            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if hi > lo]
+    return FIXED_CHUNKS[0] or _default_chunks(m)
+
+
+def wait_table(m: int, n: int, cfg: Any, device: Any, chunks: int | None = None) -> Any:
+    """The table ``all_reduce_matmul`` builds for C[m, n] at ``cfg``'s tile: ``chunks``
+    (default ``wait_chunks(m)``) segments of rows in arrival order, sized as the op sizes
+    them (multiples of 128 rows but the last), each tile waiting on its segment's flag
+    (index = segment)."""
+    from overlap.policies import build_tile_table, row_chunk_segments, table_tensor
+
+    chunks = min(chunks or wait_chunks(m), WAIT_CHUNKS)
+    _sizes, segs = row_chunk_segments(m, chunks, 128)
     return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, group_m=getattr(cfg, "group_m", 8)),
                         device)
 
@@ -338,6 +416,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     ratios = sorted(x / y for x, y in zip(times["cublas"], times["tile"]))
     return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
             "wait_ms": round(wt, 5), "wait_vs_cublas": round(cb / wt, 4), "wait_config": _cfg_str(wcfg),
+            "wait_chunks": min(wait_chunks(m), WAIT_CHUNKS),
             "wait_tune_s": round(wait_tune_s, 3), "wait_rel_err_vs_cublas": rel_w,
             "wait_engine": wait_engine, "wait_engine_s": round(engine_s, 3),
             "wait_engine_why": getattr(ep, "why", None),
@@ -415,12 +494,19 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=48, help="shapes of the full sweep")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shape after this long")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--m-at-least", type=int, default=0, help="only the shapes of at least this M")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compiles")
     ap.add_argument("--gluon", action="store_true",
                     help="also time the Gluon GEMM's configs, alone and waiting (sm_90, a Triton with Gluon)")
+    ap.add_argument("--wait-chunks", type=int, default=0,
+                    help="chunks of the wait_ms table (0: all_reduce_matmul's own policy; 4 was the fixed count "
+                         "before)")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     args = ap.parse_args()
+    if not 0 <= args.wait_chunks <= WAIT_CHUNKS:
+        sys.exit(f"--wait-chunks must be 0 to {WAIT_CHUNKS}")
+    FIXED_CHUNKS[0] = args.wait_chunks
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OVERLAP_GEMM_CACHE", os.path.join(os.path.abspath(args.out), "gemm_cache.json"))
@@ -432,7 +518,7 @@ def main() -> None:
     from overlap.kernels.autotune import note_failed
     from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported
 
-    shapes = quick_shapes() if args.quick else sweep_shapes(args.count)
+    shapes = [r for r in (quick_shapes() if args.quick else sweep_shapes(args.count)) if r["m"] >= args.m_at_least]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ws = warp_specialize_supported(0)
     flatten = not args.no_flatten
@@ -452,8 +538,23 @@ def main() -> None:
     print(f"compiled in {compile_wall:.1f} s wall; one kernel's build and first run: median "
           f"{statistics.median(per) if per else float('nan'):.2f} s, max {max(per) if per else float('nan'):.2f} s; "
           f"{len(failed)} failed", flush=True)
+    from overlap.kernels.engine import unavailable
+
+    why_not = unavailable(torch.device("cuda"), torch.bfloat16)
+    if why_not is not None:
+        print(f"Gluon configs not built in the pool: {why_not}", flush=True)
+    else:
+        gjobs = gluon_compile_jobs(shapes, args.gluon)
+        t0 = time.perf_counter()
+        gbuilt = precompile(gjobs, args.workers, _compile_gluon_one)
+        gfail = [f"{f} {d} {'kn' if kn else 'nk'}: {e}" for f, d, kn, _s, e in gbuilt if e is not None]
+        for line in gfail:
+            print(f"  Gluon config does not build: {line}", flush=True)
+        print(f"Gluon: compiled {len(gjobs)} kernels in {time.perf_counter() - t0:.1f} s wall; {len(gfail)} failed",
+              flush=True)
     context = run_context()
     context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
+                    "wait_chunks": args.wait_chunks or "all_reduce_matmul's (1 per 2048 rows, 1-4)",
                     "timing": "CUDA-graph replays",
                     "cmdline": " ".join(sys.argv[1:])})
     rows: list[dict[str, Any]] = []

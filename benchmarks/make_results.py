@@ -224,9 +224,18 @@ def gemm_sweep_md(found: tuple[dict, str]) -> list[str]:
              f"{len(summ.get('under_min_target', []))} shapes under the min target. Tuning a new shape: "
              f"median {summ.get('tune_s_median', float('nan')):.2f} s, max {summ.get('tune_s_max', float('nan')):.2f} s.",
              ""]
-    head = ["M", "N", "K", "B", "dtype", "model / layer / TP", "cuBLAS ms", "tile ms", "tile / cuBLAS", "config"]
+    wait = summ.get("wait")
+    if wait:
+        lines[-1:-1] = ["", f"As the consumer ops run it (`wait_ms`: tiles on chunk flags already set, the engine "
+                        f"the ops pick): geo-mean {wait['geomean']:.3f}x cuBLAS, min {wait['min']:.3f}x, "
+                        f"{len(wait.get('under_0.93', []))} shapes under 0.93x; Gluon picked on "
+                        f"{wait.get('gluon_picked', 0)} of {wait['shapes']}."]
+    head = ["M", "N", "K", "B", "dtype", "model / layer / TP", "cuBLAS ms", "tile ms", "tile / cuBLAS", "config",
+            *(["wait / cuBLAS", "wait engine"] if wait else [])]
     body = [[r["m"], r["n"], r["k"], r["b_layout"], r["dtype"], f"{r['model']} {r['layer']} {r['tp']}",
-             report.fmt(r["cublas_ms"]), report.fmt(r["tile_ms"]), f"{r['speed_vs_cublas']:.3f}", r["config"]]
+             report.fmt(r["cublas_ms"]), report.fmt(r["tile_ms"]), f"{r['speed_vs_cublas']:.3f}", r["config"],
+             *([f"{r['wait_vs_cublas']:.3f}" if r.get("wait_vs_cublas") else "-", r.get("wait_engine", "-")]
+               if wait else [])]
             for r in sorted(rows, key=lambda r: r["speed_vs_cublas"])]
     return lines + [report.md_table(head, [[str(v) for v in row] for row in body]), ""]
 

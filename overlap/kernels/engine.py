@@ -11,7 +11,10 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
 - tiles that wait (or none), on one error word, with a dispatch counter or without
   (a give-back grid joins the same table by the counter), C rows cut per row block
   (``rows=``, C rows only), the gelu activation, one or two A sources;
-- a table of a tile it has (128x256, 256x128, 128x128; 64x256 in ping-pong);
+- a table of a tile it has (128x256, 256x128, 128x128; 64x256 in ping-pong); a table of
+  128x256 (256x128) tiles may also run as its column (row) halves on ping-pong 128x128
+  (``HALF_CONFIGS``, ``split_columns`` / ``split_rows``: each tile's flag, multiple and row
+  cut kept, twice the tiles);
 - bf16 / fp16 on an sm_90 GPU, a Triton whose Gluon it knows (``_gluon_compat``);
 
 and not: posts (producer tiles), split tiles, a folded norm, several weights, TileSync,
@@ -21,7 +24,7 @@ calls run the tile GEMM, which stays the fallback everywhere.
 ``OVERLAP_GEMM_ENGINE`` (read when a plan is made): ``auto`` (the default) measures, at a
 plan's first launch outside a graph capture, the GEMM as the op runs it (its table, A
 rows, grid and row cut, every flag already set, on scratch flags, error word, counter and
-C) on the tile GEMM and each Gluon config of the table's tile, three interleaved rounds,
+C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), three interleaved rounds,
 medians; the Gluon GEMM runs only where it was ``MARGIN`` (1%) faster. The pick is kept
 per problem for the process (``picks()``) and, with ``OVERLAP_GEMM_CACHE`` set, in a file
 beside the GEMM tuner's (``cache_path()``), keyed like the tuner's by the GPU, the versions
@@ -45,7 +48,9 @@ from . import gluon_gemm as _gg
 from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
-__all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "engine_plan",
+__all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
+           "split_rows",
+           "engine_plan",
            "EnginePlan", "picks"]
 
 ENGINE_ENV = "OVERLAP_GEMM_ENGINE"
@@ -60,6 +65,16 @@ TILE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
 }
 """The Gluon configs measured for a table of each tile (those of benchmarks/gluon_gemm_bench.py;
 a table's tile fixes the config's, as its rows and column tiles are the kernel's)."""
+
+HALF_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
+    (128, 256): (GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True),),
+    (256, 128): (GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True),),
+}
+"""Gluon configs of half the table tile, also measured on a table of that tile: each of
+the table's tiles cut into its two column halves (``split_columns``) or row halves
+(``split_rows``), so every tile keeps the op's A source, flag, multiple and row cut.
+Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep shapes
+(docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
 
 MARGIN = 0.01
 """How much faster (a fraction of the tile GEMM's time) the Gluon GEMM must measure to be picked."""
@@ -97,8 +112,68 @@ def unavailable(device: Any, dtype: Any) -> str | None:
 
 
 def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
-    """The Gluon configs for a table of ``config``'s tile (none for another tile)."""
-    return TILE_CONFIGS.get((config.block_m, config.block_n), ())
+    """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
+    the tile itself first, then those that run its halves (``HALF_CONFIGS``)."""
+    tile = (config.block_m, config.block_n)
+    return TILE_CONFIGS.get(tile, ()) + HALF_CONFIGS.get(tile, ())
+
+
+def split_columns(table: Any, n: int, block_n: int) -> Any:
+    """A tile table (int32 [T, 8], one weight) of ``block_n``-wide tiles as a table of
+    ``block_n // 2``-wide ones: tile i becomes tiles 2i and 2i + 1, its left and right
+    column halves, each with tile i's A rows, source, C rows, flag and multiple (so the
+    waits and row cuts are the op's); a right half wholly past ``n`` columns is left out.
+    Tables that post are refused. A CPU tensor in, a CPU tensor out."""
+    import torch
+
+    if block_n % 2 or block_n <= 0:
+        raise ValueError(f"split_columns: block_n must be even and positive, got {block_n}")
+    if table.dim() != 2 or table.shape[1] != _p.TABLE_COLS or table.dtype != torch.int32:
+        raise ValueError(f"split_columns: a table is int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    from ..policies import NO_FLAG
+
+    if bool((table[:, _p.COL_POST] != NO_FLAG).any()):
+        raise ValueError("split_columns: a table whose tiles post cannot be split (each post would count twice)")
+    nt = table[:, _p.COL_N_TILE]
+    if bool((nt < 0).any()) or bool((nt > _p.N_TILE_MASK).any()):
+        raise ValueError("split_columns: a table of one weight (column tiles in [0, N_TILE_MASK]) only")
+    if bool((nt >= -(-n // block_n)).any()):
+        raise ValueError(f"split_columns: a column tile past N = {n} at {block_n} columns a tile")
+    out = table.repeat_interleave(2, dim=0)
+    out[:, _p.COL_N_TILE] = 2 * out[:, _p.COL_N_TILE] + torch.arange(out.shape[0], dtype=torch.int32) % 2
+    return out[out[:, _p.COL_N_TILE] * (block_n // 2) < n].contiguous()
+
+
+def split_rows(table: Any, block_m: int) -> Any:
+    """A tile table (int32 [T, 8]) of ``block_m``-row tiles as a table of ``block_m // 2``-row
+    ones: tile i becomes tiles 2i (its first half of rows) and 2i + 1 (the rest, left out
+    where the tile has no more than half its rows), each with tile i's column tile, A
+    source, flag and multiple; the halves' rows lie inside tile i's, so a row cut of the
+    op's (C rows in blocks, ``rows=(cap, span)``) cuts them as it cut tile i. Tables that
+    post are refused (a post would count twice). A CPU tensor in, a CPU tensor out."""
+    import torch
+
+    if block_m % 2 or block_m <= 0:
+        raise ValueError(f"split_rows: block_m must be even and positive, got {block_m}")
+    if table.dim() != 2 or table.shape[1] != _p.TABLE_COLS or table.dtype != torch.int32:
+        raise ValueError(f"split_rows: a table is int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    from ..policies import NO_FLAG
+
+    if bool((table[:, _p.COL_POST] != NO_FLAG).any()):
+        raise ValueError("split_rows: a table whose tiles post cannot be split (each post would count twice)")
+    rows = table[:, _p.COL_C_ROWS]
+    if bool((rows > block_m).any()):
+        raise ValueError(f"split_rows: a tile of more than block_m = {block_m} rows")
+    half = block_m // 2
+    out = table.repeat_interleave(2, dim=0)
+    second = (torch.arange(out.shape[0]) % 2 == 1)
+    r = out[:, _p.COL_C_ROWS]
+    out[:, _p.COL_C_ROWS] = torch.where(second, r - half, torch.clamp(r, max=half))
+    out[second, _p.COL_A_ROW] += half
+    out[second, _p.COL_C_ROW] += half
+    return out[out[:, _p.COL_C_ROWS] > 0].contiguous()
 
 
 def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False, k_wait: int = 0,
@@ -124,8 +199,9 @@ def picks() -> dict[tuple, tuple[str, str]]:
         return dict(_picks)
 
 
-def _label(cfg: GluonGemmConfig) -> str:
-    return f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
+def _label(cfg: GluonGemmConfig, halves: bool = False) -> str:
+    return (f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
+            f"{' halves' if halves else ''}")
 
 
 def _record(problem: tuple, label: str, why: str) -> None:
@@ -173,7 +249,8 @@ def _env(device: Any) -> dict[str, Any]:
     the Gluon configs measured and the margin."""
     from .autotune import device_env
 
-    return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v], "margin": MARGIN}
+    return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
+            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN}
 
 
 def _disk_key(key: tuple, device: Any) -> str:
@@ -187,7 +264,7 @@ def _read(path: str) -> dict[str, dict]:
             if isinstance(v.get("engine"), str) and isinstance(v.get("why"), str)}
 
 
-def _known(key: tuple, configs: tuple, device: Any) -> tuple[str, str] | None:
+def _known(key: tuple, labels: tuple, device: Any) -> tuple[str, str] | None:
     """A pick measured before for ``key``: in this process, or in the file (``cache_path``);
     None where there is none, or the file's names a config that is no candidate."""
     with _lock:
@@ -199,7 +276,7 @@ def _known(key: tuple, configs: tuple, device: Any) -> tuple[str, str] | None:
             _disk_loaded[0] = True
             _disk.update(_read(path))
         entry = _disk.get(_disk_key(key, device))
-    if entry is None or entry["engine"] not in ("tile", *(_label(g) for g in configs)):
+    if entry is None or entry["engine"] not in ("tile", *labels):
         return None
     got = (entry["engine"], entry["why"] + " (kept from an earlier process)")
     with _lock:
@@ -264,7 +341,11 @@ class EnginePlan:
         self.clip = bool(kw.get("clip"))
         self.problem = problem
         self.forced = forced
-        self.configs = gluon_configs(kw.get("config") or GemmConfig())
+        cfg = kw.get("config") or GemmConfig()
+        self.configs = gluon_configs(cfg)
+        self.tile_shape = (cfg.block_m, cfg.block_n)
+        self.n = _ns(b)
+        self._tables: dict[tuple, Any] = {self.tile_shape: table}  # tile -> its table (the op's, or its halves)
         self.gluon: GluonGemmConfig | None = None  # the pick; None: the tile GEMM
         self.decided = False
         self.b_kn = tile.b_kn
@@ -318,19 +399,45 @@ class EnginePlan:
         gp = self._gplans.get(key)
         if gp is None:
             gp = self._gplans[key] = _gg.GluonGemmPlan(
-                a, b, c, self.table, a2=a2, flags=flags if self.wait else None, err=err if self.wait else None,
+                a, b, c, self._table_for(cfg), a2=a2, flags=flags if self.wait else None, err=err if self.wait else None,
                 rank=self.rank, timeout_ns=self.timeout_ns, activation=self.activation, counter=counter,
                 config=cfg, clip=self.clip)
         gp.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
+    def label(self, cfg: GluonGemmConfig | None) -> str:
+        """The engine's name in the report: "tile", or the Gluon config (+ " halves" where it
+        runs the column halves of the op's tiles)."""
+        return "tile" if cfg is None else _label(cfg, (cfg.block_m, cfg.block_n) != self.tile_shape)
+
+    def _table_for(self, cfg: GluonGemmConfig) -> Any:
+        """The table ``cfg`` runs: the op's, or (a config of half its tile) its column or
+        row halves, built once from a host copy of the op's (not inside a capture)."""
+        key = (cfg.block_m, cfg.block_n)
+        t = self._tables.get(key)
+        if t is None:
+            tm, tn = self.tile_shape
+            if key == (tm, tn // 2):
+                split = lambda tab: split_columns(tab, self.n, tn)  # noqa: E731
+            elif key == (tm // 2, tn):
+                split = lambda tab: split_rows(tab, tm)  # noqa: E731
+            else:
+                raise ValueError(f"gluon_gemm: a {key[0]}x{key[1]} config on a table of {tm}x{tn} tiles")
+            if _capturing():
+                raise RuntimeError("a table of halves is built outside a CUDA graph capture")
+            t = self._tables[key] = split(self.table.cpu()).to(self.table.device)
+        return t
+
     def _decide(self, ops: _Operands, c: Any, grid: int, rows: Any) -> None:
         key = self.problem + (int(grid), rows)
-        known = None if self.forced else _known(key, self.configs, c.device)
+        known = None if self.forced else _known(key, tuple(self.label(g) for g in self.configs), c.device)
         if self.forced:
             self.gluon, why = self.configs[0], f"{ENGINE_ENV}=gluon"
-        elif known is not None:
+        elif known is not None and not (_capturing() and known[0] != "tile"
+                                        and any(self.label(g) == known[0]
+                                                and (g.block_m, g.block_n) not in self._tables
+                                                for g in self.configs)):
             label, why = known
-            self.gluon = next((g for g in self.configs if _label(g) == label), None)
+            self.gluon = next((g for g in self.configs if self.label(g) == label), None)
         elif _capturing():
             # no measuring inside a capture: the tile GEMM, undecided for the next plan
             self.decided, self.engine = True, "tile"
@@ -339,9 +446,9 @@ class EnginePlan:
             return
         else:
             self.gluon, why = self._measure(ops, c, grid, rows)
-            _keep(key, _label(self.gluon) if self.gluon else "tile", why, c.device)
+            _keep(key, self.label(self.gluon), why, c.device)
         self.decided = True
-        self.engine = _label(self.gluon) if self.gluon is not None else "tile"
+        self.engine = self.label(self.gluon)
         self.why = why
         _record(self.problem, self.engine, why)
 
@@ -385,7 +492,7 @@ class EnginePlan:
             return f
 
         cands: list[tuple[str, Any, GluonGemmConfig | None]] = [("tile", run_tile, None)]
-        cands += [(_label(g), run_gluon(g), g) for g in self.configs]
+        cands += [(self.label(g), run_gluon(g), g) for g in self.configs]
         # a stream of its own, ordered after nothing of the op's (timing needs no right data;
         # the op's streams may hold work that waits on its peers)
         side = torch.cuda.Stream(dev)

@@ -159,6 +159,17 @@ def test_one_gpu_sections_from_the_newest_json(tree) -> None:
     assert "geo-mean 0.950x cuBLAS (target 0.97)" in sweep and "`results/2026-12-01_1xH200_new/sweep/gemm_sweep.json`" in sweep
     assert "| 16384 | 6144 | 4096 | nk | bfloat16 | llama3-8b qkv 2 | 1.022 | 1.063 | 0.962 |" in sweep
     assert "0.81" not in sweep  # the older sweep is not shown
+    assert "wait / cuBLAS" not in sweep  # a sweep without the wait column shows none
+    # a sweep with the wait column: its summary line and each row's figure and engine
+    doc = _sweep("2026-12-03", 0.96, 0.97)
+    doc["summary"]["wait"] = {"geomean": 0.944, "min": 0.901, "shapes": 1, "gluon_picked": 1, "under_0.93": ["x"]}
+    doc["rows"][0].update(wait_vs_cublas=0.901, wait_engine="gluon pp128x128x64 s5 halves")
+    os.makedirs(res / "2026-12-03_1xH200_wait", exist_ok=True)
+    (res / "2026-12-03_1xH200_wait" / "gemm_sweep.json").write_text(json.dumps(doc))
+    assert mr.main(_args(tree)) == 0
+    sweep = (tree / "RESULTS.md").read_text().split("## Tile GEMM against cuBLAS, one GPU")[1].split("## MLP")[0]
+    assert "geo-mean 0.944x cuBLAS, min 0.901x, 1 shapes under 0.93x; Gluon picked on 1 of 1" in sweep
+    assert "| 0.970 | 128x256x64 s4 w8 ws g8 | 0.901 | gluon pp128x128x64 s5 halves |" in sweep
     chain = text.split("## MLP chain, eager and as a CUDA graph, one GPU")[1]
     assert "| gpt3-175b | 8 | 512 | 12288 | 6144 | 0.500 | 0.600 | 0.550 | 0.700 | 0.580 | 1.091x | 0.909x |" in chain
 

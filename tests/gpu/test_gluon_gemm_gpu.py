@@ -51,14 +51,14 @@ def test_gluon_gemm_dispatch_counter() -> None:
     assert len(log) == len(DYNAMIC_VARIANTS)
 
 
-def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str) -> dict:
+def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str, tile: tuple = (128, 128)) -> dict:
     """The all-gather op's kind of call at world size 2, as rank 0: its shard's rows (A, no
     wait) then the peer's from the gathered buffer laid out for the bucket (A2, rows
     ``m_span`` on, waiting on flag 0 at 3x the epoch), C rows cut at ``cap`` per rank."""
     from overlap.kernels.tile_gemm import GemmConfig
     from overlap.policies import Segment, build_tile_table, table_tensor
 
-    cfg = GemmConfig(block_m=128, block_n=128)
+    cfg = GemmConfig(block_m=tile[0], block_n=tile[1])
     segs = [Segment(a_src=0, a_row=0, c_row=0, rows=m_span),
             Segment(a_src=1, a_row=m_span, c_row=m_span, rows=m_span, wait_idx=0, wait_mult=3)]
     table = table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, 8), "cuda")
@@ -70,10 +70,11 @@ def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["gluon", "auto"])
+@pytest.mark.parametrize("mode", ["gluon", "auto", "halves", "row_halves"])
 def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer GEMM's plan on the engine ``OVERLAP_GEMM_ENGINE`` gives (forced Gluon, or
-    measured): right with new inputs every call and rows cut per bucket, both B layouts;
+    measured; ``halves`` / ``row_halves``: a table of 128x256 / 256x128 tiles run as its
+    column / row halves on ping-pong 128x128, the pick set instead of measured): right with new inputs every call and rows cut per bucket, both B layouts;
     the give-back grid joining by the counter on another stream; a flag never set: code 1
     within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
     the call (flags zeroed and posted inside it) replayed with new inputs."""
@@ -81,12 +82,17 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     from overlap import observe
     from overlap.kernels import engine
 
-    monkeypatch.setenv(engine.ENGINE_ENV, mode)
+    halves = mode in ("halves", "row_halves")
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else mode)
+    if halves:
+        monkeypatch.setattr(engine.EnginePlan, "_measure",
+                            lambda self, ops, c, grid, rows: (self.configs[-1], "set by the test"))
     observe.reset_report()
     span, n, k = 512, 640, 384
     side = torch.cuda.Stream()
     for layout in ("nk", "kn"):
-        x = _engine_call(span, span, n, k, layout)
+        x = _engine_call(span, span, n, k, layout,
+                         {"halves": (128, 256), "row_halves": (256, 128)}.get(mode, (128, 128)))
         flags, err, counter, b = x["flags"], x["err"], x["counter"], x["b"]
         gathered = torch.empty(2 * span, k, device="cuda", dtype=torch.bfloat16)
         c0 = torch.empty(2 * span, n, device="cuda", dtype=torch.bfloat16)
@@ -113,6 +119,12 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
             rel = ((c.float() - want).norm() / want.norm()).item()
             assert rel < 1e-2, (mode, layout, cap, rel)
             n_tiles = x["table"].shape[0]
+            if halves:
+                assert gp.engine == "gluon pp128x128x64 s5 halves", gp.engine
+                n_tiles = gp._table_for(gp.gluon).shape[0]
+                # 640 columns: 3 tiles of 256, 5 of 128; 2 x 512 rows: 4 tiles of 256, 8 of 128
+                want = x["table"].shape[0] * 5 // 3 if mode == "halves" else x["table"].shape[0] * 2
+                assert n_tiles == want, (n_tiles, x["table"].shape)
             # every tile taken once, and one failed take per program (the grids capped at the tiles)
             assert int(counter[0]) == n_tiles + min(100, n_tiles) + (32 if it % 2 else 0), (int(counter[0]), n_tiles)
         assert gp.engine != "undecided" and (gp.engine.startswith("gluon") or mode == "auto"), gp.engine

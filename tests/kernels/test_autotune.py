@@ -396,19 +396,33 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
 
 
 def test_sweep_wait_table_chunks_rows_by_flag() -> None:
-    """``wait_ms``'s table: 4 segments of rows, each tile waiting on its segment's flag,
-    every C tile once (ragged chunk ends included)."""
-    from benchmarks.gemm_sweep import WAIT_CHUNKS, wait_table
+    """``wait_ms``'s table: the op's chunks (all_reduce_matmul's count at M: 1 per 2048 rows,
+    1 to 4; or a fixed count), sized as the op sizes them (128-row multiples but the last),
+    each tile waiting on its chunk's flag, every C tile once (ragged chunk ends included)."""
+    from benchmarks import gemm_sweep
+    from benchmarks.gemm_sweep import wait_chunks, wait_table
     from overlap.kernels.tile_gemm import GemmConfig
+    from overlap.policies import split_rows
 
+    assert [wait_chunks(m) for m in (512, 1024, 2048, 4096, 6144, 8192, 32768)] == [1, 1, 1, 2, 3, 4, 4]
     cfg = GemmConfig(block_m=128, block_n=256)
-    for m, n in ((1000, 600), (4096, 512)):
-        t = wait_table(m, n, cfg, "cpu").tolist()
+    for m, n, fixed in ((1000, 600, 4), (4096, 512, 0), (6144, 300, 0), (1024, 512, 0), (1024, 512, 4)):
+        gemm_sweep.FIXED_CHUNKS[0] = fixed
+        try:
+            chunks = wait_chunks(m)
+            t = wait_table(m, n, cfg, "cpu").tolist()
+        finally:
+            gemm_sweep.FIXED_CHUNKS[0] = 0
+        assert chunks == (fixed or max(1, min(4, m // 2048)))
+        sizes = split_rows(m, chunks, 128)
+        starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        assert all(x % 128 == 0 for x in sizes[:-1]) and starts[-1] == m
         cover = {}
         for a_row, _src, c_row, rows, n_tile, w, mult, post in t:
             assert a_row == c_row and mult == 1 and post < 0 and 0 < rows <= 128
-            chunk = next(i for i in range(WAIT_CHUNKS) if m * i // WAIT_CHUNKS <= c_row < m * (i + 1) // WAIT_CHUNKS)
-            assert w == chunk and c_row + rows <= m * (chunk + 1) // WAIT_CHUNKS
+            chunk = next(i for i in range(len(sizes)) if starts[i] <= c_row < starts[i + 1])
+            assert w == chunk and c_row + rows <= starts[chunk + 1]
             for r in range(c_row, c_row + rows):
                 cover[(r, n_tile)] = cover.get((r, n_tile), 0) + 1
         assert cover == {(r, j): 1 for r in range(m) for j in range(-(-n // 256))}
+        assert len({row[5] for row in t}) == len(sizes)

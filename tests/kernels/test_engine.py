@@ -234,3 +234,140 @@ def test_measured_picks_kept_on_disk(fake_gluon: list, monkeypatch: pytest.Monke
     # forced: the kept pick (here Gluon's) is not consulted, nor measured
     monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
     assert run().why == "OVERLAP_GEMM_ENGINE=gluon" and len(measured) == 3
+
+
+def test_split_columns_keeps_each_tiles_rows_and_waits() -> None:
+    """A 128x256 table as 128x128 tiles: the same tiles as a table built at 128 columns
+    (rows, source, flag, multiple), each 256-wide tile's halves next to each other, a right
+    half past N left out; bad tables refused."""
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=200),
+            Segment(a_src=1, a_row=64, c_row=200, rows=300, wait_idx=1, wait_mult=3),
+            Segment(a_src=1, a_row=0, c_row=500, rows=128, wait_idx=0, wait_mult=2)]
+    for n in (640, 768, 700, 100):
+        wide = torch.tensor(build_tile_table(segs, n, 128, 256, 4), dtype=torch.int32)
+        half = engine.split_columns(wide, n, 256)
+        narrow = build_tile_table(segs, n, 128, 128, 4)
+        assert sorted(map(tuple, half.tolist())) == sorted(map(tuple, narrow)), n
+        i = 0
+        for t in wide.tolist():  # tile i's halves, in the wide table's order
+            assert half[i].tolist() == t[:4] + [2 * t[4]] + t[5:]
+            i += 1
+            if (2 * t[4] + 1) * 128 < n:
+                assert half[i].tolist() == t[:4] + [2 * t[4] + 1] + t[5:]
+                i += 1
+        assert i == half.shape[0]
+    with pytest.raises(ValueError, match="even"):
+        engine.split_columns(wide, 100, 255)
+    with pytest.raises(ValueError, match="int32"):
+        engine.split_columns(wide.long(), 100, 256)
+    multi = wide.clone()
+    multi[:, 4] |= 1 << 24  # a second weight's tiles (protocol.N_TILE_BITS)
+    with pytest.raises(ValueError, match="one weight"):
+        engine.split_columns(multi, 100, 256)
+    with pytest.raises(ValueError, match="past N"):
+        engine.split_columns(torch.tensor(build_tile_table(segs, 640, 128, 256, 4), dtype=torch.int32), 256, 256)
+
+
+def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a 128x256 table the candidates are 128x256 and ping-pong 128x128 on the table's
+    column halves; picked, the halves run on the split table (same words, rows and grid) and
+    the report names them. A pick of the halves kept from before is not taken inside a
+    capture, where the split table cannot be built (the tile GEMM runs)."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    cands = engine.gluon_configs(CFG)
+    assert [c.block_n for c in cands] == [256, 128] and cands[1].pingpong
+    pick: list[Any] = [cands[1]]
+    monkeypatch.setattr(engine.EnginePlan, "_measure", lambda self, ops, c, grid, rows: (pick[0], "measured"))
+    x = _call(m=1024, n=640)
+
+    def plan() -> Any:
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+        gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+        return gp
+
+    gp = plan()
+    for it in range(2):
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=3 + it, grid=77, rows=(512, 512))
+        got = fake_gluon[-1]
+        assert torch.equal(got["table"], engine.split_columns(x["table"], 640, 256))
+        assert got["config"] == cands[1] and got["flags"] is x["kw"]["flags"] and got["err"] is x["kw"]["err"]
+        assert got["counter"] is x["kw"]["counter"] and got["rows"] == (512, 512) and got["grid"] == 77
+        assert got["epoch"] == 3 + it and got["clip"] is True
+    assert fake_gluon[0]["table"] is fake_gluon[1]["table"]  # built once
+    assert gp.engine == "gluon pp128x128x64 s5 halves"
+    assert list(_engines().values()) == [("gluon pp128x128x64 s5 halves", "measured")]
+    # known from the first plan; a new plan's first launch inside a capture: the tile GEMM
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp2 = plan()
+    gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert gp2.engine == "tile" and fake_gluon[-1].get("tile")
+    # the 128x256 config, known, runs inside a capture on the op's own table
+    monkeypatch.setattr(engine, "_capturing", lambda: False)
+    pick[0] = cands[0]
+    plan().launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=60, rows=(512, 512))
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp3 = plan()
+    gp3.launch(gp3.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=60, rows=(512, 512))
+    assert gp3.engine == "gluon 128x256x64 s3" and fake_gluon[-1]["table"] is x["table"]
+
+
+def _cut(row: int, rows: int, cap: int, span: int) -> tuple[int, int]:
+    """The kernels' row cut (``tile_gemm._cut_rows``), in Python."""
+    blk, off = divmod(row, span)
+    return blk * cap + off, min(rows, cap - off)
+
+
+def test_split_rows_keeps_each_tiles_columns_waits_and_row_cut() -> None:
+    """A 256x128 table as 128x128 tiles: the same tiles as a table built at 128 rows; each
+    tile's halves next to each other with its column tile, source, flag and multiple; under
+    every row cut of a bucket the halves cover exactly the rows the tile covers; posts and
+    over-tall tiles refused."""
+    span = 640
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=span),
+            Segment(a_src=1, a_row=span, c_row=span, rows=300, wait_idx=1, wait_mult=3),
+            Segment(a_src=1, a_row=span + 300, c_row=span + 300, rows=340, wait_idx=2, wait_mult=3)]
+    tall = torch.tensor(build_tile_table(segs, 384, 256, 128, 4), dtype=torch.int32)
+    half = engine.split_rows(tall, 256)
+    assert sorted(map(tuple, half.tolist())) == sorted(map(tuple, build_tile_table(segs, 384, 128, 128, 4)))
+    i = 0
+    for t in tall.tolist():
+        h = half[i].tolist()
+        assert h[:3] == t[:3] and h[3] == min(t[3], 128) and h[4:] == t[4:]
+        i += 1
+        if t[3] > 128:
+            h = half[i].tolist()
+            assert h[0] == t[0] + 128 and h[1] == t[1] and h[2] == t[2] + 128 and h[3] == t[3] - 128
+            assert h[4:] == t[4:]
+            i += 1
+        for cap in (span, 500, 300, 129, 1):
+            r0, n0 = _cut(t[2], t[3], cap, span)
+            want = set(range(r0, r0 + max(n0, 0)))
+            got = set()
+            for h in half[i - (2 if t[3] > 128 else 1):i].tolist():
+                r, nr = _cut(h[2], h[3], cap, span)
+                got |= set(range(r, r + max(nr, 0)))
+            assert got == want, (t, cap)
+    assert i == half.shape[0]
+    with pytest.raises(ValueError, match="more than"):
+        engine.split_rows(tall, 128)
+    posting = torch.tensor(build_tile_table([Segment(a_src=0, a_row=0, c_row=0, rows=512, post_base=0)], 256,
+                                            256, 128), dtype=torch.int32)
+    with pytest.raises(ValueError, match="post"):
+        engine.split_rows(posting, 256)
+    with pytest.raises(ValueError, match="post"):
+        engine.split_columns(posting, 256, 128)
+
+
+def test_a_256x128_table_may_run_as_its_row_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    cfg = GemmConfig(block_m=256, block_n=128)
+    cands = engine.gluon_configs(cfg)
+    assert [(c.block_m, c.block_n, c.pingpong) for c in cands] == [(256, 128, False), (128, 128, True)]
+    monkeypatch.setattr(engine.EnginePlan, "_measure", lambda self, ops, c, grid, rows: (cands[1], "measured"))
+    x = _call(m=1024, n=384, cfg=cfg)
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=2, grid=50, rows=(300, 512))
+    got = fake_gluon[-1]
+    assert torch.equal(got["table"], engine.split_rows(x["table"], 256)) and got["rows"] == (300, 512)
+    assert got["config"] == cands[1] and gp.engine == "gluon pp128x128x64 s5 halves"
