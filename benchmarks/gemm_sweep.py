@@ -337,8 +337,8 @@ def wait_table(m: int, n: int, cfg: Any, device: Any, chunks: int | None = None)
 
     chunks = min(chunks or wait_chunks(m), WAIT_CHUNKS)
     _sizes, segs = row_chunk_segments(m, chunks, 128)
-    return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, group_m=getattr(cfg, "group_m", 8)),
-                        device)
+    # the op's default group_m (8), not the tuned config's: the op builds its table so
+    return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n), device)
 
 
 def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, gluon: bool = False) -> dict[str, Any]:
