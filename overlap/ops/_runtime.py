@@ -584,7 +584,8 @@ def resolve_group(group: Any) -> Any:
 from ._plans import (bucketed, fused_call, gemm_plan, observed, plan_rows_for, report_errors,  # noqa: E402,F401
                      serial_phases)
 from ._sigs import (AGREED_CAP, REFRESH_EVERY, agree_on_reference, all_gather_single, call_sig,  # noqa: E402,F401
-                    check_agree, dtype_code, every_call_checked, gather_ints, post_sig, refuse_grad)
+                    agree_key, check_agree, check_agreed, dtype_code, every_call_checked, gather_ints, post_sig,
+                    refuse_grad)
 from ._tuning import (TUNE_TIMEOUT_MS, WARM_TIMEOUT_MS, confirm_best, flat_variants, shared_gpu_choices,  # noqa: E402,F401
                       split_variants, time_candidates, time_ms, tune_paths, tuning_bound, ws_variants,
                       _none_timed_out)

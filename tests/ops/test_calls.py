@@ -48,7 +48,7 @@ def test_plans_kept_and_found_by_key_unhashable_never() -> None:
 
     rt = Runtime.__new__(Runtime)  # only its caches are used
     rt._caches = {}
-    cp = _calls.CallPlan("op", (), (), 0, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
+    cp = _calls.CallPlan("op", (), (), None, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
     made = _calls.stats["made"]
     _calls.keep(rt, ("k", 1), cp)
     assert _calls.find(rt, "op", ("k", 1)) is cp and _calls.find(rt, "op", ("k", 2)) is None

@@ -629,3 +629,50 @@ def test_many_weights_one_grid() -> None:
                     assert _rel(c, full.float() @ w.float().t()) < TOL[torch.float16], (ns, it, i)
                 calls += 1
     assert ag.stats["many"] - many0 == calls, (ag.stats, calls)
+
+
+@interpreted
+def test_nccl_bound_body() -> None:
+    """``all_gather_matmul``'s bound body (``_Bound``, what a call plan runs) on the
+    stand-in runtime as rank 0 of 2, kernels interpreted: made once per case, then called
+    with new tensors every call (new A, new B storage, so new pointers each call): C and
+    the gathered rows against torch, one collective per chunk, every chunk flag posted;
+    gated and not, give-back on and off, 1-3 chunks, both B layouts, an M under its
+    bucket's top (the chunk that holds the last row sent padded)."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(17)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, layout, give_back, gate, ms in ((1, "wt", True, "1", 150), (2, "kn", False, "0", 137),
+                                                    (3, "wt", False, "1", 150), (2, "wt", True, "0", 150)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG)
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                a0 = torch.randn(ms, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                b0 = lin.t() if layout == "wt" else lin.t().contiguous()
+                body = ag._Bound(rt, a0, b0, True, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert body.gated == (gate == "1"), body
+            assert "all_gather_matmul body" in repr(body)
+            for it in range(3):
+                a = torch.randn(ms, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                b = lin.t() if layout == "wt" else lin.t().contiguous()
+                rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+                del rt.log[:]
+                c, gathered = body(a, b)
+                full = torch.cat([a, rt.peer])
+                assert torch.equal(gathered, full), ("gathered", chunks, it)
+                assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("c", chunks, it)
+                assert rt.log == [("all_gather", r) for r in _sent(ms, chunks, False, whole=True)], rt.log
+                assert body.words.flags[:len(body.chunks)].tolist() == [1] * len(body.chunks)
