@@ -676,3 +676,57 @@ def test_nccl_bound_body() -> None:
                 assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("c", chunks, it)
                 assert rt.log == [("all_gather", r) for r in _sent(ms, chunks, False, whole=True)], rt.log
                 assert body.words.flags[:len(body.chunks)].tolist() == [1] * len(body.chunks)
+
+
+@interpreted
+def test_nccl_bound_body_all_reduce() -> None:
+    """``all_reduce_matmul``'s bound body on the stand-in runtime as rank 0 of 2, kernels
+    interpreted: made once per case, then called with new tensors every call (x, b,
+    residual and the norm's weight and bias all new storage): h and C against torch, one
+    all-reduce per live chunk; residual and LayerNorm / RMSNorm or none, an M under its
+    bucket's top (the chunks past it reduce nothing), gated and not."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_reduce as ar
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(19)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, kind, with_res, gate, m in ((1, None, True, "1", 300), (2, "layernorm", True, "0", 290),
+                                                (3, "rmsnorm", False, "1", 300)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=True, check="sync",
+                                transport="nccl", gemm=CFG)
+
+            def inputs():
+                x = torch.randn(m, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                norm = None
+                if kind:
+                    norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                                torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+                return x, lin, res, norm
+
+            x, lin, res, norm = inputs()
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                body = ar._Bound(rt, x, lin.t(), res, norm, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert "all_reduce_matmul body" in repr(body)
+            for it in range(3):
+                x, lin, res, norm = inputs()
+                rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
+                del rt.log[:]
+                c, h = body(x, lin.t(), res, norm)
+                h_want = (x.float() + rt.peer.float()).half().float() + (res.float() if res is not None else 0)
+                assert _rel(h, h_want) < TOL[torch.float16], ("h", chunks, kind, it)
+                y = h_want if norm is None else (
+                    torch.nn.functional.layer_norm(h_want, (k,), norm.weight.float(), norm.bias.float())
+                    if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
+                assert _rel(c, y @ lin.float().t()) < 5e-3, ("c", chunks, kind, it)
+                assert rt.log == [("all_reduce", r) for r in _sent(m, chunks, False)], rt.log
