@@ -31,7 +31,7 @@ from . import protocol as P
 
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
            "RanksRefusedError", "PeerRefusedError", "GpuContextLostError", "refusal_hooks",
-           "stream_write_value", "bound_write_value", "bound_zero",
+           "stream_write_value", "bound_write_value", "bound_zero", "bound_wait_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
 
 
@@ -331,6 +331,24 @@ def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
     _check(drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value & 0xFFFFFFFF,
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
            "cuStreamWaitValue32")
+
+
+def bound_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> Any:
+    """``stream_wait_value(stream, flags, idx, value)`` with its driver arguments made once
+    (a call plan's wait; ``stream`` a fixed side stream): a function of no arguments.
+    Without cuda-bindings, or on CPU, it calls ``stream_wait_value``."""
+    drv = _cuda_driver()
+    if not drv or not flags.is_cuda:
+        return lambda: stream_wait_value(stream, flags, idx, value)
+    fn, s, p, v = (drv.cuStreamWaitValue32, drv.CUstream(stream.cuda_stream),
+                   drv.CUdeviceptr(flags.data_ptr() + idx * 4), value & 0xFFFFFFFF)
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+
+    def wait() -> None:
+        res = fn(s, p, v, geq)
+        if int(res[0]):
+            _check(res, "cuStreamWaitValue32")
+    return wait
 
 
 class FlagArray:

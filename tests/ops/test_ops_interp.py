@@ -730,3 +730,42 @@ def test_nccl_bound_body_all_reduce() -> None:
                     if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
                 assert _rel(c, y @ lin.float().t()) < 5e-3, ("c", chunks, kind, it)
                 assert rt.log == [("all_reduce", r) for r in _sent(m, chunks, False)], rt.log
+
+
+@interpreted
+def test_nccl_bound_body_producers() -> None:
+    """``matmul_reduce_scatter``'s and ``matmul_all_reduce``'s bound bodies on the stand-in
+    runtime at world size 1, kernels interpreted: made once per case, then called with new
+    tensors every call (a, b, residual): outputs against torch, one wait per chunk for its
+    tile count, one collective per chunk; 1-3 chunks, an M under its bucket's top."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import matmul_reduce as mr
+    from overlap.policies import plan_rows
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(23)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, with_res, m in ((1, False, 300), (3, True, 290), (2, True, 300)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, check="sync", transport="nccl", gemm=CFG)
+            bucket = mr.reduce_scatter_layout(1, plan_rows(m), chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+            live = [min(r, m - sum(bucket[:i])) for i, r in enumerate(bucket)]
+            for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+                a = torch.randn(m, k, generator=g).half()
+                w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                res = torch.randn(m, n, generator=g).half() if with_res and op == "matmul_all_reduce" else None
+                body = mr._Bound(rt, op, a, w.t(), res, cfg)
+                assert op in repr(body)
+                for it in range(3):
+                    a = torch.randn(m, k, generator=g).half()
+                    w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                    res = torch.randn(m, n, generator=g).half() if res is not None else None
+                    del rt.log[:], rt.waits[:]
+                    got = body(a, w.t(), res)
+                    want = a.float() @ w.float().t() + (res.float() if res is not None else 0)
+                    assert got.shape == (m, n) and _rel(got, want) < TOL[torch.float16], (op, chunks, it)
+                    counts = list(body.p.counts)
+                    assert [v for _, v in rt.waits] == counts, (rt.waits, counts)
+                    sizes = bucket if op == "matmul_reduce_scatter" else live
+                    kind = "reduce_scatter" if op == "matmul_reduce_scatter" else "all_reduce"
+                    assert rt.log == [(kind, r) for r in sizes], rt.log
