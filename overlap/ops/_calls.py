@@ -162,7 +162,8 @@ class BoundBody:
         rt = self.rt
         self.order = rt.order
         self.dev = rt.device.index
-        self.zero = _flags.bound_zero(self.words.buf, self.words.buf.numel())
+        words = self.words if isinstance(self.words, tuple) else (self.words,)
+        self.zeros = tuple(_flags.bound_zero(w.buf, w.buf.numel()) for w in words)
         fork, joins = rt.event("fork"), [rt.event(i) for i in range(len(self.side))]
         base = getattr(torch._C, "_CudaEventBase", None)
         if base is not None and isinstance(fork, base):  # their C methods: no Python frame per call
@@ -190,7 +191,8 @@ class BoundBody:
             raw = cur.cuda_stream
             order.begin(cur)
             try:
-                self.zero(raw, cur)
+                for z in self.zeros:
+                    z(raw, cur)
                 for f in self.forks:
                     f(cur)
                 out = self.run(raw, cur, *args)

@@ -26,7 +26,7 @@ from overlap.ops._runtime import get_runtime  # noqa: E402
 
 M, K, N, N2 = 384, 256, 512, 128
 CFG = OverlapConfig(transport="nccl", chunks=2)
-BOUND = ("all_gather_matmul",)
+BOUND = ("all_gather_matmul", "all_reduce_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce_matmul")
 """The ops whose call plans run a bound body (``_calls.BoundBody``)."""
 
 

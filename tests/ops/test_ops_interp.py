@@ -769,3 +769,59 @@ def test_nccl_bound_body_producers() -> None:
                     sizes = bucket if op == "matmul_reduce_scatter" else live
                     kind = "reduce_scatter" if op == "matmul_reduce_scatter" else "all_reduce"
                     assert rt.log == [(kind, r) for r in sizes], rt.log
+
+
+@interpreted
+def test_nccl_bound_body_boundary() -> None:
+    """``matmul_all_reduce_matmul``'s bound body on the stand-in runtime at world size 1,
+    kernels interpreted: made once per case, then called with new tensors every call (a,
+    both weights, residual, the norm's weight and bias): h and C against torch, one wait per
+    chunk for its tile count, one all-reduce per chunk, every consumer flag posted;
+    residual and LayerNorm / RMSNorm or none, give-back on and off, gated and not."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import boundary as bd
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(29)
+    m, n, k, n2 = 300, 48, 64, 32
+    with rt.patched():
+        for chunks, kind, with_res, give_back, gate in ((1, None, False, True, "1"), (3, "layernorm", True, True, "0"),
+                                                        (2, "rmsnorm", False, False, "1")):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG)
+
+            def inputs():
+                a = torch.randn(m, k, generator=g).half()
+                w1 = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                w2 = (torch.randn(n2, n, generator=g) / n ** 0.5).half()
+                res = torch.randn(m, n, generator=g).half() if with_res else None
+                norm = None
+                if kind:
+                    norm = Norm(kind, (torch.rand(n, generator=g) + 0.5).half(),
+                                torch.randn(n, generator=g).half() if kind == "layernorm" else None)
+                return a, w1, w2, res, norm
+
+            a, w1, w2, res, norm = inputs()
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                body = bd._Bound(rt, a, w1.t(), w2.t(), res, norm, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert "matmul_all_reduce_matmul body" in repr(body)
+            for it in range(3):
+                a, w1, w2, res, norm = inputs()
+                del rt.log[:], rt.waits[:]
+                c, h = body(a, w1.t(), w2.t(), res, norm)
+                want_h = a.float() @ w1.float().t() + (res.float() if res is not None else 0)
+                y = want_h if norm is None else (
+                    torch.nn.functional.layer_norm(want_h, (n,), norm.weight.float(), norm.bias.float())
+                    if kind == "layernorm" else torch.nn.functional.rms_norm(want_h, (n,), norm.weight.float()))
+                assert _rel(h, want_h) < TOL[torch.float16], ("h", chunks, kind, it)
+                assert _rel(c, y @ w2.float().t()) < 5e-3, ("c", chunks, kind, it)
+                assert [v for _, v in rt.waits] == list(body.p1.counts), rt.waits
+                assert rt.log == [("all_reduce", r) for r in body.p1.cmap.chunk_rows], rt.log
+                assert body.words[1].flags[:chunks].tolist() == [1] * chunks
