@@ -47,6 +47,7 @@ import torch
 
 from .. import observe as _observe
 from ._plans import report_eager
+from ._state import Words
 from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
@@ -162,7 +163,7 @@ class BoundBody:
         rt = self.rt
         self.order = rt.order
         self.dev = rt.device.index
-        words = self.words if isinstance(self.words, tuple) else (self.words,)
+        words = (self.words,) if isinstance(self.words, Words) else self.words
         self.zeros = tuple(_flags.bound_zero(w.buf, w.buf.numel()) for w in words)
         fork, joins = rt.event("fork"), [rt.event(i) for i in range(len(self.side))]
         base = getattr(torch._C, "_CudaEventBase", None)

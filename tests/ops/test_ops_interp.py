@@ -825,3 +825,49 @@ def test_nccl_bound_body_boundary() -> None:
                 assert [v for _, v in rt.waits] == list(body.p1.counts), rt.waits
                 assert rt.log == [("all_reduce", r) for r in body.p1.cmap.chunk_rows], rt.log
                 assert body.words[1].flags[:chunks].tolist() == [1] * chunks
+
+
+@interpreted
+def test_bound_body_python_calls_are_few() -> None:
+    """A bound body's call is a short straight line: with its launches bound (stubbed here:
+    the C launcher is Triton 3.6's on a GPU) and the stand-in's collectives and flag posts,
+    a call of ``all_gather_matmul``'s body (2 chunks, give-back grid, gate) runs at most 20
+    Python frames of the library and 80 calls in all (cProfile; the stand-in's own work
+    included), and every stubbed launch gets this call's tensors, never a previous call's."""
+    import cProfile
+    import pstats
+
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(31)
+    ms, n, k = 150, 48, 64
+    with rt.patched():
+        cfg = OverlapConfig(chunks=2, nccl_ctas=2, sm_margin=0, give_back=True, check="sync", transport="nccl",
+                            gemm=CFG)
+        a = torch.randn(ms, k, generator=g).half()
+        lin = torch.randn(n, k, generator=g).half()
+        body = ag._Bound(rt, a, lin.t(), False, cfg)
+        got: list = []
+        body.bl = body.bl_local = body.bl_back = lambda raw, t: got.append(t)
+        body.bl_gate = lambda raw, t: None
+        body.whole = body.bound = True
+        calls = 10
+        ins = [(torch.randn(ms, k, generator=g).half(), torch.randn(n, k, generator=g).half()) for _ in range(calls)]
+        pr = cProfile.Profile()
+        for i, (a, lin) in enumerate(ins):
+            rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+            pr.enable()
+            c = body(a, lin.t())
+            pr.disable()
+            # each launch of this call (local grid, grid, give-back) got this call's A, B and C
+            assert len(got) == 3 * (i + 1) and all(t[0] is a and t[3] is c and t[2].data_ptr() == lin.data_ptr()
+                                                   for t in got[-3:]), i
+        import overlap
+
+        pkg = os.path.dirname(os.path.abspath(overlap.__file__))
+        st = pstats.Stats(pr)
+        total = sum(nc for (_, _, _), (_, nc, _, _, _) in st.stats.items()) / calls
+        lib = sum(nc for (f, _, _), (_, nc, _, _, _) in st.stats.items() if os.path.abspath(f).startswith(pkg)) / calls
+        assert 5 <= lib <= 20 and total <= 80, (lib, total)
