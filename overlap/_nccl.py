@@ -395,7 +395,8 @@ class NcclCommunicator:
                 fn(send.data_ptr(), recv.data_ptr(), *tail)
             return run_cupy
         lib, comm = self._lib, self._comm
-        name = {"all_gather": "ncclAllGather", "all_reduce": "ncclAllReduce", "reduce_scatter": "ncclReduceScatter"}[kind]
+        name = {"all_gather": "ncclAllGather", "all_reduce": "ncclAllReduce",
+                "reduce_scatter": "ncclReduceScatter"}[kind]
         fn = getattr(lib, name)
         tail = (count, dt, comm, h) if kind == "all_gather" else (count, dt, _OPS[op], comm, h)
 

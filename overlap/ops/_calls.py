@@ -53,6 +53,8 @@ from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agr
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
            "aligned", "tensor_key", "grad_refused", "stats"]
 
+_launch: Any = None  # overlap.kernels._launch, once a body is made
+
 stats: dict[str, int] = {"made": 0, "planned": 0, "bound": 0}
 """Call plans made, calls that ran from one, and of those the calls that ran through its
 bound body (proof that the short path ran)."""
@@ -134,10 +136,6 @@ def clear_call_plans() -> None:
             rt._caches[name].clear()
 
 
-def _profiling() -> bool:
-    return _observe._enabled or torch.autograd.profiler._is_profiler_enabled
-
-
 class BoundBody:
     """The frame of a bound body (see the module docstring): ``fused_call``'s steps, with
     what it looks up per call found once. A subclass sets ``side`` (the side streams),
@@ -159,7 +157,10 @@ class BoundBody:
 
     def bind_frame(self) -> None:
         from .. import flags as _flags
+        from ..kernels import _launch as launch_mod
 
+        global _launch
+        _launch = launch_mod  # (lazy: the kernels import Triton)
         rt = self.rt
         self.order = rt.order
         self.dev = rt.device.index
@@ -177,9 +178,9 @@ class BoundBody:
 
     def ready(self) -> bool:
         """The body may run this call (see the module docstring); else the fused body does."""
-        from ..kernels._launch import _current_device, hooks_set
-
-        return not _profiling() and not hooks_set() and (self.dev is None or _current_device() == self.dev)
+        if _observe._enabled or torch.autograd.profiler._is_profiler_enabled or _launch.hooks_set():
+            return False
+        return self.dev is None or _launch._current_device() == self.dev
 
     def run(self, raw: int, cur: Any, *args: Any) -> Any:
         raise NotImplementedError

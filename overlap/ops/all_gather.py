@@ -616,8 +616,6 @@ class _Bound(_calls.BoundBody):
             (self.bl_back is not None or not p.give_back_grid)
 
     def run(self, raw: int, cur: Any, a_shard: torch.Tensor, b: torch.Tensor) -> Any:
-        from ..kernels import gate as _gate
-
         k, n, ms, world, cs = self.k, self.n, self.ms, self.rt.world, self.cs
         gathered = a_shard.new_empty((world * self.msb, k))
         c = a_shard.new_empty((world * ms, n))
@@ -639,6 +637,8 @@ class _Bound(_calls.BoundBody):
                 if self.bl_gate is not None:
                     self.bl_gate(raw, ())
                 else:
+                    from ..kernels import gate as _gate
+
                     a_, kw = self.gate_args
                     _gate.launch_gate(*a_, **kw)
             bl(raw, t)
