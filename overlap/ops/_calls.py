@@ -51,7 +51,7 @@ from ._state import Words
 from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
-           "aligned", "tensor_key", "grad_refused", "stats"]
+           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats"]
 
 _launch: Any = None  # overlap.kernels._launch, once a body is made
 
@@ -208,6 +208,15 @@ class BoundBody:
             return out
         finally:
             order.lock.release()
+
+
+def tile_bind(gp: Any) -> Any:
+    """``gp.bind`` for a ``TileGemmPlan``, else None: an engine plan (``kernels.engine``) keeps
+    its own launch, whichever engine it picked (its attributes fall through to its tile plan's,
+    so ``getattr(gp, "bind")`` would bind the tile GEMM behind its back)."""
+    from ..kernels.tile_gemm import TileGemmPlan
+
+    return gp.bind if type(gp) is TileGemmPlan else None
 
 
 def aligned(*ts: torch.Tensor | None) -> bool:

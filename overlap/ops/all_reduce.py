@@ -640,7 +640,7 @@ class _Bound(_calls.BoundBody):
 
         self.bound = True
         p, w = self.p, self.words
-        bind = getattr(self.gp, "bind", None)
+        bind = _calls.tile_bind(self.gp)
         if bind is None:
             return
         if self.prologue:

@@ -94,8 +94,9 @@ def main() -> None:
                 if op in BOUND:  # the planned calls ran through the bound body, its launches bound
                     assert _calls.stats["bound"] - b0 == 3, (op, dt, "bound", _calls.stats["bound"] - b0)
                     body = next(iter(get_runtime(group, dev).cache(f"{op}.calls", _calls.CALLS_CAP).values())).body
-                    print(op, dt, body)
-                    assert "launches bound" in repr(body), body
+                    engine = [type(getattr(body, g, None)).__name__ == "EnginePlan" for g in ("gp", "gl", "gp1", "gp2")]
+                    print(op, dt, body, "(an engine plan: its own launch)" if any(engine) else "")
+                    assert "launches bound" in repr(body) or any(engine), body
                 made += 1
                 # an input that requires grad at a planned signature: the full path refuses it
                 try:

@@ -84,3 +84,20 @@ def test_short_path_declines_wrong_dims(monkeypatch) -> None:  # noqa: ANN001
             assert mr._planned("matmul_all_reduce", a, b, None, None, None) is None
             assert bd._planned(a, b, two, None, None, None, None) is None
         assert bd._planned(two, two, bad, None, None, None, None) is None
+
+
+def test_only_a_tile_plan_is_bound() -> None:
+    """A bound body binds a ``TileGemmPlan``'s launch, never an engine plan's: an engine plan's
+    attributes fall through to its tile plan's, and binding through them would launch the
+    tile GEMM where the engine picked another."""
+    from overlap.kernels.tile_gemm import TileGemmPlan
+
+    tile = TileGemmPlan.__new__(TileGemmPlan)
+
+    class Engine:  # as kernels.engine.EnginePlan: unknown attributes from its tile plan
+        def __getattr__(self, name):
+            return getattr(tile, name)
+
+    assert _calls.tile_bind(tile) is not None and _calls.tile_bind(tile).__func__ is TileGemmPlan.bind
+    assert getattr(Engine(), "bind", None) is not None  # what a getattr would have bound
+    assert _calls.tile_bind(Engine()) is None
