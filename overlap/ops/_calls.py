@@ -211,12 +211,21 @@ class BoundBody:
 
 
 def tile_bind(gp: Any) -> Any:
-    """``gp.bind`` for a ``TileGemmPlan``, else None: an engine plan (``kernels.engine``) keeps
-    its own launch, whichever engine it picked (its attributes fall through to its tile plan's,
-    so ``getattr(gp, "bind")`` would bind the tile GEMM behind its back)."""
+    """``gp.bind`` for a ``TileGemmPlan``; for an engine plan (``kernels.engine.EnginePlan``)
+    that has picked the tile GEMM, its tile plan's ``bind`` (its launch is then exactly the
+    tile plan's); else None: an engine plan that picked the Gluon GEMM, or has not picked
+    yet, keeps its own launch. (An engine plan's unknown attributes fall through to its
+    tile plan's, so ``getattr(gp, "bind")`` would bind the tile GEMM behind its back: its
+    own ``__dict__`` is read here.)"""
     from ..kernels.tile_gemm import TileGemmPlan
 
-    return gp.bind if type(gp) is TileGemmPlan else None
+    if type(gp) is TileGemmPlan:
+        return gp.bind
+    own = getattr(gp, "__dict__", {})
+    tile = own.get("tile")
+    if own.get("decided") is True and "gluon" in own and own["gluon"] is None and type(tile) is TileGemmPlan:
+        return tile.bind
+    return None
 
 
 def aligned(*ts: torch.Tensor | None) -> bool:

@@ -87,9 +87,9 @@ def test_short_path_declines_wrong_dims(monkeypatch) -> None:  # noqa: ANN001
 
 
 def test_only_a_tile_plan_is_bound() -> None:
-    """A bound body binds a ``TileGemmPlan``'s launch, never an engine plan's: an engine plan's
-    attributes fall through to its tile plan's, and binding through them would launch the
-    tile GEMM where the engine picked another."""
+    """A bound body binds a ``TileGemmPlan``'s launch, and an engine plan's only once it has
+    picked the tile GEMM: an engine plan's attributes fall through to its tile plan's, and
+    binding through them would launch the tile GEMM where the engine picked another."""
     from overlap.kernels.tile_gemm import TileGemmPlan
 
     tile = TileGemmPlan.__new__(TileGemmPlan)
@@ -101,3 +101,11 @@ def test_only_a_tile_plan_is_bound() -> None:
     assert _calls.tile_bind(tile) is not None and _calls.tile_bind(tile).__func__ is TileGemmPlan.bind
     assert getattr(Engine(), "bind", None) is not None  # what a getattr would have bound
     assert _calls.tile_bind(Engine()) is None
+    # an engine plan that has picked: the tile GEMM (its launch is the tile plan's), or Gluon
+    picked = Engine()
+    picked.__dict__.update(tile=tile, decided=True, gluon=None)
+    assert _calls.tile_bind(picked).__self__ is tile
+    for decided, gluon in ((False, None), (True, "a Gluon config")):
+        other = Engine()
+        other.__dict__.update(tile=tile, decided=decided, gluon=gluon)
+        assert _calls.tile_bind(other) is None, (decided, gluon)
