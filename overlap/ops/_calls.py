@@ -170,9 +170,12 @@ class BoundBody:
         base = getattr(torch._C, "_CudaEventBase", None)
         if base is not None and isinstance(fork, base):  # their C methods: no Python frame per call
             rec, wait = base.record, base.wait
+            # ``rec(event, stream)``, ``wait(event, stream)``: the stream waits for the event
+            self.rec, self.wait = rec, wait
             self.forks = tuple((lambda c, e=fork, s=s: (rec(e, c), wait(e, s))) for s in self.side)
             self.joins = tuple((lambda c, e=e, s=s: (rec(e, s), wait(e, c))) for s, e in zip(self.side, joins))
         else:
+            self.rec, self.wait = (lambda e, s: e.record(s)), (lambda e, s: s.wait_event(e))
             self.forks = tuple((lambda c, s=s: rt.fork(c, s)) for s in self.side)
             self.joins = tuple((lambda c, s=s: rt.join(c, s)) for s in self.side)
 

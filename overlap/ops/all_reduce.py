@@ -678,8 +678,8 @@ class _Bound(_calls.BoundBody):
             if live > 0:
                 reduce(x[start:start + live], h[start:start + live])
                 if ev is not None:
-                    ev.record(cs)
-                    ns.wait_event(ev)
+                    self.rec(ev, cs)
+                    self.wait(ev, ns)
                     if whole:
                         self.bl_norm[i](ns.cuda_stream, t_norm)
                     else:

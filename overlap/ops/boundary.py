@@ -327,8 +327,8 @@ class _Bound(_calls.BoundBody):
             wait()  # every tile of the chunk stored
             reduce(c1[start:start + rows], h[start:start + rows])
             if ev is not None:
-                ev.record(cs)
-                ns.wait_event(ev)
+                self.rec(ev, cs)
+                self.wait(ev, ns)
                 if whole:
                     self.bl_norm[i](ns.cuda_stream, t_norm)
                 else:
