@@ -447,6 +447,8 @@ class BoundLaunch:
             at = i + 1
         for v in vals[at:]:
             plain(v)
+        for _, pos, _, _ in slots:
+            out[pos] = None  # a call's own: the template keeps no tensor of the call that bound it
         bl = BoundLaunch()
         bl.c_launch, bl.fill, bl.device = raw.c_launch, raw.fill, pl.device
         bl.tmpl, bl.slots, bl.maps = out, tuple(slots), {}

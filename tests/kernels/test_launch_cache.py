@@ -513,6 +513,7 @@ def test_bound_launch_takes_each_calls_pointers_and_matches_the_wrapper(driver36
     d0 = desc(x0)
     bl = _launch.BoundLaunch.of(pl, 3, (d0, c0, 7), (x0, c0))
     assert bl is not None and len(bl.slots) == 2, bl
+    assert not any(v is x0 or v is c0 for v in bl.tmpl)  # nothing of the binding call's storage is kept
     for i in range(4):  # new tensors every call: new pointers
         x, c = torch.randn(128, 64).half(), torch.zeros(4, dtype=torch.int32)
         pl.compiled.run(3, 1, 1, 99 + i, "fn-handle", "packed", None, None, None, desc(x).triton(), c, 7, 64, True)
