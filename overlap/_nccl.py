@@ -371,6 +371,41 @@ class NcclCommunicator:
         _check(self._lib, self._lib.ncclReduceScatter(s, r, recv.numel(), _nccl_dtype(send), _OPS[op], self._comm, h),
                "ncclReduceScatter", self._comm)
 
+    def bound(self, kind: str, send: Any, recv: Any, stream: Any, op: str = "sum") -> Any:
+        """``kind`` ("all_gather", "all_reduce", "reduce_scatter") of tensors shaped as
+        ``send`` and ``recv`` on ``stream``, checked and its arguments made once: a call
+        plan's collective, called per call as ``f(send, recv)`` with contiguous tensors of
+        those sizes and dtype (the plan's, which the caller guarantees)."""
+        sizes = {"all_gather": (send.numel() * self.nranks, send.numel()),
+                 "all_reduce": (send.numel(), send.numel()),
+                 "reduce_scatter": (send.numel(), recv.numel() * self.nranks)}
+        if kind not in sizes:
+            raise ValueError(f"bound: no collective {kind!r}")
+        if recv.numel() != sizes[kind][0] or send.numel() != sizes[kind][1]:
+            raise ValueError(f"{kind}: send has {send.numel()} elements, recv {recv.numel()} at {self.nranks} ranks")
+        self._args(send, recv)
+        count = recv.numel() if kind == "reduce_scatter" else send.numel()
+        dt, h = _nccl_dtype(send), _stream_handle(stream)
+        if self.backend == "cupy":
+            c = self._comm
+            fn = {"all_gather": c.allGather, "all_reduce": c.allReduce, "reduce_scatter": c.reduceScatter}[kind]
+            tail = (count, dt, h) if kind == "all_gather" else (count, dt, _OPS[op], h)
+
+            def run_cupy(send: Any, recv: Any) -> None:
+                fn(send.data_ptr(), recv.data_ptr(), *tail)
+            return run_cupy
+        lib, comm = self._lib, self._comm
+        name = {"all_gather": "ncclAllGather", "all_reduce": "ncclAllReduce",
+                "reduce_scatter": "ncclReduceScatter"}[kind]
+        fn = getattr(lib, name)
+        tail = (count, dt, comm, h) if kind == "all_gather" else (count, dt, _OPS[op], comm, h)
+
+        def run(send: Any, recv: Any) -> None:
+            code = fn(send.data_ptr(), recv.data_ptr(), *tail)
+            if code:
+                _check(lib, code, name, comm)
+        return run
+
     def check_async_error(self) -> None:
         """Raise if NCCL recorded an asynchronous error on this communicator."""
         if self.backend == "cupy" or self._comm is None:

@@ -31,7 +31,7 @@ from . import protocol as P
 
 __all__ = ["FlagArray", "ErrorWord", "FlagTimeoutError", "FlagProtocolError", "RanksDisagreeError",
            "RanksRefusedError", "PeerRefusedError", "GpuContextLostError", "refusal_hooks",
-           "stream_write_value",
+           "stream_write_value", "bound_write_value", "bound_zero", "bound_wait_value",
            "stream_wait_value", "default_timeout_ms", "wrap32"]
 
 
@@ -287,6 +287,40 @@ def stream_zero(stream: torch.cuda.Stream, t: torch.Tensor, n: int) -> None:
         t[:n].zero_()
 
 
+def bound_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> Any:
+    """``stream_write_value(stream, flags, idx, value)`` with its driver arguments made
+    once (a call plan's flag post; ``stream`` a fixed side stream): a function of no
+    arguments. Without cuda-bindings, or on CPU, it calls ``stream_write_value``."""
+    drv = _cuda_driver()
+    if not drv or not flags.is_cuda:
+        return lambda: stream_write_value(stream, flags, idx, value)
+    fn, s, p, v = (drv.cuStreamWriteValue32, drv.CUstream(stream.cuda_stream),
+                   drv.CUdeviceptr(flags.data_ptr() + idx * 4), value & 0xFFFFFFFF)
+
+    def post() -> None:
+        res = fn(s, p, v, 0)
+        if int(res[0]):
+            _check(res, "cuStreamWriteValue32")
+    return post
+
+
+def bound_zero(t: torch.Tensor, n: int) -> Any:
+    """``stream_zero(stream, t, n)`` with its driver arguments made once (a call plan's
+    words): a function of the stream's raw handle and the stream."""
+    drv = _cuda_driver()
+    if not drv or not t.is_cuda or n <= 1:
+        return lambda raw, stream: stream_zero(stream, t, n)
+    if n > t.numel():
+        raise ValueError(f"stream_zero: {n} words asked of a tensor of {t.numel()}")
+    fn, mk, p = drv.cuMemsetD32Async, drv.CUstream, drv.CUdeviceptr(t.data_ptr())
+
+    def zero(raw: int, stream: Any) -> None:
+        res = fn(p, 0, n, mk(raw))
+        if int(res[0]):
+            _check(res, "cuMemsetD32Async")
+    return zero
+
+
 def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
     """Make ``stream`` wait until ``flags[idx] >= value``, compared as
     ``(int32)(flags[idx] - value) >= 0`` (``wrap32``; no SM)."""
@@ -297,6 +331,24 @@ def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
     _check(drv.cuStreamWaitValue32(drv.CUstream(stream.cuda_stream), drv.CUdeviceptr(ptr), value & 0xFFFFFFFF,
                                    drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
            "cuStreamWaitValue32")
+
+
+def bound_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> Any:
+    """``stream_wait_value(stream, flags, idx, value)`` with its driver arguments made once
+    (a call plan's wait; ``stream`` a fixed side stream): a function of no arguments.
+    Without cuda-bindings, or on CPU, it calls ``stream_wait_value``."""
+    drv = _cuda_driver()
+    if not drv or not flags.is_cuda:
+        return lambda: stream_wait_value(stream, flags, idx, value)
+    fn, s, p, v = (drv.cuStreamWaitValue32, drv.CUstream(stream.cuda_stream),
+                   drv.CUdeviceptr(flags.data_ptr() + idx * 4), value & 0xFFFFFFFF)
+    geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+
+    def wait() -> None:
+        res = fn(s, p, v, geq)
+        if int(res[0]):
+            _check(res, "cuStreamWaitValue32")
+    return wait
 
 
 class FlagArray:

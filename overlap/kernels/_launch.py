@@ -38,7 +38,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Sequence
 
-__all__ = ["CachedLauncher", "PreparedLaunch", "HostDesc"]
+__all__ = ["CachedLauncher", "PreparedLaunch", "HostDesc", "BoundLaunch", "hooks_set"]
 
 
 class HostDesc:
@@ -201,6 +201,12 @@ def _hook_set(h: Any) -> bool:
         return False
     calls = getattr(h, "calls", None)  # triton's HookChain
     return bool(calls) if calls is not None else True
+
+
+def hooks_set() -> bool:
+    """A Triton launch hook is set (a profiler wants Triton's own launch path)."""
+    enter, leave = _hooks()
+    return _hook_set(enter) or _hook_set(leave)
 
 
 class CachedLauncher:
@@ -374,3 +380,99 @@ class PreparedLaunch:
         if got is not None:
             self.compiled, self.device, self.widths = got
             self.raw = _RawLaunch.of(got[0])
+
+
+class BoundLaunch:
+    """One prepared launch with every argument fixed but the storage of its tensors: a
+    call plan's launch (``overlap.ops._calls``). Made from a launch's arguments once the
+    kernel is compiled and its C launcher has Triton 3.6's form (``_RawLaunch``); ``of``
+    returns None otherwise, and the caller keeps the general launch.
+
+    The C launcher's argument list is built once, with the grid, the kernel's integers
+    and constexprs in place; a call sets the stream, each tensor slot and each descriptor
+    slot (its filled descriptor looked up by pointer: the shape and strides are the
+    plan's, fixed) and calls the C launcher. The per-call guards of ``PreparedLaunch``
+    are the caller's, once per call: no launch hook set, the current device the
+    launch's (``hooks_set``, ``_current_device``). Every pointer is checked for 16-byte
+    alignment where its descriptor is filled; a tensor slot's pointer by the caller."""
+
+    __slots__ = ("c_launch", "tmpl", "slots", "maps", "fill", "device")
+
+    @staticmethod
+    def of(pl: "PreparedLaunch", grid: int, args: Sequence[Any], tensors: Sequence[Any]) -> "BoundLaunch | None":
+        """``args``: the launch's arguments as ``PreparedLaunch.launch`` takes them, whose
+        descriptors (``HostDesc``) and tensors that are among ``tensors`` (by identity:
+        a descriptor by its base) change per call; ``tensors`` in the order a call gives them."""
+        raw = pl.raw
+        if raw is None or pl.compiled is None or not pl.owner.enabled or _widths(args) != pl.widths:
+            return None
+        function, coop, pdl, packed = raw.head
+        vals = (*args, *pl.const_vals)
+        out: list[Any] = [int(grid), 1, 1, 0, function, coop, pdl, None, None, packed, None, None, None]
+        slots: list[tuple] = []
+
+        def which(t: Any) -> int:
+            for i, x in enumerate(tensors):
+                if x is t:
+                    return i
+            return -1
+
+        def plain(v: Any) -> None:
+            if type(v) is HostDesc:
+                raise TypeError("a descriptor outside the launcher's descriptor arguments")
+            i = which(v) if hasattr(v, "data_ptr") else -1
+            if i >= 0:
+                slots.append(("t", len(out), i, None))
+            out.append(v)
+
+        at = 0
+        for j, (i, meta) in enumerate(raw.descs):
+            for v in vals[at:i]:
+                plain(v)
+            d = vals[i]
+            if type(d) is not HostDesc:
+                return None
+            src = which(d.base)
+            if meta is None:  # lowered to a pointer and sizes
+                if src >= 0:
+                    slots.append(("t", len(out), src, None))
+                out.extend([d.base, *d.shape, *d.strides, False, *d.shape, *d.strides])
+            else:
+                if src < 0:
+                    return None  # a descriptor of a tensor the call does not give: not bound
+                fill_args = (meta["swizzle"], meta["elem_size"], raw.dtypes[meta["elem_type"]], meta["block_size"],
+                             tuple(d.shape), tuple(d.strides), 0)
+                slots.append(("d", len(out), src, fill_args))
+                out.extend([None, *d.shape, *d.strides])
+            at = i + 1
+        for v in vals[at:]:
+            plain(v)
+        for _, pos, _, _ in slots:
+            out[pos] = None  # a call's own: the template keeps no tensor of the call that bound it
+        bl = BoundLaunch()
+        bl.c_launch, bl.fill, bl.device = raw.c_launch, raw.fill, pl.device
+        bl.tmpl, bl.slots, bl.maps = out, tuple(slots), {}
+        return bl
+
+    def __call__(self, stream: int, tensors: Sequence[Any]) -> None:
+        out = self.tmpl.copy()
+        out[3] = stream
+        maps = self.maps
+        for kind, pos, src, fill_args in self.slots:
+            t = tensors[src]
+            if kind == "t":
+                out[pos] = t
+                continue
+            ptr = t.data_ptr()
+            m = maps.get((pos, ptr))
+            if m is None:
+                if ptr % 16:
+                    raise ValueError(f"TMA descriptor of {fill_args[4]} at {ptr:#x}: not 16-byte aligned")
+                if len(maps) >= MAPS_CAP:
+                    maps.clear()
+                m = maps[(pos, ptr)] = self.fill(ptr, *fill_args)
+            out[pos] = m
+        self.c_launch(*out)
+
+    def __repr__(self) -> str:
+        return f"BoundLaunch(grid {self.tmpl[0]}, {len(self.slots)} slots per call)"

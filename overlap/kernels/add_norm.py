@@ -31,7 +31,7 @@ from .. import protocol as _p
 
 _ERR_CODE = tl.constexpr(_p.ERR_CODE)  # the error record's code slot (overlap/protocol.py)
 
-__all__ = ["add_norm_kernel", "launch_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan", "ReduceShape",
+__all__ = ["add_norm_kernel", "launch_add_norm", "bind_add_norm", "reduce_norm_kernel", "launch_reduce_norm", "ReducePlan", "ReduceShape",
            "NORM_KINDS", "stats_segment"]
 
 NORM_KINDS = {None: 0, "layernorm": 1, "rmsnorm": 2}
@@ -99,9 +99,10 @@ def _norm_row(h_row, y_row, w_ptr, b_ptr, K, eps, acc, NORM: tl.constexpr, HAS_B
 
 def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm: str | None = None,
                     weight: Any = None, bias: Any = None, eps: float = 1e-5, y: Any = None,
-                    num_warps: int = 4, block_k: int | None = None) -> None:
+                    num_warps: int = 4, block_k: int | None = None, bind: bool = False) -> Any:
     """Rows [row0, row0 + rows) of ``h`` [M, K]: add ``residual`` in place, then
-    write ``norm(h)`` to ``y`` (same rows). Current stream. Unit column strides."""
+    write ``norm(h)`` to ``y`` (same rows). Current stream. Unit column strides.
+    ``bind``: launch nothing, return ``bind_add_norm``'s launch."""
     if norm not in NORM_KINDS:
         raise ValueError(f"norm must be one of {sorted(k for k in NORM_KINDS if k)} or None, got {norm!r}")
     if residual is None and norm is None:
@@ -125,8 +126,26 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
     # the op launches this once per chunk: through the cached launcher, not Triton's binding
     # path; keyed on what Triton specializes on (row0 is not: do_not_specialize)
     key = (tuple(meta.values()), tuple(t.dtype for t in tensors), K, strides)
-    _add_norm_launcher.prepared(key, meta, num_warps=num_warps, interpret=interpreting()).launch(
-        rows, (*tensors, int(row0), K, float(eps), *strides), aligned=tensors)
+    pl = _add_norm_launcher.prepared(key, meta, num_warps=num_warps, interpret=interpreting())
+    args = (*tensors, int(row0), K, float(eps), *strides)
+    if bind:
+        from ._launch import BoundLaunch
+
+        return BoundLaunch.of(pl, rows, args, tensors)
+    pl.launch(rows, args, aligned=tensors)
+    return None
+
+
+def bind_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm: str | None = None,
+                  weight: Any = None, bias: Any = None, eps: float = 1e-5, y: Any = None) -> Any:
+    """``launch_add_norm``'s launch with every argument fixed but its tensors' storage
+    (``_launch.BoundLaunch``), called per call as ``bl(stream, (h, residual, y, weight,
+    bias))`` with ``h`` in place of each one absent here; None where it cannot be bound
+    (not launched once yet, the interpreter, another launcher form, nothing to do)."""
+    if (residual is None and norm is None) or rows <= 0 or interpreting():
+        return None
+    return launch_add_norm(h, row0, rows, residual=residual, norm=norm, weight=weight, bias=bias, eps=eps, y=y,
+                           bind=True)
 
 
 # --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import triton.language as tl
 from ._launch import CachedLauncher
 from .tile_gemm import _wait, interpreting
 
-__all__ = ["gate_kernel", "launch_gate", "GATE_TILE", "enabled"]
+__all__ = ["gate_kernel", "launch_gate", "GATE_TILE", "enabled", "bind_gate"]
 
 GATE_TILE = -1
 """The tile index a gate's timeout records (``ErrorWord``'s tile slot)."""
@@ -55,3 +55,19 @@ def launch_gate(flags: Any, idx: int, expected: int, ahead: int, err: Any, *, ra
     args = (flags, err, int(idx), int(expected), int(ahead), int(rank), int(timeout_ns), int(max_spins))
     _launcher.prepared((flags.dtype, err.dtype, interp), meta, num_warps=1, interpret=interp).launch(
         1, args, aligned=(flags, err))
+
+
+def bind_gate(flags: Any, idx: int, expected: int, ahead: int, err: Any, *, rank: int, timeout_ns: int,
+              max_spins: int = 2_000_000) -> Any:
+    """``launch_gate``'s launch with every argument fixed (``_launch.BoundLaunch``, called as
+    ``bl(stream, ())``), or None where it cannot be bound yet (not launched once, the
+    interpreter, another launcher form)."""
+    from ._launch import BoundLaunch
+
+    interp = interpreting()
+    if interp or flags.data_ptr() % 16 or err.data_ptr() % 16:
+        return None
+    meta = {"USE_TIMER": True, "FENCE_ASYNC": True}
+    args = (flags, err, int(idx), int(expected), int(ahead), int(rank), int(timeout_ns), int(max_spins))
+    pl = _launcher.prepared((flags.dtype, err.dtype, interp), meta, num_warps=1, interpret=interp)
+    return BoundLaunch.of(pl, 1, args, ())

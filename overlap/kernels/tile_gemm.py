@@ -1384,11 +1384,19 @@ class TileGemmPlan:
         ``sig``: the call's signature, checked after each wait when the plan was made
         with ``sig_stride`` (``launch_tile_gemm``'s ``sig``). ``rows``: ``launch_tile_gemm``'s,
         given exactly when the plan was made with ``clip``."""
+        got = self._args(descs, c, epoch, grid, rowstat, colvec, sig, rows)
+        if got is not None:
+            self.prepared.launch(*got)
+
+    def _args(self, descs: tuple[Any, ...], c: Any, epoch: int, grid: int, rowstat: Any, colvec: Any, sig: int,
+              rows: Any) -> tuple | None:
+        """``launch``'s checks; (programs, kernel arguments, tensors to check for alignment),
+        or None where the plan has no tile."""
         if (rows is not None) != self.clip:
             raise ValueError(f"rows=(cap, span) must be given {'with' if self.clip else 'without'} clip")
         clip = _check_rows(rows)
         if self.num_tiles == 0:
-            return
+            return None
         if self.many:
             cs = list(c)
             if len(cs) != len(self.c_layouts) or len(descs) != 2 + len(cs):
@@ -1406,12 +1414,10 @@ class TileGemmPlan:
             rowstat = colvec = self.table  # never read
         nprog = max(1, min(int(grid), self.num_tiles))
         if self.flat:
-            self.prepared.launch(nprog, (*descs[:3], c, self.table, self.flags, self.err, self.groups,
-                                         *self.head[:2], *self.flat_head, int(epoch), *self.tail, nprog, self.start,
-                                         int(sig), self.sig_stride, *self.c_layouts[0][1]),
-                                 aligned=(c,) if self.own_aligned else (c, self.table, self.flags, self.err,
-                                                                        self.groups))
-            return
+            return (nprog, (*descs[:3], c, self.table, self.flags, self.err, self.groups,
+                            *self.head[:2], *self.flat_head, int(epoch), *self.tail, nprog, self.start,
+                            int(sig), self.sig_stride, *self.c_layouts[0][1]),
+                    (c,) if self.own_aligned else (c, self.table, self.flags, self.err, self.groups))
         args = (*descs[:3], c, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws,
                 *self.head, int(epoch), *self.tail, nprog, self.start, *self.split, int(sig), self.sig_stride, *clip,
                 *self.c_layouts[0][1], *more)
@@ -1419,7 +1425,30 @@ class TileGemmPlan:
             aligned = (*cs, rowstat, colvec) if self.norm_epi else cs
         else:
             aligned = (*cs, self.table, self.flags, self.err, self.counter, rowstat, colvec, self.ws)
-        self.prepared.launch(nprog, args, aligned=aligned)
+        return nprog, args, aligned
+
+    def bind(self, a: Any, b: Any, c: Any, *, a2: Any = None, epoch: int, grid: int, rowstat: Any = None,
+             colvec: Any = None, sig: int = 0, rows: tuple[int, int] | None = None) -> Any:
+        """This plan's launch with every argument fixed but the storage of its tensors, for a
+        call plan (``overlap.ops._calls``): ``_launch.BoundLaunch``, called per call as
+        ``bl(stream, (a, a2, b_store, c, rowstat, colvec))`` with tensors of the shapes and
+        strides given here (``b_store``: b, or ``b.t()`` where ``b_kn`` is False; a2 None
+        without one). None where it cannot be bound (the kernel not compiled and launched
+        yet, another launcher form, several weights, the flattened GEMM, a B read through a
+        copy, an unaligned plan tensor): the caller keeps ``launch``."""
+        if self.flat or self.many or not self.own_aligned or self.num_tiles == 0:
+            return None
+        from ._launch import BoundLaunch
+
+        bs = b if self.b_kn else b.t()
+        if (tuple(bs.shape), bs.stride()) != self.b_layouts[0]:
+            return None  # B read through a copy (``b_operand``): not a storage the call gives
+        descs = self.operands(a, b, a2)
+        descs = (descs[0], descs[1], HostDesc(bs, bs.shape, bs.stride(), self.b_block))
+        got = self._args(descs, c, epoch, grid, rowstat, colvec, sig, rows)
+        if got is None:
+            return None
+        return BoundLaunch.of(self.prepared, got[0], got[1], (a, a2, bs, c, rowstat, colvec))
 
 
 _launcher = _CachedLauncher(tile_gemm_kernel)

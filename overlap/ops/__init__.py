@@ -3,6 +3,7 @@
 from ._agree import RanksOutOfStepError, RanksRefusedError
 from ._runtime import (SEQUENTIAL, Chunked, NcclTransport, OverlapCaptureError, OverlapConfig, Path, PeerCopyTransport,
                        Sequential, check_errors, reset)
+from ._calls import clear_call_plans
 from .all_gather import (
     all_gather_matmul,
     all_gather_matmul_chunked,
@@ -40,6 +41,7 @@ __all__ = [
     "RanksOutOfStepError",
     "RanksRefusedError",
     "check_errors",
+    "clear_call_plans",
     "reset",
     "Norm",
     "OverlapConfig",

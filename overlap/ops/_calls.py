@@ -18,6 +18,25 @@ ran eagerly), the tuned pick and the transport (a tuner run or ``OVERLAP_TRANSPO
 change either between calls; both enter the key), and the inputs' 16-byte alignment
 (what TMA needs of a pointer; an unaligned one takes the full path, which refuses it).
 Everything else the full path checks is a function of the key.
+
+On the NCCL transport a plan also holds a **bound body** (``BoundBody``), made by the
+signature's first call from a plan: every object the op's fused body looks up per call
+(its op plan, GEMM plans, communicator, error word, wait bound, streams, words, events)
+found once, each launch bound (``TileGemmPlan.bind``: the C launcher's arguments built
+once, a call setting only its tensors' storage), each collective bound
+(``NcclCommunicator.bound``), each flag post and the words' zeroing bound
+(``flags.bound_write_value``, ``bound_zero``). A later call is then::
+
+    key -> CallPlan -> aligned -> ready -> agree (counted) -> order, zero, fork
+        -> collectives, posts, launches -> join -> error report -> output
+
+The settings read from the environment (``OVERLAP_WAIT_TIMEOUT_MS``, ``OVERLAP_SM_MARGIN``,
+``OVERLAP_STREAM_GATE``, ``OVERLAP_GEMM_ENGINE``) are read when a body is made, so a
+change takes effect for the signatures first called after it, or for every signature after
+``clear_call_plans()``. ``ready`` declines the body (the call takes the fused body as the
+full path runs it) while profiling is on (``overlap.observe`` or torch's profiler: the
+fused body draws ranges and times phases), while a Triton launch hook is set, and where
+the current device is not the runtime's.
 """
 
 from __future__ import annotations
@@ -26,12 +45,19 @@ from typing import Any
 
 import torch
 
-from ._runtime import LRU, Runtime, check_agree, observed
+from .. import observe as _observe
+from ._plans import report_eager
+from ._state import Words
+from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
-__all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "aligned", "tensor_key", "grad_refused", "stats"]
+__all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
+           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats"]
 
-stats: dict[str, int] = {"made": 0, "planned": 0}
-"""Call plans made, and calls that ran from one (proof that the short path ran)."""
+_launch: Any = None  # overlap.kernels._launch, once a body is made
+
+stats: dict[str, int] = {"made": 0, "planned": 0, "bound": 0}
+"""Call plans made, calls that ran from one, and of those the calls that ran through its
+bound body (proof that the short path ran)."""
 
 CALLS_CAP = 256
 """Call plans a runtime keeps per op (the most recently used)."""
@@ -40,17 +66,21 @@ CALLS_CAP = 256
 class CallPlan:
     """What the full path of one op decided for one signature (see the module docstring)."""
 
-    __slots__ = ("op", "names", "values", "rows_at", "sig", "shape", "path", "why", "config", "transport")
+    __slots__ = ("op", "names", "values", "rows_at", "sig", "shape", "path", "why", "config", "transport", "key",
+                 "body")
 
     def __init__(self, op: str, names: tuple[str, ...], values: tuple[int, ...], rows_at: int | None, sig: tuple,
                  shape: tuple[int, ...], path: str, why: str, config: Any, transport: str) -> None:
         self.op, self.names, self.values, self.rows_at, self.sig = op, names, values, rows_at, sig
         self.shape, self.path, self.why, self.config, self.transport = shape, path, why, config, transport
+        self.key = agree_key(op, names, values, rows_at)
+        self.body: BoundBody | None = None
+        """The bound body (NCCL transport), made by the signature's first call from this plan."""
 
     def __repr__(self) -> str:
         agreed = ", ".join(f"{n}={v}" for n, v in zip(self.names, self.values))
         return (f"CallPlan({self.op} {'x'.join(str(x) for x in self.shape)} on {self.path} ({self.why}); "
-                f"ranks agree on {agreed})")
+                f"ranks agree on {agreed}" + (f"; {self.body!r}" if self.body is not None else "") + ")")
 
 
 def call_plans(rt: Runtime, op: str) -> LRU:
@@ -83,6 +113,122 @@ def run_planned(rt: Runtime, cp: CallPlan, fn: Any, *args: Any) -> Any:
     eagerly (for a later capture)."""
     check_agree(rt, cp.op, cp.names, cp.values, rows_at=cp.rows_at)
     return rt.mark_warm(cp.op, cp.sig, observed(cp.op, cp.shape, cp.path, cp.why, rt.device, fn, *args))
+
+
+def run_bound(rt: Runtime, cp: CallPlan, *args: Any) -> Any:
+    """One call of ``cp.op`` through its bound body, the full path's steps in its order:
+    the agreement point (the call counted, the key found), the call counted in
+    ``overlap.report()``, the body, the signature remembered as run eagerly. The caller
+    checked ``cp.body.ready()`` (no profiling: ``observed`` would draw and time nothing)."""
+    check_agreed(rt, cp.op, cp.names, cp.values, cp.key)
+    _observe.record_call(cp.op, cp.shape, cp.path, cp.why)
+    out = cp.body(*args)
+    rt.seen.add((cp.op, cp.sig))  # ``mark_warm``: a later capture of the signature needs it
+    stats["bound"] += 1
+    return out
+
+
+def clear_call_plans() -> None:
+    """Forget every call plan and bound body (the next call of each signature takes the
+    full path): for a changed ``OVERLAP_*`` setting that a body read when it was made."""
+    for rt in list(_runtimes.values()):
+        for name in [n for n in rt._caches if n.endswith(".calls")]:
+            rt._caches[name].clear()
+
+
+class BoundBody:
+    """The frame of a bound body (see the module docstring): ``fused_call``'s steps, with
+    what it looks up per call found once. A subclass sets ``side`` (the side streams),
+    ``words`` (the call's local words, ``Runtime.local_words``), ``err`` and ``check``, calls
+    ``bind_frame`` and defines ``run(raw, cur, *args)``: the op's collectives, posts and
+    launches, queued on ``cur`` (raw handle ``raw``) and the side streams.
+
+    Per call, under the device's order lock: ``cur`` ordered after the previous call
+    (``DeviceOrder``), the words zeroed on ``cur`` (one memset), the side streams forked
+    from ``cur``, ``run``; on exit, an exception too, the side streams joined into ``cur``
+    and the order released; without an exception the error word reported as ``check``
+    says, still under the lock."""
+
+    rt: Runtime
+    side: tuple
+    words: Any
+    err: Any
+    check: str
+
+    def bind_frame(self) -> None:
+        from .. import flags as _flags
+        from ..kernels import _launch as launch_mod
+
+        global _launch
+        _launch = launch_mod  # (lazy: the kernels import Triton)
+        rt = self.rt
+        self.order = rt.order
+        self.dev = rt.device.index
+        words = (self.words,) if isinstance(self.words, Words) else self.words
+        self.zeros = tuple(_flags.bound_zero(w.buf, w.buf.numel()) for w in words)
+        fork, joins = rt.event("fork"), [rt.event(i) for i in range(len(self.side))]
+        base = getattr(torch._C, "_CudaEventBase", None)
+        if base is not None and isinstance(fork, base):  # their C methods: no Python frame per call
+            rec, wait = base.record, base.wait
+            # ``rec(event, stream)``, ``wait(event, stream)``: the stream waits for the event
+            self.rec, self.wait = rec, wait
+            self.forks = tuple((lambda c, e=fork, s=s: (rec(e, c), wait(e, s))) for s in self.side)
+            self.joins = tuple((lambda c, e=e, s=s: (rec(e, s), wait(e, c))) for s, e in zip(self.side, joins))
+        else:
+            self.rec, self.wait = (lambda e, s: e.record(s)), (lambda e, s: s.wait_event(e))
+            self.forks = tuple((lambda c, s=s: rt.fork(c, s)) for s in self.side)
+            self.joins = tuple((lambda c, s=s: rt.join(c, s)) for s in self.side)
+
+    def ready(self) -> bool:
+        """The body may run this call (see the module docstring); else the fused body does."""
+        if _observe._enabled or torch.autograd.profiler._is_profiler_enabled or _launch.hooks_set():
+            return False
+        return self.dev is None or _launch._current_device() == self.dev
+
+    def run(self, raw: int, cur: Any, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, *args: Any) -> Any:
+        rt, order = self.rt, self.order
+        order.lock.acquire()
+        try:
+            cur = rt.current_stream()
+            raw = cur.cuda_stream
+            order.begin(cur)
+            try:
+                for z in self.zeros:
+                    z(raw, cur)
+                for f in self.forks:
+                    f(cur)
+                out = self.run(raw, cur, *args)
+            finally:
+                try:
+                    for j in self.joins:
+                        j(cur)
+                finally:
+                    order.end(cur)
+            report_eager(self.err, self.check)
+            return out
+        finally:
+            order.lock.release()
+
+
+def tile_bind(gp: Any) -> Any:
+    """``gp.bind`` for a ``TileGemmPlan``; for an engine plan (``kernels.engine.EnginePlan``)
+    that has picked the tile GEMM, its tile plan's ``bind`` (its launch is then exactly the
+    tile plan's); else None: an engine plan that picked the Gluon GEMM, or has not picked
+    yet, keeps its own launch. (An engine plan's unknown attributes fall through to its
+    tile plan's, so ``getattr(gp, "bind")`` would bind the tile GEMM behind its back: its
+    own ``__dict__`` is read here.)"""
+    from ..kernels.tile_gemm import TileGemmPlan
+
+    if type(gp) is TileGemmPlan:
+        return gp.bind
+    own = getattr(gp, "__dict__", {})
+    tile = own.get("tile")
+    if own.get("decided") is True and "gluon" in own and own["gluon"] is None and type(tile) is TileGemmPlan:
+        return tile.bind
+    return None
 
 
 def aligned(*ts: torch.Tensor | None) -> bool:

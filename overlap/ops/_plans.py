@@ -15,7 +15,7 @@ from ._state import capturing, keep_for_capture
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["observed", "serial_phases", "bucketed", "plan_rows_for", "gemm_plan", "fused_call", "report_errors"]
+__all__ = ["observed", "serial_phases", "bucketed", "plan_rows_for", "gemm_plan", "fused_call", "report_errors", "report_eager"]
 
 
 def observed(op: str, shape: tuple, path: str, why: str, device: torch.device, fn: Any, *args: Any,
@@ -151,6 +151,11 @@ def report_errors(err: _flags.ErrorWord, check: str) -> None:
     every replay): replays' timeouts surface on the next eager call or ``check_errors``."""
     if capturing():
         return
+    report_eager(err, check)
+
+
+def report_eager(err: _flags.ErrorWord, check: str) -> None:
+    """``report_errors`` outside a capture (a call plan's body, which never runs in one)."""
     try:
         if check == "sync":
             err.check(block=True)

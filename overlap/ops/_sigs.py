@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
 
 __all__ = ["call_sig", "post_sig", "REFRESH_EVERY", "dtype_code", "every_call_checked", "AGREED_CAP", "check_agree",
-           "all_gather_single", "gather_ints", "refuse_grad", "agree_on_reference"]
+           "all_gather_single", "gather_ints", "refuse_grad", "agree_on_reference", "agree_key", "check_agreed"]
 
 
 def call_sig(op: str, values: tuple[int, ...]) -> int:
@@ -96,13 +96,7 @@ def check_agree(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int,
     a flag timeout, bounded; where they match (the all-gather and the reduce-scatter send
     their bucket's chunks whole) a wrong result (docs/guarantees.md, "NCCL transport").
     ``OVERLAP_CHECK_RANKS=every`` checks every call."""
-    if rows_at is not None:
-        from ..policies import row_bucket
-
-        kv = values[:rows_at] + (-row_bucket(values[rows_at]),) + values[rows_at + 1:]
-    else:
-        kv = values
-    key = (op, names, kv)
+    key = agree_key(op, names, values, rows_at)
     agreed = rt.cache("agreed", AGREED_CAP)
     if capturing():
         if not agreed.get(key):
@@ -164,3 +158,19 @@ def agree_on_reference(group: Any, op: str, names: tuple[str, ...], values: tupl
         return
     dev = device if tdist.get_backend(group) == "nccl" else torch.device("cpu")
     _agree.agreement(group, world, dev, op, names, values, then_collective=True)
+
+
+def agree_key(op: str, names: tuple[str, ...], values: tuple[int, ...], rows_at: int | None = None) -> tuple:
+    """The key under which ``check_agree`` remembers an agreement (the row count by its bucket)."""
+    if rows_at is not None:
+        from ..policies import row_bucket
+
+        values = values[:rows_at] + (-row_bucket(values[rows_at]),) + values[rows_at + 1:]
+    return (op, names, values)
+
+
+def check_agreed(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...], key: tuple) -> None:
+    """``check_agree`` with its key made (``agree_key``), outside a capture: a call plan's
+    agreement point (a capture takes the full path, which checks it there)."""
+    _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=rt.cache("agreed", AGREED_CAP),
+                     key=key, every=every_call_checked(), then_collective=False)

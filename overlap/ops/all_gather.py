@@ -517,7 +517,168 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
     if transport == "p2p":
         return run_planned(rt, cp, run_p2p, rt, "all_gather_matmul", _peer._fused_p2p, rt, a_shard, b,
                            return_gathered, cfg)
+    body = cp.body
+    if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
+        body = cp.body = _Bound(rt, a_shard, b, return_gathered, cfg)
+    if body is not None and body.ready():
+        return _calls.run_bound(rt, cp, a_shard, b)
     return run_planned(rt, cp, _fused, rt, a_shard, b, return_gathered, cfg)
+
+
+class _Bound(_calls.BoundBody):
+    """``_fused`` for one call signature (one weight), bound (``_calls``): the op plan of
+    its row bucket, the GEMM plans, communicator, error word, wait bound, words, streams
+    and the gate decided once; each chunk's all-gather, flag post and every launch with
+    its arguments made. A call allocates gathered and C, then queues what ``_fused``
+    queues, in its order::
+
+        comm stream  | AG chunk0 (bound) |W0 (bound)| ... | give-back grid |
+        caller       | zero | fork | [local grid | gate] | grid |  ...  join |"""
+
+    def __init__(self, rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
+                 cfg: OverlapConfig) -> None:
+        from ..kernels import gate as _gate
+
+        ms, k = a_shard.shape
+        n = b.shape[1]
+        world = rt.world
+        self.rt, self.ms, self.k, self.n, self.return_gathered = rt, ms, k, n, return_gathered
+        self.msb = msb = plan_rows_for(ms, cfg, "nccl")
+        self.p = p = _plan(rt, msb, n, k, cfg)
+        if p.gemm.flatten:
+            raise ValueError("all_gather_matmul: a flattened GEMM is not bound")  # the caller keeps _fused
+        self.comm = comm = rt.comm(p.nccl_ctas)
+        self.err = err = rt.err("all_gather_matmul")
+        self.check = cfg.check
+        self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
+        self.cs = cs = rt.comm_stream
+        self.side = (cs,)
+        with rt.order.lock:
+            self.words = w = rt.local_words("all_gather_matmul", p.counters + 4, p.flag_count)
+        self.bind_frame()
+        self.gated = gated = p.local > 0 and _gate.enabled()
+        self.cut = (ms, msb)
+        # a sample of the call's tensors, for the bound collectives' checks and the launches' layouts
+        gathered = a_shard.new_empty((world * msb, k))
+        c = a_shard.new_empty((world * ms, n))
+        chunks = []
+        for c_idx, (start, rows) in enumerate(zip(p.layout.chunk_starts, p.layout.chunk_rows)):
+            live = min(rows, ms - start)
+            dst = (world * start, world * (start + rows))
+            send = a_shard[start:start + rows] if live == rows else a_shard.new_empty((rows, k))
+            gather = None
+            if live > 0:
+                bound = getattr(comm, "bound", None)
+                gather = bound("all_gather", send, gathered[dst[0]:dst[1]], cs) if bound is not None else \
+                    (lambda s_, r_, comm=comm: comm.all_gather(s_, r_, stream=cs))
+            # (start, rows, live, gathered rows, the bound all-gather, the bound flag post)
+            chunks.append((start, rows, live, dst, gather, _flags.bound_write_value(cs, w.flags, c_idx, 1)))
+        self.chunks = tuple(chunks)
+        if gated:
+            self.gl = gemm_plan(p.local_launches, a_shard, b, c, p.local_table, a2=gathered, flags=w.flags,
+                                err=err.word, timeout_ns=timeout_ns, counter=w.counters[:1], rank=rt.rank,
+                                config=p.gemm, wait=True, clip=True)
+            self.gp = gemm_plan(p.launches, a_shard, b, c, p.rest_table, a2=gathered, flags=w.flags, err=err.word,
+                                timeout_ns=timeout_ns, counter=w.counters[4:], rank=rt.rank, config=p.gemm, wait=True,
+                                split=None if p.split is None else (p.split[0] - p.local, p.split[1]), clip=True)
+            idx, mult = p.first_wait
+            self.gate_args = ((w.flags, idx, mult, 3 * mult, err.word), dict(rank=rt.rank, timeout_ns=timeout_ns))
+        else:
+            self.gl = None
+            self.gp = gemm_plan(p.launches, a_shard, b, c, p.table, a2=gathered, flags=w.flags, err=err.word,
+                                timeout_ns=timeout_ns, counter=w.counters, rank=rt.rank, config=p.gemm, wait=True,
+                                split=p.split, groups=p.groups, clip=True)
+        self.b_kn = getattr(self.gp, "b_kn", True)
+        self.bl_local = self.bl_gate = self.bl = self.bl_back = None
+        self.whole = False
+        self.bound = False  # the launches bound (tried once, after the first general launch)
+
+    def _bind_launches(self, a: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor, c: torch.Tensor) -> None:
+        """Bind the launches (after a general launch of each: a kernel is compiled and its
+        launcher known only then). A plan that cannot be bound keeps its general launch."""
+        from ..kernels import gate as _gate
+
+        p, cut = self.p, self.cut
+        self.bound = True
+        bind = _calls.tile_bind(self.gp)
+        if bind is None:  # an engine plan: its own launch
+            return
+        if self.gated:
+            bind_local = _calls.tile_bind(self.gl)
+            self.bl_local = bind_local(a, b, c, a2=gathered, epoch=1, grid=p.grid, rows=cut) if bind_local else None
+            a_, kw = self.gate_args
+            self.bl_gate = _gate.bind_gate(*a_, **kw)
+        self.bl = bind(a, b, c, a2=gathered, epoch=1, grid=p.grid, rows=cut)
+        if p.give_back_grid:
+            self.bl_back = bind(a, b, c, a2=gathered, epoch=1, grid=p.give_back_grid, rows=cut)
+        # every grid bound, or the general launches for all (never a mix of two argument sets)
+        self.whole = (self.bl_local is not None or not self.gated) and \
+            (self.bl_back is not None or not p.give_back_grid)
+
+    def run(self, raw: int, cur: Any, a_shard: torch.Tensor, b: torch.Tensor) -> Any:
+        k, n, ms, world, cs = self.k, self.n, self.ms, self.rt.world, self.cs
+        gathered = a_shard.new_empty((world * self.msb, k))
+        c = a_shard.new_empty((world * ms, n))
+        for start, rows, live, dst, gather, post in self.chunks:
+            if live == rows:
+                gather(a_shard[start:start + rows], gathered[dst[0]:dst[1]])
+            elif live > 0:
+                src = a_shard.new_empty((rows, k))
+                with on_stream(cs, cur):  # its rows past ms are sent and never stored (see _fused)
+                    src[:live].copy_(a_shard[start:ms])
+                    src[live:].fill_(float("nan"))
+                gather(src, gathered[dst[0]:dst[1]])
+            post()
+        bl = self.bl
+        if bl is not None and self.whole and not c.data_ptr() % 16:
+            t = (a_shard, gathered, b if self.b_kn else b.t(), c, None, None)
+            if self.gated:
+                self.bl_local(raw, t)
+                if self.bl_gate is not None:
+                    self.bl_gate(raw, ())
+                else:
+                    from ..kernels import gate as _gate
+
+                    a_, kw = self.gate_args
+                    _gate.launch_gate(*a_, **kw)
+            bl(raw, t)
+            if self.bl_back is not None:
+                self.bl_back(cs.cuda_stream, t)
+        else:
+            self._launch(cur, a_shard, b, gathered, c)
+            if not self.bound:
+                self._bind_launches(a_shard, b, gathered, c)
+        stats["fused"] += 1
+        if self.return_gathered:
+            return c, _natural(self.rt, gathered, self.p.layout, ms)
+        return c
+
+    def _launch(self, cur: Any, a_shard: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor,
+                c: torch.Tensor) -> None:
+        """The general launches, as ``_fused`` makes them."""
+        from ..kernels import gate as _gate
+
+        p, cut, gp = self.p, self.cut, self.gp
+        if self.gated:
+            descs = self.gl.operands(a_shard, b, gathered)
+            self.gl.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
+            a_, kw = self.gate_args
+            _gate.launch_gate(*a_, **kw)
+        else:
+            descs = gp.operands(a_shard, b, gathered)
+        gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
+        if p.give_back_grid:
+            with on_stream(self.cs, cur):
+                gp.launch(descs, c, epoch=1, grid=p.give_back_grid, rows=cut)
+
+    def __repr__(self) -> str:
+        p = self.p
+        launches = "bound" if self.bl is not None else "general"
+        return (f"all_gather_matmul body: M/R {self.ms} (plan of {self.msb} rows), N {self.n}, K {self.k}, "
+                f"{len(self.chunks)} chunk(s) on NCCL ({p.nccl_ctas} CTAs), grid {p.grid}"
+                + (f" + give-back {p.give_back_grid}" if p.give_back_grid else "")
+                + (", local grid and gate first" if self.gated else "") + f", launches {launches}, "
+                f"wait bound {self.timeout_ns / 1e6:g} ms, check {self.check!r}")
 
 
 def _many_refusal(bs: list[torch.Tensor]) -> str | None:

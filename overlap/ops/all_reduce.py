@@ -554,7 +554,177 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     _calls.stats["planned"] += 1
     if transport == "p2p":
         return run_planned(rt, cp, run_p2p, rt, "all_reduce_matmul", _peer._fused_p2p, rt, x, b, residual, norm, cfg)
+    body = cp.body
+    if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
+        body = cp.body = _Bound(rt, x, b, residual, norm, cfg)
+    if body is not None and body.ready():
+        return _calls.run_bound(rt, cp, x, b, residual, norm)
     return run_planned(rt, cp, _fused, rt, x, b, residual, norm, cfg)
+
+
+class _Bound(_calls.BoundBody):
+    """``_fused`` for one call signature (one weight), bound (``_calls``): the op plan of its
+    row bucket, the GEMM plan, communicator, error word, wait bound, words, streams, events
+    and the gate decided once; each chunk's all-reduce, add+norm launch and flag post and
+    the GEMM's launches with their arguments made. A call allocates h, y and C, then
+    queues what ``_fused`` queues, in its order::
+
+        comm stream | AR chunk0 (bound) | AR chunk1 | ...                 [give-back grid]
+        aux stream  |       ev | add+norm 0 |W0| ev | add+norm 1 |W1|    [give-back grid]
+        caller      | zero | fork | gate | grid (waits per chunk) | join |"""
+
+    def __init__(self, rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
+                 norm: Norm | None, cfg: OverlapConfig) -> None:
+        from ..kernels import gate as _gate
+
+        m, k = x.shape
+        n = b.shape[1]
+        self.rt, self.m, self.k, self.n = rt, m, k, n
+        self.mb = mb = plan_rows_for(m, cfg, "nccl")
+        self.p = p = _plan(rt, mb, n, k, cfg)
+        comm = rt.comm(p.nccl_ctas)
+        self.err = err = rt.err("all_reduce_matmul")
+        self.check = cfg.check
+        self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
+        # the kernels read the residual and the norm's weight and bias contiguous (``_contiguous``)
+        self.copies = (residual is not None and not residual.is_contiguous(),
+                       norm is not None and not norm.weight.is_contiguous(),
+                       norm is not None and norm.bias is not None and not norm.bias.is_contiguous())
+        residual, norm = _contiguous(residual, norm)
+        self.has_res, self.has_norm = residual is not None, norm is not None
+        self.prologue = prologue = residual is not None or norm is not None
+        self.cs, self.ns = cs, ns = rt.comm_stream, rt.aux_stream
+        self.side = (cs, ns) if prologue else (cs,)
+        with rt.order.lock:
+            self.words = w = rt.local_words("all_reduce_matmul", p.counters, len(p.chunk_rows))
+        self.bind_frame()
+        self.gated = _gate.enabled()
+        self.cut = (m, mb)
+        h = torch.empty_like(x)
+        y = torch.empty_like(x) if norm is not None else h
+        c = x.new_empty((m, n))
+        chunks = []
+        start = 0
+        post_on = ns if prologue else cs
+        for c_idx, rows in enumerate(p.chunk_rows):
+            live = min(rows, m - start)
+            reduce = None
+            if live > 0:
+                bound = getattr(comm, "bound", None)
+                reduce = bound("all_reduce", x[start:start + live], h[start:start + live], cs) if bound is not None \
+                    else (lambda s_, r_, comm=comm: comm.all_reduce(s_, r_, stream=cs))
+            ev = rt.event(("chunk", c_idx)) if prologue and live > 0 else None
+            # (start, live, the bound all-reduce, the chunk's event, the bound flag post)
+            chunks.append((start, live, reduce, ev, _flags.bound_write_value(post_on, w.flags, c_idx, 1)))
+            start += rows
+        self.chunks = tuple(chunks)
+        self.norm_args = (norm.kind if norm else None, norm.eps if norm else 1e-5)
+        self.gp = gemm_plan(p.launches, y, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=timeout_ns,
+                            counter=w.counters, rank=rt.rank, config=p.gemm, wait=True, split=p.split,
+                            groups=p.groups, clip=True)
+        self.b_kn = getattr(self.gp, "b_kn", True)
+        self.bound, self.whole = False, False
+        self.bl_norm: tuple = ()
+        self.bl_gate = self.bl = self.bl_back = None
+
+    def _tensors(self, h: torch.Tensor, y: torch.Tensor, residual: Any, norm: Any) -> tuple:
+        return (h, residual if residual is not None else h, y if self.has_norm else h,
+                norm.weight if norm is not None else h, norm.bias if norm is not None and norm.bias is not None else h)
+
+    def _bind_launches(self, x: torch.Tensor, b: torch.Tensor, h: torch.Tensor, y: torch.Tensor, c: torch.Tensor,
+                       residual: Any, norm: Any) -> None:
+        """Bind the launches (after a general launch of each); one that cannot be bound
+        leaves the body on its general launches."""
+        from ..kernels import gate as _gate
+        from ..kernels.add_norm import bind_add_norm
+
+        self.bound = True
+        p, w = self.p, self.words
+        bind = _calls.tile_bind(self.gp)
+        if bind is None:
+            return
+        if self.prologue:
+            kind, eps = self.norm_args
+            bl_norm = tuple(bind_add_norm(h, start, live, residual=residual, norm=kind,
+                                          weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                          eps=eps, y=y if norm is not None else None)
+                            for start, live, _, _, _ in self.chunks if live > 0)
+            if any(bl is None for bl in bl_norm):
+                return
+            self.bl_norm = bl_norm
+        if self.gated:
+            self.bl_gate = _gate.bind_gate(w.flags, 0, 1, 3, self.err.word, rank=self.rt.rank,
+                                           timeout_ns=self.timeout_ns)
+            if self.bl_gate is None:
+                return
+        self.bl = bind(y, b, c, epoch=1, grid=p.grid, rows=self.cut)
+        if p.give_back_grid:
+            self.bl_back = bind(y, b, c, epoch=1, grid=p.give_back_grid, rows=self.cut)
+        self.whole = self.bl is not None and (self.bl_back is not None or not p.give_back_grid)
+
+    def run(self, raw: int, cur: Any, x: torch.Tensor, b: torch.Tensor, residual: Any, norm: Any) -> Any:
+        copies = self.copies
+        if copies[0]:
+            residual = residual.contiguous()
+        if copies[1] or copies[2]:
+            residual, norm = _contiguous(residual, norm)
+        h = torch.empty_like(x)
+        y = torch.empty_like(x) if self.has_norm else h
+        c = x.new_empty((self.m, self.n))
+        whole = self.whole and not c.data_ptr() % 16
+        t_norm = self._tensors(h, y, residual, norm) if whole and self.prologue else None
+        cs, ns, i = self.cs, self.ns, 0
+        for start, live, reduce, ev, post in self.chunks:
+            if live > 0:
+                reduce(x[start:start + live], h[start:start + live])
+                if ev is not None:
+                    self.rec(ev, cs)
+                    self.wait(ev, ns)
+                    if whole:
+                        self.bl_norm[i](ns.cuda_stream, t_norm)
+                    else:
+                        from ..kernels.add_norm import launch_add_norm
+
+                        kind, eps = self.norm_args
+                        with on_stream(ns, cur):
+                            launch_add_norm(h, start, live, residual=residual, norm=kind,
+                                            weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                            eps=eps, y=y if norm is not None else None)
+                    i += 1
+            post()
+        if whole:
+            t = (y, None, b if self.b_kn else b.t(), c, None, None)
+            if self.bl_gate is not None:
+                self.bl_gate(raw, ())
+            self.bl(raw, t)
+            if self.bl_back is not None:
+                self.bl_back((ns if self.prologue else cs).cuda_stream, t)
+        else:
+            gp, p = self.gp, self.p
+            descs = gp.operands(y, b)
+            if self.gated:
+                from ..kernels import gate as _gate
+
+                _gate.launch_gate(self.words.flags, 0, 1, 3, self.err.word, rank=self.rt.rank,
+                                  timeout_ns=self.timeout_ns)
+            gp.launch(descs, c, epoch=1, grid=p.grid, rows=self.cut)
+            if p.give_back_grid:
+                with on_stream(ns if self.prologue else cs, cur):
+                    gp.launch(descs, c, epoch=1, grid=p.give_back_grid, rows=self.cut)
+            if not self.bound:
+                self._bind_launches(x, b, h, y, c, residual, norm)
+        stats["fused"] += 1
+        return c, h
+
+    def __repr__(self) -> str:
+        p = self.p
+        prologue = ("residual + " if self.has_res else "") + (f"{self.norm_args[0]}" if self.has_norm else "")
+        return (f"all_reduce_matmul body: M {self.m} (plan of {self.mb} rows), N {self.n}, K {self.k}, "
+                f"{len(self.chunks)} chunk(s) on NCCL ({p.nccl_ctas} CTAs)"
+                + (f", {prologue.rstrip(' +')} per chunk on the aux stream" if self.prologue else "")
+                + f", grid {p.grid}" + (f" + give-back {p.give_back_grid}" if p.give_back_grid else "")
+                + (", gate first" if self.gated else "") + f", launches {'bound' if self.whole else 'general'}, "
+                f"wait bound {self.timeout_ns / 1e6:g} ms, check {self.check!r}")
 
 
 def _many(x_partial: torch.Tensor, bs: list[torch.Tensor], group: Any, residual: torch.Tensor | None,

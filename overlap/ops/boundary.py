@@ -203,7 +203,174 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     if cp is None or not aligned(a, b, b_next, residual, nw, nb):
         return None
     _calls.stats["planned"] += 1
+    body = cp.body
+    if body is None and not (cp.config.gemm is not None and cp.config.gemm.flatten):
+        body = cp.body = _Bound(rt, a, b, b_next, residual, norm, cp.config)
+    if body is not None and body.ready():
+        return _calls.run_bound(rt, cp, a, b, b_next, residual, norm)
     return run_planned(rt, cp, _fused, rt, a, b, b_next, residual, norm, cp.config)
+
+
+class _Bound(_calls.BoundBody):
+    """``_fused`` for one call signature, bound (``_calls``): both plans, both GEMM plans,
+    communicator, error word, wait bound, words, streams, events and the gate decided once;
+    the producer's launch, each chunk's counter wait, all-reduce, add+norm and flag post,
+    and the consumer's launches made with their arguments. A call allocates C1, h, y and
+    C, then queues what ``_fused`` queues, in its order::
+
+        caller      | zero | fork | producer grid (posts) | gate | consumer grid (waits) | join |
+        comm stream |   wait n0 | AR chunk0 | wait n1 | AR chunk1 | ...
+        aux stream  |             ev | add+norm 0 |W0| ev | add+norm 1 |W1| [give-back grid]"""
+
+    def __init__(self, rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor,
+                 residual: torch.Tensor | None, norm: Any, cfg: OverlapConfig) -> None:
+        from ..kernels import gate as _gate
+
+        m, k = a.shape
+        n, n2 = b.shape[1], b_next.shape[1]
+        self.rt, self.m, self.k, self.n, self.n2 = rt, m, k, n, n2
+        self.p1 = p1 = _mr._plan(rt, "matmul_all_reduce", m, n, k, cfg)
+        self.p2 = p2 = _ar._plan(rt, m, n2, n, cfg)
+        if tuple(p1.cmap.chunk_rows) != tuple(p2.chunk_rows):
+            raise RuntimeError(f"{OP}: the producer's chunks {p1.cmap.chunk_rows} and the consumer's "
+                               f"{p2.chunk_rows} differ")
+        comm = rt.comm(p1.nccl_ctas)
+        self.err = err = rt.err(OP)
+        self.check = cfg.check
+        self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
+        self.has_norm = norm is not None
+        self.prologue = prologue = residual is not None or norm is not None
+        chunks = len(p1.cmap.chunk_rows)
+        self.cs, self.ns = cs, ns = rt.comm_stream, rt.aux_stream
+        self.side = (cs, ns) if prologue else (cs,)
+        with rt.order.lock:
+            w1 = rt.local_words(OP + ".producer", 1, chunks)
+            w2 = rt.local_words(OP + ".consumer", p2.counters, chunks)
+        self.words = (w1, w2)
+        self.bind_frame()
+        self.gated = _gate.enabled()
+        c1 = a.new_empty((p1.cmap.c_rows, n))
+        h = a.new_empty((m, n))
+        y = torch.empty_like(h) if norm is not None else h
+        c = a.new_empty((m, n2))
+        bound = getattr(comm, "bound", None)
+        post_on = ns if prologue else cs
+        rows_all = []
+        for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
+            reduce = bound("all_reduce", c1[start:start + rows], h[start:start + rows], cs) if bound is not None \
+                else (lambda s_, r_, comm=comm: comm.all_reduce(s_, r_, stream=cs))
+            ev = rt.event(("chunk", ci)) if prologue else None
+            # (start, rows, the bound counter wait, the bound all-reduce, the chunk's event, the bound post)
+            rows_all.append((start, rows, _flags.bound_wait_value(cs, w1.flags, ci, p1.counts[ci]), reduce, ev,
+                             _flags.bound_write_value(post_on, w2.flags, ci, 1)))
+        self.chunks = tuple(rows_all)
+        self.norm_args = (norm.kind if norm else None, norm.eps if norm else 1e-5)
+        self.gp1 = gemm_plan(p1.launches, a, b, c1, p1.table, flags=w1.flags, err=err.word, timeout_ns=1,
+                             counter=w1.counters, rank=rt.rank, config=p1.gemm, post=True, groups=p1.groups)
+        self.gp2 = gemm_plan(p2.launches, y, b_next, c, p2.table, flags=w2.flags, err=err.word,
+                             timeout_ns=timeout_ns, counter=w2.counters, rank=rt.rank, config=p2.gemm, wait=True,
+                             split=p2.split, groups=p2.groups)
+        self.kn1, self.kn2 = getattr(self.gp1, "b_kn", True), getattr(self.gp2, "b_kn", True)
+        self.bound, self.whole = False, False
+        self.bl_norm: tuple = ()
+        self.bl1 = self.bl_gate = self.bl2 = self.bl_back = None
+
+    def _tensors(self, h: torch.Tensor, y: torch.Tensor, residual: Any, norm: Any) -> tuple:
+        return (h, residual if residual is not None else h, y if self.has_norm else h,
+                norm.weight if norm is not None else h, norm.bias if norm is not None and norm.bias is not None else h)
+
+    def _bind_launches(self, a: Any, b: Any, b_next: Any, c1: Any, h: Any, y: Any, c: Any, residual: Any,
+                       norm: Any) -> None:
+        from ..kernels import gate as _gate
+        from ..kernels.add_norm import bind_add_norm
+
+        self.bound = True
+        b1, b2 = _calls.tile_bind(self.gp1), _calls.tile_bind(self.gp2)
+        if b1 is None or b2 is None:
+            return
+        if self.prologue:
+            kind, eps = self.norm_args
+            bl_norm = tuple(bind_add_norm(h, start, rows, residual=residual, norm=kind,
+                                          weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                          eps=eps, y=y if norm is not None else None)
+                            for start, rows, *_ in self.chunks)
+            if any(bl is None for bl in bl_norm):
+                return
+            self.bl_norm = bl_norm
+        if self.gated:
+            self.bl_gate = _gate.bind_gate(self.words[1].flags, 0, 1, 3, self.err.word, rank=self.rt.rank,
+                                           timeout_ns=self.timeout_ns)
+            if self.bl_gate is None:
+                return
+        self.bl1 = b1(a, b, c1, epoch=1, grid=self.p1.grid)
+        self.bl2 = b2(y, b_next, c, epoch=1, grid=self.p2.grid)
+        if self.p2.give_back_grid:
+            self.bl_back = b2(y, b_next, c, epoch=1, grid=self.p2.give_back_grid)
+        self.whole = self.bl1 is not None and self.bl2 is not None and \
+            (self.bl_back is not None or not self.p2.give_back_grid)
+
+    def run(self, raw: int, cur: Any, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor,
+            residual: Any, norm: Any) -> Any:
+        m, n, cs, ns = self.m, self.n, self.cs, self.ns
+        c1 = a.new_empty((self.p1.cmap.c_rows, n))
+        h = a.new_empty((m, n))
+        y = torch.empty_like(h) if self.has_norm else h
+        c = a.new_empty((m, self.n2))
+        whole = self.whole and not (c1.data_ptr() % 16 or c.data_ptr() % 16)
+        if whole:
+            self.bl1(raw, (a, None, b if self.kn1 else b.t(), c1, None, None))
+            t_norm = self._tensors(h, y, residual, norm) if self.prologue else None
+        else:
+            gp1 = self.gp1
+            gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=self.p1.grid)
+        for i, (start, rows, wait, reduce, ev, post) in enumerate(self.chunks):
+            wait()  # every tile of the chunk stored
+            reduce(c1[start:start + rows], h[start:start + rows])
+            if ev is not None:
+                self.rec(ev, cs)
+                self.wait(ev, ns)
+                if whole:
+                    self.bl_norm[i](ns.cuda_stream, t_norm)
+                else:
+                    from ..kernels.add_norm import launch_add_norm
+
+                    kind, eps = self.norm_args
+                    with on_stream(ns, cur):
+                        launch_add_norm(h, start, rows, residual=residual, norm=kind,
+                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
+                                        eps=eps, y=y if norm is not None else None)
+            post()
+        last = ns if self.prologue else cs
+        if whole:
+            t = (y, None, b_next if self.kn2 else b_next.t(), c, None, None)
+            if self.bl_gate is not None:
+                self.bl_gate(raw, ())
+            self.bl2(raw, t)
+            if self.bl_back is not None:
+                self.bl_back(last.cuda_stream, t)
+        else:
+            gp2, p2 = self.gp2, self.p2
+            descs = gp2.operands(y, b_next)
+            if self.gated:
+                from ..kernels import gate as _gate
+
+                _gate.launch_gate(self.words[1].flags, 0, 1, 3, self.err.word, rank=self.rt.rank,
+                                  timeout_ns=self.timeout_ns)
+            gp2.launch(descs, c, epoch=1, grid=p2.grid)
+            if p2.give_back_grid:
+                with on_stream(last, cur):
+                    gp2.launch(descs, c, epoch=1, grid=p2.give_back_grid)
+            if not self.bound:
+                self._bind_launches(a, b, b_next, c1, h, y, c, residual, norm)
+        stats["fused"] += 1
+        return c, h
+
+    def __repr__(self) -> str:
+        return (f"{OP} body: M {self.m}, N {self.n}, K/R {self.k}, N2 {self.n2}, {len(self.chunks)} chunk(s) on "
+                f"NCCL ({self.p1.nccl_ctas} CTAs), producer grid {self.p1.grid}, consumer grid {self.p2.grid}"
+                + (f" + give-back {self.p2.give_back_grid}" if self.p2.give_back_grid else "")
+                + (", gate first" if self.gated else "") + f", launches {'bound' if self.whole else 'general'}, "
+                f"wait bound {self.timeout_ns / 1e6:g} ms, check {self.check!r}")
 
 
 def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,

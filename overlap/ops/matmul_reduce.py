@@ -533,7 +533,101 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
         from . import matmul_reduce_p2p as _peer
 
         return run_planned(rt, cp, run_p2p, rt, op, _peer._fused_p2p, rt, op, a, b, residual, cfg)
+    body = cp.body
+    if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
+        body = cp.body = _Bound(rt, op, a, b, residual, cfg)
+    if body is not None and body.ready():
+        return _calls.run_bound(rt, cp, a, b, residual)
     return run_planned(rt, cp, _fused, rt, op, a, b, residual, cfg)
+
+
+class _Bound(_calls.BoundBody):
+    """``_fused`` for one call signature, bound (``_calls``): the op plan of its row bucket,
+    the GEMM plan, communicator, error word and words decided once; the GEMM's launch, each
+    chunk's counter wait and its reduce-scatter or all-reduce made with their arguments.
+    A call allocates C (and the scattered output), then queues what ``_fused`` queues::
+
+        caller      | zero | fork | GEMM grid (tiles post per-chunk counters) | join |
+        comm stream |        wait n0 | RS/AR chunk0 (bound) | wait n1 | RS/AR chunk1 | ..."""
+
+    def __init__(self, rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
+                 cfg: OverlapConfig) -> None:
+        m, k = a.shape
+        n = b.shape[1]
+        world = rt.world
+        self.rt, self.op, self.m, self.n, self.k = rt, op, m, n, k
+        self.scatter = scatter = op == "matmul_reduce_scatter"
+        self.rows_m = rows_m = m // world if scatter else m
+        self.rows_b = rows_b = plan_rows_for(rows_m, cfg, "nccl")
+        self.clip = clip = ("a" if scatter else "c") if bucketed(cfg, "nccl") else None
+        self.p = p = _plan(rt, op, rows_b * world if scatter else rows_b, n, k, cfg)
+        comm = rt.comm(p.nccl_ctas)
+        self.err = err = rt.err(op)
+        self.check = cfg.check
+        self.cs = cs = rt.comm_stream
+        self.side = (cs,)
+        with rt.order.lock:
+            self.words = w = rt.local_words(op, 1, len(p.cmap.chunk_rows))
+        self.bind_frame()
+        self.c_rows = p.cmap.c_rows if scatter else m
+        c = a.new_empty((self.c_rows, n))
+        out = a.new_empty((rows_b, n)) if scatter else c
+        bound = getattr(comm, "bound", None)
+        chunks = []
+        for ci, (start, rows) in enumerate(zip(p.cmap.chunk_starts, p.cmap.chunk_rows)):
+            live = min(rows, rows_m - start)
+            wait = _flags.bound_wait_value(cs, w.flags, ci, p.counts[ci])
+            coll = None
+            if live > 0 and scatter:
+                coll = bound("reduce_scatter", c[world * start: world * (start + rows)], out[start:start + rows],
+                             cs) if bound is not None else \
+                    (lambda s_, r_, comm=comm: comm.reduce_scatter(s_, r_, stream=cs))
+            elif live > 0:
+                coll = bound("all_reduce", c[start:start + live], c[start:start + live], cs) if bound is not None \
+                    else (lambda s_, r_, comm=comm: comm.all_reduce(s_, r_, stream=cs))
+            # (start, rows, live, the bound counter wait, the bound collective)
+            chunks.append((start, rows, live, wait, coll))
+        self.chunks = tuple(chunks)
+        self.gp = gemm_plan(p.launches, a, b, c, p.table, flags=w.flags, err=err.word, timeout_ns=1,
+                            counter=w.counters, rank=rt.rank, config=p.gemm, post=True, groups=p.groups, clip=clip)
+        self.cut = (rows_m, rows_b) if clip else None
+        self.b_kn = getattr(self.gp, "b_kn", True)
+        self.bound, self.bl = False, None
+
+    def run(self, raw: int, cur: Any, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        n, world, scatter, cs = self.n, self.rt.world, self.scatter, self.cs
+        c = a.new_empty((self.c_rows, n))
+        out = a.new_empty((self.rows_b, n)) if scatter else c
+        bl = self.bl
+        if bl is not None and not c.data_ptr() % 16:
+            bl(raw, (a, None, b if self.b_kn else b.t(), c, None, None))
+        else:
+            gp = self.gp
+            gp.launch(gp.operands(a, b), c, epoch=1, grid=self.p.grid, rows=self.cut)
+            if not self.bound:
+                self.bound = True
+                bind = _calls.tile_bind(gp)
+                self.bl = bind(a, b, c, epoch=1, grid=self.p.grid, rows=self.cut) if bind is not None else None
+        for start, rows, live, wait, coll in self.chunks:
+            wait()  # every tile of the chunk stored (each posted once, with release)
+            if live <= 0:
+                continue  # past this call's rows: nothing to reduce
+            if scatter:
+                coll(c[world * start: world * (start + rows)], out[start:start + rows])
+            else:
+                part = c[start:start + live]
+                coll(part, part)
+                if residual is not None:
+                    with on_stream(cs, cur):
+                        part += residual[start:start + live]
+        stats["fused"] += 1
+        return out[:self.rows_m] if scatter else out
+
+    def __repr__(self) -> str:
+        p = self.p
+        return (f"{self.op} body: M {self.m}, N {self.n}, K/R {self.k}, {len(self.chunks)} chunk(s) on NCCL "
+                f"({p.nccl_ctas} CTAs), grid {p.grid}, launches {'bound' if self.bl is not None else 'general'}, "
+                f"check {self.check!r}")
 
 
 def _transport(rt: Runtime, cfg: OverlapConfig) -> str:

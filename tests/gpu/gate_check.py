@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_reduce_matmul, all_reduce_matmul_ref, check_errors,  # noqa: E402
+                         clear_call_plans,
                          matmul_all_reduce_matmul, matmul_all_reduce_matmul_ref)
 from overlap.ops import _runtime  # noqa: E402
 from tests.gpu.skew_check import _Late, cycles_for, rel  # noqa: E402
@@ -88,6 +89,7 @@ def main() -> None:
     try:
         for gate in ("1", "0"):
             os.environ["OVERLAP_STREAM_GATE"] = gate
+            clear_call_plans()  # a call plan's body read the gate and took the communicator when it was made
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             c, h = all_reduce_matmul(a, b, residual=res, norm=norm, config=cfg)
             s, e = side_loop_ms(side, xs, ws, iters)  # queued while the op waits on its first chunk
@@ -97,6 +99,7 @@ def main() -> None:
             want = all_reduce_matmul_ref(a, b, residual=res, norm=norm)
             assert rel(c, want[0]) < TOL and rel(h, want[1]) < TOL, (gate, rel(c, want[0]), rel(h, want[1]))
         os.environ.pop("OVERLAP_STREAM_GATE")
+        clear_call_plans()
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         c, h = matmul_all_reduce_matmul(a, b, b_next, residual=res, norm=norm, config=cfg)
         torch.cuda.synchronize()
@@ -112,6 +115,7 @@ def main() -> None:
     finally:
         rt.comm = real_comm  # type: ignore[method-assign]
         os.environ.pop("OVERLAP_STREAM_GATE", None)
+        clear_call_plans()
     torch.cuda.synchronize()
     # the gated op leaves the GPU to the loop: within 1.5x of the loop alone
     assert out["gated"] < 1.5 * out["alone"], out

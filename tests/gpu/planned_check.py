@@ -26,6 +26,8 @@ from overlap.ops._runtime import get_runtime  # noqa: E402
 
 M, K, N, N2 = 384, 256, 512, 128
 CFG = OverlapConfig(transport="nccl", chunks=2)
+BOUND = ("all_gather_matmul", "all_reduce_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul_all_reduce_matmul")
+"""The ops whose call plans run a bound body (``_calls.BoundBody``)."""
 
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -82,13 +84,19 @@ def main() -> None:
         for dt in (torch.float16, torch.bfloat16):
             tol = 2e-2 if dt == torch.float16 else 4e-2
             for op, fn in cases(dt).items():
-                m0, p0 = _calls.stats["made"], _calls.stats["planned"]
+                m0, p0, b0 = _calls.stats["made"], _calls.stats["planned"], _calls.stats["bound"]
                 for it in range(4):
                     got, want = fn(rnd(M, K, dt=dt))
                     e = rel(got, want)
                     assert e < tol, (op, dt, it, e)
                 assert _calls.stats["made"] - m0 == 1, (op, dt, "made", _calls.stats["made"] - m0)
                 assert _calls.stats["planned"] - p0 == 3, (op, dt, "planned", _calls.stats["planned"] - p0)
+                if op in BOUND:  # the planned calls ran through the bound body, its launches bound
+                    assert _calls.stats["bound"] - b0 == 3, (op, dt, "bound", _calls.stats["bound"] - b0)
+                    body = next(iter(get_runtime(group, dev).cache(f"{op}.calls", _calls.CALLS_CAP).values())).body
+                    engine = [type(getattr(body, g, None)).__name__ == "EnginePlan" for g in ("gp", "gl", "gp1", "gp2")]
+                    print(op, dt, body, "(an engine plan: its own launch)" if any(engine) else "")
+                    assert "launches bound" in repr(body) or any(engine), body
                 made += 1
                 # an input that requires grad at a planned signature: the full path refuses it
                 try:

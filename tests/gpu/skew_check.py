@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from overlap import dist  # noqa: E402
 from overlap.flags import FlagTimeoutError  # noqa: E402
-from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_gather_matmul_ref,  # noqa: E402
+from overlap.ops import (Norm, clear_call_plans, OverlapConfig, all_gather_matmul, all_gather_matmul_ref,  # noqa: E402
                          all_reduce_matmul, all_reduce_matmul_ref, check_errors, mlp_chain, mlp_chain_ref)
 from overlap.ops import _runtime  # noqa: E402
 from overlap.ops.chain import _mlp_chain  # noqa: E402
@@ -113,6 +113,7 @@ def main() -> None:
         all_reduce_matmul(torch.randn(m, k, device=dev, dtype=torch.bfloat16), b, residual=res, norm=norm, config=c_)
     torch.cuda.synchronize()
     rt.comm = lambda max_ctas: _Late(real_comm(max_ctas), cyc)  # type: ignore[method-assign]
+    clear_call_plans()  # a call plan's body takes the communicator when it is made
     try:
         for it in range(2):
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -136,6 +137,7 @@ def main() -> None:
             raise AssertionError("a wait bound shorter than the delay did not raise")
     finally:
         rt.comm = real_comm  # type: ignore[method-assign]
+        clear_call_plans()
     torch.cuda.synchronize()
     print("PASS skew1 " + "; ".join(out), flush=True)
 

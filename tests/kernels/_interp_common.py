@@ -162,6 +162,8 @@ class _NcclStandIn:
     ``base`` (the tensor the op slices its sends from)."""
 
     class Stream:
+        cuda_stream = 0  # a raw handle (a call plan's bound body reads it; nothing launches on it here)
+
         def wait_event(self, ev):
             pass
 

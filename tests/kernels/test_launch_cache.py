@@ -492,3 +492,40 @@ def test_cached_launch_takes_the_raw_launcher_with_new_descriptors_per_pointer(d
         go(x)
         assert c_calls[-1][13][1] == x.data_ptr()  # this call's pointer, never the last one's
     assert len(fills) == 2 and [e[0] for e in fn.log] == ["jit"] and lc.hits == 3
+
+
+def test_bound_launch_takes_each_calls_pointers_and_matches_the_wrapper(driver36):
+    """A bound launch (a call plan's) hands the C launcher what Triton's wrapper would for
+    the same arguments, and each call's own storage: a descriptor filled for the call's
+    pointer (never the last call's), the call's tensor in its slot, the stream given."""
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("k",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    x0, c0 = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(4, dtype=torch.int32)
+
+    def desc(t):
+        return _launch.HostDesc(t, t.shape, t.stride(), [64, 32])
+
+    assert _launch.BoundLaunch.of(pl, 3, (desc(x0), c0, 7), (x0, c0)) is None  # not compiled yet
+    pl.launch(3, (desc(x0), c0, 7))  # Triton's path (compiles); the raw launcher is found
+    d0 = desc(x0)
+    bl = _launch.BoundLaunch.of(pl, 3, (d0, c0, 7), (x0, c0))
+    assert bl is not None and len(bl.slots) == 2, bl
+    assert not any(v is x0 or v is c0 for v in bl.tmpl)  # nothing of the binding call's storage is kept
+    for i in range(4):  # new tensors every call: new pointers
+        x, c = torch.randn(128, 64).half(), torch.zeros(4, dtype=torch.int32)
+        pl.compiled.run(3, 1, 1, 99 + i, "fn-handle", "packed", None, None, None, desc(x).triton(), c, 7, 64, True)
+        want = c_calls[-1]  # what Triton's wrapper hands the C launcher for this call
+        bl(99 + i, (x, c))
+        got = c_calls[-1]
+        assert got == want, (i, got, want)
+        assert got[13][1] == x.data_ptr() and got[-4] is c
+    # a descriptor of a tensor the call does not give is not bound
+    assert _launch.BoundLaunch.of(pl, 3, (d0, c0, 7), (c0,)) is None
+    with pytest.raises(ValueError, match="16-byte"):  # an unaligned pointer: refused, nothing launched
+        n = len(c_calls)
+        bad = torch.zeros(128 * 64 + 1, dtype=torch.float16)[1:].view(128, 64)
+        bl(1, (bad, c0))
+    assert len(c_calls) == n

@@ -48,7 +48,7 @@ def test_plans_kept_and_found_by_key_unhashable_never() -> None:
 
     rt = Runtime.__new__(Runtime)  # only its caches are used
     rt._caches = {}
-    cp = _calls.CallPlan("op", (), (), 0, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
+    cp = _calls.CallPlan("op", (), (), None, (), (1, 2, 3), "nccl x1", "default config", None, "nccl")
     made = _calls.stats["made"]
     _calls.keep(rt, ("k", 1), cp)
     assert _calls.find(rt, "op", ("k", 1)) is cp and _calls.find(rt, "op", ("k", 2)) is None
@@ -84,3 +84,28 @@ def test_short_path_declines_wrong_dims(monkeypatch) -> None:  # noqa: ANN001
             assert mr._planned("matmul_all_reduce", a, b, None, None, None) is None
             assert bd._planned(a, b, two, None, None, None, None) is None
         assert bd._planned(two, two, bad, None, None, None, None) is None
+
+
+def test_only_a_tile_plan_is_bound() -> None:
+    """A bound body binds a ``TileGemmPlan``'s launch, and an engine plan's only once it has
+    picked the tile GEMM: an engine plan's attributes fall through to its tile plan's, and
+    binding through them would launch the tile GEMM where the engine picked another."""
+    from overlap.kernels.tile_gemm import TileGemmPlan
+
+    tile = TileGemmPlan.__new__(TileGemmPlan)
+
+    class Engine:  # as kernels.engine.EnginePlan: unknown attributes from its tile plan
+        def __getattr__(self, name):
+            return getattr(tile, name)
+
+    assert _calls.tile_bind(tile) is not None and _calls.tile_bind(tile).__func__ is TileGemmPlan.bind
+    assert getattr(Engine(), "bind", None) is not None  # what a getattr would have bound
+    assert _calls.tile_bind(Engine()) is None
+    # an engine plan that has picked: the tile GEMM (its launch is the tile plan's), or Gluon
+    picked = Engine()
+    picked.__dict__.update(tile=tile, decided=True, gluon=None)
+    assert _calls.tile_bind(picked).__self__ is tile
+    for decided, gluon in ((False, None), (True, "a Gluon config")):
+        other = Engine()
+        other.__dict__.update(tile=tile, decided=decided, gluon=gluon)
+        assert _calls.tile_bind(other) is None, (decided, gluon)

@@ -629,3 +629,245 @@ def test_many_weights_one_grid() -> None:
                     assert _rel(c, full.float() @ w.float().t()) < TOL[torch.float16], (ns, it, i)
                 calls += 1
     assert ag.stats["many"] - many0 == calls, (ag.stats, calls)
+
+
+@interpreted
+def test_nccl_bound_body() -> None:
+    """``all_gather_matmul``'s bound body (``_Bound``, what a call plan runs) on the
+    stand-in runtime as rank 0 of 2, kernels interpreted: made once per case, then called
+    with new tensors every call (new A, new B storage, so new pointers each call): C and
+    the gathered rows against torch, one collective per chunk, every chunk flag posted;
+    gated and not, give-back on and off, 1-3 chunks, both B layouts, an M under its
+    bucket's top (the chunk that holds the last row sent padded)."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(17)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, layout, give_back, gate, ms in ((1, "wt", True, "1", 150), (2, "kn", False, "0", 137),
+                                                    (3, "wt", False, "1", 150), (2, "wt", True, "0", 150)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG)
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                a0 = torch.randn(ms, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                b0 = lin.t() if layout == "wt" else lin.t().contiguous()
+                body = ag._Bound(rt, a0, b0, True, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert body.gated == (gate == "1"), body
+            assert "all_gather_matmul body" in repr(body)
+            for it in range(3):
+                a = torch.randn(ms, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                b = lin.t() if layout == "wt" else lin.t().contiguous()
+                rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+                del rt.log[:]
+                c, gathered = body(a, b)
+                full = torch.cat([a, rt.peer])
+                assert torch.equal(gathered, full), ("gathered", chunks, it)
+                assert _rel(c, full.float() @ lin.float().t()) < TOL[torch.float16], ("c", chunks, it)
+                assert rt.log == [("all_gather", r) for r in _sent(ms, chunks, False, whole=True)], rt.log
+                assert body.words.flags[:len(body.chunks)].tolist() == [1] * len(body.chunks)
+
+
+@interpreted
+def test_nccl_bound_body_all_reduce() -> None:
+    """``all_reduce_matmul``'s bound body on the stand-in runtime as rank 0 of 2, kernels
+    interpreted: made once per case, then called with new tensors every call (x, b,
+    residual and the norm's weight and bias all new storage): h and C against torch, one
+    all-reduce per live chunk; residual and LayerNorm / RMSNorm or none, an M under its
+    bucket's top (the chunks past it reduce nothing), gated and not."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import all_reduce as ar
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(19)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, kind, with_res, gate, m in ((1, None, True, "1", 300), (2, "layernorm", True, "0", 290),
+                                                (3, "rmsnorm", False, "1", 300)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=True, check="sync",
+                                transport="nccl", gemm=CFG)
+
+            def inputs():
+                x = torch.randn(m, k, generator=g).half()
+                lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                res = torch.randn(m, k, generator=g).half() if with_res else None
+                norm = None
+                if kind:
+                    norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
+                                torch.randn(k, generator=g).half() if kind == "layernorm" else None)
+                return x, lin, res, norm
+
+            x, lin, res, norm = inputs()
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                body = ar._Bound(rt, x, lin.t(), res, norm, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert "all_reduce_matmul body" in repr(body)
+            for it in range(3):
+                x, lin, res, norm = inputs()
+                rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
+                del rt.log[:]
+                c, h = body(x, lin.t(), res, norm)
+                h_want = (x.float() + rt.peer.float()).half().float() + (res.float() if res is not None else 0)
+                assert _rel(h, h_want) < TOL[torch.float16], ("h", chunks, kind, it)
+                y = h_want if norm is None else (
+                    torch.nn.functional.layer_norm(h_want, (k,), norm.weight.float(), norm.bias.float())
+                    if kind == "layernorm" else torch.nn.functional.rms_norm(h_want, (k,), norm.weight.float()))
+                assert _rel(c, y @ lin.float().t()) < 5e-3, ("c", chunks, kind, it)
+                assert rt.log == [("all_reduce", r) for r in _sent(m, chunks, False)], rt.log
+
+
+@interpreted
+def test_nccl_bound_body_producers() -> None:
+    """``matmul_reduce_scatter``'s and ``matmul_all_reduce``'s bound bodies on the stand-in
+    runtime at world size 1, kernels interpreted: made once per case, then called with new
+    tensors every call (a, b, residual): outputs against torch, one wait per chunk for its
+    tile count, one collective per chunk; 1-3 chunks, an M under its bucket's top."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops import matmul_reduce as mr
+    from overlap.policies import plan_rows
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(23)
+    n, k = 48, 64
+    with rt.patched():
+        for chunks, with_res, m in ((1, False, 300), (3, True, 290), (2, True, 300)):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, check="sync", transport="nccl", gemm=CFG)
+            bucket = mr.reduce_scatter_layout(1, plan_rows(m), chunks, mr.CHUNK_ALIGN, scatter=False).chunk_rows
+            live = [min(r, m - sum(bucket[:i])) for i, r in enumerate(bucket)]
+            for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+                a = torch.randn(m, k, generator=g).half()
+                w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                res = torch.randn(m, n, generator=g).half() if with_res and op == "matmul_all_reduce" else None
+                body = mr._Bound(rt, op, a, w.t(), res, cfg)
+                assert op in repr(body)
+                for it in range(3):
+                    a = torch.randn(m, k, generator=g).half()
+                    w = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                    res = torch.randn(m, n, generator=g).half() if res is not None else None
+                    del rt.log[:], rt.waits[:]
+                    got = body(a, w.t(), res)
+                    want = a.float() @ w.float().t() + (res.float() if res is not None else 0)
+                    assert got.shape == (m, n) and _rel(got, want) < TOL[torch.float16], (op, chunks, it)
+                    counts = list(body.p.counts)
+                    assert [v for _, v in rt.waits] == counts, (rt.waits, counts)
+                    sizes = bucket if op == "matmul_reduce_scatter" else live
+                    kind = "reduce_scatter" if op == "matmul_reduce_scatter" else "all_reduce"
+                    assert rt.log == [(kind, r) for r in sizes], rt.log
+
+
+@interpreted
+def test_nccl_bound_body_boundary() -> None:
+    """``matmul_all_reduce_matmul``'s bound body on the stand-in runtime at world size 1,
+    kernels interpreted: made once per case, then called with new tensors every call (a,
+    both weights, residual, the norm's weight and bias): h and C against torch, one wait per
+    chunk for its tile count, one all-reduce per chunk, every consumer flag posted;
+    residual and LayerNorm / RMSNorm or none, give-back on and off, gated and not."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops import boundary as bd
+
+    rt = _NcclStandIn()
+    g = torch.Generator().manual_seed(29)
+    m, n, k, n2 = 300, 48, 64, 32
+    with rt.patched():
+        for chunks, kind, with_res, give_back, gate in ((1, None, False, True, "1"), (3, "layernorm", True, True, "0"),
+                                                        (2, "rmsnorm", False, False, "1")):
+            cfg = OverlapConfig(chunks=chunks, nccl_ctas=2, sm_margin=0, give_back=give_back, check="sync",
+                                transport="nccl", gemm=CFG)
+
+            def inputs():
+                a = torch.randn(m, k, generator=g).half()
+                w1 = (torch.randn(n, k, generator=g) / k ** 0.5).half()
+                w2 = (torch.randn(n2, n, generator=g) / n ** 0.5).half()
+                res = torch.randn(m, n, generator=g).half() if with_res else None
+                norm = None
+                if kind:
+                    norm = Norm(kind, (torch.rand(n, generator=g) + 0.5).half(),
+                                torch.randn(n, generator=g).half() if kind == "layernorm" else None)
+                return a, w1, w2, res, norm
+
+            a, w1, w2, res, norm = inputs()
+            before = os.environ.get("OVERLAP_STREAM_GATE")
+            os.environ["OVERLAP_STREAM_GATE"] = gate
+            try:
+                body = bd._Bound(rt, a, w1.t(), w2.t(), res, norm, cfg)
+            finally:
+                if before is None:
+                    os.environ.pop("OVERLAP_STREAM_GATE")
+                else:
+                    os.environ["OVERLAP_STREAM_GATE"] = before
+            assert "matmul_all_reduce_matmul body" in repr(body)
+            for it in range(3):
+                a, w1, w2, res, norm = inputs()
+                del rt.log[:], rt.waits[:]
+                c, h = body(a, w1.t(), w2.t(), res, norm)
+                want_h = a.float() @ w1.float().t() + (res.float() if res is not None else 0)
+                y = want_h if norm is None else (
+                    torch.nn.functional.layer_norm(want_h, (n,), norm.weight.float(), norm.bias.float())
+                    if kind == "layernorm" else torch.nn.functional.rms_norm(want_h, (n,), norm.weight.float()))
+                assert _rel(h, want_h) < TOL[torch.float16], ("h", chunks, kind, it)
+                assert _rel(c, y @ w2.float().t()) < 5e-3, ("c", chunks, kind, it)
+                assert [v for _, v in rt.waits] == list(body.p1.counts), rt.waits
+                assert rt.log == [("all_reduce", r) for r in body.p1.cmap.chunk_rows], rt.log
+                assert body.words[1].flags[:chunks].tolist() == [1] * chunks
+
+
+@interpreted
+def test_bound_body_python_calls_are_few() -> None:
+    """A bound body's call is a short straight line: with its launches bound (stubbed here:
+    the C launcher is Triton 3.6's on a GPU) and the stand-in's collectives and flag posts,
+    a call of ``all_gather_matmul``'s body (2 chunks, give-back grid, gate) runs at most 20
+    Python frames of the library and 80 calls in all (cProfile; the stand-in's own work
+    included), and every stubbed launch gets this call's tensors, never a previous call's."""
+    import cProfile
+    import pstats
+
+    from overlap.ops import OverlapConfig
+    from overlap.ops import all_gather as ag
+
+    rt = _NcclStandIn(world=2)
+    g = torch.Generator().manual_seed(31)
+    ms, n, k = 150, 48, 64
+    with rt.patched():
+        cfg = OverlapConfig(chunks=2, nccl_ctas=2, sm_margin=0, give_back=True, check="sync", transport="nccl",
+                            gemm=CFG)
+        a = torch.randn(ms, k, generator=g).half()
+        lin = torch.randn(n, k, generator=g).half()
+        body = ag._Bound(rt, a, lin.t(), False, cfg)
+        got: list = []
+        body.bl = body.bl_local = body.bl_back = lambda raw, t: got.append(t)
+        body.bl_gate = lambda raw, t: None
+        body.whole = body.bound = True
+        calls = 10
+        ins = [(torch.randn(ms, k, generator=g).half(), torch.randn(n, k, generator=g).half()) for _ in range(calls)]
+        pr = cProfile.Profile()
+        for i, (a, lin) in enumerate(ins):
+            rt.peer, rt.base = torch.randn(ms, k, generator=g).half(), a
+            pr.enable()
+            c = body(a, lin.t())
+            pr.disable()
+            # each launch of this call (local grid, grid, give-back) got this call's A, B and C
+            assert len(got) == 3 * (i + 1) and all(t[0] is a and t[3] is c and t[2].data_ptr() == lin.data_ptr()
+                                                   for t in got[-3:]), i
+        import overlap
+
+        pkg = os.path.dirname(os.path.abspath(overlap.__file__))
+        st = pstats.Stats(pr)
+        total = sum(nc for (_, _, _), (_, nc, _, _, _) in st.stats.items()) / calls
+        lib = sum(nc for (f, _, _), (_, nc, _, _, _) in st.stats.items() if os.path.abspath(f).startswith(pkg)) / calls
+        assert 5 <= lib <= 20 and total <= 80, (lib, total)
