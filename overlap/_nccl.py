@@ -378,7 +378,7 @@ class NcclCommunicator:
         those sizes and dtype (the plan's, which the caller guarantees)."""
         sizes = {"all_gather": (send.numel() * self.nranks, send.numel()),
                  "all_reduce": (send.numel(), send.numel()),
-                 "reduce_scatter": (send.numel(), recv.numel() * self.nranks)}
+                 "reduce_scatter": (send.numel() // self.nranks, recv.numel() * self.nranks)}
         if kind not in sizes:
             raise ValueError(f"bound: no collective {kind!r}")
         if recv.numel() != sizes[kind][0] or send.numel() != sizes[kind][1]:

@@ -399,40 +399,52 @@ class BoundLaunch:
     __slots__ = ("c_launch", "tmpl", "slots", "maps", "fill", "device")
 
     @staticmethod
-    def of(pl: "PreparedLaunch", grid: int, args: Sequence[Any], tensors: Sequence[Any]) -> "BoundLaunch | None":
+    def of(pl: "PreparedLaunch", grid: int, args: Sequence[Any], tensors: Sequence[Any], *,
+           positional: bool = False) -> "BoundLaunch | None":
         """``args``: the launch's arguments as ``PreparedLaunch.launch`` takes them, whose
         descriptors (``HostDesc``) and tensors that are among ``tensors`` (by identity:
-        a descriptor by its base) change per call; ``tensors`` in the order a call gives them."""
+        a descriptor by its base) change per call; ``tensors`` in the order a call gives them.
+        With ``positional`` the first ``len(tensors)`` arguments are ``tensors`` in that order
+        (one object may fill several of them, as a placeholder). Without it, a tensor given
+        in two roles is not bound (None): which role a later call's tensor fills would
+        be a guess."""
         raw = pl.raw
         if raw is None or pl.compiled is None or not pl.owner.enabled or _widths(args) != pl.widths:
             return None
+        if not positional:
+            ids = [id(t) for t in tensors if t is not None]
+            if len(ids) != len(set(ids)):
+                return None
         function, coop, pdl, packed = raw.head
         vals = (*args, *pl.const_vals)
         out: list[Any] = [int(grid), 1, 1, 0, function, coop, pdl, None, None, packed, None, None, None]
         slots: list[tuple] = []
 
-        def which(t: Any) -> int:
+        def which(t: Any, k: int) -> int:
+            """The index in ``tensors`` of argument ``k`` (``t``), or -1 (a constant)."""
+            if positional:
+                return k if k < len(tensors) and tensors[k] is t else -1
             for i, x in enumerate(tensors):
                 if x is t:
                     return i
             return -1
 
-        def plain(v: Any) -> None:
+        def plain(v: Any, k: int) -> None:
             if type(v) is HostDesc:
                 raise TypeError("a descriptor outside the launcher's descriptor arguments")
-            i = which(v) if hasattr(v, "data_ptr") else -1
+            i = which(v, k) if hasattr(v, "data_ptr") else -1
             if i >= 0:
                 slots.append(("t", len(out), i, None))
             out.append(v)
 
         at = 0
         for j, (i, meta) in enumerate(raw.descs):
-            for v in vals[at:i]:
-                plain(v)
+            for k in range(at, i):
+                plain(vals[k], k)
             d = vals[i]
             if type(d) is not HostDesc:
                 return None
-            src = which(d.base)
+            src = which(d.base, i)
             if meta is None:  # lowered to a pointer and sizes
                 if src >= 0:
                     slots.append(("t", len(out), src, None))
@@ -445,8 +457,8 @@ class BoundLaunch:
                 slots.append(("d", len(out), src, fill_args))
                 out.extend([None, *d.shape, *d.strides])
             at = i + 1
-        for v in vals[at:]:
-            plain(v)
+        for k in range(at, len(vals)):
+            plain(vals[k], k)
         for _, pos, _, _ in slots:
             out[pos] = None  # a call's own: the template keeps no tensor of the call that bound it
         bl = BoundLaunch()

@@ -131,7 +131,7 @@ def launch_add_norm(h: Any, row0: int, rows: int, *, residual: Any = None, norm:
     if bind:
         from ._launch import BoundLaunch
 
-        return BoundLaunch.of(pl, rows, args, tensors)
+        return BoundLaunch.of(pl, rows, args, tensors, positional=True)  # h stands in for absent ones
     pl.launch(rows, args, aligned=tensors)
     return None
 

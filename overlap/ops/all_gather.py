@@ -673,7 +673,7 @@ class _Bound(_calls.BoundBody):
 
     def __repr__(self) -> str:
         p = self.p
-        launches = "bound" if self.bl is not None else "general"
+        launches = "bound" if self.bl is not None and self.whole else "general"
         return (f"all_gather_matmul body: M/R {self.ms} (plan of {self.msb} rows), N {self.n}, K {self.k}, "
                 f"{len(self.chunks)} chunk(s) on NCCL ({p.nccl_ctas} CTAs), grid {p.grid}"
                 + (f" + give-back {p.give_back_grid}" if p.give_back_grid else "")

@@ -529,3 +529,47 @@ def test_bound_launch_takes_each_calls_pointers_and_matches_the_wrapper(driver36
         bad = torch.zeros(128 * 64 + 1, dtype=torch.float16)[1:].view(128, 64)
         bl(1, (bad, c0))
     assert len(c_calls) == n
+
+
+def test_bound_launch_refuses_a_tensor_in_two_roles_and_maps_placeholders_by_position(driver36):
+    """A binding call that gives one tensor in two roles (``all_gather_matmul(x, x)``: A's
+    descriptor and B's) is not bound: a later call's distinct tensors would fill both roles
+    from the first. With ``positional`` (add+norm: ``h`` stands in for absent tensors) each
+    argument keeps its own slot, so a later call's second tensor reaches the second slot."""
+    import torch
+
+    fn, fills, c_calls = driver36
+    lc = _launch.CachedLauncher(fn)
+    pl = lc.prepare(("alias",), {"BLOCK": 64, "FLAG": True}, num_warps=4)
+    x0 = torch.zeros(128, 64, dtype=torch.float16)
+
+    def desc(t):
+        return _launch.HostDesc(t, t.shape, t.stride(), [64, 32])
+
+    pl.launch(3, (desc(x0), x0, 7))
+    assert _launch.BoundLaunch.of(pl, 3, (desc(x0), x0, 7), (x0, x0)) is None
+    bl = _launch.BoundLaunch.of(pl, 3, (desc(x0), x0, 7), (x0, x0), positional=True)
+    assert bl is not None
+    x, other = torch.randn(128, 64).half(), torch.randn(128, 64).half()
+    bl(1, (x, other))
+    got = c_calls[-1]
+    assert any(v is other for v in got) and not any(v is x for v in got), \
+        "the plain slot takes the call's second tensor (the first only fills the descriptor)"
+    assert got[13][1] == x.data_ptr(), "the descriptor filled for the call's first tensor"
+
+
+def test_nccl_bound_checks_each_collectives_sizes() -> None:
+    """``NcclCommunicator.bound``'s size check: right sizes pass it (the CPU tensors then
+    stop at the CUDA check), wrong ones name the sizes. A reduce-scatter's recv is send / R."""
+    import torch
+
+    from overlap._nccl import NcclCommunicator
+
+    c = NcclCommunicator.__new__(NcclCommunicator)
+    c.nranks = 2
+    for kind, s, r in (("all_gather", 4, 8), ("all_reduce", 8, 8), ("reduce_scatter", 8, 4)):
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            c.bound(kind, torch.zeros(s), torch.zeros(r), None)
+    for kind, s, r in (("all_gather", 4, 4), ("all_reduce", 8, 4), ("reduce_scatter", 8, 8)):
+        with pytest.raises(ValueError, match="elements"):
+            c.bound(kind, torch.zeros(s), torch.zeros(r), None)
