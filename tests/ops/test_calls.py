@@ -109,3 +109,59 @@ def test_only_a_tile_plan_is_bound() -> None:
         other = Engine()
         other.__dict__.update(tile=tile, decided=decided, gluon=gluon)
         assert _calls.tile_bind(other) is None, (decided, gluon)
+
+
+def test_index_follows_what_may_change_a_decision(monkeypatch) -> None:  # noqa: ANN001
+    """``all_gather_matmul``'s short path through the call plans' index (``_calls.index``):
+    a signature seen before skips the full lookup (no runtime lookup), yet a tuned pick
+    stored after its plan was made, ``clear_call_plans()``, another ``OVERLAP_TRANSPORT``
+    and another config object each send the next call through the full lookup, which then
+    decides as before; every call hands on its own tensors and checks their alignment."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime, _runtimes
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    rt.transport = lambda cfg: "p2p"  # the plan's transport: no bound body is made
+    looked: list = []
+    monkeypatch.setattr(ag, "get_runtime_if_made", lambda g, d: looked.append(g) or rt)
+    monkeypatch.setattr(ag, "resolve_group", lambda g: g)
+    monkeypatch.setattr(ag, "run_planned", lambda rt_, cp, *args: (cp, args))
+    monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+    group = object()
+    gen = torch.Generator().manual_seed(3)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape, generator=gen))
+
+    a, b = new(8, 16), new(16, 8)
+    plan = {}
+    for name, cfg, tuned in (("default", OverlapConfig(), None), ("tuned", OverlapConfig(chunks=3), True),
+                             ("given", OverlapConfig(chunks=2), None)):
+        plan[name] = _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "p2p", name, cfg, "p2p")
+        _calls.keep(rt, ag._call_key(a, b, False, cfg, "p2p", name == "given", tuned), plan[name])
+
+    def call(config=None):  # noqa: ANN001, ANN202
+        a, b = new(8, 16), new(16, 8)  # new tensors every call
+        out = ag._planned(a, b, group, False, config)
+        if out is not None:
+            assert out[1][5] is a and out[1][6] is b, "a previous call's tensors"
+            return out[0]
+        return None
+
+    assert call() is plan["default"] and len(looked) == 1
+    assert call() is plan["default"] and call() is plan["default"] and len(looked) == 1  # the index
+    unaligned = torch.Tensor._make_subclass(_OnCuda, torch.zeros(8 * 16 + 1)[1:].view(8, 16))
+    assert ag._planned(unaligned, new(16, 8), group, False, None) is None and len(looked) == 1
+    ag._tuned(rt)[(8, 8, 16, torch.float32)] = plan["tuned"].config  # a tuner stores a pick
+    assert call() is plan["tuned"] and len(looked) == 2
+    assert call() is plan["tuned"] and len(looked) == 2
+    monkeypatch.setenv("OVERLAP_TRANSPORT", "p2p")
+    assert call() is plan["tuned"] and len(looked) == 3
+    given = plan["given"].config
+    assert call(given) is plan["given"] and len(looked) == 4
+    assert call(given) is plan["given"] and len(looked) == 4
+    assert call(OverlapConfig(chunks=2)) is plan["given"] and len(looked) == 5  # equal, not the same object
+    monkeypatch.setitem(_runtimes, ("test-index", None), rt)  # what ``clear_call_plans`` walks
+    _calls.clear_call_plans()
+    assert call() is None and call(given) is None and len(looked) == 7
