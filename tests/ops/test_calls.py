@@ -165,3 +165,67 @@ def test_index_follows_what_may_change_a_decision(monkeypatch) -> None:  # noqa:
     monkeypatch.setitem(_runtimes, ("test-index", None), rt)  # what ``clear_call_plans`` walks
     _calls.clear_call_plans()
     assert call() is None and call(given) is None and len(looked) == 7
+
+
+class _NotReady:
+    def ready(self) -> bool:
+        return False
+
+
+def test_index_of_every_op(monkeypatch) -> None:  # noqa: ANN001
+    """The other ops' short paths through the index: a call seen before skips the runtime
+    lookup and runs from its plan with its own tensors (new every call), and a tuned pick
+    stored after the plan was made sends the next call to the plan of the pick."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    gen = torch.Generator().manual_seed(5)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape, generator=gen))
+
+    m, k, n = 8, 16, 8
+    ops = {"ar": "all_reduce_matmul", "mr": "matmul_all_reduce", "bd": bd.OP}
+    cases = {
+        "ar": (ar, lambda t, cfg: ar._call_key(t[0], t[1], t[2], t[3], cfg, "nccl", False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: ar._planned(t[0], t[1], c, t[2], t[3], None),
+               lambda t: ar._tune_key(t[0], n, t[2], t[3]),
+               lambda: (new(m, k), new(k, n), new(m, k), Norm("layernorm", new(k), new(k)))),
+        "mr": (mr, lambda t, cfg: mr._call_key(t[0], t[1], None, cfg, "nccl", False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: mr._planned("matmul_all_reduce", t[0], t[1], c, None, None),
+               lambda t: ("matmul_all_reduce", m, n, k, torch.float32, False),
+               lambda: (new(m, k), new(k, n))),
+        "bd": (bd, lambda t, cfg: bd._call_key(t[0], t[1], t[2], None, None, cfg, False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: bd._planned(t[0], t[1], t[2], c, None, None, None),
+               lambda t: bd._tune_key(t[0], t[1], t[2], None, None),
+               lambda: (new(m, k), new(k, n), new(n, k))),
+    }
+    for name, (mod, call_key, planned, tune_key, inputs) in cases.items():
+        rt = Runtime.__new__(Runtime)
+        rt._caches = {}
+        rt.transport = lambda cfg: "nccl"
+        looked: list = []
+        monkeypatch.setattr(mod, "get_runtime_if_made", lambda g, d, looked=looked, rt=rt: looked.append(g) or rt)
+        monkeypatch.setattr(mod, "resolve_group", lambda g: g)
+        monkeypatch.setattr(mod, "run_planned", lambda rt_, cp, *args: (cp, args))
+        monkeypatch.setattr(mod, "_Bound", lambda *a, **kw: _NotReady())
+        monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+        group = object()
+        t0 = inputs()
+        plans = {}
+        for why, cfg in (("default", OverlapConfig()), ("tuned", OverlapConfig(chunks=3))):
+            plans[why] = _calls.CallPlan(ops[name], (), (), None, (), (m, n, k), "nccl", why, cfg, "nccl")
+            _calls.keep(rt, call_key(t0, cfg), plans[why])
+
+        def call() -> object:
+            t = inputs()  # new tensors every call
+            out = planned(t, group)
+            assert out is not None, name
+            assert any(x is t[0] for x in out[1]) and any(x is t[1] for x in out[1]), (name, "stale tensors")
+            return out[0]
+
+        assert call() is plans["default"] and len(looked) == 1, name
+        assert call() is plans["default"] and len(looked) == 1, name
+        mod._tuned(rt)[tune_key(t0)] = plans["tuned"].config
+        assert call() is plans["tuned"] and len(looked) == 2, name
+        assert call() is plans["tuned"] and len(looked) == 2, name
