@@ -229,3 +229,48 @@ def test_index_of_every_op(monkeypatch) -> None:  # noqa: ANN001
         mod._tuned(rt)[tune_key(t0)] = plans["tuned"].config
         assert call() is plans["tuned"] and len(looked) == 2, name
         assert call() is plans["tuned"] and len(looked) == 2, name
+
+
+def test_index_hit_python_calls_are_few(monkeypatch) -> None:  # noqa: ANN001
+    """The front of a planned call found through the index (``all_gather_matmul``, default
+    config, its plan stubbed at the hand-off) is at most 32 calls (cProfile; the
+    stand-in's and the stubs' own included; the CUDA stand-in tensor's dispatch frames
+    left out), where the full lookup takes about 90 (it builds the default config anew)."""
+    import cProfile
+    import pstats
+
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    rt.transport = lambda cfg: "p2p"
+    monkeypatch.setattr(ag, "get_runtime_if_made", lambda g, d: rt)
+    monkeypatch.setattr(ag, "resolve_group", lambda g: g)
+    monkeypatch.setattr(ag, "run_planned", lambda rt_, cp, *args: cp)
+    group = object()
+    a = torch.Tensor._make_subclass(_OnCuda, torch.zeros(8, 16))
+    b = torch.Tensor._make_subclass(_OnCuda, torch.zeros(16, 8))
+    cfg = OverlapConfig()
+    cp = _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "p2p", "default config", cfg, "p2p")
+    _calls.keep(rt, ag._call_key(a, b, False, cfg, "p2p", False, None), cp)
+
+    def count(clear: bool) -> float:
+        pr = cProfile.Profile()
+        for _ in range(20):
+            if clear:
+                _calls._index.clear()
+            pr.enable()
+            got = ag._planned(a, b, group, False, None)
+            pr.disable()
+            assert got is cp
+        n = 0
+        for f, (_, nc, _, _, callers) in pstats.Stats(pr).stats.items():
+            if "torch/_tensor.py" in f[0].replace("\\", "/"):
+                continue
+            n += sum(v[0] for c, v in callers.items() if "torch/_tensor.py" not in c[0].replace("\\", "/")) \
+                if callers else nc
+        return n / 20
+
+    full, hit = count(True), count(False)
+    assert hit <= 32 and full >= 2 * hit, (hit, full)
