@@ -12,6 +12,14 @@ and the op's fused body::
                                                                       \\-> CallPlan (on success)
     later calls  key -> CallPlan -> agree (counted) -> fused body
 
+The plan is found through an index (``index``, ``index_lookup``): a dict from a cheap
+tuple of the call (the op, the group and config objects' identities, the inputs'
+attributes and options) to what the full lookup found (runtime, plan, resolved config,
+transport), trusted while ``_state.generation`` is unchanged (every change of a tuned
+pick or call plan cache, a reset, the runtimes dropped, ``clear_call_plans``) and while
+the group and config objects and ``OVERLAP_TRANSPORT`` are the entry's; else the full
+lookup runs and indexes its result.
+
 Still looked at on every call: the inputs' types and autograd (a refusal takes the full
 path, which raises), a CUDA graph capture (the full path: it checks that the signature
 ran eagerly), the tuned pick and the transport (a tuner run or ``OVERLAP_TRANSPORT`` may
