@@ -76,7 +76,7 @@ CALLS_CAP = 256
 INDEX_CAP = 1024
 """Entries of the call plans' index (``index``) before it is emptied and starts again."""
 
-_index: dict[tuple, tuple] = {}
+_index: dict[tuple, tuple] = _state.call_index
 """A call's cheap key -> (generation, group, config, OVERLAP_TRANSPORT, (rt, plan, config,
 transport), tuned cache, tuned key, plans cache, plan key): see ``index_lookup``."""
 

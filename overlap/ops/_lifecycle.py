@@ -118,6 +118,7 @@ def reset_runtimes() -> None:
         _runtimes.clear()
         _by_group.clear()
         _state.generation[0] += 1  # no call plan of a runtime gone is found again
+        _state.call_index.clear()  # nor held: its entries hold their runtimes
     _agree.reset_steps()
 
 

@@ -31,6 +31,11 @@ plan kept, evicted or cleared) and by ``reset`` / ``reset_runtimes``: what ``_ca
 index of call plans checks before it trusts an entry."""
 
 
+call_index: dict = {}
+"""The call plans' index (``_calls.index``), here so that dropping the runtimes empties it
+(its entries hold a runtime each)."""
+
+
 class LRU(OrderedDict):
     """A dict of at most ``cap`` entries; setting a new key past the cap drops the least
     recently used one. Every per-shape cache of the ops is one of these: a server whose

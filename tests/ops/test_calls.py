@@ -274,3 +274,15 @@ def test_index_hit_python_calls_are_few(monkeypatch) -> None:  # noqa: ANN001
 
     full, hit = count(True), count(False)
     assert hit <= 32 and full >= 2 * hit, (hit, full)
+
+
+def test_index_emptied_with_the_runtimes() -> None:
+    """``reset_runtimes`` (at ``overlap.dist.shutdown``) empties the index, whose entries hold
+    a runtime each (its communicators), and moves the generation."""
+    from overlap.ops import _state
+    from overlap.ops._lifecycle import reset_runtimes
+
+    gen = _state.generation[0]
+    _calls._index[("test-entry",)] = (gen, None, None, None, (object(), None, None, None), None, None, {}, ())
+    reset_runtimes()
+    assert ("test-entry",) not in _calls._index and _state.generation[0] > gen
