@@ -12,6 +12,14 @@ and the op's fused body::
                                                                       \\-> CallPlan (on success)
     later calls  key -> CallPlan -> agree (counted) -> fused body
 
+The plan is found through an index (``index``, ``index_lookup``): a dict from a cheap
+tuple of the call (the op, the group and config objects' identities, the inputs'
+attributes and options) to what the full lookup found (runtime, plan, resolved config,
+transport), trusted while ``_state.generation`` is unchanged (every change of a tuned
+pick or call plan cache, a reset, the runtimes dropped, ``clear_call_plans``) and while
+the group and config objects and ``OVERLAP_TRANSPORT`` are the entry's; else the full
+lookup runs and indexes its result.
+
 Still looked at on every call: the inputs' types and autograd (a refusal takes the full
 path, which raises), a CUDA graph capture (the full path: it checks that the signature
 ran eagerly), the tuned pick and the transport (a tuner run or ``OVERLAP_TRANSPORT`` may
@@ -41,17 +49,20 @@ the current device is not the runtime's.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from .. import observe as _observe
 from ._plans import report_eager
+from . import _state
 from ._state import Words
 from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
-           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats"]
+           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats", "index", "index_lookup", "generation"]
 
 _launch: Any = None  # overlap.kernels._launch, once a body is made
 
@@ -61,6 +72,17 @@ bound body (proof that the short path ran)."""
 
 CALLS_CAP = 256
 """Call plans a runtime keeps per op (the most recently used)."""
+
+INDEX_CAP = 1024
+"""Entries of the call plans' index (``index``) before it is emptied and starts again."""
+
+_index: dict[tuple, tuple] = _state.call_index
+"""A call's cheap key -> (generation, group, config, OVERLAP_TRANSPORT, (rt, plan, config,
+transport), tuned cache, tuned key, plans cache, plan key): see ``index_lookup``."""
+
+_generation = _state.generation
+_environ = os.environ
+_move_to_end = OrderedDict.move_to_end  # C: marks an entry used without a Python frame
 
 
 class CallPlan:
@@ -95,6 +117,45 @@ def find(rt: Runtime, op: str, key: tuple) -> CallPlan | None:
         return call_plans(rt, op).get(key)
     except TypeError:
         return None
+
+
+def index_lookup(key: tuple, group: Any, config: Any) -> tuple | None:
+    """The ``(rt, cp, cfg, transport)`` indexed under ``key`` (``index``), or None: none
+    there, or one from before a change that may change a call's decision (``generation``
+    moved: a tuned pick stored or evicted, a call plan kept, evicted or cleared, a reset,
+    the runtimes dropped), another group or config object than the one it was made for, or
+    another ``OVERLAP_TRANSPORT``. The hit's tuned pick and call plan are marked used in
+    their caches, as the full lookup's reads mark them."""
+    e = _index.get(key)
+    if e is None or e[0] != _generation[0] or e[1] is not group or e[2] is not config or \
+            e[3] != _environ.get("OVERLAP_TRANSPORT"):
+        return None
+    try:
+        if e[5] is not None:
+            _move_to_end(e[5], e[6])
+        _move_to_end(e[7], e[8])
+    except KeyError:  # evicted (the generation moved too): the full lookup decides
+        return None
+    return e[4]
+
+
+def index(key: tuple, gen: int, group: Any, config: Any, env: str | None, rt: Runtime, cp: CallPlan, cfg: Any,
+          transport: str, tuned_cache: Any, tuned_key: Any, plan_key: tuple) -> None:
+    """Index the full lookup's result (``rt``, the plan ``cp`` found under ``plan_key``, the
+    config and transport it resolved, the tuned pick read from ``tuned_cache`` at
+    ``tuned_key`` or None) under the call's cheap ``key``: the group and config objects'
+    identities, the inputs' attributes and options. ``gen`` and ``env`` are the generation
+    and ``OVERLAP_TRANSPORT`` read before the lookup began (a change during it leaves the
+    entry stale, never wrong). Bounded: past ``INDEX_CAP`` entries the index starts again."""
+    if len(_index) >= INDEX_CAP:
+        _index.clear()
+    _index[key] = (gen, group, config, env, (rt, cp, cfg, transport), tuned_cache, tuned_key,
+                   call_plans(rt, cp.op), plan_key)
+
+
+def generation() -> int:
+    """The generation an ``index`` entry is made at (read before the full lookup)."""
+    return _generation[0]
 
 
 def keep(rt: Runtime, key: tuple, cp: CallPlan) -> None:
@@ -134,6 +195,8 @@ def clear_call_plans() -> None:
     for rt in list(_runtimes.values()):
         for name in [n for n in rt._caches if n.endswith(".calls")]:
             rt._caches[name].clear()
+    _index.clear()
+    _generation[0] += 1
 
 
 class BoundBody:

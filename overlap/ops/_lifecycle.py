@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .. import flags as _flags
-from . import _agree
+from . import _agree, _state
 from ._runtime import Runtime, _lock, _runtimes, _by_group, group_key, resolve_group
 
 __all__ = ["shutdown_timeout_s", "reset", "reset_runtimes"]
@@ -86,6 +86,7 @@ def reset(group: Any = None) -> None:
             for err in rt._errs.values():
                 err.clear()
             rt._p2p_done.clear()
+            _state.generation[0] += 1  # the transport is decided again: no indexed call plan trusted
             torch.cuda.synchronize(rt.device)
     tdist.barrier(group=group)  # every rank zeroed its flags before any rank pushes again
 
@@ -116,6 +117,8 @@ def reset_runtimes() -> None:
                 pass
         _runtimes.clear()
         _by_group.clear()
+        _state.generation[0] += 1  # no call plan of a runtime gone is found again
+        _state.call_index.clear()  # nor held: its entries hold their runtimes
     _agree.reset_steps()
 
 

@@ -109,7 +109,10 @@ class Runtime:
         ``overlap.dist.shutdown`` starts with none of them."""
         c = self._caches.get(name)
         if c is None:
-            c = self._caches.setdefault(name, LRU(cap))  # two threads making it get one
+            c = LRU(cap)
+            # a tuned pick or a call plan changes what a call decides: ``_calls``'s index watches them
+            c.watched = name.endswith((".tuned", ".calls"))
+            c = self._caches.setdefault(name, c)  # two threads making it get one
         if c.cap != cap:
             raise ValueError(f"cache {name!r} holds {c.cap} entries, asked for with cap={cap}")
         return c

@@ -25,6 +25,17 @@ _captured_words: list[torch.Tensor] = []
 as it lives, which the library cannot see, so they are never freed."""
 
 
+generation = [0]
+"""Bumped by every change of a watched ``LRU`` (a tuned pick stored or evicted, a call
+plan kept, evicted or cleared) and by ``reset`` / ``reset_runtimes``: what ``_calls``'s
+index of call plans checks before it trusts an entry."""
+
+
+call_index: dict = {}
+"""The call plans' index (``_calls.index``), here so that dropping the runtimes empties it
+(its entries hold a runtime each)."""
+
+
 class LRU(OrderedDict):
     """A dict of at most ``cap`` entries; setting a new key past the cap drops the least
     recently used one. Every per-shape cache of the ops is one of these: a server whose
@@ -35,6 +46,10 @@ class LRU(OrderedDict):
     what a CUDA graph captured: a graph holds the device addresses of a plan's tables
     and words for as long as it lives, so a plan used inside a capture is also kept by
     ``keep_for_capture`` and is never freed."""
+
+    watched = False
+    """A cache whose every change may change a call's decision (the tuned picks, the call
+    plans: ``Runtime.cache`` marks them): each change bumps ``generation``."""
 
     def __init__(self, cap: int) -> None:
         super().__init__()
@@ -57,7 +72,48 @@ class LRU(OrderedDict):
             OrderedDict.__setitem__(self, key, value)
             self.move_to_end(key)
             while len(self) > self.cap:
-                self.popitem(last=False)
+                OrderedDict.popitem(self, last=False)
+            if self.watched:
+                generation[0] += 1
+
+    def __delitem__(self, key: Any) -> None:
+        with self._lock:
+            OrderedDict.__delitem__(self, key)
+            if self.watched:
+                generation[0] += 1
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        with self._lock:
+            try:
+                return OrderedDict.pop(self, key, *default)
+            finally:
+                if self.watched:
+                    generation[0] += 1
+
+    def popitem(self, last: bool = True) -> tuple:
+        with self._lock:
+            try:
+                return OrderedDict.popitem(self, last)
+            finally:
+                if self.watched:
+                    generation[0] += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            OrderedDict.clear(self)
+            if self.watched:
+                generation[0] += 1
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            if OrderedDict.__contains__(self, key):
+                return OrderedDict.__getitem__(self, key)
+        self[key] = default
+        return default
 
     def add(self, key: Any) -> None:
         """Use as a bounded set: remember ``key``."""

@@ -33,6 +33,7 @@ transport and the tuner; the peer-copy transport is in ``all_gather_p2p.py``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -497,21 +498,35 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
         return None
     if capturing() or (torch.is_grad_enabled() and (a_shard.requires_grad or b.requires_grad)):
         return None
-    rt = get_runtime_if_made(resolve_group(group), a_shard.device)
-    if rt is None:
-        return None
-    tuned = None
-    if config is None:
-        tuned = _tuned(rt).get((a_shard.shape[0], b.shape[1], a_shard.shape[1], a_shard.dtype))
-        if isinstance(tuned, Sequential):
+    g = resolve_group(group)
+    # the index: one dict read for a signature seen before (``_calls.index_lookup``)
+    ikey = ("all_gather_matmul", id(g), id(config), a_shard.shape, a_shard.stride(), a_shard.dtype, a_shard.device,
+            b.shape, b.stride(), b.dtype, b.device, return_gathered)
+    hit = _calls.index_lookup(ikey, g, config)
+    if hit is not None:
+        rt, cp, cfg, transport = hit
+    else:  # the full lookup, indexed where it finds a plan
+        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        rt = get_runtime_if_made(g, a_shard.device)
+        if rt is None:
             return None
-        cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
-    else:
-        cfg = config
-    transport = rt.transport(cfg)
-    cp = _calls.find(rt, "all_gather_matmul",
-                     _call_key(a_shard, b, return_gathered, cfg, transport, config is not None, tuned))
-    if cp is None or not aligned(a_shard, b):
+        tuned = tcache = tkey = None
+        if config is None:
+            tcache, tkey = _tuned(rt), (a_shard.shape[0], b.shape[1], a_shard.shape[1], a_shard.dtype)
+            tuned = tcache.get(tkey)
+            if isinstance(tuned, Sequential):
+                return None
+            cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+        else:
+            cfg = config
+        transport = rt.transport(cfg)
+        key = _call_key(a_shard, b, return_gathered, cfg, transport, config is not None, tuned)
+        cp = _calls.find(rt, "all_gather_matmul", key)
+        if cp is None:
+            return None
+        _calls.index(ikey, gen, g, config, env, rt, cp, cfg, transport, tcache if tuned is not None else None,
+                     tkey, key)
+    if not aligned(a_shard, b):
         return None
     _calls.stats["planned"] += 1
     if transport == "p2p":

@@ -50,6 +50,7 @@ ranks) has each rank reduce only its share of the rows and push them back
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -536,20 +537,34 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
     if capturing() or grad_refused(x, b, residual, nw, nb):
         return None
-    rt = get_runtime_if_made(resolve_group(group), x.device)
-    if rt is None:
-        return None
-    tuned = None
-    cfg = config
-    if config is None:
-        tuned = _tuned(rt).get(_tune_key(x, b.shape[1], residual, norm))
-        if isinstance(tuned, (Sequential, Chunked)):
+    g = resolve_group(group)
+    # the index: one dict read for a signature seen before (``_calls.index_lookup``)
+    ikey = ("all_reduce_matmul", id(g), id(config), tensor_key(x), tensor_key(b), tensor_key(residual),
+            None if norm is None else (norm.kind, norm.eps, tensor_key(nw), tensor_key(nb)))
+    hit = _calls.index_lookup(ikey, g, config)
+    if hit is not None:
+        rt, cp, cfg, transport = hit
+    else:  # the full lookup, indexed where it finds a plan
+        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        rt = get_runtime_if_made(g, x.device)
+        if rt is None:
             return None
-        cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
-    transport = rt.transport(cfg)
-    cp = _calls.find(rt, "all_reduce_matmul", _call_key(x, b, residual, norm, cfg, transport, config is not None,
-                                                        tuned))
-    if cp is None or not aligned(x, b, residual, nw, nb):
+        tuned = tcache = tkey = None
+        cfg = config
+        if config is None:
+            tcache, tkey = _tuned(rt), _tune_key(x, b.shape[1], residual, norm)
+            tuned = tcache.get(tkey)
+            if isinstance(tuned, (Sequential, Chunked)):
+                return None
+            cfg = tuned if isinstance(tuned, OverlapConfig) else OverlapConfig()
+        transport = rt.transport(cfg)
+        key = _call_key(x, b, residual, norm, cfg, transport, config is not None, tuned)
+        cp = _calls.find(rt, "all_reduce_matmul", key)
+        if cp is None:
+            return None
+        _calls.index(ikey, gen, g, config, env, rt, cp, cfg, transport, tcache if tuned is not None else None,
+                     tkey, key)
+    if not aligned(x, b, residual, nw, nb):
         return None
     _calls.stats["planned"] += 1
     if transport == "p2p":

@@ -29,6 +29,7 @@ NCCL CTA caps against the sequential reference and caches the pick per shape.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -190,17 +191,32 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
     if capturing() or grad_refused(a, b, b_next, residual, nw, nb):
         return None
-    rt = get_runtime_if_made(resolve_group(group), a.device)
-    if rt is None:
-        return None
-    tuned = None
-    if config is None:
-        tuned = _tuned(rt).get(_tune_key(a, b, b_next, residual, norm))
-        if isinstance(tuned, Sequential):
+    g = resolve_group(group)
+    # the index: one dict read for a signature seen before (``_calls.index_lookup``)
+    ikey = (OP, id(g), id(config), tensor_key(a), tensor_key(b), tensor_key(b_next), tensor_key(residual),
+            None if norm is None else (norm.kind, norm.eps, tensor_key(nw), tensor_key(nb)))
+    hit = _calls.index_lookup(ikey, g, config)
+    if hit is not None:
+        rt, cp = hit[0], hit[1]
+    else:  # the full lookup, indexed where it finds a plan
+        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        rt = get_runtime_if_made(g, a.device)
+        if rt is None:
             return None
-    cfg = config or tuned or OverlapConfig()
-    cp = _calls.find(rt, OP, _call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned))
-    if cp is None or not aligned(a, b, b_next, residual, nw, nb):
+        tuned = tcache = tkey = None
+        if config is None:
+            tcache, tkey = _tuned(rt), _tune_key(a, b, b_next, residual, norm)
+            tuned = tcache.get(tkey)
+            if isinstance(tuned, Sequential):
+                return None
+        cfg = config or tuned or OverlapConfig()
+        key = _call_key(a, b, b_next, residual, norm, cfg, config is not None, tuned)
+        cp = _calls.find(rt, OP, key)
+        if cp is None:
+            return None
+        _calls.index(ikey, gen, g, config, env, rt, cp, cfg, "nccl", tcache if tuned is not None else None, tkey,
+                     key)
+    if not aligned(a, b, b_next, residual, nw, nb):
         return None
     _calls.stats["planned"] += 1
     body = cp.body

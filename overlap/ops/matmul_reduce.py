@@ -48,6 +48,7 @@ all-reduce op; inside a CUDA graph capture a p2p call runs the reference, with a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -515,18 +516,33 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
     if capturing() or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (
             residual is not None and residual.requires_grad))):
         return None
-    rt = get_runtime_if_made(resolve_group(group), a.device)
-    if rt is None:
-        return None
-    tuned = None
-    if config is None:
-        tuned = _tuned(rt).get((op, a.shape[0], b.shape[1], a.shape[1], a.dtype, residual is not None))
-        if isinstance(tuned, Sequential):
+    g = resolve_group(group)
+    # the index: one dict read for a signature seen before (``_calls.index_lookup``)
+    ikey = (op, id(g), id(config), a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device))
+    hit = _calls.index_lookup(ikey, g, config)
+    if hit is not None:
+        rt, cp, cfg, transport = hit
+    else:  # the full lookup, indexed where it finds a plan
+        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        rt = get_runtime_if_made(g, a.device)
+        if rt is None:
             return None
-    cfg = config or tuned or OverlapConfig()
-    transport = _transport(rt, cfg)
-    cp = _calls.find(rt, op, _call_key(a, b, residual, cfg, transport, config is not None, tuned))
-    if cp is None or not aligned(a, b, residual):
+        tuned = tcache = tkey = None
+        if config is None:
+            tcache, tkey = _tuned(rt), (op, a.shape[0], b.shape[1], a.shape[1], a.dtype, residual is not None)
+            tuned = tcache.get(tkey)
+            if isinstance(tuned, Sequential):
+                return None
+        cfg = config or tuned or OverlapConfig()
+        transport = _transport(rt, cfg)
+        key = _call_key(a, b, residual, cfg, transport, config is not None, tuned)
+        cp = _calls.find(rt, op, key)
+        if cp is None:
+            return None
+        _calls.index(ikey, gen, g, config, env, rt, cp, cfg, transport, tcache if tuned is not None else None,
+                     tkey, key)
+    if not aligned(a, b, residual):
         return None
     _calls.stats["planned"] += 1
     if transport == "p2p":

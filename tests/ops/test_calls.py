@@ -109,3 +109,180 @@ def test_only_a_tile_plan_is_bound() -> None:
         other = Engine()
         other.__dict__.update(tile=tile, decided=decided, gluon=gluon)
         assert _calls.tile_bind(other) is None, (decided, gluon)
+
+
+def test_index_follows_what_may_change_a_decision(monkeypatch) -> None:  # noqa: ANN001
+    """``all_gather_matmul``'s short path through the call plans' index (``_calls.index``):
+    a signature seen before skips the full lookup (no runtime lookup), yet a tuned pick
+    stored after its plan was made, ``clear_call_plans()``, another ``OVERLAP_TRANSPORT``
+    and another config object each send the next call through the full lookup, which then
+    decides as before; every call hands on its own tensors and checks their alignment."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime, _runtimes
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    rt.transport = lambda cfg: "p2p"  # the plan's transport: no bound body is made
+    looked: list = []
+    monkeypatch.setattr(ag, "get_runtime_if_made", lambda g, d: looked.append(g) or rt)
+    monkeypatch.setattr(ag, "resolve_group", lambda g: g)
+    monkeypatch.setattr(ag, "run_planned", lambda rt_, cp, *args: (cp, args))
+    monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+    group = object()
+    gen = torch.Generator().manual_seed(3)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape, generator=gen))
+
+    a, b = new(8, 16), new(16, 8)
+    plan = {}
+    for name, cfg, tuned in (("default", OverlapConfig(), None), ("tuned", OverlapConfig(chunks=3), True),
+                             ("given", OverlapConfig(chunks=2), None)):
+        plan[name] = _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "p2p", name, cfg, "p2p")
+        _calls.keep(rt, ag._call_key(a, b, False, cfg, "p2p", name == "given", tuned), plan[name])
+
+    def call(config=None):  # noqa: ANN001, ANN202
+        a, b = new(8, 16), new(16, 8)  # new tensors every call
+        out = ag._planned(a, b, group, False, config)
+        if out is not None:
+            assert out[1][5] is a and out[1][6] is b, "a previous call's tensors"
+            return out[0]
+        return None
+
+    assert call() is plan["default"] and len(looked) == 1
+    assert call() is plan["default"] and call() is plan["default"] and len(looked) == 1  # the index
+    unaligned = torch.Tensor._make_subclass(_OnCuda, torch.zeros(8 * 16 + 1)[1:].view(8, 16))
+    assert ag._planned(unaligned, new(16, 8), group, False, None) is None and len(looked) == 1
+    ag._tuned(rt)[(8, 8, 16, torch.float32)] = plan["tuned"].config  # a tuner stores a pick
+    assert call() is plan["tuned"] and len(looked) == 2
+    assert call() is plan["tuned"] and len(looked) == 2
+    monkeypatch.setenv("OVERLAP_TRANSPORT", "p2p")
+    assert call() is plan["tuned"] and len(looked) == 3
+    given = plan["given"].config
+    assert call(given) is plan["given"] and len(looked) == 4
+    assert call(given) is plan["given"] and len(looked) == 4
+    assert call(OverlapConfig(chunks=2)) is plan["given"] and len(looked) == 5  # equal, not the same object
+    monkeypatch.setitem(_runtimes, ("test-index", None), rt)  # what ``clear_call_plans`` walks
+    _calls.clear_call_plans()
+    assert call() is None and call(given) is None and len(looked) == 7
+
+
+class _NotReady:
+    def ready(self) -> bool:
+        return False
+
+
+def test_index_of_every_op(monkeypatch) -> None:  # noqa: ANN001
+    """The other ops' short paths through the index: a call seen before skips the runtime
+    lookup and runs from its plan with its own tensors (new every call), and a tuned pick
+    stored after the plan was made sends the next call to the plan of the pick."""
+    from overlap.ops import Norm, OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    gen = torch.Generator().manual_seed(5)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape, generator=gen))
+
+    m, k, n = 8, 16, 8
+    ops = {"ar": "all_reduce_matmul", "mr": "matmul_all_reduce", "bd": bd.OP}
+    cases = {
+        "ar": (ar, lambda t, cfg: ar._call_key(t[0], t[1], t[2], t[3], cfg, "nccl", False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: ar._planned(t[0], t[1], c, t[2], t[3], None),
+               lambda t: ar._tune_key(t[0], n, t[2], t[3]),
+               lambda: (new(m, k), new(k, n), new(m, k), Norm("layernorm", new(k), new(k)))),
+        "mr": (mr, lambda t, cfg: mr._call_key(t[0], t[1], None, cfg, "nccl", False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: mr._planned("matmul_all_reduce", t[0], t[1], c, None, None),
+               lambda t: ("matmul_all_reduce", m, n, k, torch.float32, False),
+               lambda: (new(m, k), new(k, n))),
+        "bd": (bd, lambda t, cfg: bd._call_key(t[0], t[1], t[2], None, None, cfg, False, cfg if cfg.chunks == 3 else None),
+               lambda t, c: bd._planned(t[0], t[1], t[2], c, None, None, None),
+               lambda t: bd._tune_key(t[0], t[1], t[2], None, None),
+               lambda: (new(m, k), new(k, n), new(n, k))),
+    }
+    for name, (mod, call_key, planned, tune_key, inputs) in cases.items():
+        rt = Runtime.__new__(Runtime)
+        rt._caches = {}
+        rt.transport = lambda cfg: "nccl"
+        looked: list = []
+        monkeypatch.setattr(mod, "get_runtime_if_made", lambda g, d, looked=looked, rt=rt: looked.append(g) or rt)
+        monkeypatch.setattr(mod, "resolve_group", lambda g: g)
+        monkeypatch.setattr(mod, "run_planned", lambda rt_, cp, *args: (cp, args))
+        monkeypatch.setattr(mod, "_Bound", lambda *a, **kw: _NotReady())
+        monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+        group = object()
+        t0 = inputs()
+        plans = {}
+        for why, cfg in (("default", OverlapConfig()), ("tuned", OverlapConfig(chunks=3))):
+            plans[why] = _calls.CallPlan(ops[name], (), (), None, (), (m, n, k), "nccl", why, cfg, "nccl")
+            _calls.keep(rt, call_key(t0, cfg), plans[why])
+
+        def call() -> object:
+            t = inputs()  # new tensors every call
+            out = planned(t, group)
+            assert out is not None, name
+            assert any(x is t[0] for x in out[1]) and any(x is t[1] for x in out[1]), (name, "stale tensors")
+            return out[0]
+
+        assert call() is plans["default"] and len(looked) == 1, name
+        assert call() is plans["default"] and len(looked) == 1, name
+        mod._tuned(rt)[tune_key(t0)] = plans["tuned"].config
+        assert call() is plans["tuned"] and len(looked) == 2, name
+        assert call() is plans["tuned"] and len(looked) == 2, name
+
+
+def test_index_hit_python_calls_are_few(monkeypatch) -> None:  # noqa: ANN001
+    """The front of a planned call found through the index (``all_gather_matmul``, default
+    config, its plan stubbed at the hand-off) is at most 32 calls (cProfile; the
+    stand-in's and the stubs' own included; the CUDA stand-in tensor's dispatch frames
+    left out), where the full lookup takes about 90 (it builds the default config anew)."""
+    import cProfile
+    import pstats
+
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    rt.transport = lambda cfg: "p2p"
+    monkeypatch.setattr(ag, "get_runtime_if_made", lambda g, d: rt)
+    monkeypatch.setattr(ag, "resolve_group", lambda g: g)
+    monkeypatch.setattr(ag, "run_planned", lambda rt_, cp, *args: cp)
+    group = object()
+    a = torch.Tensor._make_subclass(_OnCuda, torch.zeros(8, 16))
+    b = torch.Tensor._make_subclass(_OnCuda, torch.zeros(16, 8))
+    cfg = OverlapConfig()
+    cp = _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "p2p", "default config", cfg, "p2p")
+    _calls.keep(rt, ag._call_key(a, b, False, cfg, "p2p", False, None), cp)
+
+    def count(clear: bool) -> float:
+        pr = cProfile.Profile()
+        for _ in range(20):
+            if clear:
+                _calls._index.clear()
+            pr.enable()
+            got = ag._planned(a, b, group, False, None)
+            pr.disable()
+            assert got is cp
+        n = 0
+        for f, (_, nc, _, _, callers) in pstats.Stats(pr).stats.items():
+            if "torch/_tensor.py" in f[0].replace("\\", "/"):
+                continue
+            n += sum(v[0] for c, v in callers.items() if "torch/_tensor.py" not in c[0].replace("\\", "/")) \
+                if callers else nc
+        return n / 20
+
+    full, hit = count(True), count(False)
+    assert hit <= 32 and full >= 2 * hit, (hit, full)
+
+
+def test_index_emptied_with_the_runtimes() -> None:
+    """``reset_runtimes`` (at ``overlap.dist.shutdown``) empties the index, whose entries hold
+    a runtime each (its communicators), and moves the generation."""
+    from overlap.ops import _state
+    from overlap.ops._lifecycle import reset_runtimes
+
+    gen = _state.generation[0]
+    _calls._index[("test-entry",)] = (gen, None, None, None, (object(), None, None, None), None, None, {}, ())
+    reset_runtimes()
+    assert ("test-entry",) not in _calls._index and _state.generation[0] > gen
