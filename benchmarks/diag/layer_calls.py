@@ -97,6 +97,12 @@ def layer_rows(group: Any, dev: torch.device, dt: torch.dtype, m: int = 64, n: i
     for name, layer in layers.items():
         kin, nout = (n, k) if name.startswith("row") else (k, n)
         out[name] = one(layer, kin, nout)
+    # a norm on this rank's tokens (parallelize's "sequence_norm"), beside torch's own
+    from overlap.nn.norms import SequenceParallelNorm
+
+    ln = torch.nn.LayerNorm(k, device=dev, dtype=dt)
+    out["torch LayerNorm"] = one(ln, k, k)
+    out["sequence_norm"] = one(SequenceParallelNorm(torch.nn.LayerNorm(k, device=dev, dtype=dt), group), k, k)
     return out
 
 
