@@ -7,7 +7,10 @@ ranks): a plan follows the layer's settings and input signature: ``overlap`` and
 ``config`` set on a layer after calls reach the ops; ``save_gathered`` set after calls
 changes what is kept; "auto" decides per token count (the rates patched so that a small
 and a large count decide differently), and the first count's decision stands when it
-comes again. Prints ``PASS layer_plans <mode> ...``.
+comes again; with batch 1, a sequence-parallel layer on ``[1, T/R, C]`` (``sequence_dim``
+1, a view: no move of the sequence dim) gives what it gives on ``[T/R, C]`` (``sequence_dim``
+0), output and gradients, the input's gradient contiguous. Prints
+``PASS layer_plans <mode> ...``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.diag.layer_calls import count_calls, layer_rows  # noqa: E402
 from overlap import dist  # noqa: E402
-from overlap.nn import ColumnParallelLinear, functional  # noqa: E402
+from overlap.nn import ColumnParallelLinear, RowParallelLinear, functional  # noqa: E402
 from overlap.ops import OverlapConfig  # noqa: E402
 from overlap.ops import all_gather as _ag  # noqa: E402
 
@@ -112,7 +115,33 @@ def settings() -> str:
                 functional.GEMM_FLOPS_PER_S_FP32, functional.COLLECTIVE_FIXED_S, functional.LINK_BYTES_PER_S = rates
     finally:
         _ag.all_gather_matmul = real
+    batch_one(ctx, g)
     return f"world={ws} rank={rank}"
+
+
+def batch_one(ctx: object, g: torch.Generator) -> None:
+    ws = ctx.tp_size  # type: ignore[attr-defined]
+    for cls, k, n in ((ColumnParallelLinear, 16, 8 * ws), (RowParallelLinear, 8 * ws, 16)):
+        torch.manual_seed(3)  # the same weights on every rank
+        m = cls(k, n, sequence_parallel=True, sequence_dim=1, group=ctx.tp_group)  # type: ignore[attr-defined]
+        for call in range(2):
+            rows = 4 * ws if cls is RowParallelLinear else 4  # the row layer's input: every token
+            x = torch.randn(rows, k if cls is ColumnParallelLinear else k // ws, generator=g)
+            got = []
+            for dim, xin in ((1, x[None]), (0, x)):
+                m.sequence_dim = dim
+                xi = xin.clone().requires_grad_()
+                y = m(xi)
+                dy = torch.randn(y.shape[-2:], generator=torch.Generator().manual_seed(call))
+                y.backward(dy.view(y.shape))
+                got.append((y.detach().reshape(-1, y.shape[-1]), xi.grad.reshape(x.shape), m.weight.grad.clone(),
+                            xi.grad.is_contiguous(), tuple(y.shape)))
+                m.weight.grad = None
+            (y1, gx1, gw1, c1, s1), (y0, gx0, gw0, _, s0) = got
+            assert s1 == (1, *s0), (cls.__name__, s1, s0)
+            assert c1, f"{cls.__name__}: the input's gradient is not contiguous"
+            for a, b, what in ((y1, y0, "y"), (gx1, gx0, "grad x"), (gw1, gw0, "grad w")):
+                torch.testing.assert_close(a, b, msg=lambda s, w=what: f"{cls.__name__} batch 1: {w}: {s}")
 
 
 def main() -> None:

@@ -116,17 +116,20 @@ class _SequenceDim:
         if dim % x.dim() == x.dim() - 1:
             raise ValueError(f"sequence_dim={dim} is the feature dim of an input of shape {tuple(x.shape)}")
         dim %= x.dim()
-        if dim:  # (T, ..., C): the rows of one rank's tokens contiguous
+        if any(d != 1 for d in x.shape[:dim]):  # (T, ..., C): the rows of one rank's tokens contiguous
             return _MoveRows.apply(x, dim, None), tuple(x.movedim(dim, 0).shape[:-1])  # (T * ..., C)
-        if x.dim() == 2:
-            return x, (x.shape[0],)
-        return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])  # (T * ..., C)
+        # only dims of size 1 before T (batch 1): moving T first is a view, rows already T-major
+        lead = (x.shape[dim], *x.shape[:dim], *x.shape[dim + 1:-1])
+        return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])), lead  # (T * ..., C)
 
     @staticmethod
     def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
-        if dim % (len(lead) + 1):
-            return _MoveRows.apply(y, dim % (len(lead) + 1), lead)
-        return y if len(lead) == 1 else y.view(*lead, y.shape[-1])  # (T', ..., N)
+        dim %= len(lead) + 1
+        if any(d != 1 for d in lead[1:dim + 1]):
+            return _MoveRows.apply(y, dim, lead)
+        if len(lead) == 1:
+            return y  # (T', N)
+        return y.view(*lead[1:dim + 1], lead[0], *lead[dim + 1:], y.shape[-1])  # (1, ..., T', ..., N)
 
 
 def linear_parts(linear: nn.Module) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
