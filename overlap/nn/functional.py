@@ -678,9 +678,9 @@ def _norm_backward_with_out(grad_n: torch.Tensor, h: torch.Tensor, kind: str, we
     if fused is None:
         fused = _fused_norm_ok(grad_n, h, kind, weight, bias)
     if fused and kind == "layernorm":
-        out, mean, rstd = torch.ops.aten.native_layer_norm(h, [k], weight, bias, eps)
-        dh, dw, db = torch.ops.aten.native_layer_norm_backward(grad_n, h, [k], mean, rstd, weight, bias,
-                                                               [True, True, bias is not None])
+        out, mean, rstd = torch.native_layer_norm(h, [k], weight, bias, eps)
+        dh, dw, db = torch.ops.aten.native_layer_norm_backward.default(grad_n, h, [k], mean, rstd, weight, bias,
+                                                                       [True, True, bias is not None])
         return dh, dw, db if bias is not None else None, out
     hf, gf, wf = h.float(), grad_n.float(), weight.float()
     if kind == "layernorm":

@@ -116,7 +116,7 @@ class _SequenceDim:
         if dim % x.dim() == x.dim() - 1:
             raise ValueError(f"sequence_dim={dim} is the feature dim of an input of shape {tuple(x.shape)}")
         dim %= x.dim()
-        if any(d != 1 for d in x.shape[:dim]):  # (T, ..., C): the rows of one rank's tokens contiguous
+        if dim and any(d != 1 for d in x.shape[:dim]):  # (T, ..., C): the rows of one rank's tokens contiguous
             return _MoveRows.apply(x, dim, None), tuple(x.movedim(dim, 0).shape[:-1])  # (T * ..., C)
         # only dims of size 1 before T (batch 1): moving T first is a view, rows already T-major
         lead = (x.shape[dim], *x.shape[:dim], *x.shape[dim + 1:-1])
@@ -125,7 +125,7 @@ class _SequenceDim:
     @staticmethod
     def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
         dim %= len(lead) + 1
-        if any(d != 1 for d in lead[1:dim + 1]):
+        if dim and any(d != 1 for d in lead[1:dim + 1]):
             return _MoveRows.apply(y, dim, lead)
         if len(lead) == 1:
             return y  # (T', N)
