@@ -34,7 +34,7 @@ from overlap.ops import all_gather as _ag  # noqa: E402
 # autograd.Function.apply and of the backward's own GEMMs and sums are in these; a layer
 # that decided its plan per call again (the group's size, save_gathered, the ops' config)
 # or wrapped its forward and backward in torch.no_grad would not fit.
-BUDGET = {"column": 48, "column_sp": 58, "row": 48, "row_sp": 72, "norm_column": 96, "sequence_norm": 100}
+BUDGET = {"column": 48, "column_sp": 58, "row": 48, "row_sp": 72, "norm_column": 96, "sequence_norm": 72}
 
 
 def counts() -> str:

@@ -813,6 +813,38 @@ class _CopyToRegion(torch.autograd.Function):
             return _all_reduce(grad, ctx.group), None
 
 
+class _CopyToRegionMany(torch.autograd.Function):
+    """``_CopyToRegion`` of several tensors of one dtype and device (a norm's weight and
+    bias): forward identity each; backward one all-reduce of their gradients concatenated,
+    not one each."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.shapes = group, [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    @_grads_off
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        # (autograd hands an unused output's gradient in as zeros: materialize_grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])  # a new tensor: reduced in place
+        if _compiling():
+            from torch.distributed import _functional_collectives as funcol
+
+            flat = funcol.all_reduce(flat, "sum", ctx.group)
+        else:
+            import torch.distributed as tdist
+
+            tdist.all_reduce(flat, group=ctx.group)
+        parts = flat.split([shape.numel() for shape in ctx.shapes])
+        return (None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
+
+
+def _copy_to_region_many(xs: list[torch.Tensor], group: Any) -> tuple[torch.Tensor, ...]:
+    """``[copy_to_region(x) for x in xs]`` with one all-reduce in backward (one dtype and device)."""
+    return _CopyToRegionMany.apply(group, *xs)
+
+
 class _GatherFromRegion(torch.autograd.Function):
     """forward: all-gather along ``dim``; backward: this rank's slice of the gradient (split)."""
 
