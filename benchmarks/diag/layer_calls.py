@@ -2,14 +2,16 @@
 and the layer's own (everything outside the ops: the module, the autograd functions,
 torch's autograd frames, the backward's own GEMMs and sums).
 
-    python benchmarks/diag/layer_calls.py [--calls 20] [--json FILE]
+    python benchmarks/diag/layer_calls.py [--calls 20] [--json FILE] [--block]
 
 World size 1 on the CPU (gloo; the ops run their references) or on a GPU; the backward
 runs in the calling thread on the CPU, which ``sys.setprofile`` sees (on a GPU autograd
 runs the backward on a device thread: only the forward's calls are seen there, so the
 count is a CPU figure). A call counts as the op's when it is made inside a frame of
 ``overlap/ops/``; torch's ``nn.Linear`` forward + backward of the same shape is the
-yardstick row. A count that falls is progress whatever the host's speed.
+yardstick row. A count that falls is progress whatever the host's speed. ``--block``
+adds one GPT block's forward + backward (``benchmarks/bench_block.py``'s eager modes,
+batch 1, 8 tokens, hidden 64, sequence parallel and not), all calls counted.
 """
 
 from __future__ import annotations
@@ -106,11 +108,32 @@ def layer_rows(group: Any, dev: torch.device, dt: torch.dtype, m: int = 64, n: i
     return out
 
 
+def block_rows(group: Any, dev: torch.device, dt: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """name -> one GPT block forward + backward (bench_block's plain and library modes)."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_block import _eager_block
+
+    out: dict[str, Callable[[], Any]] = {}
+    for sp in (True, False):
+        for mode in ("plain", "library"):
+            args = SimpleNamespace(batch=1, seq=8, embd=64, heads=4, sp=sp, save_gathered="auto")
+            blk = _eager_block(mode, args, {"dev": dev, "dt": dt, "group": group})
+
+            def step(blk: torch.nn.Module = blk) -> None:
+                x = torch.randn(1, 8, 64, device=dev, dtype=dt, requires_grad=True)
+                blk(x).float().square().mean().backward()
+
+            out[f"block {mode}{' sp' if sp else ''}"] = step
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--json", default=None, help="write the counts here")
     ap.add_argument("--where", type=int, default=0, metavar="N", help="print the layer's N most frequent callees")
+    ap.add_argument("--block", action="store_true", help="also one GPT block forward + backward")
     args = ap.parse_args()
     from overlap import dist
 
@@ -119,7 +142,10 @@ def main() -> None:
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = {}
     print(f"{'row':18s} {'layer':>7s} {'ops':>7s}  (Python + built-in calls per forward + backward)")
-    for name, fn in layer_rows(ctx.tp_group, dev, dt).items():
+    fns = layer_rows(ctx.tp_group, dev, dt)
+    if args.block:
+        fns.update(block_rows(ctx.tp_group, dev, dt))
+    for name, fn in fns.items():
         c = count_calls(fn, args.calls)
         rows[name] = c
         print(f"{name:18s} {c['layer']:7.1f} {c['ops']:7.1f}")
