@@ -46,6 +46,9 @@ activity only, so the profiler adds no host work per op): the GPU-busy share, th
 the intervals of every kernel, memcpy and memset over the span from the first one's start
 to the last one's end. Where the host is slower than the GPU the kernels wait for it and
 the share falls below 1 (``gpu_busy`` per mode; the issue's target for the layers is 0.95).
+The profiler's device tracing slows the host's launches, so ``busy_share_of_queued`` also
+gives the busy milliseconds per step over ``ms_per_step_queued`` (the same steps without the
+profiler): an estimate of the share without it.
 
 Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
 on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
@@ -282,7 +285,8 @@ def _gpu_busy(one: Any, steps: int, dev: torch.device) -> dict[str, Any]:
     iv = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in trace.get("traceEvents", [])
           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     share, span = busy_share(iv)
-    return {"gpu_busy": share, "busy_span_ms_per_step": span / 1e3 / steps, "busy_events": len(iv)}
+    return {"gpu_busy": share, "busy_span_ms_per_step": span / 1e3 / steps, "busy_events": len(iv),
+            "busy_ms_per_step": share * span / 1e3 / steps}
 
 
 def _queued_ms(one: Any, steps: int, dev: torch.device, group: Any) -> float:
@@ -379,6 +383,8 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         if args.busy:
             out.update(_gpu_busy(one, args.busy, dev))
+            # the GPU's busy time per step (the profile's) over the step's pace without the profiler
+            out["busy_share_of_queued"] = out["busy_ms_per_step"] / out["ms_per_step_queued"]
     return out
 
 
@@ -460,7 +466,8 @@ def main() -> None:
                       f"{'PASS' if r['graph_check_ok'] else 'FAIL'}")
             if "gpu_busy" in r:
                 print(f"{'':17} GPU busy {r['gpu_busy']:.1%} of {r['busy_span_ms_per_step']:.3f} ms per step "
-                      f"({args.busy} steps back to back, {r['busy_events']} device events)")
+                      f"({args.busy} steps back to back, {r['busy_events']} device events); its "
+                      f"{r['busy_ms_per_step']:.3f} busy ms are {r['busy_share_of_queued']:.1%} of the queued step")
         for q in doc.get("regather_plan", ()):
             print(f"save_gathered='auto' at {q['layer']} ({q['m']} x {q['n_shard']} x {q['k']}): "
                   f"{'regather' if q['regather'] else 'save'}; estimated gather {q['gather_ms']:.3f} + "
