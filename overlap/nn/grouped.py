@@ -160,7 +160,6 @@ class ColumnGroup:
         m0 = self.members[0]
         n, save = sum(w.shape[0] for w in ws), m0.save_gathered
         auto = self.sp and save == "auto"
-        key = ("many", x2.shape[0] if auto else None, x2.dtype, n, m0.overlap, id(m0.config), save)
 
         def make() -> F._Plan:
             keep = save
@@ -170,7 +169,8 @@ class ColumnGroup:
             F._check_save_gathered(keep)
             return F._Plan(m0.group, m0.overlap, m0.config, save_gathered=keep, world=m0.tp_size)
 
-        return m0._plans.get(key, m0.config, make)
+        return m0._plans.get(lambda: ("many", x2.shape[0] if auto else None, x2.dtype, n, m0.overlap,
+                                      id(m0.config), save), m0.config, make)
 
 
 def _copies(m: ColumnParallelLinear, p: torch.Tensor | None) -> torch.Tensor | None:

@@ -48,9 +48,12 @@ class _CallPlans:
     def __init__(self) -> None:
         self.plans: dict[tuple, F._Plan] = {}
 
-    def get(self, key: tuple, config: Any, make: Any) -> F._Plan:
+    def get(self, key: Any, config: Any, make: Any) -> F._Plan:
+        """The plan at ``key()`` (a callable: built only outside a compile, where Dynamo
+        traces no ``id()`` of a constant), made by ``make()`` where there is none."""
         if _compiling():  # traced once into the graph: nothing to look up, nothing kept
             return make()
+        key = key()
         plan = self.plans.get(key)
         if plan is None or plan.config is not config:
             if len(self.plans) >= _MAX_PLANS:
@@ -201,8 +204,11 @@ class ColumnParallelLinear(nn.Module):
     def _plan(self, x2: torch.Tensor) -> F._Plan:
         """The call plan for input rows ``x2`` [tokens, K] at the layer's settings."""
         sp, save = self.sequence_parallel, self.save_gathered
-        key = (x2.shape[0], x2.dtype, self.overlap, id(self.config), save) if sp and save == "auto" else \
-            (self.overlap, id(self.config), save)
+
+        def key() -> tuple:
+            if sp and save == "auto":
+                return x2.shape[0], x2.dtype, self.overlap, id(self.config), save
+            return self.overlap, id(self.config), save
 
         def make() -> F._Plan:
             keep = save
@@ -305,7 +311,7 @@ class RowParallelLinear(nn.Module):
         self._plans = _CallPlans()
 
     def _plan(self) -> F._Plan:
-        return self._plans.get((self.overlap, id(self.config)), self.config,
+        return self._plans.get(lambda: (self.overlap, id(self.config)), self.config,
                                lambda: F._Plan(self.group, self.overlap, self.config, world=self.tp_size))
 
     @classmethod
@@ -405,10 +411,10 @@ class NormColumnParallelLinear(nn.Module):
 
     def _norm_plan(self, nw: torch.Tensor, nb: torch.Tensor | None) -> F._Plan:
         """Not sequence-parallel: the call plan with the op's ``Norm`` of these parameters."""
-        key = (self.overlap, id(self.config), self.norm_kind, self.eps, id(nw), id(nb))
         # (the plan's Norm keeps nw and nb alive: their ids in the key cannot be reused meanwhile)
-        return self._plans.get(key, self.config, lambda: F._norm_plan(self.group, self.overlap, self.config,
-                                                                      self.norm_kind, nw, nb, self.eps))
+        return self._plans.get(lambda: (self.overlap, id(self.config), self.norm_kind, self.eps, id(nw), id(nb)),
+                               self.config, lambda: F._norm_plan(self.group, self.overlap, self.config,
+                                                                 self.norm_kind, nw, nb, self.eps))
 
     @classmethod
     def from_modules(cls, norm: nn.Module, linear: nn.Linear, *, group: Any = None,
