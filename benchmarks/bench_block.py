@@ -11,6 +11,12 @@ path and against torch.compile's async tensor parallelism. Modes:
     library-regather as ``library``, sequence parallel, ``save_gathered=False``: the input
                      all-gathered again in backward, behind the input gradient's GEMM ->
                      reduce-scatter (less memory, one more all-gather, hidden or not)
+    plain-graphed    ``plain``'s block captured whole, forward and backward, with
+                     ``torch.cuda.make_graphed_callables`` (a GPU): each step copies its
+                     new input into the graph's and replays the two graphs; the loss and
+                     the gradients' accumulation stay eager. Checked first against the
+                     same block run eagerly (same weights), new inputs each step.
+    library-graphed  the same for ``library``: host cost to zero where users want it
     compiled         torch.compile without async TP (sequence parallel only, below)
     compiled-torch   Inductor's async-TP pass (``_micro_pipeline_tp``), torch's symm_mem ops
     compiled-overlap the same pass, its fused nodes retargeted to overlap's ops
@@ -24,7 +30,9 @@ mm -> reduce-scatter -> residual. The async-TP pass fuses all-gather -> mm and m
 reduce-scatter, forward and backward; it has nothing to fuse without sequence
 parallelism (an all-reduce), so the compiled modes run only with ``--sp``.
 
-Per mode: ms per step (median over steps, slowest rank), tokens per second, peak memory,
+Per mode: ms per step (median over steps, each step timed alone and synchronized, slowest
+rank), ``ms_per_step_queued`` (``--steps`` steps queued back to back, CUDA events, no
+profiler: the pace the slower of host and GPU sets), tokens per second, peak memory,
 for the eager modes the activation memory (MiB) autograd keeps from forward to backward (one
 step through ``saved_tensors_hooks``, distinct storages), and for the compiled modes
 which fused ops Inductor's generated code calls (a pass that did not fire shows). With
@@ -38,6 +46,9 @@ activity only, so the profiler adds no host work per op): the GPU-busy share, th
 the intervals of every kernel, memcpy and memset over the span from the first one's start
 to the last one's end. Where the host is slower than the GPU the kernels wait for it and
 the share falls below 1 (``gpu_busy`` per mode; the issue's target for the layers is 0.95).
+The profiler's device tracing slows the host's launches, so ``busy_share_of_queued`` also
+gives the busy milliseconds per step over ``ms_per_step_queued`` (the same steps without the
+profiler): an estimate of the share without it.
 
 Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
 on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
@@ -65,7 +76,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.context import run_context  # noqa: E402
 from overlap import dist  # noqa: E402
 
-MODES = ("plain", "library", "library-save", "library-regather", "compiled", "compiled-torch", "compiled-overlap")
+MODES = ("plain", "library", "library-save", "library-regather", "plain-graphed", "library-graphed", "compiled",
+         "compiled-torch", "compiled-overlap")
+GRAPH_CHECK_STEPS = 3
+GRAPH_CHECK_TOL = 3e-2  # relative error, bf16: graph and eager run the same kernels, so far below this
 SAVE_GATHERED = {"true": True, "false": False, "auto": "auto"}
 
 
@@ -154,6 +168,56 @@ def _eager_block(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> to
     return blk
 
 
+class _Whole(torch.nn.Module):
+    """The block behind a module without hooks (``make_graphed_callables`` refuses a module
+    that has any; ``parallelize`` may have put some on the block)."""
+
+    def __init__(self, blk: torch.nn.Module) -> None:
+        super().__init__()
+        self.blk = blk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blk(x)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _graphed_block(mode: str, args: argparse.Namespace, env: dict[str, Any],
+                   shape: tuple[int, ...]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """``mode``'s eager block captured whole (forward + backward) by make_graphed_callables,
+    checked against a twin run eagerly (same weights: the same seed) on ``GRAPH_CHECK_STEPS``
+    new inputs: the output, the input's gradient and every parameter's gradient."""
+    dev, dt = env["dev"], env["dt"]
+    whole, twin = _Whole(_eager_block(mode, args, env)), _Whole(_eager_block(mode, args, env))
+    sample = torch.randn(shape, device=dev, dtype=dt, requires_grad=True)
+    whole(sample).float().square().mean().backward()  # kernels compiled and plans made outside capture
+    for p in whole.parameters():
+        p.grad = None
+    graphed = torch.cuda.make_graphed_callables(whole, (sample,))
+    g = torch.Generator(device="cpu").manual_seed(7)
+    errs: list[float] = []
+    for _ in range(GRAPH_CHECK_STEPS):
+        x = torch.randn(shape, generator=g).to(dev, dt)  # new every step: a stale replay fails
+        got = []
+        for mod in (graphed, twin):
+            params = list(mod.parameters())
+            for p in params:
+                p.grad = None
+            xi = x.clone().requires_grad_()
+            y = mod(xi)
+            y.float().square().mean().backward()
+            got.append([y.detach().clone(), xi.grad.clone(), *(p.grad.clone() for p in params)])
+        errs += [_rel(a, b) for a, b in zip(*got)]
+    for p in graphed.parameters():
+        p.grad = None
+    check = {"graph_check_steps": GRAPH_CHECK_STEPS, "graph_check_tensors": len(errs),
+             "graph_check_max_rel_err": max(errs), "graph_check_ok": max(errs) < GRAPH_CHECK_TOL}
+    del twin
+    return graphed, check
+
+
 def _saved_bytes(one: Any) -> int:
     """Bytes of the distinct storages autograd keeps from one step's forward for its backward."""
     seen: dict[int, int] = {}
@@ -221,7 +285,24 @@ def _gpu_busy(one: Any, steps: int, dev: torch.device) -> dict[str, Any]:
     iv = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in trace.get("traceEvents", [])
           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     share, span = busy_share(iv)
-    return {"gpu_busy": share, "busy_span_ms_per_step": span / 1e3 / steps, "busy_events": len(iv)}
+    return {"gpu_busy": share, "busy_span_ms_per_step": span / 1e3 / steps, "busy_events": len(iv),
+            "busy_ms_per_step": share * span / 1e3 / steps}
+
+
+def _queued_ms(one: Any, steps: int, dev: torch.device, group: Any) -> float:
+    """Milliseconds per step of ``steps`` steps queued back to back, between two CUDA events
+    (no profiler, no synchronization between steps), the slowest rank's."""
+    tdist.barrier(group=group)
+    torch.cuda.synchronize(dev)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(steps):
+        one(i)
+    e.record()
+    e.synchronize()
+    ms = torch.tensor([s.elapsed_time(e) / steps], dtype=torch.float64, device=dev)
+    tdist.all_reduce(ms, op=tdist.ReduceOp.MAX, group=group)
+    return ms.item()
 
 
 def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
@@ -236,14 +317,25 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         return {"mode": mode, "na": "sequence parallel only (--sp)"}
     if mode == "compiled-torch" and dev.type != "cuda":
         return {"mode": mode, "na": "torch's symm_mem ops need CUDA"}
+    graphed = mode.endswith("-graphed")
+    if graphed and dev.type != "cuda":
+        return {"mode": mode, "na": "CUDA graphs need a GPU"}
     _set_mode(mode, group, env["saved"], args.pretend_nccl)
     torch._dynamo.reset()
+    t_in = args.seq // world if args.sp else args.seq
+    check: dict[str, Any] = {}
     if compiled:
         torch.manual_seed(0)
         step = torch.compile(Block(args.embd, args.heads, world, group, dev, dt), fullgraph=True)
+    elif graphed:
+        t0 = time.perf_counter()
+        step, check = _graphed_block(mode[:-len("-graphed")], args, env, (args.batch, t_in, args.embd))
+        check["capture_and_check_s"] = time.perf_counter() - t0
+        if not check["graph_check_ok"]:
+            print(f"FAIL {mode}: the replayed step differs from the eager one (max relative error "
+                  f"{check['graph_check_max_rel_err']:.2e})", flush=True)
     else:
         step = _eager_block(mode, args, env)
-    t_in = args.seq // world if args.sp else args.seq
     g = torch.Generator(device="cpu").manual_seed(100 + (rank if args.sp else 0))
     xs = [torch.randn(args.batch, t_in, args.embd, generator=g).to(dev, dt).requires_grad_() for _ in range(2)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -261,7 +353,7 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
     first_s = time.perf_counter() - t0
     for i in range(args.warmup):
         one(i)
-    saved = None if compiled else _saved_bytes(one)
+    saved = None if compiled or graphed else _saved_bytes(one)
     sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -276,9 +368,13 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
     med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=dev)  # NCCL: a device tensor
     tdist.all_reduce(med, op=tdist.ReduceOp.MAX, group=group)  # the slowest rank's median
     out = {"mode": mode, "ms_per_step": med.item(), "tokens_per_s": args.batch * args.seq / med.item() * 1e3,
-           "first_step_s": first_s}
+           "first_step_s": first_s, **check}
+    if dev.type == "cuda":
+        out["ms_per_step_queued"] = _queued_ms(one, args.steps, dev, group)
     if compiled:
         out["fused_calls"] = _fused_calls(codes)
+    elif graphed:
+        pass
     else:
         out["saved_mib"] = saved / 2 ** 20
         if args.sp:
@@ -287,6 +383,8 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         if args.busy:
             out.update(_gpu_busy(one, args.busy, dev))
+            # the GPU's busy time per step (the profile's) over the step's pace without the profiler
+            out["busy_share_of_queued"] = out["busy_ms_per_step"] / out["ms_per_step_queued"]
     return out
 
 
@@ -326,7 +424,18 @@ def main() -> None:
            "world": world, "rank": rank,
            "saved": {"_micro_pipeline_tp": config._micro_pipeline_tp,
                      "post_grad_custom_post_pass": config.post_grad_custom_post_pass}}
-    rows = [run_mode(m, args, env) for m in modes]
+    rows = []
+    for m in modes:
+        try:
+            rows.append(run_mode(m, args, env))
+        except Exception as e:  # noqa: BLE001 - a capture that fails is a result; the other modes still run
+            if not m.endswith("-graphed") or world > 1:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"mode": m, "na": f"FAILED: {type(e).__name__}: {e}"[:2000]})
+            torch.cuda.synchronize(dev)
     if rank == 0:
         doc = {"context": run_context(world), "args": vars(args), "rows": rows}
         if args.sp:
@@ -348,9 +457,17 @@ def main() -> None:
             print(f"{r['mode']:17} {r['ms_per_step']:9.3f} {r['tokens_per_s']:10.0f} "
                   f"{r.get('peak_gib', float('nan')):9.2f} {r.get('saved_mib', float('nan')):9.2f} "
                   f"{r['first_step_s']:10.1f}  {calls}")
+            if "ms_per_step_queued" in r:
+                print(f"{'':17} {r['ms_per_step_queued']:.3f} ms per step with {args.steps} steps queued back to "
+                      f"back (CUDA events, no profiler)")
+            if "graph_check_ok" in r:
+                print(f"{'':17} replay against the eager step, {r['graph_check_steps']} new inputs, "
+                      f"{r['graph_check_tensors']} tensors: max relative error {r['graph_check_max_rel_err']:.2e} "
+                      f"{'PASS' if r['graph_check_ok'] else 'FAIL'}")
             if "gpu_busy" in r:
                 print(f"{'':17} GPU busy {r['gpu_busy']:.1%} of {r['busy_span_ms_per_step']:.3f} ms per step "
-                      f"({args.busy} steps back to back, {r['busy_events']} device events)")
+                      f"({args.busy} steps back to back, {r['busy_events']} device events); its "
+                      f"{r['busy_ms_per_step']:.3f} busy ms are {r['busy_share_of_queued']:.1%} of the queued step")
         for q in doc.get("regather_plan", ()):
             print(f"save_gathered='auto' at {q['layer']} ({q['m']} x {q['n_shard']} x {q['k']}): "
                   f"{'regather' if q['regather'] else 'save'}; estimated gather {q['gather_ms']:.3f} + "

@@ -22,7 +22,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from overlap import dist, observe
-from overlap.nn import (ColumnParallelLinear, NormColumnParallelLinear, RowParallelLinear, functional, parallelize)
+from overlap.nn import (ColumnParallelLinear, NormColumnParallelLinear, RowParallelLinear, SequenceParallelNorm,
+                        functional, parallelize)
 
 RANK, WS = 0, 1
 DEV, DT, S = torch.device("cpu"), torch.float32, 1  # the GPU check (tests/gpu/nn_check.py): cuda, bf16, 16
@@ -488,8 +489,8 @@ def check_bad_arguments() -> None:
 # ---- torch.compile ----------------------------------------------------------------------
 
 def check_compiled() -> None:
-    """Column (sequence-parallel, the gathered input kept and gathered again), row
-    (sequence-parallel and not) and norm + column under torch.compile(fullgraph=True,
+    """A sequence-parallel norm, column (sequence-parallel, the gathered input kept and
+    gathered again), row (sequence-parallel and not) and norm + column under torch.compile(fullgraph=True,
     backend="aot_eager"): outputs and gradients equal eager's, inputs new every call, the
     graphs hold the library's custom ops, and the regather's wait comes after the input
     gradient's GEMM -> reduce-scatter in the backward graph."""
@@ -504,9 +505,11 @@ def check_compiled() -> None:
         "r2": RowParallelLinear.from_linear(row, reduce_output=False),
         "nc": NormColumnParallelLinear.from_modules(norm, col),
         "r3": RowParallelLinear.from_linear(row),
+        "sn": SequenceParallelNorm(norm_ref("layernorm", k, seed=13), tdist.group.WORLD),
     })
 
     def step(x: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        x = layers["sn"](x)  # this rank's tokens: the norm's gradients summed over ranks
         y = layers["r"](torch.relu(layers["c"](x)) + layers["c4"](x).square())  # (M/R, K): sequence parallel
         full = functional.gather_from_region(y, group=layers["c"].group, dim=0)  # (M, K)
         p = layers["r2"](torch.relu(layers["c2"](full)))  # partial sums

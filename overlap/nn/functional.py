@@ -79,27 +79,72 @@ __all__ = [
 _compiling = torch.compiler.is_compiling
 
 
-# ---- the ops, fused or plain ------------------------------------------------------------
-# Each helper runs under torch.no_grad (the caller's Function records the autograd), so
-# the library's refusal of inputs that require grad never fires.
+# ---- what a call needs, decided once; the ops, fused or plain ----------------------------
 
-def _ag_mm(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any,
-           return_gathered: bool) -> Any:
-    if fused:
-        return _lib.all_gather_matmul(a, b, group=group, return_gathered=return_gathered, config=config)
-    return _ag.all_gather_matmul_ref(a, b, group=group, return_gathered=return_gathered)
+class _Plan:
+    """What the autograd functions of one layer read on every call, decided when the layer
+    (or a functional call) is set up: the group, the fused ops or their references, the
+    ops' config, the group's size where known, and (sequence-parallel column layers)
+    whether the gathered input is kept for the weight gradient. One argument and one
+    ``ctx`` field in place of four or five on every call."""
+
+    __slots__ = ("group", "world", "fused", "config", "save_gathered", "norm")
+
+    def __init__(self, group: Any, fused: bool, config: Any, *, save_gathered: bool = True,
+                 world: int | None = None, norm: Any = None) -> None:
+        self.group, self.fused, self.config = group, bool(fused), config
+        self.save_gathered, self.world, self.norm = bool(save_gathered), world, norm
+
+    def world_size(self) -> int:
+        if self.world is None:
+            self.world = _rank_world(self.group)[1]
+        return self.world
+
+    def __repr__(self) -> str:
+        return (f"_Plan(world={self.world}, fused={self.fused}, config={self.config!r}, "
+                f"save_gathered={self.save_gathered})")
 
 
-def _mm_rs(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any) -> torch.Tensor:
-    if fused:
-        return _lib.matmul_reduce_scatter(a, b, group=group, config=config)
-    return _mr.matmul_reduce_scatter_ref(a, b, group=group)
+# Each helper runs with grad mode off (forward always; backward unless create_graph, see
+# _grads_off), so the library's refusal of inputs that require grad never fires. Eager
+# calls go to the ops themselves; compiling, through the custom ops of overlap._library.
+
+def _ag_mm(a: torch.Tensor, b: Any, plan: _Plan, return_gathered: bool) -> Any:
+    if not plan.fused:
+        return _ag.all_gather_matmul_ref(a, b, group=plan.group, return_gathered=return_gathered)
+    if _compiling() or not isinstance(b, torch.Tensor):  # (a list of weights: the wrapper's path)
+        return _lib.all_gather_matmul(a, b, group=plan.group, return_gathered=return_gathered, config=plan.config)
+    return _ag.all_gather_matmul(a, b, group=plan.group, return_gathered=return_gathered, config=plan.config)
 
 
-def _mm_ar(a: torch.Tensor, b: torch.Tensor, group: Any, fused: bool, config: Any) -> torch.Tensor:
-    if fused:
-        return _lib.matmul_all_reduce(a, b, group=group, config=config)
-    return _mr.matmul_all_reduce_ref(a, b, group=group)
+def _mm_rs(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    if not plan.fused:
+        return _mr.matmul_reduce_scatter_ref(a, b, group=plan.group)
+    if _compiling():
+        return _lib.matmul_reduce_scatter(a, b, group=plan.group, config=plan.config)
+    return _mr.matmul_reduce_scatter(a, b, group=plan.group, config=plan.config)
+
+
+def _mm_ar(a: torch.Tensor, b: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    if not plan.fused:
+        return _mr.matmul_all_reduce_ref(a, b, group=plan.group)
+    if _compiling():
+        return _lib.matmul_all_reduce(a, b, group=plan.group, config=plan.config)
+    return _mr.matmul_all_reduce(a, b, group=plan.group, config=plan.config)
+
+
+def _grads_off(backward: Any) -> Any:
+    """A Function's backward run with grad mode off. Autograd runs a backward with grad
+    mode off unless ``create_graph=True``; only then does this pay for ``torch.no_grad``."""
+
+    def run(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        return backward(ctx, *grads)
+
+    run.__doc__, run.__name__, run.__qualname__ = backward.__doc__, backward.__name__, backward.__qualname__
+    return run
 
 
 def _all_gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -160,10 +205,6 @@ def _rank_world(group: Any) -> tuple[int, int]:
     import torch.distributed as tdist
 
     return tdist.get_rank(group), tdist.get_world_size(group)
-
-
-def _bias_grad(grad: torch.Tensor, bias: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
-    return grad.sum(0).to(bias.dtype) if bias is not None and needed else None
 
 
 # ---- the weight gradient's input: kept from forward, or all-gathered again --------------
@@ -250,73 +291,78 @@ class _AllGatherLinear(torch.autograd.Function):
     """forward: all-gather rows, then GEMM; backward: GEMM, then reduce-scatter rows."""
 
     @staticmethod
-    def forward(ctx: Any, x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
-                fused: bool, config: Any, save_gathered: bool) -> torch.Tensor:
-        with torch.no_grad():
-            y, gathered = _ag_mm(x_shard, w_shard.t(), group, fused, config, return_gathered=True)
-            if bias is not None:
-                y = y + bias  # [M, N/R]
-        ctx.group, ctx.fused, ctx.config, ctx.has_bias = group, fused, config, bias is not None
-        ctx.save_gathered = save_gathered
+    def forward(ctx: Any, x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
+                plan: _Plan) -> torch.Tensor:
+        y, gathered = _ag_mm(x_shard, w_shard.t(), plan, True)  # [M, N/R], [M, K]
+        if bias is not None:
+            y = y + bias
+        ctx.plan = plan
         # the weight gradient reads the gathered input: keeping it costs [M, K] per layer until
         # backward; save_gathered=False keeps the shard [M/R, K] and all-gathers it again there
-        ctx.save_for_backward(gathered if save_gathered else x_shard, w_shard)
+        ctx.save_for_backward(gathered if plan.save_gathered else x_shard, w_shard)
         return y
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         saved, w_shard = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        plan = ctx.plan
         grad_x = grad_w = grad_b = None
-        with torch.no_grad():
-            grad_y = grad_y.contiguous()  # [M, N/R]
-            # save_gathered=False: the gather of the kept shard starts first, on torch's
-            # communicator, and runs behind the input gradient's GEMM -> reduce-scatter:
-            #
-            #   torch's NCCL stream | AG(x_shard) -> gathered [M, K] |
-            #   current stream      | GEMM grad @ w -> RS (the op's own comm) |wait| grad^T @ gathered |
-            #
-            # Every rank issues the two in the same order, and the GEMM's tiles wait on
-            # nothing, so the two communicators' kernels cannot wait on each other in a circle.
-            pending = _start_gather_rows(saved, ctx.group) if need_w and not ctx.save_gathered else None
-            if need_x:
-                grad_x = _mm_rs(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M/R, K]
-            if need_w:
-                gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
-                grad_w = grad_y.t() @ gathered  # [N/R, K]
-            if ctx.has_bias and need_b:
-                grad_b = grad_y.sum(0)  # [N/R]
-        return grad_x, grad_w, grad_b, None, None, None, None
+        grad_y = grad_y.contiguous()  # [M, N/R]
+        # save_gathered=False: the gather of the kept shard starts first, on torch's
+        # communicator, and runs behind the input gradient's GEMM -> reduce-scatter:
+        #
+        #   torch's NCCL stream | AG(x_shard) -> gathered [M, K] |
+        #   current stream      | GEMM grad @ w -> RS (the op's own comm) |wait| grad^T @ gathered |
+        #
+        # Every rank issues the two in the same order, and the GEMM's tiles wait on
+        # nothing, so the two communicators' kernels cannot wait on each other in a circle.
+        pending = _start_gather_rows(saved, plan.group) if need_w and not plan.save_gathered else None
+        if need_x:
+            grad_x = _mm_rs(grad_y, w_shard, plan)  # [M/R, K]
+        if need_w:
+            gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
+            grad_w = torch.mm(grad_y.t(), gathered)  # [N/R, K]
+        if need_b:
+            grad_b = grad_y.sum(0)  # [N/R]
+        return grad_x, grad_w, grad_b, None
 
 
 class _LinearReduceScatter(torch.autograd.Function):
-    """forward: GEMM, then reduce-scatter rows; backward: all-gather rows, then GEMM."""
+    """forward: GEMM, then reduce-scatter rows (+ bias, replicated); backward: all-gather
+    rows, then GEMM; the bias's gradient summed over every rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, group: Any, fused: bool,
-                config: Any) -> torch.Tensor:
-        with torch.no_grad():
-            y_shard = _mm_rs(x, w_shard.t(), group, fused, config)  # [M/R, N]
-        ctx.group, ctx.fused, ctx.config = group, fused, config
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
+                plan: _Plan) -> torch.Tensor:
+        y_shard = _mm_rs(x, w_shard.t(), plan)  # [M/R, N]
+        if bias is not None:
+            y_shard = y_shard + bias  # after the sum: once, on this rank's rows
+        ctx.plan = plan
         ctx.save_for_backward(x, w_shard)
         return y_shard
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, grad_y_shard: torch.Tensor) -> tuple:
         x, w_shard = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        grad_x = grad_w = None
-        with torch.no_grad():
-            grad_y_shard = grad_y_shard.contiguous()  # [M/R, N]
-            if need_x:
-                # one all-gather serves both: the GEMM's input and (returned) the weight gradient's
-                out = _ag_mm(grad_y_shard, w_shard, ctx.group, ctx.fused, ctx.config, return_gathered=need_w)
-                grad_x, grad_y = out if need_w else (out, None)  # [M, K/R], [M, N]
-            elif need_w:
-                grad_y = _all_gather_rows(grad_y_shard, ctx.group)  # [M, N]
-            if need_w:
-                grad_w = grad_y.t() @ x  # [N, K/R]
-        return grad_x, grad_w, None, None, None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        plan = ctx.plan
+        grad_x = grad_w = grad_b = None
+        grad_y_shard = grad_y_shard.contiguous()  # [M/R, N]
+        if need_x:
+            # one all-gather serves both: the GEMM's input and (returned) the weight gradient's
+            out = _ag_mm(grad_y_shard, w_shard, plan, need_w)
+            grad_x, grad_y = out if need_w else (out, None)  # [M, K/R], [M, N]
+        elif need_w:
+            grad_y = _all_gather_rows(grad_y_shard, plan.group)  # [M, N]
+        if need_w:
+            grad_w = torch.mm(grad_y.t(), x)  # [N, K/R]
+        if need_b:
+            # each rank's rows give a part: the sum over ranks (copy_to_region's backward)
+            grad_b = _all_reduce(grad_y_shard.sum(0), plan.group)  # [N]
+        return grad_x, grad_w, grad_b, None
 
 
 def all_gather_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -344,18 +390,18 @@ def all_gather_linear(x_shard: torch.Tensor, w_shard: torch.Tensor, bias: torch.
     Anything else raises ``ValueError``.
     """
     _check_save_gathered(save_gathered)
+    world = None
     if save_gathered == "auto":
-        import torch.distributed as tdist
-
-        world = tdist.get_world_size(group)
+        world = _rank_world(group)[1]
         save_gathered = not regather_plan(world * x_shard.shape[0], w_shard.shape[0], x_shard.shape[1], world,
                                           x_shard.dtype).regather
-    return _AllGatherLinear.apply(x_shard, w_shard, bias, group, fused, config, save_gathered)
+    return _AllGatherLinear.apply(x_shard, w_shard, bias,
+                                  _Plan(group, fused, config, save_gathered=save_gathered, world=world))
 
 
-def linear_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, *, group: Any, fused: bool = True,
-                          config: Any = None) -> torch.Tensor:
-    """``reduce_scatter(x @ w_shard.t(), dim=0)``: a sequence-parallel row-parallel linear (no bias).
+def linear_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *, group: Any,
+                          fused: bool = True, config: Any = None) -> torch.Tensor:
+    """``reduce_scatter(x @ w_shard.t(), dim=0) + bias``: a sequence-parallel row-parallel linear.
 
     forward: GEMM -> reduce-scatter (``matmul_reduce_scatter``); backward: all-gather -> GEMM
     (``all_gather_matmul``, whose gathered ``grad`` also gives ``grad_w = grad^T @ x``).
@@ -365,13 +411,14 @@ def linear_reduce_scatter(x: torch.Tensor, w_shard: torch.Tensor, *, group: Any,
     ==========  =========  ===================================================
     x           [M, K/R]   every token, this rank's input features
     w_shard     [N, K/R]   this rank's input columns of an nn.Linear weight
+    bias        [N]        replicated, or None: added once, after the reduction
     returns     [M/R, N]   this rank's tokens of the sum over ranks
     ==========  =========  ===================================================
 
-    A bias is added by the caller after the reduction, through ``copy_to_region`` (each
-    rank's rows give a part of its gradient).
+    The bias's gradient is the sum over every rank's rows (one all-reduce of [N] in
+    backward, none at one rank), as ``copy_to_region``'s.
     """
-    return _LinearReduceScatter.apply(x, w_shard, group, fused, config)
+    return _LinearReduceScatter.apply(x, w_shard, bias, _Plan(group, fused, config))
 
 
 # ---- tensor-parallel column / row (activations replicated) ------------------------------
@@ -380,58 +427,55 @@ class _CopyLinear(torch.autograd.Function):
     """forward: identity (copy into the region), then GEMM; backward: GEMM, then all-reduce."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
-                fused: bool, config: Any) -> torch.Tensor:
-        with torch.no_grad():
-            y = torch.nn.functional.linear(x, w_shard, bias)  # [M, N/R]
-        ctx.group, ctx.fused, ctx.config, ctx.has_bias = group, fused, config, bias is not None
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
+                plan: _Plan) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, w_shard, bias)  # [M, N/R]
+        ctx.plan = plan
         ctx.save_for_backward(x, w_shard)
         return y
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         x, w_shard = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        with torch.no_grad():
-            grad_y = grad_y.contiguous()  # [M, N/R]
-            if need_x:
-                grad_x = _mm_ar(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M, K]
-            if need_w:
-                grad_w = grad_y.t() @ x  # [N/R, K]
-            if ctx.has_bias and need_b:
-                grad_b = grad_y.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        grad_y = grad_y.contiguous()  # [M, N/R]
+        if need_x:
+            grad_x = _mm_ar(grad_y, w_shard, ctx.plan)  # [M, K]
+        if need_w:
+            grad_w = torch.mm(grad_y.t(), x)  # [N/R, K]
+        if need_b:
+            grad_b = grad_y.sum(0)
+        return grad_x, grad_w, grad_b, None
 
 
 class _LinearAllReduce(torch.autograd.Function):
     """forward: GEMM, then all-reduce (+ bias once); backward: identity for the reduction, GEMM."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None, group: Any,
-                fused: bool, config: Any) -> torch.Tensor:
-        with torch.no_grad():
-            y = _mm_ar(x, w_shard.t(), group, fused, config)  # [M, N]
-            if bias is not None:
-                y = y + bias  # after the sum: once, not R times
-        ctx.has_bias = bias is not None
+    def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
+                plan: _Plan) -> torch.Tensor:
+        y = _mm_ar(x, w_shard.t(), plan)  # [M, N]
+        if bias is not None:
+            y = y + bias  # after the sum: once, not R times
         ctx.save_for_backward(x, w_shard)
         return y
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         x, w_shard = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        with torch.no_grad():
-            # the all-reduce's backward is the identity: every rank's partial gets all of grad_y
-            if need_x:
-                grad_x = grad_y @ w_shard  # [M, K/R]
-            if need_w:
-                grad_w = grad_y.t() @ x  # [N, K/R]
-            if ctx.has_bias and need_b:
-                grad_b = grad_y.sum(0)  # grad_y is the same on every rank, so is this
-        return grad_x, grad_w, grad_b, None, None, None
+        # the all-reduce's backward is the identity: every rank's partial gets all of grad_y
+        if need_x:
+            grad_x = torch.mm(grad_y, w_shard)  # [M, K/R]
+        if need_w:
+            grad_w = torch.mm(grad_y.t(), x)  # [N, K/R]
+        if need_b:
+            grad_b = grad_y.sum(0)  # grad_y is the same on every rank, so is this
+        return grad_x, grad_w, grad_b, None
 
 
 def copy_linear(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *, group: Any,
@@ -450,7 +494,7 @@ def copy_linear(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | Non
     returns     [M, N/R]   this rank's output features
     ==========  =========  ===================================================
     """
-    return _CopyLinear.apply(x, w_shard, bias, group, fused, config)
+    return _CopyLinear.apply(x, w_shard, bias, _Plan(group, fused, config))
 
 
 def linear_all_reduce(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *, group: Any,
@@ -469,7 +513,7 @@ def linear_all_reduce(x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor
     returns     [M, N]     the sum over ranks (+ bias), on every rank
     ==========  =========  ===================================================
     """
-    return _LinearAllReduce.apply(x, w_shard, bias, group, fused, config)
+    return _LinearAllReduce.apply(x, w_shard, bias, _Plan(group, fused, config))
 
 
 # ---- several column layers on one input (q, k, v; gate, up) -----------------------------
@@ -484,38 +528,35 @@ class _AllGatherLinearMany(torch.autograd.Function):
     one GEMM over the concatenated gradients and weights, then one reduce-scatter."""
 
     @staticmethod
-    def forward(ctx: Any, x_shard: torch.Tensor, group: Any, fused: bool, config: Any, save_gathered: bool,
-                n: int, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x_shard: torch.Tensor, plan: _Plan, n: int,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         ws, bs = params[:n], params[n:]
-        with torch.no_grad():
-            ys, gathered = _ag_mm(x_shard, [w.t() for w in ws], group, fused, config, return_gathered=True)
-            ys = [y if b is None else y + b for y, b in zip(ys, bs)]  # [M, N_i/R]
-        ctx.group, ctx.fused, ctx.config, ctx.n, ctx.save_gathered = group, fused, config, n, save_gathered
-        ctx.has_bias = [b is not None for b in bs]
-        ctx.save_for_backward(gathered if save_gathered else x_shard, *ws)
+        ys, gathered = _ag_mm(x_shard, [w.t() for w in ws], plan, True)
+        ys = [y if b is None else y + b for y, b in zip(ys, bs)]  # [M, N_i/R]
+        ctx.plan, ctx.n = plan, n
+        ctx.save_for_backward(gathered if plan.save_gathered else x_shard, *ws)
         return tuple(ys)
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         saved, *ws = ctx.saved_tensors
         need = ctx.needs_input_grad
-        n = ctx.n
-        m = saved.shape[0] if ctx.save_gathered else saved.shape[0] * _rank_world(ctx.group)[1]
-        with torch.no_grad():
-            gs = _grads_or_zeros(grads, [(m, w.shape[0]) for w in ws], saved)  # [M, N_i/R]
-            need_w = any(need[6:6 + n])
-            pending = _start_gather_rows(saved, ctx.group) if need_w and not ctx.save_gathered else None
-            grad_x = None
-            if need[0]:
-                # sum_i grad_i @ w_i = cat(grad_i) @ cat(w_i): one GEMM, one reduce-scatter
-                grad_x = _mm_rs(torch.cat(gs, 1), torch.cat(ws, 0), ctx.group, ctx.fused, ctx.config)  # [M/R, K]
-            gathered = None
-            if need_w:
-                gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
-            grad_ws = [g.t() @ gathered if need[6 + i] else None for i, g in enumerate(gs)]  # [N_i/R, K]
-            grad_bs = [g.sum(0) if hb and need[6 + n + i] else None
-                       for i, (g, hb) in enumerate(zip(gs, ctx.has_bias))]
-        return (grad_x, None, None, None, None, None, *grad_ws, *grad_bs)
+        plan, n = ctx.plan, ctx.n
+        m = saved.shape[0] if plan.save_gathered else saved.shape[0] * plan.world_size()
+        gs = _grads_or_zeros(grads, [(m, w.shape[0]) for w in ws], saved)  # [M, N_i/R]
+        need_w = any(need[3:3 + n])
+        pending = _start_gather_rows(saved, plan.group) if need_w and not plan.save_gathered else None
+        grad_x = None
+        if need[0]:
+            # sum_i grad_i @ w_i = cat(grad_i) @ cat(w_i): one GEMM, one reduce-scatter
+            grad_x = _mm_rs(torch.cat(gs, 1), torch.cat(ws, 0), plan)  # [M/R, K]
+        gathered = None
+        if need_w:
+            gathered = saved if pending is None else _finish_gather(pending)  # [M, K]
+        grad_ws = [torch.mm(g.t(), gathered) if need[3 + i] else None for i, g in enumerate(gs)]  # [N_i/R, K]
+        grad_bs = [g.sum(0) if need[3 + n + i] else None for i, g in enumerate(gs)]
+        return (grad_x, None, None, *grad_ws, *grad_bs)
 
 
 class _CopyLinearMany(torch.autograd.Function):
@@ -523,26 +564,23 @@ class _CopyLinearMany(torch.autograd.Function):
     and weights, then one all-reduce."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, fused: bool, config: Any, n: int,
-                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, x: torch.Tensor, plan: _Plan, n: int, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         ws, bs = params[:n], params[n:]
-        with torch.no_grad():
-            ys = [torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)]  # [M, N_i/R]
-        ctx.group, ctx.fused, ctx.config, ctx.n = group, fused, config, n
-        ctx.has_bias = [b is not None for b in bs]
+        ys = [torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)]  # [M, N_i/R]
+        ctx.plan, ctx.n = plan, n
         ctx.save_for_backward(x, *ws)
         return tuple(ys)
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         x, *ws = ctx.saved_tensors
         need, n = ctx.needs_input_grad, ctx.n
-        with torch.no_grad():
-            gs = _grads_or_zeros(grads, [(x.shape[0], w.shape[0]) for w in ws], x)
-            grad_x = _mm_ar(torch.cat(gs, 1), torch.cat(ws, 0), ctx.group, ctx.fused, ctx.config) if need[0] else None
-            grad_ws = [g.t() @ x if need[5 + i] else None for i, g in enumerate(gs)]
-            grad_bs = [g.sum(0) if hb and need[5 + n + i] else None for i, (g, hb) in enumerate(zip(gs, ctx.has_bias))]
-        return (grad_x, None, None, None, None, *grad_ws, *grad_bs)
+        gs = _grads_or_zeros(grads, [(x.shape[0], w.shape[0]) for w in ws], x)
+        grad_x = _mm_ar(torch.cat(gs, 1), torch.cat(ws, 0), ctx.plan) if need[0] else None
+        grad_ws = [torch.mm(g.t(), x) if need[3 + i] else None for i, g in enumerate(gs)]
+        grad_bs = [g.sum(0) if need[3 + n + i] else None for i, g in enumerate(gs)]
+        return (grad_x, None, None, *grad_ws, *grad_bs)
 
 
 def _check_many(what: str, ws: list[torch.Tensor], biases: list[torch.Tensor | None] | None) -> list:
@@ -576,14 +614,13 @@ def all_gather_linear_many(x_shard: torch.Tensor, w_shards: list[torch.Tensor],
     """
     biases = _check_many("all_gather_linear_many", w_shards, biases)
     _check_save_gathered(save_gathered)
+    world = None
     if save_gathered == "auto":
-        import torch.distributed as tdist
-
-        world = tdist.get_world_size(group)
+        world = _rank_world(group)[1]
         save_gathered = not regather_plan(world * x_shard.shape[0], sum(w.shape[0] for w in w_shards),
                                           x_shard.shape[1], world, x_shard.dtype).regather
-    return list(_AllGatherLinearMany.apply(x_shard, group, fused, config, bool(save_gathered), len(w_shards),
-                                           *w_shards, *biases))
+    plan = _Plan(group, fused, config, save_gathered=save_gathered, world=world)
+    return list(_AllGatherLinearMany.apply(x_shard, plan, len(w_shards), *w_shards, *biases))
 
 
 def copy_linear_many(x: torch.Tensor, w_shards: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None,
@@ -603,7 +640,7 @@ def copy_linear_many(x: torch.Tensor, w_shards: list[torch.Tensor], biases: list
     ==========  ===========  =================================================
     """
     biases = _check_many("copy_linear_many", w_shards, biases)
-    return list(_CopyLinearMany.apply(x, group, fused, config, len(w_shards), *w_shards, *biases))
+    return list(_CopyLinearMany.apply(x, _Plan(group, fused, config), len(w_shards), *w_shards, *biases))
 
 
 # ---- the block boundary: all-reduce -> residual -> norm -> column-parallel GEMM ---------
@@ -641,9 +678,9 @@ def _norm_backward_with_out(grad_n: torch.Tensor, h: torch.Tensor, kind: str, we
     if fused is None:
         fused = _fused_norm_ok(grad_n, h, kind, weight, bias)
     if fused and kind == "layernorm":
-        out, mean, rstd = torch.ops.aten.native_layer_norm(h, [k], weight, bias, eps)
-        dh, dw, db = torch.ops.aten.native_layer_norm_backward(grad_n, h, [k], mean, rstd, weight, bias,
-                                                               [True, True, bias is not None])
+        out, mean, rstd = torch.native_layer_norm(h, [k], weight, bias, eps)
+        dh, dw, db = torch.ops.aten.native_layer_norm_backward.default(grad_n, h, [k], mean, rstd, weight, bias,
+                                                                       [True, True, bias is not None])
         return dh, dw, db if bias is not None else None, out
     hf, gf, wf = h.float(), grad_n.float(), weight.float()
     if kind == "layernorm":
@@ -676,50 +713,58 @@ class _AllReduceNormLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x_partial: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                norm_bias: torch.Tensor | None, w_shard: torch.Tensor, bias: torch.Tensor | None, kind: str,
-                eps: float, group: Any, fused: bool, config: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..ops import Norm
-
-        with torch.no_grad():
-            if fused:
-                y, h = _lib.all_reduce_matmul(x_partial, w_shard.t(), group=group, residual=residual,
-                                              norm=Norm(kind, norm_weight, norm_bias, eps), config=config)
+                norm_bias: torch.Tensor | None, w_shard: torch.Tensor, bias: torch.Tensor | None,
+                plan: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = plan.norm  # an ops.Norm of these very parameters (all_reduce_norm_linear, the layer)
+        if plan.fused:
+            if _compiling():
+                y, h = _lib.all_reduce_matmul(x_partial, w_shard.t(), group=plan.group, residual=residual,
+                                              norm=norm, config=plan.config)
             else:
-                y, h = _ar.all_reduce_matmul_ref(x_partial, w_shard.t(), group=group, residual=residual,
-                                                 norm=Norm(kind, norm_weight, norm_bias, eps))
-            if bias is not None:
-                y = y + bias  # [M, N/R]
-        ctx.kind, ctx.eps, ctx.group, ctx.fused, ctx.config = kind, eps, group, fused, config
-        ctx.has_residual, ctx.has_norm_bias, ctx.has_bias = residual is not None, norm_bias is not None, bias is not None
+                y, h = _ar.all_reduce_matmul(x_partial, w_shard.t(), group=plan.group, residual=residual,
+                                             norm=norm, config=plan.config)
+        else:
+            y, h = _ar.all_reduce_matmul_ref(x_partial, w_shard.t(), group=plan.group, residual=residual, norm=norm)
+        if bias is not None:
+            y = y + bias  # [M, N/R]
+        ctx.plan = plan
         # h [M, K] is kept (it is an output, alive anyway in the residual stream); norm(h)
         # is recomputed in backward for the weight gradient instead of kept
         ctx.save_for_backward(h, norm_weight, norm_bias, w_shard)
         return y, h
 
     @staticmethod
+    @_grads_off
     def backward(ctx: Any, grad_y: torch.Tensor | None, grad_h: torch.Tensor | None) -> tuple:
         h, nw, nb, w_shard = ctx.saved_tensors
         need = ctx.needs_input_grad
+        plan = ctx.plan
+        kind, eps = plan.norm.kind, plan.norm.eps
         grad_w = grad_b = dnw = dnb = None
-        with torch.no_grad():
-            if grad_y is not None:
-                grad_y = grad_y.contiguous()  # [M, N/R]
-                # the norm's output feeds every rank's columns: its gradient is the sum over ranks
-                grad_n = _mm_ar(grad_y, w_shard, ctx.group, ctx.fused, ctx.config)  # [M, K]
-                dh, dnw, dnb, normed = _norm_backward_with_out(grad_n, h, ctx.kind, nw, nb, ctx.eps)
-                grad_h = dh if grad_h is None else grad_h + dh  # [M, K]
-                if need[4]:
-                    if normed is None:
-                        normed = _apply_norm(h, ctx.kind, nw, nb, ctx.eps)
-                    grad_w = grad_y.t() @ normed  # [N/R, K]
-                if ctx.has_bias and need[5]:
-                    grad_b = grad_y.sum(0)
-            if grad_h is None:
-                grad_h = torch.zeros_like(h)
+        if grad_y is not None:
+            grad_y = grad_y.contiguous()  # [M, N/R]
+            # the norm's output feeds every rank's columns: its gradient is the sum over ranks
+            grad_n = _mm_ar(grad_y, w_shard, plan)  # [M, K]
+            dh, dnw, dnb, normed = _norm_backward_with_out(grad_n, h, kind, nw, nb, eps)
+            grad_h = dh if grad_h is None else grad_h + dh  # [M, K]
+            if need[4]:
+                if normed is None:
+                    normed = _apply_norm(h, kind, nw, nb, eps)
+                grad_w = torch.mm(grad_y.t(), normed)  # [N/R, K]
+            if need[5]:
+                grad_b = grad_y.sum(0)
+        if grad_h is None:
+            grad_h = torch.zeros_like(h)
         # h = sum_r x_partial_r + residual: each rank's partial and the residual get all of grad_h
-        return (grad_h if need[0] else None, grad_h if ctx.has_residual and need[1] else None,
-                dnw if need[2] else None, dnb if ctx.has_norm_bias and need[3] else None,
-                grad_w, grad_b, None, None, None, None, None)
+        return (grad_h if need[0] else None, grad_h if need[1] else None, dnw if need[2] else None,
+                dnb if need[3] else None, grad_w, grad_b, None)
+
+
+def _norm_plan(group: Any, fused: bool, config: Any, kind: str, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> _Plan:
+    from ..ops import Norm
+
+    return _Plan(group, fused, config, norm=Norm(kind, weight, bias, float(eps)))
 
 
 def all_reduce_norm_linear(x_partial: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -747,8 +792,8 @@ def all_reduce_norm_linear(x_partial: torch.Tensor, w_shard: torch.Tensor, bias:
     returns                  y [M, N/R], h [M, K] (the new residual stream)
     ============  =========  =================================================
     """
-    return _AllReduceNormLinear.apply(x_partial, residual, norm_weight, norm_bias, w_shard, bias, norm_kind,
-                                      float(eps), group, fused, config)
+    return _AllReduceNormLinear.apply(x_partial, residual, norm_weight, norm_bias, w_shard, bias,
+                                      _norm_plan(group, fused, config, norm_kind, norm_weight, norm_bias, eps))
 
 
 # ---- the edges of a region, on plain collectives ----------------------------------------
@@ -766,6 +811,38 @@ class _CopyToRegion(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         with torch.no_grad():
             return _all_reduce(grad, ctx.group), None
+
+
+class _CopyToRegionMany(torch.autograd.Function):
+    """``_CopyToRegion`` of several tensors of one dtype and device (a norm's weight and
+    bias): forward identity each; backward one all-reduce of their gradients concatenated,
+    not one each."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.shapes = group, [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    @_grads_off
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        # (autograd hands an unused output's gradient in as zeros: materialize_grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])  # a new tensor: reduced in place
+        if _compiling():
+            from torch.distributed import _functional_collectives as funcol
+
+            flat = funcol.all_reduce(flat, "sum", ctx.group)
+        else:
+            import torch.distributed as tdist
+
+            tdist.all_reduce(flat, group=ctx.group)
+        parts = flat.split([shape.numel() for shape in ctx.shapes])
+        return (None, *(part.view(shape) for part, shape in zip(parts, ctx.shapes)))
+
+
+def _copy_to_region_many(xs: list[torch.Tensor], group: Any) -> tuple[torch.Tensor, ...]:
+    """``[copy_to_region(x) for x in xs]`` with one all-reduce in backward (one dtype and device)."""
+    return _CopyToRegionMany.apply(group, *xs)
 
 
 class _GatherFromRegion(torch.autograd.Function):

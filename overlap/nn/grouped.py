@@ -146,14 +146,31 @@ class ColumnGroup:
         ws, bs = [_copies(m, m.weight) for m in ms], [_copies(m, m.bias) for m in ms]
         if self.sp:
             x2, lead = _SequenceDim.to_rows(x, self.seq_dim)  # [T/R * ..., K]
-            ys = F.all_gather_linear_many(x2, ws, bs, group=m0.group, fused=m0.overlap, config=m0.config,
-                                          save_gathered=m0.save_gathered)  # [T * ..., N_i/R]
+            ys = F._AllGatherLinearMany.apply(x2, self._plan(x2, ws), len(ws), *ws, *bs)  # [T * ..., N_i/R]
             full = (m0.tp_size * lead[0], *lead[1:])
             return [_SequenceDim.from_rows(y, full, self.seq_dim) for y in ys]
         lead = x.shape[:-1]
-        ys = F.copy_linear_many(x.reshape(-1, x.shape[-1]), ws, bs, group=m0.group, fused=m0.overlap,
-                                config=m0.config)  # [tokens, N_i/R]
+        ys = F._CopyLinearMany.apply(x.reshape(-1, x.shape[-1]), self._plan(x, ws), len(ws), *ws,
+                                     *bs)  # [tokens, N_i/R]
         return [y.view(*lead, y.shape[-1]) for y in ys]
+
+    def _plan(self, x2: torch.Tensor, ws: list[torch.Tensor]) -> F._Plan:
+        """The first member's call plan for the group's call (``save_gathered`` "auto" on the
+        members' summed output features), kept with the member's own plans."""
+        m0 = self.members[0]
+        n, save = sum(w.shape[0] for w in ws), m0.save_gathered
+        auto = self.sp and save == "auto"
+
+        def make() -> F._Plan:
+            keep = save
+            if auto:
+                world = m0.tp_size
+                keep = not F.regather_plan(world * x2.shape[0], n, x2.shape[-1], world, x2.dtype).regather
+            F._check_save_gathered(keep)
+            return F._Plan(m0.group, m0.overlap, m0.config, save_gathered=keep, world=m0.tp_size)
+
+        return m0._plans.get(lambda: ("many", x2.shape[0] if auto else None, x2.dtype, n, m0.overlap,
+                                      id(m0.config), save), m0.config, make)
 
 
 def _copies(m: ColumnParallelLinear, p: torch.Tensor | None) -> torch.Tensor | None:

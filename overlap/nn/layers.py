@@ -33,6 +33,37 @@ from . import functional as F
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "NormColumnParallelLinear", "linear_parts"]
 
+_compiling = torch.compiler.is_compiling
+_MAX_PLANS = 64  # input signatures a layer keeps a call plan for (token counts vary in inference)
+
+
+class _CallPlans:
+    """A layer's call plans (``functional._Plan``): what its autograd functions read on every
+    call (group, fused or plain, config, the group's size, ``save_gathered`` decided),
+    made once per input signature and layer setting and looked up by a tuple after.
+    The key holds every attribute a plan is made from, so setting ``overlap``, ``config``
+    or ``save_gathered`` on the layer makes a new plan; the config by identity (a plan
+    keeps it, so its id cannot be reused while the plan lives)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, F._Plan] = {}
+
+    def get(self, key: Any, config: Any, make: Any) -> F._Plan:
+        """The plan at ``key()`` (a callable: built only outside a compile, where Dynamo
+        traces no ``id()`` of a constant), made by ``make()`` where there is none."""
+        if _compiling():  # traced once into the graph: nothing to look up, nothing kept
+            return make()
+        key = key()
+        plan = self.plans.get(key)
+        if plan is None or plan.config is not config:
+            if len(self.plans) >= _MAX_PLANS:
+                self.plans.clear()
+            plan = self.plans[key] = make()
+        return plan
+
+    def __repr__(self) -> str:
+        return f"_CallPlans({len(self.plans)}: {list(self.plans.values())})"
+
 
 def _group_info(group: Any) -> tuple[Any, int, int]:
     import torch.distributed as tdist
@@ -88,16 +119,20 @@ class _SequenceDim:
         if dim % x.dim() == x.dim() - 1:
             raise ValueError(f"sequence_dim={dim} is the feature dim of an input of shape {tuple(x.shape)}")
         dim %= x.dim()
-        lead = tuple(x.movedim(dim, 0).shape[:-1])
-        if dim:  # (T, ..., C): the rows of one rank's tokens contiguous
-            return _MoveRows.apply(x, dim, None), lead  # (T * ..., C)
-        return x.reshape(-1, x.shape[-1]), lead  # (T * ..., C)
+        if dim and any(d != 1 for d in x.shape[:dim]):  # (T, ..., C): the rows of one rank's tokens contiguous
+            return _MoveRows.apply(x, dim, None), tuple(x.movedim(dim, 0).shape[:-1])  # (T * ..., C)
+        # only dims of size 1 before T (batch 1): moving T first is a view, rows already T-major
+        lead = (x.shape[dim], *x.shape[:dim], *x.shape[dim + 1:-1])
+        return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])), lead  # (T * ..., C)
 
     @staticmethod
     def from_rows(y: torch.Tensor, lead: tuple[int, ...], dim: int) -> torch.Tensor:
-        if dim % (len(lead) + 1):
-            return _MoveRows.apply(y, dim % (len(lead) + 1), lead)
-        return y.view(*lead, y.shape[-1])  # (T', ..., N)
+        dim %= len(lead) + 1
+        if dim and any(d != 1 for d in lead[1:dim + 1]):
+            return _MoveRows.apply(y, dim, lead)
+        if len(lead) == 1:
+            return y  # (T', N)
+        return y.view(*lead[1:dim + 1], lead[0], *lead[dim + 1:], y.shape[-1])  # (1, ..., T', ..., N)
 
 
 def linear_parts(linear: nn.Module) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
@@ -164,6 +199,27 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // self.tp_size, **kw)) if bias else None
         _init_linear(self.weight, self.bias, in_features)
         self._fusion: Any = None  # set by parallelize: the layers that share this one's input
+        self._plans = _CallPlans()
+
+    def _plan(self, x2: torch.Tensor) -> F._Plan:
+        """The call plan for input rows ``x2`` [tokens, K] at the layer's settings."""
+        sp, save = self.sequence_parallel, self.save_gathered
+
+        def key() -> tuple:
+            if sp and save == "auto":
+                return x2.shape[0], x2.dtype, self.overlap, id(self.config), save
+            return self.overlap, id(self.config), save
+
+        def make() -> F._Plan:
+            keep = save
+            if sp and save == "auto":
+                world = self.tp_size
+                keep = not F.regather_plan(world * x2.shape[0], self.weight.shape[0], x2.shape[1], world,
+                                           x2.dtype).regather
+            F._check_save_gathered(keep)
+            return F._Plan(self.group, self.overlap, self.config, save_gathered=keep, world=self.tp_size)
+
+        return self._plans.get(key, self.config, make)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, *, group: Any = None, sequence_parallel: bool = False,
@@ -194,13 +250,12 @@ class ColumnParallelLinear(nn.Module):
             return self._fusion(self, x)
         if self.sequence_parallel:
             x2, lead = _SequenceDim.to_rows(x, self.sequence_dim)  # [T/R * ..., K]
-            y = F.all_gather_linear(x2, self.weight, self.bias, group=self.group, fused=self.overlap,
-                                    config=self.config, save_gathered=self.save_gathered)  # [T * ..., N/R]
+            y = F._AllGatherLinear.apply(x2, self.weight, self.bias, self._plan(x2))  # [T * ..., N/R]
             return _SequenceDim.from_rows(y, (self.tp_size * lead[0], *lead[1:]), self.sequence_dim)
-        lead = x.shape[:-1]
-        y = F.copy_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias, group=self.group,
-                          fused=self.overlap, config=self.config)  # [tokens, N/R]
-        y = y.view(*lead, y.shape[-1])  # (..., N/R)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, K]
+        y = F._CopyLinear.apply(x2, self.weight, self.bias, self._plan(x2))  # [tokens, N/R]
+        if x2 is not x:
+            y = y.view(*x.shape[:-1], y.shape[-1])  # (..., N/R)
         return F.gather_from_region(y, group=self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -253,6 +308,11 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, **kw))  # [N, K/R]
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self._plans = _CallPlans()
+
+    def _plan(self) -> F._Plan:
+        return self._plans.get(lambda: (self.overlap, id(self.config)), self.config,
+                               lambda: F._Plan(self.group, self.overlap, self.config, world=self.tp_size))
 
     @classmethod
     def from_linear(cls, linear: nn.Module, *, group: Any = None, sequence_parallel: bool = False,
@@ -278,20 +338,16 @@ class RowParallelLinear(nn.Module):
             if lead[0] % self.tp_size:
                 raise ValueError(f"sequence_parallel: the sequence dim ({lead[0]} tokens) is not a multiple of "
                                  f"the tensor-parallel size {self.tp_size}")
-            y = F.linear_reduce_scatter(x2, self.weight, group=self.group, fused=self.overlap,
-                                        config=self.config)  # [T/R * ..., N]
-            if self.bias is not None:
-                y = y + F.copy_to_region(self.bias, group=self.group)
+            # (+ bias after the reduction; its gradient summed over every rank's rows)
+            y = F._LinearReduceScatter.apply(x2, self.weight, self.bias, self._plan())  # [T/R * ..., N]
             return _SequenceDim.from_rows(y, (lead[0] // self.tp_size, *lead[1:]), self.sequence_dim)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [tokens, K/R]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, K/R]
         if not self.reduce_output:
             # the partial sum; its all-reduce's backward (the identity) is plain autograd's
             y = torch.nn.functional.linear(x2, self.weight)
         else:
-            y = F.linear_all_reduce(x2, self.weight, self.bias, group=self.group, fused=self.overlap,
-                                    config=self.config)  # [tokens, N]
-        return y.view(*lead, y.shape[-1])  # (..., N)
+            y = F._LinearAllReduce.apply(x2, self.weight, self.bias, self._plan())  # [tokens, N]
+        return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])  # (..., N)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (/{self.tp_size}), out_features={self.out_features}, "
@@ -349,6 +405,16 @@ class NormColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features // self.tp_size, in_features, **kw))  # [N/R, K]
         self.bias = nn.Parameter(torch.empty(out_features // self.tp_size, **kw)) if bias else None
         _init_linear(self.weight, self.bias, in_features)
+        self._plans = _CallPlans()
+
+    _plan = ColumnParallelLinear._plan  # sequence-parallel: the column layer's, on the normed rows
+
+    def _norm_plan(self, nw: torch.Tensor, nb: torch.Tensor | None) -> F._Plan:
+        """Not sequence-parallel: the call plan with the op's ``Norm`` of these parameters."""
+        # (the plan's Norm keeps nw and nb alive: their ids in the key cannot be reused meanwhile)
+        return self._plans.get(lambda: (self.overlap, id(self.config), self.norm_kind, self.eps, id(nw), id(nb)),
+                               self.config, lambda: F._norm_plan(self.group, self.overlap, self.config,
+                                                                 self.norm_kind, nw, nb, self.eps))
 
     @classmethod
     def from_modules(cls, norm: nn.Module, linear: nn.Linear, *, group: Any = None,
@@ -387,18 +453,17 @@ class NormColumnParallelLinear(nn.Module):
             n = (torch.nn.functional.layer_norm(h, (k,), nw_, nb_, self.eps) if self.norm_kind == "layernorm"
                  else torch.nn.functional.rms_norm(h, (k,), nw_, self.eps))
             n2, lead = _SequenceDim.to_rows(n, self.sequence_dim)  # [T/R * ..., K]
-            y = F.all_gather_linear(n2, self.weight, self.bias, group=self.group, fused=self.overlap,
-                                    config=self.config, save_gathered=self.save_gathered)  # [T * ..., N/R]
+            y = F._AllGatherLinear.apply(n2, self.weight, self.bias, self._plan(n2))  # [T * ..., N/R]
             return _SequenceDim.from_rows(y, (self.tp_size * lead[0], *lead[1:]), self.sequence_dim), h
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [tokens, K]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [tokens, K]
         r2 = None if residual is None else residual.reshape(x2.shape)  # [tokens, K]
         if input_bias is not None:
             r2 = input_bias.expand(x2.shape) if r2 is None else r2 + input_bias  # once, after the reduction
-        y, h = F.all_reduce_norm_linear(x2, self.weight, self.bias, residual=r2, norm_kind=self.norm_kind,
-                                        norm_weight=nw, norm_bias=nb, eps=self.eps, group=self.group,
-                                        fused=self.overlap, config=self.config)  # [tokens, N/R], [tokens, K]
-        return y.view(*lead, y.shape[-1]), h.view(*lead, h.shape[-1])  # (..., N/R), (..., K)
+        y, h = F._AllReduceNormLinear.apply(x2, r2, nw, nb, self.weight, self.bias,
+                                            self._norm_plan(nw, nb))  # [tokens, N/R], [tokens, K]
+        if x2 is x:
+            return y, h
+        return y.view(*x.shape[:-1], y.shape[-1]), h.view(x.shape)  # (..., N/R), (..., K)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_size}), "

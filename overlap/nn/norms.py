@@ -29,6 +29,20 @@ class ReplicatedParameters(nn.Module):
         self.group, self.tp_size, self.tp_rank = _group_info(group)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.inner
+        if len(args) == 1 and not kwargs and type(inner) in (nn.LayerNorm, nn.RMSNorm):
+            # torch's own norms called directly: functional_call swaps every parameter of the
+            # module in and out on each call, some two hundred Python calls for a norm
+            p = self._parameters
+            w, b = p.get("weight"), p.get("bias") if type(inner) is nn.LayerNorm else None
+            if w is not None and b is not None and w.dtype == b.dtype and w.device == b.device:
+                w, b = F._copy_to_region_many([w, b], self.group)  # one all-reduce of both gradients
+            else:
+                w = None if w is None else F.copy_to_region(w, group=self.group)
+                b = None if b is None else F.copy_to_region(b, group=self.group)
+            if type(inner) is nn.LayerNorm:
+                return torch.nn.functional.layer_norm(args[0], inner.normalized_shape, w, b, inner.eps)
+            return torch.nn.functional.rms_norm(args[0], inner.normalized_shape, w, inner.eps)
         params = {n: F.copy_to_region(p, group=self.group) for n, p in self._parameters.items() if p is not None}
         return torch.func.functional_call(self.inner, params, args, kwargs)
 

@@ -59,6 +59,7 @@ def test_block_benchmark_gloo(tmp_path) -> None:  # noqa: ANN001
     for mode in ("plain", "library", "library-regather", "compiled", "compiled-overlap"):
         assert rows[mode]["ms_per_step"] > 0 and rows[mode]["tokens_per_s"] > 0, rows[mode]
     assert "CUDA" in rows["compiled-torch"]["na"]
+    assert "GPU" in rows["plain-graphed"]["na"] and "GPU" in rows["library-graphed"]["na"]
     assert not any(rows["compiled"]["fused_calls"].values()), rows["compiled"]
     calls = rows["compiled-overlap"]["fused_calls"]
     # qkv and fc1 gather in the forward, proj and fc2 in the backward; the reverse for the scatters
