@@ -66,6 +66,17 @@ class _Late:
     def all_reduce(self, *a: object, **kw: object) -> object:
         return self._late("all_reduce", *a, **kw)
 
+    def bound(self, kind: str, send: torch.Tensor, recv: torch.Tensor, stream: torch.cuda.Stream,
+              op: str = "sum") -> object:
+        """A call plan's bound collective (``NcclCommunicator.bound``), late the same way."""
+        fn, cycles = self._comm.bound(kind, send, recv, stream, op=op), self._cycles
+
+        def late(s: torch.Tensor, r: torch.Tensor) -> None:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+            fn(s, r)
+        return late
+
 
 def main() -> None:
     os.environ.pop("OVERLAP_WAIT_TIMEOUT_MS", None)
