@@ -47,7 +47,31 @@ def counts() -> str:
         if n[name] - base > budget:
             over.append(f"{name}: {n[name] - base:.0f} calls beyond torch's > budget {budget}")
     assert not over, f"{over}; all counts {n}"
+    hooks(ctx.tp_group)
     return " ".join(f"{k}={v:.0f}" for k, v in n.items())
+
+
+def hooks(group: object) -> None:
+    """A sequence-parallel norm runs its module's hooks on every call, as the module would
+    (the direct call of torch's norm is for modules with none): a forward pre-hook that
+    scales the input per feature and a forward hook that records the output, each call."""
+    from overlap.nn.norms import SequenceParallelNorm
+
+    for cls in (torch.nn.LayerNorm, torch.nn.RMSNorm):
+        m = cls(8)
+        seen: list = []
+        scale = torch.arange(1.0, 9.0)
+        m.register_forward_pre_hook(lambda mod, args, scale=scale: (args[0] * scale,))
+        m.register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
+        sp = SequenceParallelNorm(m, group)
+        del seen[:]  # the module ran while being checked as a norm
+        for _ in range(2):
+            x = torch.randn(3, 8).requires_grad_()
+            y = sp(x)
+            want = torch.nn.functional.layer_norm(x * scale, (8,), m.weight, m.bias, m.eps) \
+                if cls is torch.nn.LayerNorm else torch.nn.functional.rms_norm(x * scale, (8,), m.weight, m.eps)
+            assert torch.allclose(y, want, atol=1e-5), (cls.__name__, "the pre-hook's input was not used")
+        assert len(seen) == 2, (cls.__name__, f"the forward hook ran {len(seen)} times in 2 calls")
 
 
 def _saved_bytes(fn: object) -> int:

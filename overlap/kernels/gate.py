@@ -41,7 +41,8 @@ _launcher = CachedLauncher(gate_kernel)
 
 def enabled() -> bool:
     """Whether the ops put a gate before a grid whose first tiles wait (default on;
-    ``OVERLAP_STREAM_GATE=0`` turns it off, read on every call)."""
+    ``OVERLAP_STREAM_GATE=0`` turns it off; read per call by the ops' full path, once by a
+    call plan's bound body, when it is made)."""
     return os.environ.get("OVERLAP_STREAM_GATE", "1") != "0"
 
 

@@ -30,9 +30,10 @@ class ReplicatedParameters(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.inner
-        if len(args) == 1 and not kwargs and type(inner) in (nn.LayerNorm, nn.RMSNorm):
+        if len(args) == 1 and not kwargs and type(inner) in (nn.LayerNorm, nn.RMSNorm) and not _hooked(inner):
             # torch's own norms called directly: functional_call swaps every parameter of the
-            # module in and out on each call, some two hundred Python calls for a norm
+            # module in and out on each call, some two hundred Python calls for a norm (a
+            # module with hooks or a replaced forward goes through its own call, below)
             p = self._parameters
             w, b = p.get("weight"), p.get("bias") if type(inner) is nn.LayerNorm else None
             if w is not None and b is not None and w.dtype == b.dtype and w.device == b.device:
@@ -52,6 +53,20 @@ class ReplicatedParameters(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.inner!r}, gradients summed over {self.tp_size} ranks"
+
+
+from torch.nn.modules import module as _mm  # noqa: E402
+
+_GLOBAL_HOOKS = tuple(getattr(_mm, g, {}) for g in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                    "_global_backward_hooks", "_global_backward_pre_hooks"))
+"""torch's global module hooks (dicts it fills in place)."""
+
+
+def _hooked(m: nn.Module) -> bool:
+    """``m`` has hooks of its own or global ones, or a forward set on the instance: calling
+    torch's norm directly would skip what its call runs."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "forward" in m.__dict__ or any(_GLOBAL_HOOKS))
 
 
 def check_norm_like(name: str, m: nn.Module) -> None:

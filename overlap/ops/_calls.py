@@ -210,13 +210,20 @@ class BoundBody:
     (``DeviceOrder``), the words zeroed on ``cur`` (one memset), the side streams forked
     from ``cur``, ``run``; on exit, an exception too, the side streams joined into ``cur``
     and the order released; without an exception the error word reported as ``check``
-    says, still under the lock."""
+    says, still under the lock.
+
+    What the fused body does on the caller's stream outside its frame stays outside:
+    ``prepare`` (None, or ``f(args) -> args``) before the frame (copies of strided inputs
+    that the side streams read, so the fork orders them), ``finish`` (None, or ``f(out) ->
+    out``) after it (work on buffers the side streams write, once they are joined)."""
 
     rt: Runtime
     side: tuple
     words: Any
     err: Any
     check: str
+    prepare: Any = None
+    finish: Any = None
 
     def bind_frame(self) -> None:
         from .. import flags as _flags
@@ -252,6 +259,8 @@ class BoundBody:
         raise NotImplementedError
 
     def __call__(self, *args: Any) -> Any:
+        if self.prepare is not None:
+            args = self.prepare(args)
         rt, order = self.rt, self.order
         order.lock.acquire()
         try:
@@ -271,9 +280,9 @@ class BoundBody:
                 finally:
                     order.end(cur)
             report_eager(self.err, self.check)
-            return out
         finally:
             order.lock.release()
+        return out if self.finish is None else self.finish(out)
 
 
 def tile_bind(gp: Any) -> Any:

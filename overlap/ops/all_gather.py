@@ -558,6 +558,7 @@ class _Bound(_calls.BoundBody):
         n = b.shape[1]
         world = rt.world
         self.rt, self.ms, self.k, self.n, self.return_gathered = rt, ms, k, n, return_gathered
+        self.finish = self._natural_after if return_gathered else None
         self.msb = msb = plan_rows_for(ms, cfg, "nccl")
         self.p = p = _plan(rt, msb, n, k, cfg)
         if p.gemm.flatten:
@@ -664,9 +665,14 @@ class _Bound(_calls.BoundBody):
             if not self.bound:
                 self._bind_launches(a_shard, b, gathered, c)
         stats["fused"] += 1
-        if self.return_gathered:
-            return c, _natural(self.rt, gathered, self.p.layout, ms)
-        return c
+        return (c, gathered) if self.return_gathered else c
+
+    def _natural_after(self, out: tuple) -> tuple:
+        """``finish``: the gathered rows in natural order, made on the caller's stream once
+        the comm stream (whose all-gathers write them) is joined, as ``_fused`` makes them
+        after its ``fused_call``."""
+        c, gathered = out
+        return c, _natural(self.rt, gathered, self.p.layout, self.ms)
 
     def _launch(self, cur: Any, a_shard: torch.Tensor, b: torch.Tensor, gathered: torch.Tensor,
                 c: torch.Tensor) -> None:

@@ -605,6 +605,7 @@ class _Bound(_calls.BoundBody):
         self.copies = (residual is not None and not residual.is_contiguous(),
                        norm is not None and not norm.weight.is_contiguous(),
                        norm is not None and norm.bias is not None and not norm.bias.is_contiguous())
+        self.prepare = self._copy_strided if any(self.copies) else None
         residual, norm = _contiguous(residual, norm)
         self.has_res, self.has_norm = residual is not None, norm is not None
         self.prologue = prologue = residual is not None or norm is not None
@@ -677,12 +678,19 @@ class _Bound(_calls.BoundBody):
             self.bl_back = bind(y, b, c, epoch=1, grid=p.give_back_grid, rows=self.cut)
         self.whole = self.bl is not None and (self.bl_back is not None or not p.give_back_grid)
 
-    def run(self, raw: int, cur: Any, x: torch.Tensor, b: torch.Tensor, residual: Any, norm: Any) -> Any:
+    def _copy_strided(self, args: tuple) -> tuple:
+        """``prepare``: the strided residual and norm parameters copied on the caller's
+        stream before the frame forks (the aux stream's add+norm reads them), as ``_fused``
+        copies them before its ``fused_call``."""
+        x, b, residual, norm = args
         copies = self.copies
         if copies[0]:
             residual = residual.contiguous()
         if copies[1] or copies[2]:
             residual, norm = _contiguous(residual, norm)
+        return x, b, residual, norm
+
+    def run(self, raw: int, cur: Any, x: torch.Tensor, b: torch.Tensor, residual: Any, norm: Any) -> Any:
         h = torch.empty_like(x)
         y = torch.empty_like(x) if self.has_norm else h
         c = x.new_empty((self.m, self.n))

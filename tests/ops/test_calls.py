@@ -286,3 +286,40 @@ def test_index_emptied_with_the_runtimes() -> None:
     _calls._index[("test-entry",)] = (gen, None, None, None, (object(), None, None, None), None, None, {}, ())
     reset_runtimes()
     assert ("test-entry",) not in _calls._index and _state.generation[0] > gen
+
+
+def test_bound_frame_prepares_before_the_fork_and_finishes_after_the_join() -> None:
+    """A bound body's frame in the fused body's order: ``prepare`` (copies the side streams
+    read) before the order, the zeroing and the fork; ``finish`` (work on buffers the side
+    streams write) after the join and the order's end."""
+    import threading
+    from types import SimpleNamespace
+
+    log: list = []
+
+    class Order:
+        lock = threading.Lock()
+
+        def begin(self, cur) -> None:  # noqa: ANN001
+            log.append("begin")
+
+        def end(self, cur) -> None:  # noqa: ANN001
+            log.append("end")
+
+    class Body(_calls.BoundBody):
+        def run(self, raw, cur, x):  # noqa: ANN001, ANN201
+            log.append(("run", x))
+            return x + 1
+
+    body = Body()
+    body.rt = SimpleNamespace(current_stream=lambda: SimpleNamespace(cuda_stream=7))
+    body.order, body.err, body.check = Order(), None, "none"
+    body.zeros = (lambda raw, cur: log.append("zero"),)
+    body.forks, body.joins = (lambda cur: log.append("fork"),), (lambda cur: log.append("join"),)
+    body.prepare = lambda args: (log.append("prepare"), (args[0] * 10,))[1]
+    body.finish = lambda out: (log.append("finish"), out * 2)[1]
+    assert body(1) == 22
+    assert log == ["prepare", "begin", "zero", "fork", ("run", 10), "join", "end", "finish"], log
+    del log[:]
+    body.prepare = body.finish = None
+    assert body(1) == 2 and log == ["begin", "zero", "fork", ("run", 1), "join", "end"], log

@@ -664,6 +664,7 @@ def test_nccl_bound_body() -> None:
                     os.environ["OVERLAP_STREAM_GATE"] = before
             assert body.gated == (gate == "1"), body
             assert "all_gather_matmul body" in repr(body)
+            assert body.finish is not None, "the gathered rows put in order after the frame's join"
             for it in range(3):
                 a = torch.randn(ms, k, generator=g).half()
                 lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
@@ -701,6 +702,8 @@ def test_nccl_bound_body_all_reduce() -> None:
                 x = torch.randn(m, k, generator=g).half()
                 lin = (torch.randn(n, k, generator=g) / k ** 0.5).half()
                 res = torch.randn(m, k, generator=g).half() if with_res else None
+                if with_res and chunks == 2:  # a strided residual: copied before the frame forks
+                    res = torch.randn(m, 2 * k, generator=g).half()[:, :k]
                 norm = None
                 if kind:
                     norm = Norm(kind, (torch.rand(k, generator=g) + 0.5).half(),
@@ -718,6 +721,7 @@ def test_nccl_bound_body_all_reduce() -> None:
                 else:
                     os.environ["OVERLAP_STREAM_GATE"] = before
             assert "all_reduce_matmul body" in repr(body)
+            assert (body.prepare is not None) == (res is not None and not res.is_contiguous()), body.prepare
             for it in range(3):
                 x, lin, res, norm = inputs()
                 rt.peer, rt.base = torch.randn(m, k, generator=g).half(), x
