@@ -706,13 +706,7 @@ class _Bound(_calls.BoundBody):
                     if whole:
                         self.bl_norm[i](ns.cuda_stream, t_norm)
                     else:
-                        from ..kernels.add_norm import launch_add_norm
-
-                        kind, eps = self.norm_args
-                        with on_stream(ns, cur):
-                            launch_add_norm(h, start, live, residual=residual, norm=kind,
-                                            weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                            eps=eps, y=y if norm is not None else None)
+                        body_add_norm(ns, cur, h, start, live, residual, norm, self.norm_args, y)
                     i += 1
             post()
         if whole:
@@ -886,6 +880,19 @@ def chunk_ready(cur: Any, cs: Any, ns: Any, h: torch.Tensor, y: torch.Tensor, st
                         weight=norm.weight if norm else None, bias=norm.bias if norm else None,
                         eps=norm.eps if norm else 1e-5, y=y)
         _flags.stream_write_value(ns, flags, idx, 1)
+
+
+def body_add_norm(ns: Any, cur: Any, h: torch.Tensor, start: int, rows: int, residual: torch.Tensor | None,
+                  norm: Norm | None, norm_args: tuple, y: torch.Tensor) -> None:
+    """A bound body's add+norm of rows [start, start + rows) on the aux stream ``ns`` through
+    the general launch (``norm_args``: the body's (kind, eps)); the body has posted nothing
+    for these rows yet. ``all_reduce_matmul``'s body and the block boundary's."""
+    from ..kernels.add_norm import launch_add_norm
+
+    kind, eps = norm_args
+    with on_stream(ns, cur):
+        launch_add_norm(h, start, rows, residual=residual, norm=kind, weight=norm.weight if norm else None,
+                        bias=norm.bias if norm else None, eps=eps, y=y if norm is not None else None)
 
 
 def _fused(rt: Runtime, x: torch.Tensor, b: Any, residual: torch.Tensor | None, norm: Norm | None,

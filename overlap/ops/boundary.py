@@ -348,13 +348,7 @@ class _Bound(_calls.BoundBody):
                 if whole:
                     self.bl_norm[i](ns.cuda_stream, t_norm)
                 else:
-                    from ..kernels.add_norm import launch_add_norm
-
-                    kind, eps = self.norm_args
-                    with on_stream(ns, cur):
-                        launch_add_norm(h, start, rows, residual=residual, norm=kind,
-                                        weight=norm.weight if norm else None, bias=norm.bias if norm else None,
-                                        eps=eps, y=y if norm is not None else None)
+                    _ar.body_add_norm(ns, cur, h, start, rows, residual, norm, self.norm_args, y)
             post()
         last = ns if self.prologue else cs
         if whole:
