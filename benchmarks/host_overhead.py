@@ -21,7 +21,11 @@ ahead (the calls queued behind a sleep kernel, timed from its end); None on the 
 Layers time forward + backward (``y.backward(dy)``) of one layer, beside torch's
 ``nn.Linear`` of the same shape (M x N x K, not sharded: a layer's ops at one rank). The context's
 ``call_plans`` counts the ops' call plans made and the calls run from one
-(``overlap.ops._calls``): on a GPU nearly every timed call of a group op.
+(``overlap.ops._calls``): on a GPU nearly every timed call of a group op; ``plan_graphs``
+the plan graphs captured and replayed (``overlap.ops._graphs``). On a GPU the ops' rows
+run twice: as a user's call runs them (``OVERLAP_PLAN_GRAPHS`` as set, default ``auto``:
+a plan graph at this shape) and, named "(no plan graph)", from their bound bodies
+(``off``; ``--no-graph-rows`` leaves these out).
 """
 
 from __future__ import annotations
@@ -132,6 +136,8 @@ def main() -> None:
                     help="default 512 1024 1024 on a GPU, 64 128 128 on the CPU (where the arithmetic "
                          "of the GPU's shape would outweigh the host work it is to show)")
     ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--no-graph-rows", action="store_true",
+                    help="leave out the ops' rows with plan graphs off (OVERLAP_PLAN_GRAPHS=off)")
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also run CALLS more calls of each row under cProfile and write where their host time "
                          "goes (rank 0: DIR/host_profile.txt, by own time and by cumulative time)")
@@ -185,25 +191,44 @@ def main() -> None:
         row("torch.mm", lambda: torch.mm(a, w.t()))
         row("torch layer_norm + mm", lambda: torch.mm(ln(a), w.t()))
 
-        # the ops, each on inputs of its own layout (M rows in all, K the reduced dim)
-        a_shard = rnd(M // R, K)                                   # [M/R, K]
-        row("all_gather_matmul", lambda: all_gather_matmul(a_shard, w.t(), group=group, config=cfg))
-        x, res = rnd(M, K), rnd(M, K)                              # partial sums, residual
-        norm = Norm.from_module(ln)
-        row("all_reduce_matmul + layernorm",
-            lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm, config=cfg))
-        a_k = rnd(M, K // R)                                       # [M, K/R]
-        w_k = rnd(N, K // R) / K ** 0.5                            # [N, K/R]
-        row("matmul_reduce_scatter", lambda: matmul_reduce_scatter(a_k, w_k.t(), group=group, config=cfg))
-        row("matmul_all_reduce", lambda: matmul_all_reduce(a_k, w_k.t(), group=group, config=cfg))
-        w_proj = rnd(K, K // R) / K ** 0.5                         # [K, K/R]: a row layer's weight
-        w_next = rnd(N // R, K) / K ** 0.5                         # [N/R, K]: the next column layer's
-        row("matmul_all_reduce_matmul + layernorm",
-            lambda: matmul_all_reduce_matmul(a_k, w_proj.t(), w_next.t(), group=group, residual=res, norm=norm,
-                                             config=cfg))
-        if gpu:
-            w1, w2 = rnd(4 * K, K) / K ** 0.5, rnd(K, 4 * K) / (4 * K) ** 0.5
-            row("mlp_chain", lambda: overlap.mlp_chain(a, w1.t(), w2.t()))
+    # the ops, each on inputs of its own layout (M rows in all, K the reduced dim)
+    a_shard = rnd(M // R, K)                                   # [M/R, K]
+    x, res = rnd(M, K), rnd(M, K)                              # partial sums, residual
+    norm = Norm.from_module(ln)
+    a_k = rnd(M, K // R)                                       # [M, K/R]
+    w_k = rnd(N, K // R) / K ** 0.5                            # [N, K/R]
+    w_proj = rnd(K, K // R) / K ** 0.5                         # [K, K/R]: a row layer's weight
+    w_next = rnd(N // R, K) / K ** 0.5                         # [N/R, K]: the next column layer's
+    w1, w2 = rnd(4 * K, K) / K ** 0.5, rnd(K, 4 * K) / (4 * K) ** 0.5
+
+    def op_rows(suffix: str) -> None:
+        with torch.no_grad():
+            row("all_gather_matmul" + suffix, lambda: all_gather_matmul(a_shard, w.t(), group=group, config=cfg))
+            row("all_reduce_matmul + layernorm" + suffix,
+                lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm, config=cfg))
+            row("matmul_reduce_scatter" + suffix,
+                lambda: matmul_reduce_scatter(a_k, w_k.t(), group=group, config=cfg))
+            row("matmul_all_reduce" + suffix, lambda: matmul_all_reduce(a_k, w_k.t(), group=group, config=cfg))
+            row("matmul_all_reduce_matmul + layernorm" + suffix,
+                lambda: matmul_all_reduce_matmul(a_k, w_proj.t(), w_next.t(), group=group, residual=res, norm=norm,
+                                                 config=cfg))
+            if gpu and not suffix:
+                row("mlp_chain", lambda: overlap.mlp_chain(a, w1.t(), w2.t()))
+
+    op_rows("")  # the default: plan graphs where the host sets the pace (OVERLAP_PLAN_GRAPHS=auto)
+    if gpu and not args.no_graph_rows:
+        from overlap.ops import _calls
+
+        # the same calls from their bound bodies, no plan graph (the plans made again)
+        setting = os.environ.get("OVERLAP_PLAN_GRAPHS")
+        os.environ["OVERLAP_PLAN_GRAPHS"] = "off"
+        _calls.clear_call_plans()
+        op_rows(" (no plan graph)")
+        if setting is None:
+            os.environ.pop("OVERLAP_PLAN_GRAPHS")
+        else:
+            os.environ["OVERLAP_PLAN_GRAPHS"] = setting
+        _calls.clear_call_plans()
 
     # the layers, forward + backward; torch's own nn.Linear first, the yardstick of a layer
     lin = torch.nn.Linear(K, N, device=dev, dtype=dt)
@@ -236,11 +261,12 @@ def main() -> None:
 
     if ctx.rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        from overlap.ops import _calls
+        from overlap.ops import _calls, _graphs
 
         out = {"context": {**run_context(R), "shape": [M, N, K], "dtype": str(dt).replace("torch.", ""),
                            "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
-                           "call_plans": dict(_calls.stats)}, "rows": rows}
+                           "call_plans": dict(_calls.stats), "plan_graphs": dict(_graphs.stats),
+                           "plan_graphs_setting": os.environ.get("OVERLAP_PLAN_GRAPHS", "auto")}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:

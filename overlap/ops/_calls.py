@@ -45,6 +45,10 @@ change takes effect for the signatures first called after it, or for every signa
 full path runs it) while profiling is on (``overlap.observe`` or torch's profiler: the
 fused body draws ranges and times phases), while a Triton launch hook is set, and where
 the current device is not the runtime's.
+
+Where the host sets the pace, a body's signature is captured once as a plan graph and
+replayed per call (``_graphs``; ``OVERLAP_PLAN_GRAPHS``): the ops ask
+``_graphs.replay_or_capture`` before they run the body.
 """
 
 from __future__ import annotations
@@ -192,7 +196,10 @@ def run_bound(rt: Runtime, cp: CallPlan, *args: Any) -> Any:
 def clear_call_plans() -> None:
     """Forget every call plan and bound body (the next call of each signature takes the
     full path): for a changed ``OVERLAP_*`` setting that a body read when it was made."""
+    from . import _graphs
+
     for rt in list(_runtimes.values()):
+        _graphs.drop_graphs(rt)
         for name in [n for n in rt._caches if n.endswith(".calls")]:
             rt._caches[name].clear()
     _index.clear()

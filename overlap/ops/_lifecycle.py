@@ -98,18 +98,24 @@ def reset_runtimes() -> None:
     ``init`` build fresh ones and check the ranks again. Bounded: where the ops' work has
     not ended within ``shutdown_timeout_s`` (a peer died mid-call), the runtime's NCCL
     communicators are aborted (which ends their kernels) and its peer memory is left
-    mapped rather than freed under a running kernel. What a CUDA graph captured stays
-    (``keep_for_capture``, the captured words, the error words)."""
+    mapped rather than freed under a running kernel. The plan graphs (``_graphs``) are
+    freed before the communicators they captured are destroyed (kept unfreed where those
+    were aborted). What a user's CUDA graph captured stays (``keep_for_capture``, the
+    captured words, the error words)."""
+    from . import _graphs
+
     with _lock:
         for rt in _runtimes.values():
             try:
                 if rt.device.type != "cuda" or _drain(rt, shutdown_timeout_s()):
+                    _graphs.drop_graphs(rt)  # before the communicators their collectives were captured on
                     rt.close()
                 else:
                     who = f"rank {rt.rank} of group {rt.ranks}" if rt.group is not None else f"device {rt.device}"
                     warnings.warn(f"overlap: {who}: the ops' work did not end within "
                                   f"{shutdown_timeout_s():.0f} s; aborting the library's NCCL communicators",
                                   stacklevel=3)
+                    _graphs.drop_graphs(rt, free=False)
                     for comm in rt._comms.values():
                         comm.abort()
                 rt._caches.clear()  # gone also for whoever still holds the runtime

@@ -44,7 +44,7 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
                         build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
-from . import _calls
+from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, group_call
 from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
@@ -535,8 +535,12 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
     body = cp.body
     if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
         body = cp.body = _Bound(rt, a_shard, b, return_gathered, cfg)
-    if body is not None and body.ready():
-        return _calls.run_bound(rt, cp, a_shard, b)
+    if body is not None:
+        out = _graphs.replay_or_capture(rt, cp, body, (a_shard, b))
+        if out is not _graphs.NO:
+            return out
+        if body.ready():
+            return _calls.run_bound(rt, cp, a_shard, b)
     return run_planned(rt, cp, _fused, rt, a_shard, b, return_gathered, cfg)
 
 
@@ -549,6 +553,9 @@ class _Bound(_calls.BoundBody):
 
         comm stream  | AG chunk0 (bound) |W0 (bound)| ... | give-back grid |
         caller       | zero | fork | [local grid | gate] | grid |  ...  join |"""
+
+    moving = (0,)
+    """The arguments a plan graph copies in per call (``_graphs``); the others are read in place."""
 
     def __init__(self, rt: Runtime, a_shard: torch.Tensor, b: torch.Tensor, return_gathered: bool,
                  cfg: OverlapConfig) -> None:
@@ -566,6 +573,8 @@ class _Bound(_calls.BoundBody):
         self.comm = comm = rt.comm(p.nccl_ctas)
         self.err = err = rt.err("all_gather_matmul")
         self.check = cfg.check
+        # a plan graph (``_graphs``): its config and GEMM work (``auto`` graphs the small ones)
+        self.cfg, self.flops = cfg, 2 * world * ms * k * n
         self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
         self.cs = cs = rt.comm_stream
         self.side = (cs,)
@@ -666,6 +675,10 @@ class _Bound(_calls.BoundBody):
                 self._bind_launches(a_shard, b, gathered, c)
         stats["fused"] += 1
         return (c, gathered) if self.return_gathered else c
+
+    def fused(self, a_shard: torch.Tensor, b: torch.Tensor) -> Any:
+        """The call as the fused body runs it (what a plan graph captures)."""
+        return _fused(self.rt, a_shard, b, self.return_gathered, self.cfg)
 
     def _natural_after(self, out: tuple) -> tuple:
         """``finish``: the gathered rows in natural order, made on the caller's stream once

@@ -61,7 +61,7 @@ from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, row_chunk_segments, split_rows, split_tail, table_tensor,
                         tail_parts, upload)
-from . import _calls
+from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, float_code, group_call
 from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
@@ -572,8 +572,12 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     body = cp.body
     if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
         body = cp.body = _Bound(rt, x, b, residual, norm, cfg)
-    if body is not None and body.ready():
-        return _calls.run_bound(rt, cp, x, b, residual, norm)
+    if body is not None:
+        out = _graphs.replay_or_capture(rt, cp, body, (x, b, residual, norm))
+        if out is not _graphs.NO:
+            return out
+        if body.ready():
+            return _calls.run_bound(rt, cp, x, b, residual, norm)
     return run_planned(rt, cp, _fused, rt, x, b, residual, norm, cfg)
 
 
@@ -588,6 +592,9 @@ class _Bound(_calls.BoundBody):
         aux stream  |       ev | add+norm 0 |W0| ev | add+norm 1 |W1|    [give-back grid]
         caller      | zero | fork | gate | grid (waits per chunk) | join |"""
 
+    moving = (0, 2)
+    """The arguments a plan graph copies in per call (``_graphs``); the others are read in place."""
+
     def __init__(self, rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
                  norm: Norm | None, cfg: OverlapConfig) -> None:
         from ..kernels import gate as _gate
@@ -600,6 +607,8 @@ class _Bound(_calls.BoundBody):
         comm = rt.comm(p.nccl_ctas)
         self.err = err = rt.err("all_reduce_matmul")
         self.check = cfg.check
+        # a plan graph (``_graphs``): its config and GEMM work (``auto`` graphs the small ones)
+        self.cfg, self.flops = cfg, 2 * m * k * n
         self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
         # the kernels read the residual and the norm's weight and bias contiguous (``_contiguous``)
         self.copies = (residual is not None and not residual.is_contiguous(),
@@ -732,6 +741,10 @@ class _Bound(_calls.BoundBody):
                 self._bind_launches(x, b, h, y, c, residual, norm)
         stats["fused"] += 1
         return c, h
+
+    def fused(self, x: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None, norm: Norm | None) -> Any:
+        """The call as the fused body runs it (what a plan graph captures)."""
+        return _fused(self.rt, x, b, residual, norm, self.cfg)
 
     def __repr__(self) -> str:
         p = self.p

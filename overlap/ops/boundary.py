@@ -38,7 +38,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from . import all_reduce as _ar
 from . import matmul_reduce as _mr
-from . import _calls
+from . import _calls, _graphs
 from ._agree import group_call
 from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
@@ -222,8 +222,12 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     body = cp.body
     if body is None and not (cp.config.gemm is not None and cp.config.gemm.flatten):
         body = cp.body = _Bound(rt, a, b, b_next, residual, norm, cp.config)
-    if body is not None and body.ready():
-        return _calls.run_bound(rt, cp, a, b, b_next, residual, norm)
+    if body is not None:
+        out = _graphs.replay_or_capture(rt, cp, body, (a, b, b_next, residual, norm))
+        if out is not _graphs.NO:
+            return out
+        if body.ready():
+            return _calls.run_bound(rt, cp, a, b, b_next, residual, norm)
     return run_planned(rt, cp, _fused, rt, a, b, b_next, residual, norm, cp.config)
 
 
@@ -237,6 +241,9 @@ class _Bound(_calls.BoundBody):
         caller      | zero | fork | producer grid (posts) | gate | consumer grid (waits) | join |
         comm stream |   wait n0 | AR chunk0 | wait n1 | AR chunk1 | ...
         aux stream  |             ev | add+norm 0 |W0| ev | add+norm 1 |W1| [give-back grid]"""
+
+    moving = (0, 3)
+    """The arguments a plan graph copies in per call (``_graphs``); the others are read in place."""
 
     def __init__(self, rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor,
                  residual: torch.Tensor | None, norm: Any, cfg: OverlapConfig) -> None:
@@ -253,6 +260,8 @@ class _Bound(_calls.BoundBody):
         comm = rt.comm(p1.nccl_ctas)
         self.err = err = rt.err(OP)
         self.check = cfg.check
+        # a plan graph (``_graphs``): its config and GEMM work (``auto`` graphs the small ones)
+        self.cfg, self.flops = cfg, 2 * m * k * n + 2 * m * n * n2
         self.timeout_ns = timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
         self.has_norm = norm is not None
         self.prologue = prologue = residual is not None or norm is not None
@@ -374,6 +383,11 @@ class _Bound(_calls.BoundBody):
                 self._bind_launches(a, b, b_next, c1, h, y, c, residual, norm)
         stats["fused"] += 1
         return c, h
+
+    def fused(self, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, residual: torch.Tensor | None,
+              norm: Any) -> Any:
+        """The call as the fused body runs it (what a plan graph captures)."""
+        return _fused(self.rt, a, b, b_next, residual, norm, self.cfg)
 
     def __repr__(self) -> str:
         return (f"{OP} body: M {self.m}, N {self.n}, K/R {self.k}, N2 {self.n2}, {len(self.chunks)} chunk(s) on "

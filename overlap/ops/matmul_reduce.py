@@ -58,7 +58,7 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..policies import Segment, build_tile_table, flat_groups, split_rows, table_tensor, upload
 from ..protocol import COL_POST
-from . import _calls
+from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, group_call
 from ._calls import CallPlan, aligned, run_planned
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
@@ -552,8 +552,12 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
     body = cp.body
     if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
         body = cp.body = _Bound(rt, op, a, b, residual, cfg)
-    if body is not None and body.ready():
-        return _calls.run_bound(rt, cp, a, b, residual)
+    if body is not None:
+        out = _graphs.replay_or_capture(rt, cp, body, (a, b, residual))
+        if out is not _graphs.NO:
+            return out
+        if body.ready():
+            return _calls.run_bound(rt, cp, a, b, residual)
     return run_planned(rt, cp, _fused, rt, op, a, b, residual, cfg)
 
 
@@ -565,6 +569,9 @@ class _Bound(_calls.BoundBody):
 
         caller      | zero | fork | GEMM grid (tiles post per-chunk counters) | join |
         comm stream |        wait n0 | RS/AR chunk0 (bound) | wait n1 | RS/AR chunk1 | ..."""
+
+    moving = (0, 2)
+    """The arguments a plan graph copies in per call (``_graphs``); the others are read in place."""
 
     def __init__(self, rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
                  cfg: OverlapConfig) -> None:
@@ -580,6 +587,8 @@ class _Bound(_calls.BoundBody):
         comm = rt.comm(p.nccl_ctas)
         self.err = err = rt.err(op)
         self.check = cfg.check
+        # a plan graph (``_graphs``): its config and GEMM work (``auto`` graphs the small ones)
+        self.cfg, self.flops = cfg, 2 * m * k * n
         self.cs = cs = rt.comm_stream
         self.side = (cs,)
         with rt.order.lock:
@@ -638,6 +647,10 @@ class _Bound(_calls.BoundBody):
                         part += residual[start:start + live]
         stats["fused"] += 1
         return out[:self.rows_m] if scatter else out
+
+    def fused(self, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        """The call as the fused body runs it (what a plan graph captures)."""
+        return _fused(self.rt, self.op, a, b, residual, self.cfg)
 
     def __repr__(self) -> str:
         p = self.p

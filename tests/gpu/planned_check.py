@@ -17,6 +17,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+os.environ["OVERLAP_PLAN_GRAPHS"] = "off"  # the bound bodies themselves (plan graphs: plan_graphs_check.py)
 
 from overlap import dist  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,  # noqa: E402

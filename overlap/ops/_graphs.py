@@ -1,0 +1,374 @@
+"""Plan graphs: a bound body's work captured once as a private CUDA graph, replayed per call.
+
+An eager call from a bound body (``_calls.BoundBody``) still makes a dozen native calls
+(collectives, flag posts, launches, allocations, events, the words' zeroing): measured on
+an H200 at 512 x 1024 x 1024, about 130 us of host time against torch.mm's 15 us, while
+its GPU work takes about 17 us. For such a signature the host sets the pace. A plan graph
+takes the host out of it: at the signature's ``CAPTURE_AT``-th planned call the op's fused
+body (the full path's ``_fused``, which a user's capture already runs: words of its own,
+zeroed inside the graph, every wait against 1) is captured into a graph of its own, on a
+capture stream, reading static copies of the call's moving inputs (the activations: the
+rows, the residual) and the call's fixed inputs (weights, the norm's weight and bias) in
+place. Every later call of the signature::
+
+    key -> CallPlan -> agree (counted) -> order -> copy moving inputs -> replay
+        -> clone outputs -> order end -> error report -> outputs
+
+A replay is ordered like an eager call (``DeviceOrder`` under its lock: after the previous
+call, whatever its stream), reports a timeout as the op's config says, and returns new
+tensors (the graph's outputs are cloned: a later replay never changes an earlier result).
+
+When a signature gets a graph (``OVERLAP_PLAN_GRAPHS``, read when a body is made):
+
+- ``auto`` (the default): where the GEMM work is at most ``AUTO_FLOPS`` (there the host
+  sets the pace; above it the copies and clones would cost GPU time that the host no
+  longer hides);
+- ``always``: every signature with a bound body; ``off``: none.
+
+A graph is replayed only while the fixed inputs are the tensors it captured (their data
+pointers compared per call; their values may change in place, as an optimizer changes
+weights). A call with other fixed inputs runs the bound body, and the graph is dropped;
+the signature is captured again once its fixed inputs have stayed put for
+``CAPTURE_AT`` calls, at most ``MAX_CAPTURES`` times; then never again. A capture that
+fails (an op whose body cannot be captured) runs the call as before, and the signature is
+never captured again. At most ``MAX_GRAPHS`` graphs live at once per process.
+
+Every rank decides alike: the count is of planned calls of a signature that every rank
+makes (agreed shapes, the same setting), whether the body ran or profiling took the fused
+body, and a replay is taken while profiling too (the report counts it; its phases are not
+timed). Only fixed inputs moved on one rank and not another make one rank replay while
+another runs eagerly; both queue the same collectives (NCCL mixes captured and eager
+calls on one communicator).
+
+Graphs are dropped with their plans (``clear_call_plans``) and before a runtime's
+communicators are destroyed (``drop_graphs``, from ``reset_runtimes``): a captured
+collective must not outlive its communicator.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from .. import observe as _observe
+from . import _state
+from ._plans import report_eager
+from ._runtime import check_agreed
+
+__all__ = ["PlanGraph", "replay_or_capture", "drop_graphs", "mode", "AUTO_FLOPS", "CAPTURE_AT", "MAX_CAPTURES",
+           "MAX_GRAPHS", "NO", "stats", "live"]
+
+AUTO_FLOPS = 2 ** 35
+"""``auto``: a signature whose GEMMs take at most this many flops (about 34 GFLOP, some
+60 us of an H200's bf16 work) gets a graph."""
+
+CAPTURE_AT = 3
+"""The planned call of a signature (with its fixed inputs unmoved) that captures it: the
+first calls compile, tune and bind; the graph is made once they are done."""
+
+MAX_CAPTURES = 3
+"""Captures of one signature before its fixed inputs are taken as moving every call."""
+
+MAX_GRAPHS = 64
+"""Plan graphs alive at once in the process (each holds its buffers in a pool of its own)."""
+
+_cuda: Any = torch.cuda
+"""What the graphs are made with (``torch.cuda``; a stand-in in the CPU tests)."""
+
+NO = object()
+"""``replay_or_capture``'s answer when the call is not run from a graph."""
+
+stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0}
+"""Graphs captured, calls replayed, captures that failed or were refused, graphs dropped."""
+
+live: "weakref.WeakSet[PlanGraph]" = weakref.WeakSet()
+"""The plan graphs alive."""
+
+_MODES = {"auto": "auto", "": "auto", "always": "always", "1": "always", "on": "always", "off": "off", "0": "off",
+          "never": "off"}
+
+
+def mode() -> str:
+    """``OVERLAP_PLAN_GRAPHS`` as ``auto``, ``always`` or ``off`` (a value outside those raises)."""
+    raw = os.environ.get("OVERLAP_PLAN_GRAPHS", "auto").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"OVERLAP_PLAN_GRAPHS={raw!r}: expected auto, always or off")
+    return _MODES[raw]
+
+
+def wanted(flops: int, setting: str | None = None) -> bool:
+    """A body of ``flops`` GEMM work gets a graph under ``setting`` (default: ``mode()``)."""
+    setting = mode() if setting is None else setting
+    return setting == "always" or (setting == "auto" and flops <= AUTO_FLOPS)
+
+
+def _fixed_ptrs(args: tuple, moving: tuple[int, ...]) -> tuple:
+    """The data pointers of the fixed inputs (tensors, and a norm's weight and bias), and
+    which inputs are None (the call key tells those apart already; kept here too, so a
+    graph never runs without an input it read)."""
+    out = []
+    for i, x in enumerate(args):
+        if x is None:
+            out.append(i)
+            continue
+        if i in moving:
+            continue
+        if isinstance(x, torch.Tensor):
+            out.append(x.data_ptr())
+        else:
+            for name in ("weight", "bias"):
+                t = getattr(x, name, None)
+                if isinstance(t, torch.Tensor):
+                    out.append(t.data_ptr())
+    return tuple(out)
+
+
+def _tensors(out: Any) -> list[torch.Tensor] | None:
+    """The tensors of an output (a tensor, or a tuple or list of them; None inside is
+    kept), or None for anything else."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        got = []
+        for x in out:
+            if isinstance(x, (tuple, list)):
+                inner = _tensors(x)
+                if inner is None:
+                    return None
+                got.extend(inner)
+            elif isinstance(x, torch.Tensor):
+                got.append(x)
+            elif x is not None:
+                return None
+        return got
+    return None
+
+
+def _cloned(out: Any) -> Any:
+    """``out`` with every tensor cloned (its structure kept)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_cloned(x) for x in out)
+    if isinstance(out, list):
+        return [_cloned(x) for x in out]
+    return out
+
+
+class PlanGraph:
+    """One signature's captured body: the graph, its static inputs, its outputs, the fixed
+    inputs' pointers it captured, and the words it owns."""
+
+    __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "device", "__weakref__")
+
+    def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
+                 keep: list, stream: Any, device: Any) -> None:
+        self.graph, self.statics, self.moving, self.out, self.ptrs, self.keep = \
+            graph, statics, moving, out, ptrs, keep
+        self.streams = {stream}
+        """The streams its static inputs were used on (each recorded on them: their memory
+        is not reused before a replay there has ended)."""
+        self.device = device
+
+    def __repr__(self) -> str:
+        return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
+                f"{len(self.ptrs)} fixed input(s) read in place)")
+
+    def drop(self) -> None:
+        """Free the graph, once the work queued on its device has ended (a replay may be
+        in flight)."""
+        if self.graph is None:
+            return
+        _cuda.synchronize(self.device)
+        reset = getattr(self.graph, "reset", None)
+        if reset is not None:
+            reset()
+        self.graph = None
+        self.statics = self.out = self.keep = None
+
+
+class GraphState:
+    """Per bound body: the count towards a capture, the pointers it was counted at, the
+    captures made, and the graph (None, or a ``PlanGraph``; ``off`` True once the
+    signature is never captured again)."""
+
+    __slots__ = ("want", "count", "ptrs", "captures", "graph", "off")
+
+    def __init__(self, want: bool) -> None:
+        self.want, self.count, self.ptrs, self.captures, self.graph, self.off = want, 0, None, 0, None, not want
+
+
+def state_for(body: Any) -> GraphState | None:
+    """``body.gstate``, made on first use from ``body.flops`` (None: a body without graph
+    support)."""
+    st = getattr(body, "gstate", None)
+    if st is None:
+        flops = getattr(body, "flops", None)
+        if flops is None:
+            return None
+        st = body.gstate = GraphState(wanted(flops))
+    return st
+
+
+def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
+    """The call run from the signature's graph (replayed, or captured now and replayed),
+    or ``NO``: the caller runs it as before. Counts the call towards a capture."""
+    st = state_for(body)
+    if st is None or st.off:
+        return NO
+    moving = body.moving
+    ptrs = _fixed_ptrs(args, moving)
+    g = st.graph
+    if g is not None:
+        if g.ptrs == ptrs:
+            return _replay(rt, cp, body, g, args)
+        _drop(st)  # fixed inputs moved: counted again from here
+    if ptrs != st.ptrs:
+        st.ptrs, st.count = ptrs, 0
+    st.count += 1
+    if st.count < CAPTURE_AT:
+        return NO
+    if st.captures >= MAX_CAPTURES:
+        st.off = True
+        return NO
+    if len(live) >= MAX_GRAPHS:
+        st.count = 0  # tried again after CAPTURE_AT more calls
+        return NO
+    st.captures += 1
+    g = _capture(rt, cp.op, body, args, ptrs)
+    if g is None:
+        st.off = True
+        stats["refused"] += 1
+        return NO
+    st.graph = g
+    live.add(g)
+    stats["captured"] += 1
+    return _replay(rt, cp, body, g, args)
+
+
+def _drop(st: GraphState) -> None:
+    if st.graph is not None:
+        st.graph.drop()
+        live.discard(st.graph)
+        st.graph = None
+        stats["dropped"] += 1
+
+
+def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph | None:
+    """Capture ``body.fused`` on static copies of the moving inputs; None where it cannot
+    be (a stride a static copy does not keep, a failed capture, an output that is an
+    input's memory). Under the device's order lock: no other call of the library (which
+    alone takes captured words) comes between the count of captured words and the capture."""
+    moving = body.moving
+    dev = rt.device
+    statics = list(args)
+    with rt.order.lock, _cuda.device(dev):
+        cur = rt.current_stream()
+        for i in moving:
+            x = args[i]
+            if x is None:
+                continue
+            s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            if s.stride() != x.stride():
+                return None
+            statics[i] = s
+        cap = _capture_stream(rt)
+        cap.wait_stream(cur)
+        words_before = len(_state._captured_words)
+        graph = _cuda.CUDAGraph()
+        try:
+            with _cuda.stream(cap):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = body.fused(*statics)
+                finally:
+                    graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - the call runs as before; the signature is not captured again
+            _state.warn_once(f"plan-graph-{op}-{type(e).__name__}",
+                             f"{op}: a call plan's graph could not be captured ({type(e).__name__}: {e}); "
+                             "its signature runs without one")
+            _return_words(words_before)
+            return None
+        finally:
+            cur.wait_stream(cap)
+        keep = _return_words(words_before)
+        outs = _tensors(out)
+        ins = [statics[i] for i in moving if statics[i] is not None]
+        if outs is None or any(o.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
+                               for o in outs for s in ins):
+            graph.reset()
+            return None
+        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev)
+
+
+def _return_words(before: int) -> list:
+    """The words a capture took (kept for the process's life by ``LocalWords``), taken
+    back into the plan graph that owns them."""
+    with _state._lock_kept:
+        got = _state._captured_words[before:]
+        del _state._captured_words[before:]
+    return got
+
+
+def _capture_stream(rt: Any) -> Any:
+    s = getattr(rt, "_graph_stream", None)
+    if s is None:
+        s = rt._graph_stream = _cuda.Stream(rt.device)
+    return s
+
+
+def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
+    """One call from the graph, as the bound body's frame orders it (see the module
+    docstring); the error word reported as the op's config says."""
+    check_agreed(rt, cp.op, cp.names, cp.values, cp.key)
+    _observe.record_call(cp.op, cp.shape, cp.path, cp.why)
+    order = rt.order
+    with order.lock:
+        cur = rt.current_stream()
+        order.begin(cur)
+        try:  # on the current stream (a replay launches there, on the graph's device)
+            statics = g.statics
+            if cur not in g.streams:  # the statics' memory not reused while this stream reads them
+                g.streams.add(cur)
+                for i in g.moving:
+                    if statics[i] is not None:
+                        statics[i].record_stream(cur)
+            for i in g.moving:
+                if args[i] is not None:
+                    statics[i].copy_(args[i])
+            g.graph.replay()
+            out = _cloned(g.out)
+        finally:
+            order.end(cur)
+        report_eager(body.err, body.check)
+    rt.seen.add((cp.op, cp.sig))
+    stats["replayed"] += 1
+    return out
+
+
+_abandoned: list[PlanGraph] = []
+"""Graphs whose communicators were aborted: never freed (freeing a captured collective
+after its communicator is gone is not safe)."""
+
+
+def drop_graphs(rt: Any, free: bool = True) -> None:
+    """Drop the plan graphs of ``rt``'s call plans: before its communicators are destroyed
+    (a captured collective must not outlive its communicator), or, ``free=False``, after
+    they were aborted (the graphs are then kept, never replayed)."""
+    for name, cache in list(getattr(rt, "_caches", {}).items()):
+        if not name.endswith(".calls"):
+            continue
+        for cp in list(cache.values()):
+            st = getattr(getattr(cp, "body", None), "gstate", None)
+            if st is None or st.graph is None:
+                continue
+            if free:
+                _drop(st)
+            else:
+                _abandoned.append(st.graph)
+                live.discard(st.graph)
+                st.graph = None
+            st.off = True  # the body's runtime is gone

@@ -1,0 +1,351 @@
+"""Plan graphs (``overlap.ops._graphs``) on the CPU: a stand-in for ``torch.cuda`` whose
+graph records the work queued during its capture and reruns it on replay, reading the
+static inputs and the fixed inputs in place and writing the same outputs, as a CUDA graph
+does. The GPU run of the same is ``tests/gpu/plan_graphs_check.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from overlap.ops import _graphs, _state
+
+
+class _Graph:
+    capturing: "_Graph | None" = None
+
+    def __init__(self) -> None:
+        self.work: list = []
+        self.resets = 0
+
+    def capture_begin(self, capture_error_mode: str = "global") -> None:
+        assert capture_error_mode == "thread_local"
+        _Graph.capturing = self
+
+    def capture_end(self) -> None:
+        _Graph.capturing = None
+
+    def replay(self) -> None:
+        for w in self.work:
+            w()
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def _queue(fn) -> None:  # noqa: ANN001
+    """Run ``fn`` now, or record it in the graph being captured (a capture runs nothing)."""
+    if _Graph.capturing is not None:
+        _Graph.capturing.work.append(fn)
+    else:
+        fn()
+
+
+class _Cuda:
+    CUDAGraph = _Graph
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    @staticmethod
+    def device(dev):  # noqa: ANN001, ANN205
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def stream(s):  # noqa: ANN001, ANN205
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def Stream(dev):  # noqa: ANN001, ANN205, N802
+        return _Stream()
+
+    def synchronize(self, dev=None) -> None:  # noqa: ANN001
+        self.syncs += 1
+
+
+class _Stream:
+    def wait_stream(self, other) -> None:  # noqa: ANN001
+        pass
+
+
+class _Order:
+    def __init__(self, log: list) -> None:
+        self.lock = threading.RLock()
+        self.log = log
+
+    def begin(self, cur) -> None:  # noqa: ANN001
+        self.log.append("begin")
+
+    def end(self, cur) -> None:  # noqa: ANN001
+        self.log.append("end")
+
+
+class _Body:
+    """A bound body whose fused body is C = A @ B (+ residual), its work queued as a graph
+    would capture it; ``moving`` the rows and the residual."""
+
+    moving = (0, 2)
+
+    def __init__(self, flops: int = 1 << 20, fail: Exception | None = None, alias: bool = False,
+                 words: int = 0) -> None:
+        self.flops, self.fail, self.alias, self.words = flops, fail, alias, words
+        self.err, self.check = "err-word", "async"
+        self.fused_calls = 0
+
+    def fused(self, a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        self.fused_calls += 1
+        if self.fail is not None:
+            raise self.fail
+        for _ in range(self.words):
+            _state._captured_words.append(torch.zeros(4, dtype=torch.int32))
+        if self.alias:
+            return a[:1]
+        c = torch.empty(a.shape[0], b.shape[1])
+        _queue(lambda: torch.mm(a, b, out=c) if residual is None else torch.addmm(residual, a, b, out=c))
+        return c
+
+
+@pytest.fixture
+def fake(monkeypatch):  # noqa: ANN001, ANN201
+    """The stand-in runtime, call plan and reports; ``log`` the order of what a call did."""
+    log: list = []
+    cuda = _Cuda()
+    monkeypatch.setattr(_graphs, "_cuda", cuda)
+    monkeypatch.setattr(_graphs, "check_agreed", lambda rt, op, names, values, key: log.append("agreed"))
+    monkeypatch.setattr(_graphs, "report_eager", lambda err, check: log.append(("report", err, check)))
+    monkeypatch.setattr(_graphs._observe, "record_call", lambda *a: log.append("recorded"))
+    monkeypatch.delenv("OVERLAP_PLAN_GRAPHS", raising=False)
+    for k in _graphs.stats:
+        monkeypatch.setitem(_graphs.stats, k, 0)
+    stream = _Stream()
+    rt = SimpleNamespace(order=_Order(log), current_stream=lambda: stream, device=torch.device("cpu"), seen=set(),
+                         _caches={})
+    cp = SimpleNamespace(op="test_op", names=(), values=(), key=(), shape=(8, 8, 8), path="nccl", why="test",
+                         sig=("sig",))
+    return SimpleNamespace(rt=rt, cp=cp, log=log, cuda=cuda)
+
+
+def _call(f, body, a, b, r=None):  # noqa: ANN001, ANN202
+    return _graphs.replay_or_capture(f.rt, f.cp, body, (a, b, r))
+
+
+def test_captured_at_the_nth_call_then_replayed_with_new_inputs(fake) -> None:  # noqa: ANN001
+    """Calls before ``CAPTURE_AT`` run as before; the ``CAPTURE_AT``-th captures and replays;
+    every replay reads this call's inputs (new every call: a stale read fails) and the
+    weight in place, and returns a new tensor (a later replay leaves it unchanged)."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT - 1):
+        assert _call(fake, body, torch.randn(6, 8), b, torch.randn(6, 4)) is _graphs.NO
+    assert body.fused_calls == 0 and _graphs.stats["captured"] == 0
+    outs = []
+    for i in range(5):
+        a, r = torch.randn(6, 8), torch.randn(6, 4)
+        got = _call(fake, body, a, b, r)
+        assert got is not _graphs.NO
+        torch.testing.assert_close(got, torch.addmm(r, a, b))
+        outs.append((got, got.clone()))
+    for got, was in outs:
+        assert torch.equal(got, was), "a later replay changed an earlier output"
+    assert len({o.data_ptr() for o, _ in outs}) == len(outs)
+    assert body.fused_calls == 1 and _graphs.stats["captured"] == 1 and _graphs.stats["replayed"] == 5
+    b.mul_(2)  # the weight changed in place (an optimizer step): read in place
+    a, r = torch.randn(6, 8), torch.randn(6, 4)
+    torch.testing.assert_close(_call(fake, body, a, b, r), torch.addmm(r, a, b))
+    assert fake.rt.seen == {("test_op", ("sig",))}
+    assert "PlanGraph(moving inputs [0, 2]" in repr(body.gstate.graph)
+    # no residual where the graph read one (another call key in the ops): not from this graph
+    assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO and body.gstate.graph is None
+
+
+def test_a_replay_in_the_order_of_a_call(fake) -> None:  # noqa: ANN001
+    """A replay: the agreement point, the call counted, the device order begun, the graph,
+    the order ended, then the error word reported as the body's check says; an exception
+    in the replay still ends the order."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    del fake.log[:]
+    _call(fake, body, torch.randn(6, 8), b)
+    assert fake.log == ["agreed", "recorded", "begin", "end", ("report", "err-word", "async")], fake.log
+    del fake.log[:]
+
+    def boom() -> None:
+        raise RuntimeError("replay failed")
+
+    body.gstate.graph.graph.replay = boom
+    with pytest.raises(RuntimeError, match="replay failed"):
+        _call(fake, body, torch.randn(6, 8), b)
+    assert fake.log == ["agreed", "recorded", "begin", "end"], fake.log
+
+
+def test_moved_weight_runs_as_before_then_captured_again_then_never(fake) -> None:  # noqa: ANN001
+    """Another weight tensor than the captured one: that call runs as before (``NO``) and
+    the graph is dropped; the new weight, unmoved for ``CAPTURE_AT`` calls, is captured
+    again; after ``MAX_CAPTURES`` captures the signature is never captured again."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    first = body.gstate.graph
+    for cap in range(2, _graphs.MAX_CAPTURES + 1):
+        b = torch.randn(8, 4)  # a new weight tensor
+        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+        assert body.gstate.graph is None
+        for _ in range(_graphs.CAPTURE_AT - 2):
+            assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+        a = torch.randn(6, 8)
+        torch.testing.assert_close(_call(fake, body, a, b), a @ b)  # captured again, on this weight
+        assert body.fused_calls == cap
+    assert first.graph is None and _graphs.stats["dropped"] == _graphs.MAX_CAPTURES - 1
+    b = torch.randn(8, 4)
+    for _ in range(3 * _graphs.CAPTURE_AT):
+        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.gstate.off and body.fused_calls == _graphs.MAX_CAPTURES
+
+
+def test_a_capture_that_fails_runs_the_call_and_is_not_tried_again(fake) -> None:  # noqa: ANN001
+    """A body whose capture raises: the call runs as before, one warning names the op, the
+    words the capture took are given back, and the signature is never captured again."""
+    body = _Body(fail=RuntimeError("not capturable"))
+    b = torch.randn(8, 4)
+    n_words = len(_state._captured_words)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(3 * _graphs.CAPTURE_AT):
+            assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.fused_calls == 1 and body.gstate.off and _graphs.stats["refused"] == 1
+    assert any("test_op" in str(x.message) and "not capturable" in str(x.message) for x in w)
+    assert len(_state._captured_words) == n_words
+
+
+def test_an_output_that_is_an_input_is_not_graphed(fake) -> None:  # noqa: ANN001
+    """An output sharing memory with a static input (a replay would hand out the static's
+    memory) is refused; the call runs as before."""
+    body = _Body(alias=True)
+    b = torch.randn(8, 4)
+    for _ in range(2 * _graphs.CAPTURE_AT):
+        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.fused_calls == 1 and body.gstate.off
+
+
+def test_the_graph_owns_the_words_it_captured(fake) -> None:  # noqa: ANN001
+    """The words a capture takes (which ``LocalWords`` keeps for the process's life for a
+    user's graph) belong to the plan graph, freed with it."""
+    body = _Body(words=2)
+    b = torch.randn(8, 4)
+    n_words = len(_state._captured_words)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    assert len(_state._captured_words) == n_words and len(body.gstate.graph.keep) == 2
+
+
+def test_the_setting(fake, monkeypatch) -> None:  # noqa: ANN001
+    """``auto``: a graph up to ``AUTO_FLOPS``; ``always``: every size; ``off``: none; a
+    value outside those raises, naming it."""
+    for setting, flops, graphed in (("auto", _graphs.AUTO_FLOPS, True), ("auto", _graphs.AUTO_FLOPS + 1, False),
+                                    ("always", 1 << 50, True), ("off", 1, False), ("", 1, True), ("ON", 1, True)):
+        monkeypatch.setenv("OVERLAP_PLAN_GRAPHS", setting)
+        body = _Body(flops=flops)
+        b = torch.randn(8, 4)
+        got = [_call(fake, body, torch.randn(6, 8), b) for _ in range(_graphs.CAPTURE_AT)]
+        assert (got[-1] is not _graphs.NO) == graphed, (setting, flops)
+        assert all(g is _graphs.NO for g in got[:-1])
+    monkeypatch.setenv("OVERLAP_PLAN_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="OVERLAP_PLAN_GRAPHS='sometimes'"):
+        _call(fake, _Body(), torch.randn(6, 8), torch.randn(8, 4))
+    # a body without ``flops`` (no graph support) is never graphed
+    monkeypatch.delenv("OVERLAP_PLAN_GRAPHS")
+    assert _graphs.replay_or_capture(fake.rt, fake.cp, SimpleNamespace(), (torch.randn(2, 2),)) is _graphs.NO
+
+
+def test_at_most_max_graphs_alive(fake, monkeypatch) -> None:  # noqa: ANN001
+    """Past ``MAX_GRAPHS`` live graphs a signature is not captured; it is once one is gone."""
+    monkeypatch.setattr(_graphs, "live", _graphs.weakref.WeakSet())
+    monkeypatch.setattr(_graphs, "MAX_GRAPHS", 1)
+    first, second = _Body(), _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, first, torch.randn(6, 8), b)
+    for _ in range(_graphs.CAPTURE_AT):
+        assert _call(fake, second, torch.randn(6, 8), b) is _graphs.NO
+    assert second.fused_calls == 0
+    _graphs._drop(first.gstate)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, second, torch.randn(6, 8), b)
+    assert second.fused_calls == 1 and second.gstate.graph is not None
+
+
+def test_dropped_with_the_plans_and_before_the_communicators(fake, monkeypatch) -> None:  # noqa: ANN001
+    """``drop_graphs`` frees a runtime's plan graphs after a device synchronize and turns
+    their signatures off; ``reset_runtimes`` does it before it closes the runtime (whose
+    communicators the graphs captured), and keeps them unfreed where the communicators
+    were aborted; ``clear_call_plans`` drops them with the plans."""
+    from overlap.ops import _calls, _lifecycle, _runtime
+
+    def graphed() -> SimpleNamespace:
+        body = _Body()
+        b = torch.randn(8, 4)
+        for _ in range(_graphs.CAPTURE_AT):
+            _call(fake, body, torch.randn(6, 8), b)
+        return SimpleNamespace(body=body)
+
+    cp = graphed()
+    fake.rt._caches = {"test_op.calls": {"k": cp}, "other": {"k": graphed()}}
+    g = cp.body.gstate.graph.graph
+    _graphs.drop_graphs(fake.rt)
+    assert g.resets == 1 and fake.cuda.syncs == 1 and cp.body.gstate.off and cp.body.gstate.graph is None
+
+    log = fake.log
+    cp = graphed()
+    g = cp.body.gstate.graph.graph
+    rt = SimpleNamespace(device=torch.device("cpu"), _caches={"test_op.calls": {"k": cp}}, _comms={},
+                         close=lambda: log.append(("close", g.resets)))
+    monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
+    monkeypatch.setattr(_lifecycle, "_drain", lambda rt, t: True)
+    _lifecycle.reset_runtimes()
+    assert log[-1] == ("close", 1), log  # the graph freed before the runtime closed
+
+    cp = graphed()
+    kept = cp.body.gstate.graph
+    aborted: list = []
+    rt = SimpleNamespace(device=torch.device("cuda", 0), _caches={"test_op.calls": {"k": cp}}, rank=0, ranks=(0,),
+                         group=None, _comms={None: SimpleNamespace(abort=lambda: aborted.append(kept.graph.resets))},
+                         close=lambda: log.append("closed"))
+    monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
+    monkeypatch.setattr(_lifecycle, "_drain", lambda rt, t: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _lifecycle.reset_runtimes()
+    assert aborted == [0] and kept in _graphs._abandoned and cp.body.gstate.graph is None
+    _graphs._abandoned.remove(kept)
+
+    cp = graphed()
+    g = cp.body.gstate.graph.graph
+    rt = SimpleNamespace(_caches={"test_op.calls": {"k": cp}})
+    monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
+    _calls.clear_call_plans()
+    assert g.resets == 1 and rt._caches["test_op.calls"] == {}
+
+
+def test_each_op_copies_its_activations_and_reads_its_weights_in_place() -> None:
+    """Each op's bound body names as moving (copied into the graph per call) its rows and
+    residual, and nothing else: a weight or norm copied per call would cost a copy of it,
+    an activation read in place would be a stale read."""
+    import inspect
+
+    from overlap.ops import all_gather, all_reduce, boundary, matmul_reduce
+
+    acts = {"a_shard", "x", "a", "residual"}
+    for mod in (all_gather, all_reduce, matmul_reduce, boundary):
+        params = list(inspect.signature(mod._Bound.fused).parameters)[1:]
+        assert {params[i] for i in mod._Bound.moving} == acts & set(params), (mod.__name__, params)
+        src = inspect.getsource(mod._planned)
+        assert f"_graphs.replay_or_capture(rt, cp, body, ({', '.join(params)}))" in src, mod.__name__
+        assert f"_calls.run_bound(rt, cp, {', '.join(params)})" in src, mod.__name__
