@@ -201,6 +201,8 @@ def _context_lost(what: str, e: BaseException) -> GpuContextLostError | None:
     return GpuContextLostError(shared.lost_context_message(what, cause, gone), gone)
 
 
+_shared: Any = None  # overlap.dist.shared, once a check has asked for it
+
 refusal_hooks: list[Any] = []
 """Called as ``hook(error_word, PeerRefusedError)`` before a refusal record is raised
 (``overlap.ops._refusal`` ends the group there and adds the refusing rank's message)."""
@@ -486,9 +488,12 @@ class ErrorWord:
             raise e
 
     def _probe_if_shared(self) -> None:
-        from .dist import shared
+        global _shared
+        if _shared is None:
+            from .dist import shared as _shared_mod
 
-        if shared.gpu_peers():
+            _shared = _shared_mod
+        if _shared._gpu_peers:  # (a dict read: asked after every eager call)
             self._probe_context()
 
     def _poll_until_done(self) -> list[int]:

@@ -147,6 +147,17 @@ def _tensors(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
+def _cloner(out: Any) -> Any:
+    """A function of no arguments returning ``out`` with every tensor cloned (its
+    structure kept): a tensor's or a pair's without a Python frame per level."""
+    if isinstance(out, torch.Tensor):
+        return out.clone
+    if isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out):
+        a, b = out
+        return lambda: (a.clone(), b.clone())
+    return lambda: _cloned(out)
+
+
 def _cloned(out: Any) -> Any:
     """``out`` with every tensor cloned (its structure kept)."""
     if isinstance(out, torch.Tensor):
@@ -162,16 +173,21 @@ class PlanGraph:
     """One signature's captured body: the graph, its static inputs, its outputs, the fixed
     inputs' pointers it captured, and the words it owns."""
 
-    __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "device", "__weakref__")
+    __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "clone",
+                 "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any) -> None:
         self.graph, self.statics, self.moving, self.out, self.ptrs, self.keep = \
             graph, statics, moving, out, ptrs, keep
-        self.streams = {stream}
+        self.streams = {id(stream)}
         """The streams its static inputs were used on (each recorded on them: their memory
-        is not reused before a replay there has ended)."""
+        is not reused before a replay there has ended; a runtime keeps one ``Stream``
+        object per stream, so an id names one)."""
+        self.last = stream
         self.device = device
+        self.clone = _cloner(out)
+        """``out`` -> new tensors of the same structure."""
 
     def __repr__(self) -> str:
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
@@ -187,7 +203,7 @@ class PlanGraph:
         if reset is not None:
             reset()
         self.graph = None
-        self.statics = self.out = self.keep = None
+        self.statics = self.out = self.keep = self.clone = self.last = None
 
 
 class GraphState:
@@ -331,16 +347,18 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
         order.begin(cur)
         try:  # on the current stream (a replay launches there, on the graph's device)
             statics = g.statics
-            if cur not in g.streams:  # the statics' memory not reused while this stream reads them
-                g.streams.add(cur)
-                for i in g.moving:
-                    if statics[i] is not None:
-                        statics[i].record_stream(cur)
+            if cur is not g.last:
+                g.last = cur
+                if id(cur) not in g.streams:  # the statics' memory not reused while this stream reads them
+                    g.streams.add(id(cur))
+                    for i in g.moving:
+                        if statics[i] is not None:
+                            statics[i].record_stream(cur)
             for i in g.moving:
                 if args[i] is not None:
                     statics[i].copy_(args[i])
             g.graph.replay()
-            out = _cloned(g.out)
+            out = g.clone()
         finally:
             order.end(cur)
         report_eager(body.err, body.check)

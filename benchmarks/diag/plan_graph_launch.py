@@ -1,0 +1,104 @@
+"""Where a replayed call's host time goes (1 GPU, world size 1, NCCL x2, bf16, 512 x 1024 x 1024).
+
+    python benchmarks/diag/plan_graph_launch.py --out DIR
+
+Per op with a plan graph (``overlap.ops._graphs``): the host time (median of 300, each
+timed alone) of the whole call, of the graph's replay alone, of the activations' copies
+and of the outputs' clones; beside a graph of one small kernel, one of eight, and
+torch.mm. Writes ``DIR/plan_graph_launch.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+os.environ.setdefault("OVERLAP_PLAN_GRAPHS", "always")
+
+
+def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        t.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return round(statistics.median(t), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from benchmarks.context import run_context
+    from overlap import dist
+    from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul,
+                             matmul_all_reduce_matmul)
+    from overlap.ops import _calls, _graphs
+
+    ctx = dist.init()
+    dev, group = ctx.device, ctx.tp_group
+    M, N, K = 512, 1024, 1024
+    dt = torch.bfloat16
+    cfg = OverlapConfig(transport="nccl", chunks=2)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, device=dev, dtype=dt)
+
+    a, w, x, res = rnd(M, K), rnd(N, K), rnd(M, K), rnd(M, K)
+    ln = torch.nn.LayerNorm(K, device=dev, dtype=dt)
+    norm = Norm.from_module(ln)
+    w_proj, w_next, res_n = rnd(K, K), rnd(N, K), rnd(M, K)
+    rows: list[dict[str, Any]] = []
+    small = torch.zeros(1024, device=dev)
+    for n_k in (1, 8):
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            for _ in range(n_k):
+                small.add_(1)
+        torch.cuda.current_stream().wait_stream(s)
+        rows.append({"what": f"graph of {n_k} small kernel(s): replay", "host_us": host_us(g.replay)})
+    rows.append({"what": "torch.mm", "host_us": host_us(lambda: torch.mm(a, w.t()))})
+    rows.append({"what": "tensor.clone (512 x 1024)", "host_us": host_us(lambda: a.clone())})
+    rows.append({"what": "tensor.copy_ (512 x 1024)", "host_us": host_us(lambda: x.copy_(a))})
+    cases = {
+        "all_gather_matmul": lambda: all_gather_matmul(a, w.t(), group=group, config=cfg),
+        "all_reduce_matmul + layernorm": lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm,
+                                                                   config=cfg),
+        "matmul_all_reduce_matmul + layernorm": lambda: matmul_all_reduce_matmul(
+            a, w_proj.t(), w_next.t(), group=group, residual=res_n, norm=norm, config=cfg),
+    }
+    with torch.no_grad():
+        for name, fn in cases.items():
+            before = set(map(id, _graphs.live))
+            call = host_us(fn)
+            g = next(pg for pg in _graphs.live if id(pg) not in before)
+            rows.append({"what": f"{name}: call", "host_us": call})
+            rows.append({"what": f"{name}: replay alone", "host_us": host_us(g.graph.replay)})
+            rows.append({"what": f"{name}: outputs cloned", "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
+    for r in rows:
+        print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan_graph_launch.json"), "w") as fh:
+        json.dump({"context": {**run_context(1), "shape": [M, N, K], "dtype": "bfloat16",
+                               "plan_graphs": dict(_graphs.stats), "call_plans": dict(_calls.stats)},
+                   "rows": rows}, fh, indent=1)
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()
