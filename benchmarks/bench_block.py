@@ -50,6 +50,12 @@ The profiler's device tracing slows the host's launches, so ``busy_share_of_queu
 gives the busy milliseconds per step over ``ms_per_step_queued`` (the same steps without the
 profiler): an estimate of the share without it.
 
+``--host N`` (eager modes): N more steps back to back, each step's host time (to queue it,
+no synchronization: ``host_ms_per_step``, the median), then N under cProfile: where the
+host time goes (``<out>/host_profile_<mode>.txt``) and ``overlap.report()`` after them
+(``<out>/report_<mode>.txt``). A host time per step near ``ms_per_step_queued`` is a
+host-bound step.
+
 Writes ``block_sp.json`` or ``block.json`` (context: GPU, versions, commit) under ``--out``
 on rank 0 and prints a table. Without a GPU it runs tiny shapes on gloo and says its
 figures are not GPU figures; ``compiled-torch`` needs CUDA, and ``compiled-overlap`` needs
@@ -305,6 +311,31 @@ def _queued_ms(one: Any, steps: int, dev: torch.device, group: Any) -> float:
     return ms.item()
 
 
+def _host_steps(one: Any, steps: int, dev: torch.device, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--host``: the host time to queue each of ``steps`` steps (no synchronization
+    between them), then where it goes (cProfile) and the report, written under ``--out``."""
+    import overlap
+    from benchmarks.host_overhead import profile_calls
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
+    sync(dev)
+    ts = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        one(i)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    sync(dev)
+    if args.out and tdist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        overlap.reset_report()
+        text = profile_calls(lambda it=iter(range(10 ** 9)): one(next(it)), steps, dev)
+        with open(os.path.join(args.out, f"host_profile_{mode}.txt"), "w") as f:
+            f.write(f"===== {mode}: {steps} steps =====\n{text}\n")
+        with open(os.path.join(args.out, f"report_{mode}.txt"), "w") as f:
+            f.write(str(overlap.report()))
+    return {"host_ms_per_step": statistics.median(ts)}
+
+
 def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     from torch._inductor.utils import run_and_get_code
 
@@ -379,6 +410,8 @@ def run_mode(mode: str, args: argparse.Namespace, env: dict[str, Any]) -> dict[s
         out["saved_mib"] = saved / 2 ** 20
         if args.sp:
             out["save_gathered"] = _save_gathered(mode, args)
+    if args.host and not compiled and not graphed:
+        out.update(_host_steps(one, args.host, dev, mode, args))
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
         if args.busy:
@@ -402,6 +435,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--pretend-nccl", action="store_true", help="patch the pass's NCCL check (CPU smoke runs)")
+    p.add_argument("--host", type=int, default=0, metavar="STEPS",
+                   help="eager modes: the host time per step, where it goes and the report (see above)")
     p.add_argument("--busy", type=int, default=0, metavar="STEPS",
                    help="a GPU: the GPU-busy share of STEPS more steps under torch.profiler (device activity)")
     args = p.parse_args()
@@ -460,6 +495,8 @@ def main() -> None:
             if "ms_per_step_queued" in r:
                 print(f"{'':17} {r['ms_per_step_queued']:.3f} ms per step with {args.steps} steps queued back to "
                       f"back (CUDA events, no profiler)")
+            if "host_ms_per_step" in r:
+                print(f"{'':17} {r['host_ms_per_step']:.3f} ms of host time to queue a step (median)")
             if "graph_check_ok" in r:
                 print(f"{'':17} replay against the eager step, {r['graph_check_steps']} new inputs, "
                       f"{r['graph_check_tensors']} tensors: max relative error {r['graph_check_max_rel_err']:.2e} "
