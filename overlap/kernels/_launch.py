@@ -47,13 +47,19 @@ class HostDesc:
     (``TileGemmPlan``), and a launch checks the pointer and the shape when it fills one
     (``_RawLaunch``) or Triton does (``triton()``)."""
 
-    __slots__ = ("base", "shape", "strides", "block_shape")
+    __slots__ = ("base", "shape", "strides", "block_shape", "gluon")
 
-    def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any) -> None:
+    def __init__(self, base: Any, shape: Any, strides: Any, block_shape: Any, gluon: Any = None) -> None:
         self.base, self.shape, self.strides, self.block_shape = base, shape, strides, block_shape
+        self.gluon = gluon
+        """None, or ``f(base, block_shape)`` making the Gluon descriptor a Gluon kernel takes
+        (its shared-memory layout in it) where Triton's own launch path is taken."""
 
     def triton(self) -> Any:
-        """Triton's ``TensorDescriptor`` of the same fields (and its checks)."""
+        """Triton's ``TensorDescriptor`` of the same fields (and its checks); a Gluon
+        kernel's descriptor where ``gluon`` is given."""
+        if self.gluon is not None:
+            return self.gluon(self.base, self.block_shape)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(self.base, self.shape, self.strides, self.block_shape)

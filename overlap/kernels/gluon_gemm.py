@@ -53,6 +53,7 @@ import torch
 
 from .. import protocol as _p
 from . import _gluon_compat as _c
+from ._launch import HostDesc
 
 __all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "GluonGemmPlan", "launch_gluon_gemm", "descriptors"]
 
@@ -572,6 +573,11 @@ def _smem_layout(rows: int, cols: int, dt: torch.dtype) -> Any:
     return _c.gl.NVMMASharedLayout.get_default_for([rows, cols], _gl_dtype(dt))
 
 
+def _gluon_desc(t: torch.Tensor, block: list[int]) -> Any:
+    """The Gluon TMA descriptor of ``t`` in ``block`` tiles (``_launch.HostDesc.triton``)."""
+    return _c.TensorDescriptor.from_tensor(t, list(block), _smem_layout(block[0], block[1], t.dtype))
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: GluonGemmConfig,
                 a2: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any, bool]:
     """TMA descriptors of A (and A2), B and C, and whether B is read as row-major [K, N]
@@ -713,7 +719,18 @@ class GluonGemmPlan:
         if self.table.shape[0] == 0:
             return
         cap, span = rows if rows is not None else (1, 1)
-        a_desc, a2_desc, b_desc, c_desc, _ = descriptors(a, b, c, self.cfg, a2)
+        if self.prepared.raw is not None:
+            # the compiled kernel's C launcher called with the descriptors filled once per
+            # pointer (``_launch._RawLaunch``): plain fields, no Gluon descriptor objects per call
+            cfg, mk = self.cfg, _gluon_desc
+            a_desc = HostDesc(a, a.shape, a.stride(), [cfg.block_m, cfg.block_k], mk)
+            a2_desc = HostDesc(a2, a2.shape, a2.stride(), [cfg.block_m, cfg.block_k], mk) if a2 is not None \
+                else a_desc
+            b_desc = HostDesc(b_store, b_store.shape, b_store.stride(),
+                              [cfg.block_k, cfg.block_n] if self.b_kn else [cfg.block_n, cfg.block_k], mk)
+            c_desc = HostDesc(c, c.shape, c.stride(), [cfg.block_m, cfg.block_n], mk)
+        else:
+            a_desc, a2_desc, b_desc, c_desc, _ = descriptors(a, b, c, self.cfg, a2)
         nprog = max(1, min(int(grid), self.table.shape[0]))
         args = (a_desc, a2_desc, b_desc, c_desc, c, self.table, self.flags, self.err, self.counter, *self.head,
                 int(epoch), *self.tail, int(cap), int(span))

@@ -208,3 +208,42 @@ def test_sm90_row_cut_and_nan_over_skipped_tiles() -> None:
         assert all("arith.minsi" not in r for r in (*plain_mmas, plain_loader)), pp
         assert "dense<0x7FC0>" in _build(clip=True, **tile).asm["ttgir"], pp
         assert "dense<0x7FC0>" not in _build(has_wait=False, **tile).asm["ttgir"], pp
+
+
+def test_plan_launch_passes_plain_descriptors_once_the_raw_launch_is_known() -> None:
+    """A plan's launch before its kernel's C launcher is known passes Gluon descriptors
+    (Triton's path compiles and launches with them); after, plain ``HostDesc`` fields the
+    C launcher fills once per pointer, each turning into the same Gluon descriptor where a
+    launch falls back to Triton's path (``HostDesc.triton``)."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels import _launch
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)  # [N, K]: b = w.t()
+    c = torch.zeros(256, 256, dtype=torch.bfloat16)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    plan = GluonGemmPlan(a, w.t(), c, tab)
+    got: list = []
+
+    class Prepared:
+        raw = None
+
+        def launch(self, grid, args, aligned=()) -> None:  # noqa: ANN001
+            got.append(args[:4])
+
+    plan.prepared = Prepared()
+    plan.launch(a, w.t(), c, epoch=1, grid=2)
+    assert all(type(d) is compat.TensorDescriptor for d in got[-1]), [type(d) for d in got[-1]]
+    Prepared.raw = object()
+    plan.launch(a, w.t(), c, epoch=1, grid=2)
+    descs = got[-1]
+    assert all(type(d) is _launch.HostDesc for d in descs), [type(d) for d in descs]
+    a_d, _, b_d, c_d = descs
+    assert b_d.base.data_ptr() == w.data_ptr() and tuple(b_d.shape) == (256, 128) and list(b_d.block_shape) == \
+        [plan.cfg.block_n, plan.cfg.block_k]
+    for hd, gd in zip(descs, got[0]):  # the fallback's descriptor is the Gluon one Triton's path took
+        back = hd.triton()
+        assert type(back) is type(gd) and list(back.block_shape) == list(gd.block_shape) and \
+            tuple(back.shape) == tuple(gd.shape) and back.layout == gd.layout
