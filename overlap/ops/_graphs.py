@@ -7,9 +7,10 @@ its GPU work takes about 17 us. For such a signature the host sets the pace. A p
 takes the host out of it: at the signature's ``CAPTURE_AT``-th planned call the op's fused
 body (the full path's ``_fused``, which a user's capture already runs: words of its own,
 zeroed inside the graph, every wait against 1) is captured into a graph of its own, on a
-capture stream, reading static copies of the call's moving inputs (the activations: the
-rows, the residual) and the call's fixed inputs (weights, the norm's weight and bias) in
-place. Every later call of the signature::
+capture stream, reading contiguous static copies of the call's moving inputs (the
+activations: the rows, the residual) and the call's fixed inputs (weights, the norm's
+weight and bias) in place. What the capture keeps alive (its words, its GEMM plans) goes
+to the graph (``_state.capture_sink``), freed with it. Every later call of the signature::
 
     key -> CallPlan -> agree (counted) -> order -> copy moving inputs -> replay
         -> clone outputs -> order end -> error report -> outputs
@@ -27,7 +28,8 @@ When a signature gets a graph (``OVERLAP_PLAN_GRAPHS``, read when a body is made
 
 A graph is replayed only while the fixed inputs are the tensors it captured (their data
 pointers compared per call; their values may change in place, as an optimizer changes
-weights). A call with other fixed inputs runs the bound body, and the graph is dropped;
+weights). A call with other fixed inputs runs the bound body, and the graph is retired
+(freed by a later capture once an event behind its last replay has completed: no wait);
 the signature is captured again once its fixed inputs have stayed put for
 ``CAPTURE_AT`` calls, at most ``MAX_CAPTURES`` times; then never again. A capture that
 fails (an op whose body cannot be captured) runs the call as before, and the signature is
@@ -41,8 +43,11 @@ another runs eagerly; both queue the same collectives (NCCL mixes captured and e
 calls on one communicator).
 
 Graphs are dropped with their plans (``clear_call_plans``) and before a runtime's
-communicators are destroyed (``drop_graphs``, from ``reset_runtimes``): a captured
-collective must not outlive its communicator.
+communicators are destroyed (``drop_graphs``, from ``reset_runtimes``; every live graph of
+the runtime, its call plan cached or evicted, after a device synchronize): a captured
+collective must not outlive its communicator. The decision and the capture are made under
+the device's order lock; a replay finds its graph still there under it, or runs the fused
+body.
 """
 
 from __future__ import annotations
@@ -174,12 +179,14 @@ class PlanGraph:
     inputs' pointers it captured, and the words it owns."""
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "clone",
-                 "__weakref__")
+                 "owner", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
-                 keep: list, stream: Any, device: Any) -> None:
+                 keep: list, stream: Any, device: Any, owner: int) -> None:
         self.graph, self.statics, self.moving, self.out, self.ptrs, self.keep = \
             graph, statics, moving, out, ptrs, keep
+        self.owner = owner
+        """``id`` of the runtime whose communicators the graph captured."""
         self.streams = {id(stream)}
         """The streams its static inputs were used on (each recorded on them: their memory
         is not reused before a replay there has ended; a runtime keeps one ``Stream``
@@ -193,17 +200,45 @@ class PlanGraph:
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
                 f"{len(self.ptrs)} fixed input(s) read in place)")
 
-    def drop(self) -> None:
-        """Free the graph, once the work queued on its device has ended (a replay may be
-        in flight)."""
+    def drop(self, wait: bool = True) -> None:
+        """Free the graph once its replays have ended: ``wait``, after a device synchronize;
+        else retired (``_retired``: freed by a later capture or drop once an event recorded
+        behind its last replay has completed; no wait on the caller's path)."""
         if self.graph is None:
             return
-        _cuda.synchronize(self.device)
-        reset = getattr(self.graph, "reset", None)
-        if reset is not None:
-            reset()
+        if wait:
+            _cuda.synchronize(self.device)
+            _free(self.graph)
+        else:
+            ev = _cuda.Event()
+            ev.record(self.last)  # calls are in one device order: the last replay ends after every other
+            _retired.append((ev, self.device, self.graph, self.statics, self.keep))
         self.graph = None
         self.statics = self.out = self.keep = self.clone = self.last = None
+
+
+def _free(graph: Any) -> None:
+    reset = getattr(graph, "reset", None)
+    if reset is not None:
+        reset()
+
+
+_retired: list[tuple] = []
+"""Dropped graphs whose last replay may still run: (event, device, graph, what it holds)."""
+
+
+def _reap(device: Any = None) -> None:
+    """Free the retired graphs whose replays have ended; with ``device``, every one of that
+    device after a synchronize."""
+    if device is not None and any(r[1] == device for r in _retired):
+        _cuda.synchronize(device)
+    keep = []
+    for r in _retired:
+        if (device is not None and r[1] == device) or r[0].query():
+            _free(r[2])
+        else:
+            keep.append(r)
+    _retired[:] = keep
 
 
 class GraphState:
@@ -235,49 +270,54 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
     st = state_for(body)
     if st is None or st.off:
         return NO
-    moving = body.moving
-    ptrs = _fixed_ptrs(args, moving)
-    g = st.graph
-    if g is not None:
-        if g.ptrs == ptrs:
-            return _replay(rt, cp, body, g, args)
-        _drop(st)  # fixed inputs moved: counted again from here
-    if ptrs != st.ptrs:
-        st.ptrs, st.count = ptrs, 0
-    st.count += 1
-    if st.count < CAPTURE_AT:
-        return NO
-    if st.captures >= MAX_CAPTURES:
-        st.off = True
-        return NO
-    if len(live) >= MAX_GRAPHS:
-        st.count = 0  # tried again after CAPTURE_AT more calls
-        return NO
-    st.captures += 1
-    g = _capture(rt, cp.op, body, args, ptrs)
-    if g is None:
-        st.off = True
-        stats["refused"] += 1
-        return NO
-    st.graph = g
-    live.add(g)
-    stats["captured"] += 1
+    ptrs = _fixed_ptrs(args, body.moving)
+    with rt.order.lock:  # (an RLock: decided with no other thread's call of this device in between)
+        g = st.graph
+        if g is not None and g.graph is None:  # dropped by ``drop_graphs``
+            st.graph = g = None
+        if g is not None and g.ptrs != ptrs:
+            _drop(st, wait=False)  # fixed inputs moved: counted again from here
+            g = None
+        if g is None:
+            if st.off:
+                return NO
+            if ptrs != st.ptrs:
+                st.ptrs, st.count = ptrs, 0
+            st.count += 1
+            if st.count < CAPTURE_AT:
+                return NO
+            if st.captures >= MAX_CAPTURES:
+                st.off = True
+                return NO
+            _reap()
+            if len(live) >= MAX_GRAPHS:
+                st.count = 0  # tried again after CAPTURE_AT more calls
+                return NO
+            st.captures += 1
+            g = _capture(rt, cp.op, body, args, ptrs)
+            if g is None:
+                st.off = True
+                stats["refused"] += 1
+                return NO
+            st.graph = g
+            live.add(g)
+            stats["captured"] += 1
     return _replay(rt, cp, body, g, args)
 
 
-def _drop(st: GraphState) -> None:
+def _drop(st: GraphState, wait: bool = True) -> None:
     if st.graph is not None:
-        st.graph.drop()
+        st.graph.drop(wait)
         live.discard(st.graph)
         st.graph = None
         stats["dropped"] += 1
 
 
 def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph | None:
-    """Capture ``body.fused`` on static copies of the moving inputs; None where it cannot
-    be (a stride a static copy does not keep, a failed capture, an output that is an
-    input's memory). Under the device's order lock: no other call of the library (which
-    alone takes captured words) comes between the count of captured words and the capture."""
+    """Capture ``body.fused`` on static copies of the moving inputs (contiguous: a copy
+    into them takes any input, an expanded one too); None where it cannot be (a failed
+    capture, an output that is an input's memory). What the capture keeps alive (plans,
+    tables, words: ``_state.capture_sink``) belongs to the graph."""
     moving = body.moving
     dev = rt.device
     statics = list(args)
@@ -285,48 +325,33 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
         cur = rt.current_stream()
         for i in moving:
             x = args[i]
-            if x is None:
-                continue
-            s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-            if s.stride() != x.stride():
-                return None
-            statics[i] = s
+            if x is not None:
+                statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         cap = _capture_stream(rt)
         cap.wait_stream(cur)
-        words_before = len(_state._captured_words)
         graph = _cuda.CUDAGraph()
-        try:
-            with _cuda.stream(cap):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = body.fused(*statics)
-                finally:
-                    graph.capture_end()
-        except Exception as e:  # noqa: BLE001 - the call runs as before; the signature is not captured again
-            _state.warn_once(f"plan-graph-{op}-{type(e).__name__}",
-                             f"{op}: a call plan's graph could not be captured ({type(e).__name__}: {e}); "
-                             "its signature runs without one")
-            _return_words(words_before)
-            return None
-        finally:
-            cur.wait_stream(cap)
-        keep = _return_words(words_before)
+        with _state.capture_sink() as keep:
+            try:
+                with _cuda.stream(cap):
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        out = body.fused(*statics)
+                    finally:
+                        graph.capture_end()
+            except Exception as e:  # noqa: BLE001 - the call runs as before; the signature is not captured again
+                _state.warn_once(f"plan-graph-{op}-{type(e).__name__}",
+                                 f"{op}: a call plan's graph could not be captured ({type(e).__name__}: {e}); "
+                                 "its signature runs without one")
+                return None
+            finally:
+                cur.wait_stream(cap)
         outs = _tensors(out)
         ins = [statics[i] for i in moving if statics[i] is not None]
         if outs is None or any(o.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
                                for o in outs for s in ins):
             graph.reset()
             return None
-        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev)
-
-
-def _return_words(before: int) -> list:
-    """The words a capture took (kept for the process's life by ``LocalWords``), taken
-    back into the plan graph that owns them."""
-    with _state._lock_kept:
-        got = _state._captured_words[before:]
-        del _state._captured_words[before:]
-    return got
+        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt))
 
 
 def _capture_stream(rt: Any) -> Any:
@@ -343,6 +368,10 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
     _observe.record_call(cp.op, cp.shape, cp.path, cp.why)
     order = rt.order
     with order.lock:
+        if g.graph is None:  # dropped by another thread since it was picked: the fused body runs the call
+            out = body.fused(*args)
+            rt.seen.add((cp.op, cp.sig))
+            return out
         cur = rt.current_stream()
         order.begin(cur)
         try:  # on the current stream (a replay launches there, on the graph's device)
@@ -381,12 +410,23 @@ def drop_graphs(rt: Any, free: bool = True) -> None:
             continue
         for cp in list(cache.values()):
             st = getattr(getattr(cp, "body", None), "gstate", None)
-            if st is None or st.graph is None:
-                continue
-            if free:
-                _drop(st)
-            else:
-                _abandoned.append(st.graph)
-                live.discard(st.graph)
-                st.graph = None
-            st.off = True  # the body's runtime is gone
+            if st is not None:
+                st.off = True  # the body's runtime is gone (or its plans are)
+                if free:
+                    _drop(st)
+    # every graph of the runtime, its call plan cached or not (evicted, held by the index)
+    for g in [g for g in list(live) if g.owner == id(rt)]:
+        live.discard(g)
+        if free:
+            g.drop()
+            stats["dropped"] += 1
+        else:
+            _abandoned.append(g)
+    dev = getattr(rt, "device", None)
+    if dev is None:
+        return
+    if free:
+        _reap(dev)
+    else:
+        _abandoned.extend(r for r in _retired if r[1] == dev)
+        _retired[:] = [r for r in _retired if r[1] != dev]

@@ -7,10 +7,11 @@ error words, the captured words, the device orders); the rest is held by each
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -125,8 +126,14 @@ _kept_for_capture: list[Any] = []  # process-global: a graph outlives shutdown a
 
 def keep_for_capture(obj: Any) -> Any:
     """Keep ``obj`` (a plan, a table) alive for the life of the process when the current
-    stream is capturing: the graph holds its device addresses (see ``LRU``)."""
+    stream is capturing: the graph holds its device addresses (see ``LRU``). Inside the
+    library's own capture of a plan graph (``capture_sink``), kept by that graph instead."""
     if capturing():
+        sink = getattr(_sink, "keep", None)
+        if sink is not None:
+            if not any(o is obj for o in sink):
+                sink.append(obj)
+            return obj
         with _lock_kept:
             if not any(o is obj for o in _kept_for_capture):
                 _kept_for_capture.append(obj)
@@ -134,6 +141,20 @@ def keep_for_capture(obj: Any) -> Any:
 
 
 _lock_kept = threading.Lock()
+_sink = threading.local()
+
+
+@contextlib.contextmanager
+def capture_sink() -> Iterator[list]:
+    """While a plan graph (``_graphs``) is captured on this thread: what the capture keeps
+    alive (``keep_for_capture``, captured words) goes into the list yielded, which the plan
+    graph owns and frees with it, not into the process-wide lists."""
+    prev = getattr(_sink, "keep", None)
+    _sink.keep = got = []
+    try:
+        yield got
+    finally:
+        _sink.keep = prev
 
 
 class OverlapCaptureError(RuntimeError):
@@ -268,7 +289,8 @@ class LocalWords:
         words = nc + max(1, n_flags)
         if capturing():
             buf = torch.empty(words, dtype=torch.int32, device=self.device)
-            _captured_words.append(buf)
+            sink = getattr(_sink, "keep", None)
+            (sink if sink is not None else _captured_words).append(buf)
             return Words(buf, buf[:nc], buf[nc:])
         got = self._by.get(name)
         if got is not None and got[0] == nc and got[2] == words:

@@ -46,8 +46,19 @@ def _queue(fn) -> None:  # noqa: ANN001
         fn()
 
 
+class _Event:
+    done = True
+
+    def record(self, stream) -> None:  # noqa: ANN001
+        self.stream = stream
+
+    def query(self) -> bool:
+        return _Event.done
+
+
 class _Cuda:
     CUDAGraph = _Graph
+    Event = _Event
 
     def __init__(self) -> None:
         self.syncs = 0
@@ -101,8 +112,9 @@ class _Body:
         self.fused_calls += 1
         if self.fail is not None:
             raise self.fail
-        for _ in range(self.words):
-            _state._captured_words.append(torch.zeros(4, dtype=torch.int32))
+        for i in range(self.words):  # what a fused body keeps for a capture: its words, its plans
+            _state.LocalWords(torch.device("cpu")).get(f"w{i}", 1, 4)
+            _state.keep_for_capture(("a plan", i))
         if self.alias:
             return a[:1]
         c = torch.empty(a.shape[0], b.shape[1])
@@ -119,6 +131,7 @@ def fake(monkeypatch):  # noqa: ANN001, ANN201
     monkeypatch.setattr(_graphs, "check_agreed", lambda rt, op, names, values, key: log.append("agreed"))
     monkeypatch.setattr(_graphs, "report_eager", lambda err, check: log.append(("report", err, check)))
     monkeypatch.setattr(_graphs._observe, "record_call", lambda *a: log.append("recorded"))
+    monkeypatch.setattr(_state, "capturing", lambda: _Graph.capturing is not None)
     monkeypatch.delenv("OVERLAP_PLAN_GRAPHS", raising=False)
     for k in _graphs.stats:
         monkeypatch.setitem(_graphs.stats, k, 0)
@@ -194,6 +207,8 @@ def test_moved_weight_runs_as_before_then_captured_again_then_never(fake) -> Non
     for _ in range(_graphs.CAPTURE_AT):
         _call(fake, body, torch.randn(6, 8), b)
     first = body.gstate.graph
+    first_graph = first.graph
+    _graphs._retired.clear()
     for cap in range(2, _graphs.MAX_CAPTURES + 1):
         b = torch.randn(8, 4)  # a new weight tensor
         assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
@@ -204,10 +219,17 @@ def test_moved_weight_runs_as_before_then_captured_again_then_never(fake) -> Non
         torch.testing.assert_close(_call(fake, body, a, b), a @ b)  # captured again, on this weight
         assert body.fused_calls == cap
     assert first.graph is None and _graphs.stats["dropped"] == _graphs.MAX_CAPTURES - 1
+    # a moved weight waits for nothing: the old graph is retired, freed by a later capture
+    # once its last replay has ended
+    assert fake.cuda.syncs == 0 and first_graph.resets == 1 and not _graphs._retired
+    last = body.gstate.graph.graph
     b = torch.randn(8, 4)
     for _ in range(3 * _graphs.CAPTURE_AT):
         assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
     assert body.gstate.off and body.fused_calls == _graphs.MAX_CAPTURES
+    assert len(_graphs._retired) == 1 and last.resets == 0  # retired; no capture came to free it
+    _graphs._reap()
+    assert last.resets == 1 and not _graphs._retired
 
 
 def test_a_capture_that_fails_runs_the_call_and_is_not_tried_again(fake) -> None:  # noqa: ANN001
@@ -235,15 +257,54 @@ def test_an_output_that_is_an_input_is_not_graphed(fake) -> None:  # noqa: ANN00
     assert body.fused_calls == 1 and body.gstate.off
 
 
-def test_the_graph_owns_the_words_it_captured(fake) -> None:  # noqa: ANN001
-    """The words a capture takes (which ``LocalWords`` keeps for the process's life for a
-    user's graph) belong to the plan graph, freed with it."""
+def test_the_graph_owns_what_its_capture_keeps(fake) -> None:  # noqa: ANN001
+    """The words and plans a capture keeps alive (which a user's graph keeps for the
+    process's life: ``LocalWords``, ``keep_for_capture``) belong to the plan graph, freed
+    with it; a user's capture after it keeps its own in the process-wide lists."""
     body = _Body(words=2)
     b = torch.randn(8, 4)
-    n_words = len(_state._captured_words)
+    n_words, n_kept = len(_state._captured_words), len(_state._kept_for_capture)
     for _ in range(_graphs.CAPTURE_AT):
         _call(fake, body, torch.randn(6, 8), b)
-    assert len(_state._captured_words) == n_words and len(body.gstate.graph.keep) == 2
+    assert len(_state._captured_words) == n_words and len(_state._kept_for_capture) == n_kept
+    keep = body.gstate.graph.keep
+    assert len(keep) == 4 and sum(isinstance(k, torch.Tensor) for k in keep) == 2, keep
+    _Graph.capturing = _Graph()  # a user's capture: the process-wide lists again
+    try:
+        _state.LocalWords(torch.device("cpu")).get("user", 1, 4)
+        _state.keep_for_capture(("a user plan",))
+    finally:
+        _Graph.capturing = None
+    assert len(_state._captured_words) == n_words + 1 and _state._kept_for_capture[-1] == ("a user plan",)
+    del _state._captured_words[-1], _state._kept_for_capture[-1]
+
+
+def test_an_expanded_residual_is_copied_into_a_dense_static(fake) -> None:  # noqa: ANN001
+    """A moving input that is a broadcast view (stride 0) is copied into a contiguous
+    static input: every replay takes the call's values."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for it in range(_graphs.CAPTURE_AT + 3):
+        a, row = torch.randn(6, 8), torch.randn(4)
+        got = _call(fake, body, a, b, row.expand(6, 4))
+        if it >= _graphs.CAPTURE_AT - 1:
+            torch.testing.assert_close(got, a @ b + row)
+    assert body.gstate.graph.statics[2].is_contiguous()
+
+
+def test_a_graph_dropped_by_another_thread_runs_the_call_unreplayed(fake) -> None:  # noqa: ANN001
+    """A graph dropped between a call's pick and its replay (another thread's call with
+    other weights, ``drop_graphs``): the call runs the fused body, right."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    g = body.gstate.graph
+    g.drop()
+    a = torch.randn(6, 8)
+    out = _graphs._replay(fake.rt, fake.cp, body, g, (a, b, None))
+    torch.testing.assert_close(out, a @ b)
+    assert body.fused_calls == 2
 
 
 def test_the_setting(fake, monkeypatch) -> None:  # noqa: ANN001
@@ -297,16 +358,22 @@ def test_dropped_with_the_plans_and_before_the_communicators(fake, monkeypatch) 
         return SimpleNamespace(body=body)
 
     cp = graphed()
-    fake.rt._caches = {"test_op.calls": {"k": cp}, "other": {"k": graphed()}}
-    g = cp.body.gstate.graph.graph
+    evicted = graphed()  # its call plan no longer cached (an LRU evicted it): still dropped
+    fake.rt._caches = {"test_op.calls": {"k": cp}}
+    monkeypatch.setattr(_graphs, "live", _graphs.weakref.WeakSet([cp.body.gstate.graph, evicted.body.gstate.graph]))
+    for pg in _graphs.live:
+        pg.owner = id(fake.rt)
+    g, ge = cp.body.gstate.graph.graph, evicted.body.gstate.graph.graph
     _graphs.drop_graphs(fake.rt)
-    assert g.resets == 1 and fake.cuda.syncs == 1 and cp.body.gstate.off and cp.body.gstate.graph is None
+    assert g.resets == 1 and ge.resets == 1 and fake.cuda.syncs == 2 and cp.body.gstate.off
+    assert _call(fake, cp.body, torch.randn(6, 8), torch.randn(8, 4)) is _graphs.NO and cp.body.gstate.graph is None
 
     log = fake.log
     cp = graphed()
     g = cp.body.gstate.graph.graph
     rt = SimpleNamespace(device=torch.device("cpu"), _caches={"test_op.calls": {"k": cp}}, _comms={},
                          close=lambda: log.append(("close", g.resets)))
+    cp.body.gstate.graph.owner = id(rt)
     monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
     monkeypatch.setattr(_lifecycle, "_drain", lambda rt, t: True)
     _lifecycle.reset_runtimes()
@@ -318,17 +385,19 @@ def test_dropped_with_the_plans_and_before_the_communicators(fake, monkeypatch) 
     rt = SimpleNamespace(device=torch.device("cuda", 0), _caches={"test_op.calls": {"k": cp}}, rank=0, ranks=(0,),
                          group=None, _comms={None: SimpleNamespace(abort=lambda: aborted.append(kept.graph.resets))},
                          close=lambda: log.append("closed"))
+    kept.owner = id(rt)
     monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
     monkeypatch.setattr(_lifecycle, "_drain", lambda rt, t: False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _lifecycle.reset_runtimes()
-    assert aborted == [0] and kept in _graphs._abandoned and cp.body.gstate.graph is None
+    assert aborted == [0] and kept in _graphs._abandoned and kept.graph is not None
     _graphs._abandoned.remove(kept)
 
     cp = graphed()
     g = cp.body.gstate.graph.graph
-    rt = SimpleNamespace(_caches={"test_op.calls": {"k": cp}})
+    rt = SimpleNamespace(_caches={"test_op.calls": {"k": cp}}, device=torch.device("cpu"))
+    cp.body.gstate.graph.owner = id(rt)
     monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
     _calls.clear_call_plans()
     assert g.resets == 1 and rt._caches["test_op.calls"] == {}
