@@ -119,6 +119,14 @@ def main() -> None:
                 assert rel(got, want) < TOL, (op, "two streams", it, rel(got, want))
             done += 1
             print(f"ok {op}: {_graphs.stats}", flush=True)
+        # a broadcast residual (stride 0): copied into the graph's contiguous input
+        w = rnd(N, K)
+        for it in range(_graphs.CAPTURE_AT + 3):
+            x, row = rnd(M, K), rnd(K)
+            c, h = all_reduce_matmul(x, w.t(), group=group, residual=row.expand(M, K), norm=nrm_k, config=CFG)
+            h_ref = x.float() + row.float()
+            assert rel(h, h_ref) < TOL and rel(c, nrm_k.apply(h_ref.to(DT)).float() @ w.float().t()) < TOL, \
+                ("broadcast residual", it)
         # a user's graph at a graphed signature: the capture takes the full path
         w = rnd(N, K)
         x = rnd(M, K)
