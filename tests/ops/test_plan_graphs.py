@@ -80,6 +80,8 @@ class _Cuda:
 
 
 class _Stream:
+    cuda_stream = 7
+
     def wait_stream(self, other) -> None:  # noqa: ANN001
         pass
 
@@ -418,3 +420,47 @@ def test_each_op_copies_its_activations_and_reads_its_weights_in_place() -> None
         src = inspect.getsource(mod._planned)
         assert f"_graphs.replay_or_capture(rt, cp, body, ({', '.join(params)}))" in src, mod.__name__
         assert f"_calls.run_bound(rt, cp, {', '.join(params)})" in src, mod.__name__
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (the driver copies' first look)."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_driver_copies_in_and_out(monkeypatch) -> None:  # noqa: ANN001
+    """A replay's copies as one driver copy each (a stand-in driver that moves host bytes):
+    a contiguous input of the static's shape and dtype copied in, anything else left to
+    ``copy_``; an output cloned into a new tensor of its own memory."""
+    import ctypes
+
+    from overlap import flags
+
+    calls: list = []
+
+    class Drv:
+        CUdeviceptr = CUstream = int
+
+        @staticmethod
+        def cuMemcpyDtoDAsync(dst, src, n, stream):  # noqa: ANN001, ANN205, N802
+            calls.append(stream)
+            ctypes.memmove(dst, src, n)
+            return (0,)
+
+    monkeypatch.setattr(flags, "_cuda_driver", lambda: Drv)
+    static = torch.Tensor._make_subclass(_OnCuda, torch.zeros(6, 8))
+    copy = _graphs._copier(static)
+    src = torch.randn(6, 8)
+    assert copy(src, 5) and torch.equal(static, src) and calls == [5]
+    for other in (torch.randn(8, 6).t(), torch.randn(6, 8, dtype=torch.float64), torch.randn(4).expand(6, 4)):
+        assert not copy(other, 5)  # copy_ does these
+    assert len(calls) == 1
+    out = torch.Tensor._make_subclass(_OnCuda, torch.randn(6, 4))
+    clone = _graphs._cloner((out, out))
+    a, b = clone(9)
+    assert torch.equal(a, out) and torch.equal(b, out) and a.data_ptr() != out.data_ptr() != b.data_ptr()
+    assert calls[-2:] == [9, 9]
+    out.add_(1)  # the graph's next replay: the clones keep their values
+    assert not torch.equal(a, out)
