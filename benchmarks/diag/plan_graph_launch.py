@@ -3,8 +3,8 @@
     python benchmarks/diag/plan_graph_launch.py --out DIR
 
 Per op with a plan graph (``overlap.ops._graphs``): the host time (median of 300, each
-timed alone) of the whole call, of the graph's replay alone, of the activations' copies
-and of the outputs' clones; beside a graph of one small kernel, one of eight, and
+timed alone) of the whole call, of the graph's replay alone, and of the outputs' clones
+(torch's, and the driver copies a replay makes); beside a graph of one small kernel, one of eight, and
 torch.mm. Writes ``DIR/plan_graph_launch.json``.
 """
 
@@ -89,7 +89,11 @@ def main() -> None:
             g = next(pg for pg in _graphs.live if id(pg) not in before)
             rows.append({"what": f"{name}: call", "host_us": call})
             rows.append({"what": f"{name}: replay alone", "host_us": host_us(g.graph.replay)})
-            rows.append({"what": f"{name}: outputs cloned", "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
+            raw = torch.cuda.current_stream().cuda_stream
+            rows.append({"what": f"{name}: outputs cloned (torch clone)",
+                         "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
+            rows.append({"what": f"{name}: outputs cloned (as a replay clones them)",
+                         "host_us": host_us(lambda g=g: g.clone(raw))})
     for r in rows:
         print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
     os.makedirs(args.out, exist_ok=True)
