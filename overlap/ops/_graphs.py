@@ -53,6 +53,7 @@ body.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -91,6 +92,10 @@ stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 
 
 live: "weakref.WeakSet[PlanGraph]" = weakref.WeakSet()
 """The plan graphs alive."""
+
+_glock = threading.Lock()
+"""Guards ``live`` and ``_retired`` (shared by every device; each device's calls hold only
+that device's order lock). Never held while a graph is freed or a device waited for."""
 
 _MODES = {"auto": "auto", "": "auto", "always": "always", "1": "always", "on": "always", "off": "off", "0": "off",
           "never": "off"}
@@ -219,8 +224,8 @@ class PlanGraph:
     """One signature's captured body: the graph, its static inputs, its outputs, the fixed
     inputs' pointers it captured, and the words it owns."""
 
-    __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "clone",
-                 "owner", "copiers", "__weakref__")
+    __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
+                 "clone", "owner", "copiers", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any, owner: int) -> None:
@@ -234,6 +239,7 @@ class PlanGraph:
         object per stream, so an id names one)."""
         self.last = stream
         self.device = device
+        self.index = device.index if getattr(device, "type", None) == "cuda" else None
         self.clone = _cloner(out)
         """``out`` -> new tensors of the same structure."""
         self.copiers = {i: _copier(statics[i]) for i in moving if statics[i] is not None}
@@ -256,7 +262,8 @@ class PlanGraph:
         else:
             ev = _cuda.Event()
             ev.record(self.last)  # calls are in one device order: the last replay ends after every other
-            _retired.append((ev, self.device, self.graph, self.statics, self.keep))
+            with _glock:
+                _retired.append((ev, self.device, self.graph, self.statics, self.keep))
         self.graph = None
         self.statics = self.out = self.keep = self.clone = self.last = self.copiers = None
 
@@ -272,17 +279,22 @@ _retired: list[tuple] = []
 
 
 def _reap(device: Any = None) -> None:
-    """Free the retired graphs whose replays have ended; with ``device``, every one of that
-    device after a synchronize."""
-    if device is not None and any(r[1] == device for r in _retired):
+    """Free the retired graphs whose replays have ended (an event query each: no wait);
+    with ``device``, every one of that device, after a synchronize."""
+    with _glock:
+        mine = [r for r in _retired if device is not None and r[1] == device]
+        if mine:
+            _retired[:] = [r for r in _retired if r[1] != device]
+    if mine:
         _cuda.synchronize(device)
-    keep = []
-    for r in _retired:
-        if (device is not None and r[1] == device) or r[0].query():
+        for r in mine:
             _free(r[2])
-        else:
-            keep.append(r)
-    _retired[:] = keep
+    with _glock:
+        done = [r for r in _retired if r[0].query()]
+        if done:
+            _retired[:] = [r for r in _retired if not any(r is d for d in done)]
+    for r in done:
+        _free(r[2])
 
 
 class GraphState:
@@ -304,7 +316,7 @@ def state_for(body: Any) -> GraphState | None:
         flops = getattr(body, "flops", None)
         if flops is None:
             return None
-        st = body.gstate = GraphState(wanted(flops))
+        st = vars(body).setdefault("gstate", GraphState(wanted(flops)))  # one per body, threads or not
     return st
 
 
@@ -334,7 +346,9 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
                 st.off = True
                 return NO
             _reap()
-            if len(live) >= MAX_GRAPHS:
+            with _glock:
+                full = len(live) >= MAX_GRAPHS
+            if full:
                 st.count = 0  # tried again after CAPTURE_AT more calls
                 return NO
             st.captures += 1
@@ -344,7 +358,8 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
                 stats["refused"] += 1
                 return NO
             st.graph = g
-            live.add(g)
+            with _glock:
+                live.add(g)
             stats["captured"] += 1
     return _replay(rt, cp, body, g, args)
 
@@ -352,9 +367,12 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
 def _drop(st: GraphState, wait: bool = True) -> None:
     if st.graph is not None:
         st.graph.drop(wait)
-        live.discard(st.graph)
+        with _glock:
+            live.discard(st.graph)
         st.graph = None
         stats["dropped"] += 1
+        if not wait:
+            _reap()  # what earlier drops retired and has ended
 
 
 def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph | None:
@@ -428,13 +446,15 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                         if statics[i] is not None:
                             statics[i].record_stream(cur)
             raw = cur.cuda_stream
+            # the driver copies run in the thread's current context: the runtime's device only
+            drv = _cuda.current_device() == g.index
             copiers = g.copiers
             for i in g.moving:
                 x = args[i]
-                if x is not None and not copiers[i](x, raw):
+                if x is not None and not (drv and copiers[i](x, raw)):
                     statics[i].copy_(x)
             g.graph.replay()
-            out = g.clone(raw)
+            out = g.clone(raw) if drv else _cloned(g.out)
         finally:
             order.end(cur)
         report_eager(body.err, body.check)
@@ -451,7 +471,21 @@ after its communicator is gone is not safe)."""
 def drop_graphs(rt: Any, free: bool = True) -> None:
     """Drop the plan graphs of ``rt``'s call plans: before its communicators are destroyed
     (a captured collective must not outlive its communicator), or, ``free=False``, after
-    they were aborted (the graphs are then kept, never replayed)."""
+    they were aborted (the graphs are then kept, never replayed). Under the device's order
+    lock (a replay on another thread finds its graph there or not at all), taken within
+    the shutdown bound or not at all (a thread stuck holding it must not hold shutdown)."""
+    from ._lifecycle import shutdown_timeout_s
+
+    order = getattr(rt, "order", None)
+    locked = order is not None and order.lock.acquire(timeout=shutdown_timeout_s())
+    try:
+        _drop_graphs(rt, free)
+    finally:
+        if locked:
+            order.lock.release()
+
+
+def _drop_graphs(rt: Any, free: bool) -> None:
     for name, cache in list(getattr(rt, "_caches", {}).items()):
         if not name.endswith(".calls"):
             continue
@@ -462,8 +496,11 @@ def drop_graphs(rt: Any, free: bool = True) -> None:
                 if free:
                     _drop(st)
     # every graph of the runtime, its call plan cached or not (evicted, held by the index)
-    for g in [g for g in list(live) if g.owner == id(rt)]:
-        live.discard(g)
+    with _glock:
+        mine = [g for g in list(live) if g.owner == id(rt)]
+        for g in mine:
+            live.discard(g)
+    for g in mine:
         if free:
             g.drop()
             stats["dropped"] += 1
@@ -475,5 +512,6 @@ def drop_graphs(rt: Any, free: bool = True) -> None:
     if free:
         _reap(dev)
     else:
-        _abandoned.extend(r for r in _retired if r[1] == dev)
-        _retired[:] = [r for r in _retired if r[1] != dev]
+        with _glock:
+            _abandoned.extend(r for r in _retired if r[1] == dev)
+            _retired[:] = [r for r in _retired if r[1] != dev]

@@ -78,6 +78,10 @@ class _Cuda:
     def synchronize(self, dev=None) -> None:  # noqa: ANN001
         self.syncs += 1
 
+    @staticmethod
+    def current_device() -> None:  # the stand-in runtime's device is the CPU: index None
+        return None
+
 
 class _Stream:
     cuda_stream = 7
@@ -200,7 +204,7 @@ def test_a_replay_in_the_order_of_a_call(fake) -> None:  # noqa: ANN001
     assert fake.log == ["agreed", "recorded", "begin", "end"], fake.log
 
 
-def test_moved_weight_runs_as_before_then_captured_again_then_never(fake) -> None:  # noqa: ANN001
+def test_moved_weight_runs_as_before_then_captured_again_then_never(fake, monkeypatch) -> None:  # noqa: ANN001
     """Another weight tensor than the captured one: that call runs as before (``NO``) and
     the graph is dropped; the new weight, unmoved for ``CAPTURE_AT`` calls, is captured
     again; after ``MAX_CAPTURES`` captures the signature is never captured again."""
@@ -225,11 +229,15 @@ def test_moved_weight_runs_as_before_then_captured_again_then_never(fake) -> Non
     # once its last replay has ended
     assert fake.cuda.syncs == 0 and first_graph.resets == 1 and not _graphs._retired
     last = body.gstate.graph.graph
+    monkeypatch.setattr(_Event, "done", False)  # its last replay still runs
     b = torch.randn(8, 4)
     for _ in range(3 * _graphs.CAPTURE_AT):
         assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
     assert body.gstate.off and body.fused_calls == _graphs.MAX_CAPTURES
-    assert len(_graphs._retired) == 1 and last.resets == 0  # retired; no capture came to free it
+    assert len(_graphs._retired) == 1 and last.resets == 0  # retired, not freed under a running replay
+    _graphs._reap()
+    assert last.resets == 0
+    monkeypatch.setattr(_Event, "done", True)
     _graphs._reap()
     assert last.resets == 1 and not _graphs._retired
 
@@ -464,3 +472,24 @@ def test_driver_copies_in_and_out(monkeypatch) -> None:  # noqa: ANN001
     assert calls[-2:] == [9, 9]
     out.add_(1)  # the graph's next replay: the clones keep their values
     assert not torch.equal(a, out)
+
+
+def test_no_driver_copy_off_the_runtimes_device(fake, monkeypatch) -> None:  # noqa: ANN001
+    """The driver copies run in the thread's current context: with another device current,
+    a replay copies and clones through torch (which switch devices themselves)."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    g = body.gstate.graph
+    used: list = []
+    g.copiers = {i: (lambda x, raw, i=i: used.append(i) or False) for i in g.moving}
+    g.clone = lambda raw: used.append("clone") or _graphs._cloned(g.out)
+    a = torch.randn(6, 8)
+    torch.testing.assert_close(_call(fake, body, a, b), a @ b)
+    assert used == [0, "clone"]
+    del used[:]
+    monkeypatch.setattr(fake.cuda, "current_device", lambda: 5)  # not the runtime's device
+    a = torch.randn(6, 8)
+    torch.testing.assert_close(_call(fake, body, a, b), a @ b)
+    assert used == []
