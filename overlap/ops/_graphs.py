@@ -36,11 +36,11 @@ fails (an op whose body cannot be captured) runs the call as before, and the sig
 never captured again. At most ``MAX_GRAPHS`` graphs live at once per process.
 
 Every rank decides alike: the count is of planned calls of a signature that every rank
-makes (agreed shapes, the same setting), whether the body ran or profiling took the fused
-body, and a replay is taken while profiling too (the report counts it; its phases are not
-timed). Only fixed inputs moved on one rank and not another make one rank replay while
-another runs eagerly; both queue the same collectives (NCCL mixes captured and eager
-calls on one communicator).
+makes (agreed shapes, the same setting). While profiling (``overlap.observe`` or torch's
+profiler) a call runs the fused body, timed and drawn, and still counts; the capture is
+made at the next call not profiled. Fixed inputs moved on one rank and not another, or
+profiling on one rank only, make one rank's call eager while another replays; both queue
+the same collectives (NCCL mixes captured and eager calls on one communicator).
 
 Graphs are dropped with their plans (``clear_call_plans``) and before a runtime's
 communicators are destroyed (``drop_graphs``, from ``reset_runtimes``; every live graph of
@@ -327,6 +327,9 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
     if st is None or st.off:
         return NO
     ptrs = _fixed_ptrs(args, body.moving)
+    # while profiling, the call runs the fused body (its ranges drawn, its phases timed);
+    # it still counts towards the capture, made at the next call not profiled
+    profiling = _observe._enabled or torch.autograd.profiler._is_profiler_enabled
     with rt.order.lock:  # (an RLock: decided with no other thread's call of this device in between)
         g = st.graph
         if g is not None and g.graph is None:  # dropped by ``drop_graphs``
@@ -334,13 +337,15 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
         if g is not None and g.ptrs != ptrs:
             _drop(st, wait=False)  # fixed inputs moved: counted again from here
             g = None
+        if g is not None and profiling:
+            return NO
         if g is None:
             if st.off:
                 return NO
             if ptrs != st.ptrs:
                 st.ptrs, st.count = ptrs, 0
             st.count += 1
-            if st.count < CAPTURE_AT:
+            if st.count < CAPTURE_AT or profiling:
                 return NO
             if st.captures >= MAX_CAPTURES:
                 st.off = True

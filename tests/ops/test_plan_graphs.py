@@ -493,3 +493,20 @@ def test_no_driver_copy_off_the_runtimes_device(fake, monkeypatch) -> None:  # n
     a = torch.randn(6, 8)
     torch.testing.assert_close(_call(fake, body, a, b), a @ b)
     assert used == []
+
+
+def test_profiled_calls_run_eagerly_and_still_count(fake, monkeypatch) -> None:  # noqa: ANN001
+    """While profiling, a call is never replayed (its ranges and phases come from the fused
+    body) and never captured, but it counts: the capture comes at the next call not profiled."""
+    body = _Body()
+    b = torch.randn(8, 4)
+    monkeypatch.setattr(_graphs._observe, "_enabled", True)
+    for _ in range(_graphs.CAPTURE_AT + 2):
+        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.fused_calls == 0 and body.gstate.count == _graphs.CAPTURE_AT + 2
+    monkeypatch.setattr(_graphs._observe, "_enabled", False)
+    a = torch.randn(6, 8)
+    torch.testing.assert_close(_call(fake, body, a, b), a @ b)  # captured now, replayed
+    assert body.fused_calls == 1
+    monkeypatch.setattr(_graphs._observe, "_enabled", True)
+    assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO and body.gstate.graph is not None
