@@ -273,7 +273,8 @@ def test_world1_ops_ranges_in_trace(tmp_path) -> None:
         lanes = timeline.call_lanes(events, calls[-1])
         kernels = [i["name"] for lane, items in lanes.items() if lane != "host" for i in items
                    if i["kind"] == "kernel"]
-        assert any("tile_gemm" in k for k in kernels), (op, lanes.keys(), kernels[:20])
+        # the consumer GEMM, on whichever engine measured faster (the tile GEMM or the Gluon GEMM)
+        assert any("tile_gemm" in k or "gluon_gemm" in k for k in kernels), (op, lanes.keys(), kernels[:20])
     chain_calls = timeline.find_calls(events, "mlp_chain")
     assert len(chain_calls) == 3 and all(c.path.startswith("tile-flag") for c in chain_calls)
     rows = {r["op"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
