@@ -199,7 +199,7 @@ def clear_call_plans() -> None:
     from . import _graphs
 
     for rt in list(_runtimes.values()):
-        _graphs.drop_graphs(rt)
+        _graphs.drop_graphs(rt, wait=False)  # retired: no wait on the device
         for name in [n for n in rt._caches if n.endswith(".calls")]:
             rt._caches[name].clear()
     _index.clear()

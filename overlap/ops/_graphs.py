@@ -44,7 +44,8 @@ the same collectives (NCCL mixes captured and eager calls on one communicator).
 
 Graphs are dropped with their plans (``clear_call_plans``) and before a runtime's
 communicators are destroyed (``drop_graphs``, from ``reset_runtimes``; every live graph of
-the runtime, its call plan cached or evicted, after a device synchronize): a captured
+the runtime, its call plan cached or evicted, after a device synchronize; ``clear_call_plans``
+retires them instead, with no wait): a captured
 collective must not outlive its communicator. The decision and the capture are made under
 the device's order lock; a replay finds its graph still there under it, or runs the fused
 body.
@@ -302,10 +303,10 @@ class GraphState:
     captures made, and the graph (None, or a ``PlanGraph``; ``off`` True once the
     signature is never captured again)."""
 
-    __slots__ = ("want", "count", "ptrs", "captures", "graph", "off")
+    __slots__ = ("count", "ptrs", "captures", "graph", "off")
 
     def __init__(self, want: bool) -> None:
-        self.want, self.count, self.ptrs, self.captures, self.graph, self.off = want, 0, None, 0, None, not want
+        self.count, self.ptrs, self.captures, self.graph, self.off = 0, None, 0, None, not want
 
 
 def state_for(body: Any) -> GraphState | None:
@@ -390,15 +391,18 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
     statics = list(args)
     with rt.order.lock, _cuda.device(dev):
         cur = rt.current_stream()
-        for i in moving:
-            x = args[i]
-            if x is not None:
-                statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        cap = _capture_stream(rt)
-        cap.wait_stream(cur)
-        graph = _cuda.CUDAGraph()
         with _state.capture_sink() as keep:
+            # everything here comes before the call's agreement point: a failure (an allocation,
+            # the capture) must not raise on this rank alone, so the call runs as before
+            cap = None
             try:
+                for i in moving:
+                    x = args[i]
+                    if x is not None:
+                        statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                cap = _capture_stream(rt)
+                cap.wait_stream(cur)
+                graph = _cuda.CUDAGraph()
                 with _cuda.stream(cap):
                     graph.capture_begin(capture_error_mode="thread_local")
                     try:
@@ -411,7 +415,8 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                                  "its signature runs without one")
                 return None
             finally:
-                cur.wait_stream(cap)
+                if cap is not None:
+                    cur.wait_stream(cap)
         outs = _tensors(out)
         ins = [statics[i] for i in moving if statics[i] is not None]
         if outs is None or any(o.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
@@ -473,10 +478,13 @@ _abandoned: list[PlanGraph] = []
 after its communicator is gone is not safe)."""
 
 
-def drop_graphs(rt: Any, free: bool = True) -> None:
+def drop_graphs(rt: Any, free: bool = True, wait: bool = True) -> None:
     """Drop the plan graphs of ``rt``'s call plans: before its communicators are destroyed
     (a captured collective must not outlive its communicator), or, ``free=False``, after
-    they were aborted (the graphs are then kept, never replayed). Under the device's order
+    they were aborted (the graphs are then kept, never replayed). ``wait=False`` (the plans
+    cleared while the communicators live on): the graphs retired, freed once their last
+    replays have ended, with no wait on the device (a dead peer's kernel would hold it).
+    Under the device's order
     lock (a replay on another thread finds its graph there or not at all), taken within
     the shutdown bound or not at all (a thread stuck holding it must not hold shutdown)."""
     from ._lifecycle import shutdown_timeout_s
@@ -484,13 +492,13 @@ def drop_graphs(rt: Any, free: bool = True) -> None:
     order = getattr(rt, "order", None)
     locked = order is not None and order.lock.acquire(timeout=shutdown_timeout_s())
     try:
-        _drop_graphs(rt, free)
+        _drop_graphs(rt, free, wait)
     finally:
         if locked:
             order.lock.release()
 
 
-def _drop_graphs(rt: Any, free: bool) -> None:
+def _drop_graphs(rt: Any, free: bool, wait: bool) -> None:
     for name, cache in list(getattr(rt, "_caches", {}).items()):
         if not name.endswith(".calls"):
             continue
@@ -499,7 +507,7 @@ def _drop_graphs(rt: Any, free: bool) -> None:
             if st is not None:
                 st.off = True  # the body's runtime is gone (or its plans are)
                 if free:
-                    _drop(st)
+                    _drop(st, wait)
     # every graph of the runtime, its call plan cached or not (evicted, held by the index)
     with _glock:
         mine = [g for g in list(live) if g.owner == id(rt)]
@@ -507,7 +515,7 @@ def _drop_graphs(rt: Any, free: bool) -> None:
             live.discard(g)
     for g in mine:
         if free:
-            g.drop()
+            g.drop(wait)
             stats["dropped"] += 1
         else:
             _abandoned.append(g)
@@ -515,7 +523,7 @@ def _drop_graphs(rt: Any, free: bool) -> None:
     if dev is None:
         return
     if free:
-        _reap(dev)
+        _reap(dev if wait else None)
     else:
         with _glock:
             _abandoned.extend(r for r in _retired if r[1] == dev)

@@ -510,3 +510,45 @@ def test_profiled_calls_run_eagerly_and_still_count(fake, monkeypatch) -> None: 
     assert body.fused_calls == 1
     monkeypatch.setattr(_graphs._observe, "_enabled", True)
     assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO and body.gstate.graph is not None
+
+
+def test_a_failure_before_the_agreement_point_runs_the_call_as_before(fake, monkeypatch) -> None:  # noqa: ANN001
+    """Everything a capture does comes before the call's agreement point: an allocation that
+    fails there (out of memory) must not raise on this rank alone; the call runs as before,
+    warned, and the signature is not captured again."""
+    body = _Body()
+    b = torch.randn(8, 4)
+
+    def oom(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(_graphs.torch, "empty", oom)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2 * _graphs.CAPTURE_AT):
+            assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.gstate.off and body.fused_calls == 0
+    assert any("out of memory" in str(x.message) for x in w)
+    assert "agreed" not in fake.log
+
+
+def test_clear_call_plans_waits_for_nothing(fake, monkeypatch) -> None:  # noqa: ANN001
+    """``clear_call_plans`` retires the plan graphs (a device wait there could be held by a dead
+    peer's kernel); each is freed once its last replay has ended."""
+    from overlap.ops import _calls, _runtime
+
+    body = _Body()
+    b = torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    g = body.gstate.graph
+    graph = g.graph
+    rt = SimpleNamespace(_caches={"test_op.calls": {"k": SimpleNamespace(body=body)}}, device=torch.device("cpu"))
+    g.owner = id(rt)
+    monkeypatch.setitem(_runtime._runtimes, ("test-rt",), rt)
+    monkeypatch.setattr(_Event, "done", False)
+    _calls.clear_call_plans()
+    assert fake.cuda.syncs == 0 and graph.resets == 0 and any(r[2] is graph for r in _graphs._retired)
+    monkeypatch.setattr(_Event, "done", True)
+    _graphs._reap()
+    assert graph.resets == 1
