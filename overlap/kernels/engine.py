@@ -24,8 +24,11 @@ calls run the tile GEMM, which stays the fallback everywhere.
 ``OVERLAP_GEMM_ENGINE`` (read when a plan is made): ``auto`` (the default) measures, at a
 plan's first launch outside a graph capture, the GEMM as the op runs it (its table, A
 rows, grid and row cut, every flag already set, on scratch flags, error word, counter and
-C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), three interleaved rounds,
-medians; the Gluon GEMM runs only where it was ``MARGIN`` (1%) faster. The pick is kept
+C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), as they
+run sustained: each captured in a CUDA graph of about ``GRAPH_MS`` of launches on a stream
+of its own, the graphs replayed back to back, rotated, over ``ROUNDS`` rounds, medians
+(eager rounds where a capture fails); the Gluon GEMM runs only where it was ``MARGIN`` (1%)
+faster. The pick is kept
 per problem for the process (``picks()``) and, with ``OVERLAP_GEMM_CACHE`` set, in a file
 beside the GEMM tuner's (``cache_path()``), keyed like the tuner's by the GPU, the versions
 and the problem. A first launch inside a capture runs the tile GEMM (no measuring in a
@@ -78,6 +81,9 @@ Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep sha
 
 MARGIN = 0.01
 """How much faster (a fraction of the tile GEMM's time) the Gluon GEMM must measure to be picked."""
+TIMING = "graphs-rotated-1"
+"""How picks are measured (``EnginePlan._measure``), part of a kept pick's key: picks measured
+another way (3 rounds of 3 eager launches before) are measured again."""
 
 _lock = threading.Lock()
 _picks: dict[tuple, tuple[str, str]] = {}     # problem -> (label, why), the last plan's
@@ -250,7 +256,8 @@ def _env(device: Any) -> dict[str, Any]:
     from .autotune import device_env
 
     return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
-            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN}
+            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
+            "timing": TIMING}
 
 
 def _disk_key(key: tuple, device: Any) -> str:
@@ -454,9 +461,14 @@ class EnginePlan:
 
     def _measure(self, ops: _Operands, c: Any, grid: int, rows: Any) -> tuple[GluonGemmConfig | None, str]:
         """Time the tile GEMM and each Gluon config on this call's operands and grid, every
-        flag set, on scratch words and C (the op's own are untouched), on a side stream."""
+        flag set, on scratch words and C (the op's own are untouched), on a stream of its own:
+        each candidate captured in a CUDA graph of about ``GRAPH_MS`` of launches, the graphs
+        replayed back to back in rotated order over ``ROUNDS`` rounds (``graph_times``),
+        medians; eager rounds (``eager_times``) where a capture fails."""
         import torch
 
+        if _capturing():  # (``_decide`` never comes here inside a capture; nor may anyone else)
+            raise RuntimeError("gluon engine: no measuring inside a CUDA graph capture")
         dev = c.device
         tab = self.table.cpu()
         flags = err = counter = None
@@ -495,38 +507,153 @@ class EnginePlan:
         cands += [(self.label(g), run_gluon(g), g) for g in self.configs]
         # a stream of its own, ordered after nothing of the op's (timing needs no right data;
         # the op's streams may hold work that waits on its peers)
-        side = torch.cuda.Stream(dev)
+        timing = _timing(dev)
         failed: list[str] = []
-        times: dict[str, list[float]] = {}
-        with torch.cuda.stream(side):
-            live = []
-            for name, fn, g in cands:
-                try:
-                    fn()  # compiles where new
-                    side.synchronize()
-                    if err is not None and int(err[0]) != 0:
-                        raise RuntimeError(f"error word {err.tolist()} with every flag set")
-                    live.append((name, fn, g))
-                except Exception as e:  # noqa: BLE001 - a config this GPU or Triton refuses: not a candidate
-                    if g is None:
-                        raise
-                    failed.append(f"{name} failed ({type(e).__name__}: {str(e)[:120]})")
-            reps = 3
-            for _ in range(3):
-                for name, fn, _g in live:
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record(side)
-                    for _r in range(reps):
-                        fn()
-                    e1.record(side)
-                    e1.synchronize()
-                    times.setdefault(name, []).append(e0.elapsed_time(e1) / reps)
         scratch = {id(t) for t in (flags, err, counter) if t is not None}
-        self._gplans = {kk: v for kk, v in self._gplans.items() if not scratch & set(kk[1:])}
+        try:
+            with timing.context():
+                live = []
+                for name, fn, g in cands:
+                    try:
+                        fn()  # compiles where new
+                        timing.sync()
+                        if err is not None and int(err[0]) != 0:
+                            raise RuntimeError(f"error word {err.tolist()} with every flag set")
+                        live.append((name, fn, g))
+                    except Exception as e:  # noqa: BLE001 - a config this GPU or Triton refuses: not a candidate
+                        if g is None:
+                            raise
+                        failed.append(f"{name} failed ({type(e).__name__}: {str(e)[:120]})")
+                runs = {name: fn for name, fn, _g in live}
+                try:
+                    times, iters = graph_times(runs, timing)
+                    how = "graphs of " + ", ".join(f"{iters[nm]}" for nm in runs) + f" launches, {ROUNDS} rounds"
+                except Exception as e:  # noqa: BLE001 - a capture this build refuses: eager rounds, as before
+                    timing.sync()
+                    times = eager_times(runs, timing)
+                    how = f"eager, a capture failed ({type(e).__name__}: {str(e)[:120]})"
+        finally:
+            # the scratch words' plans go, whatever happened (the op's own are kept)
+            self._gplans = {kk: v for kk, v in self._gplans.items() if not scratch & set(kk[1:])}
         med = {name: statistics.median(v) for name, v in times.items()}
-        # the Gluon GEMM only where it is MARGIN faster: its launch costs the host a little more,
-        # and three rounds do not rank configs closer than that
-        best = min(med, key=lambda nm: (med[nm] * (1.0 if nm == "tile" else 1.0 + MARGIN), nm != "tile"))
-        why = "measured " + ", ".join(f"{nm} {ms:.3f}" for nm, ms in sorted(med.items(), key=lambda kv: kv[1]))
+        best = pick(med)
+        why = f"measured ({how}) " + ", ".join(f"{nm} {ms:.3f}" for nm, ms in sorted(med.items(), key=lambda kv: kv[1]))
         why += " ms" + ("; " + "; ".join(failed) if failed else "")
         return next((g for name, _f, g in live if name == best), None), why
+
+
+def pick(med: dict[str, float]) -> str:
+    """The candidate to run from its median ms: the fastest, but a Gluon config only where
+    it is ``MARGIN`` faster than the tile GEMM (its launch costs the host a little more, and
+    a measurement does not rank configs closer than that)."""
+    return min(med, key=lambda nm: (med[nm] * (1.0 if nm == "tile" else 1.0 + MARGIN), nm != "tile"))
+
+
+GRAPH_MS = 2.0
+"""About how long one replay of a candidate's graph runs: its launches captured back to back
+(as ``benchmarks/gemm_sweep.py`` times, ``autotune.GraphTimer``)."""
+GRAPH_MAX_ITERS = 64
+"""Most launches in one candidate's graph (a GEMM of a few microseconds)."""
+ROUNDS = 5
+"""Timed rounds: each replays every candidate's graph once, in an order rotated by one per
+round (``rotated_rounds``), after one untimed round."""
+EAGER_ROUNDS, EAGER_REPS = 3, 3
+"""Where a capture fails: rounds of ``EAGER_REPS`` eager launches a candidate (the
+measurement before graphs)."""
+
+
+def rotated_rounds(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of each round: round r starts at candidate r (mod their count), so none is
+    always first (after the GPU idled) or always after the same one."""
+    n = len(names)
+    return [[names[(r + i) % n] for i in range(n)] for r in range(rounds)]
+
+
+def graph_times(runs: dict[str, Any], timing: Any, *, rounds: int = ROUNDS, target_ms: float = GRAPH_MS,
+                max_iters: int = GRAPH_MAX_ITERS) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """ms per launch of each of ``runs`` (name -> a launch, run once already), as the
+    candidates run sustained and interleaved: each captured ``iters`` times in one graph
+    (about ``target_ms``, sized by one timed launch), then ``rounds`` + 1 rounds of every
+    graph replayed back to back in rotated order, timed each (the first round untimed).
+    ``timing``: ``time(fn) -> ms``, ``capture(fn, iters) -> replay``, ``timed(calls) -> [ms]``
+    (calls queued back to back, one wait at the end). A capture that fails raises (the
+    caller times eagerly then). Returns ({name: [ms per launch, a round each]}, {name: iters})."""
+    iters = {nm: max(1, min(max_iters, round(target_ms / max(timing.time(fn), 1e-3)))) for nm, fn in runs.items()}
+    graphs = {}
+    for nm, fn in runs.items():
+        graphs[nm] = timing.capture(fn, iters[nm])
+    order = [nm for rnd in rotated_rounds(list(runs), rounds + 1) for nm in rnd]
+    ms = timing.timed([graphs[nm] for nm in order])
+    times: dict[str, list[float]] = {nm: [] for nm in runs}
+    for i, (nm, t) in enumerate(zip(order, ms)):
+        if i >= len(runs):  # the first round warms
+            times[nm].append(t / iters[nm])
+    return times, iters
+
+
+def eager_times(runs: dict[str, Any], timing: Any, *, rounds: int = EAGER_ROUNDS,
+                reps: int = EAGER_REPS) -> dict[str, list[float]]:
+    """ms per launch of each of ``runs`` in ``rounds`` rotated rounds of ``reps`` eager
+    launches each (where a candidate cannot be captured)."""
+    times: dict[str, list[float]] = {nm: [] for nm in runs}
+    for rnd in rotated_rounds(list(runs), rounds):
+        for nm in rnd:
+            fn = runs[nm]
+            times[nm].append(timing.time(lambda fn=fn: [fn() for _ in range(reps)]) / reps)
+    return times
+
+
+class _CudaTiming:
+    """The engine's measurement on a CUDA stream of its own (``graph_times``' ``timing``)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream(device)
+
+    def context(self) -> Any:
+        import torch
+
+        return torch.cuda.stream(self.stream)
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+    def time(self, fn: Any) -> float:
+        return self.timed([fn])[0]
+
+    def timed(self, calls: list[Any]) -> list[float]:
+        import torch
+
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)]
+        with torch.cuda.stream(self.stream):
+            ev[0].record(self.stream)
+            for fn, e in zip(calls, ev[1:]):
+                fn()
+                e.record(self.stream)
+        ev[-1].synchronize()
+        return [x.elapsed_time(y) for x, y in zip(ev, ev[1:])]
+
+    def capture(self, fn: Any, iters: int) -> Any:
+        """``fn`` ``iters`` times in a CUDA graph captured on this stream; its replay. Not
+        torch.cuda.graph: that synchronizes the device (the op's streams may hold work
+        waiting on peers) and empties the allocator's cache. Errors of this thread only
+        (``thread_local``): other threads go on as they were. The capture is ended whatever
+        ``fn`` raised."""
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gluon engine: no measuring inside a CUDA graph capture")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(iters):
+                    fn()
+            finally:
+                g.capture_end()
+        return g.replay
+
+
+_timing = _CudaTiming
+"""Makes the measurement's timing for a device (a stand-in in the CPU tests)."""

@@ -371,3 +371,168 @@ def test_a_256x128_table_may_run_as_its_row_halves(fake_gluon: list, monkeypatch
     got = fake_gluon[-1]
     assert torch.equal(got["table"], engine.split_rows(x["table"], 256)) and got["rows"] == (300, 512)
     assert got["config"] == cands[1] and gp.engine == "gluon pp128x128x64 s5 halves"
+
+
+class FakeTiming:
+    """The measurement's timing (``engine._CudaTiming``) on the CPU: a capture records the
+    launches its function makes, a replay makes them again; each launch costs what
+    ``cost(name, nth)`` says (its engine's name, and how many launches of it came before)."""
+
+    made: list["FakeTiming"] = []
+
+    def __init__(self, launches: list, cost: Any, fail_capture: str | None = None, fail_time: bool = False) -> None:
+        self.launches, self.cost, self.fail_capture, self.fail_time = launches, cost, fail_capture, fail_time
+        self.count: dict[str, int] = {}
+        self.replayed: list[tuple[str, int]] = []   # (engine, launches) per replay, in order
+        self.captured: dict[str, int] = {}          # engine -> launches captured
+        self.eager: list[tuple[str, int]] = []      # (engine, launches) per eager timing, in order
+        FakeTiming.made.append(self)
+
+    @staticmethod
+    def name(entry: dict) -> str:
+        if entry.get("tile"):
+            return "tile"
+        cfg = entry["config"]
+        return engine._label(cfg, cfg.block_n == 128)  # (on a 128x256 table: its halves)
+
+    def context(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        pass
+
+    def _ran(self, fn: Any) -> list[str]:
+        n0 = len(self.launches)
+        fn()
+        names = [self.name(e) for e in self.launches[n0:]]
+        del self.launches[n0:]
+        return names
+
+    def _ms(self, names: list[str]) -> float:
+        total = 0.0
+        for nm in names:
+            total += self.cost(nm, self.count.get(nm, 0))
+            self.count[nm] = self.count.get(nm, 0) + 1
+        return total
+
+    def time(self, fn: Any) -> float:
+        if self.fail_time:
+            raise RuntimeError("the GPU fell over")
+        names = self._ran(fn)
+        self.eager.append((names[0], len(names)))
+        return self._ms(names)
+
+    def capture(self, fn: Any, iters: int) -> Any:
+        names: list[str] = []
+        for _ in range(iters):
+            names += self._ran(fn)
+        if names[0] == self.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured[names[0]] = len(names)
+        return lambda: names
+
+    def timed(self, calls: list[Any]) -> list[float]:
+        out = []
+        for replay in calls:
+            names = replay()
+            self.replayed.append((names[0], len(names)))
+            out.append(self._ms(names))
+        return out
+
+
+def _measuring_plan(fake_gluon: list, monkeypatch: pytest.MonkeyPatch, cost: Any, **timing_kw: Any) -> tuple:
+    """An auto plan of a 128x256 table (candidates: tile, 128x256, the column halves) whose
+    measurement runs the real ``_measure`` on a ``FakeTiming``."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setattr(engine, "_measured", {})
+    monkeypatch.setattr(engine, "cache_path", lambda: None)
+    FakeTiming.made.clear()
+    monkeypatch.setattr(engine, "_timing", lambda device: FakeTiming(fake_gluon, cost, **timing_kw))
+    x = _call(m=1024, n=768)
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, "c": c, **kw})
+    gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+    return gp, x
+
+
+NAMES = ["tile", "gluon 128x256x64 s3", "gluon pp128x128x64 s5 halves"]
+
+
+def test_measure_replays_graphs_rotated_and_takes_medians(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each candidate captured once (about GRAPH_MS of launches: 4 of 0.5 ms), the graphs
+    replayed in rounds rotated by one, the first round untimed, the pick by medians per
+    launch: the 128x256 config, fastest on 4 of 5 timed rounds and far slower on one (its
+    mean would lose to the halves), on the op's words untouched; the report says graphs."""
+    base = {"tile": 0.5, NAMES[1]: 0.45, NAMES[2]: 0.47}
+
+    def cost(nm: str, nth: int) -> float:
+        # launch 0 sizes the graph, 1-4 are the untimed round's replay, 5-8 the first timed
+        # round's: there the 128x256 config runs 4x slower
+        return base[nm] * (4.0 if nm == NAMES[1] and 5 <= nth < 9 else 1.0)
+
+    gp, x = _measuring_plan(fake_gluon, monkeypatch, cost)
+    ops = gp.operands(x["a"], x["b"], x["a2"])
+    gp.launch(ops, x["c"], epoch=7, grid=100, rows=(512, 512))
+    t, = FakeTiming.made
+    assert t.captured == {nm: 4 for nm in NAMES}, t.captured            # 2.0 ms / 0.5 ms
+    assert [nm for nm, _ in t.replayed] == [nm for rnd in engine.rotated_rounds(NAMES, engine.ROUNDS + 1)
+                                            for nm in rnd]
+    assert [nm for nm, _ in t.replayed][:6] == NAMES + NAMES[1:] + NAMES[:1]
+    assert all(n == 4 for _, n in t.replayed) and len(t.replayed) == 3 * (engine.ROUNDS + 1)
+    assert gp.engine == NAMES[1], gp.why
+    assert gp.why.startswith("measured (graphs of 4, 4, 4 launches, 5 rounds) "), gp.why
+    assert f"{NAMES[1]} 0.450, {NAMES[2]} 0.470, tile 0.500 ms" in gp.why, gp.why
+    # the launch after the measurement is the op's, on its own words and C; none kept of the scratch
+    got = fake_gluon[-1]
+    assert got["flags"] is x["kw"]["flags"] and got["err"] is x["kw"]["err"] and got["c"] is x["c"]
+    assert got["epoch"] == 7 and int(x["kw"]["flags"].abs().sum()) == 0
+    assert all(k[1] == id(x["kw"]["flags"]) for k in gp._gplans), gp._gplans.keys()
+    # (by the mean of its rounds, 0.72, the halves would win)
+    # the untimed round is left out: a launch of 1 ms sizes a graph of 2, the warm round's
+    # replay costs 1 ms a launch, the timed rounds' 0.5
+    times, iters = engine.graph_times({"tile": lambda: fake_gluon.append({"tile": True})},
+                                      FakeTiming(fake_gluon, lambda nm, k: 1.0 if k < 3 else 0.5))
+    assert iters == {"tile": 2} and times == {"tile": [0.5] * engine.ROUNDS}, (iters, times)
+    assert engine.pick({"tile": 1.0, "g": 0.995}) == "tile" and engine.pick({"tile": 1.0, "g": 0.98}) == "g"
+
+
+def test_measure_falls_back_to_eager_rounds_when_a_capture_fails(fake_gluon: list,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate whose capture fails: every candidate timed in eager rounds (rotated, 3
+    launches each), the why saying so, nothing of the scratch words kept."""
+    base = {"tile": 0.5, NAMES[1]: 0.6, NAMES[2]: 0.4}
+    gp, x = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: base[nm], fail_capture=NAMES[2])
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(512, 512))
+    t, = FakeTiming.made
+    assert not t.replayed and NAMES[2] not in t.captured
+    eager = t.eager[3:]  # after the three launches that size the graphs
+    assert eager == [(nm, engine.EAGER_REPS) for rnd in engine.rotated_rounds(NAMES, engine.EAGER_ROUNDS)
+                     for nm in rnd], eager
+    assert gp.engine == NAMES[2] and "eager, a capture failed (RuntimeError: operation not permitted" in gp.why
+    assert all(k[1] == id(x["kw"]["flags"]) for k in gp._gplans)
+
+
+def test_a_failed_measurement_leaves_no_state_and_none_runs_in_a_capture(fake_gluon: list,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timing fails: the launch raises, the plan stays undecided with no scratch plans
+    and no pick kept, and its next launch measures again. Inside a capture nothing is
+    timed (no timing made; ``_measure`` itself refuses)."""
+    gp, x = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: 1.0, fail_time=True)
+    ops = gp.operands(x["a"], x["b"], x["a2"])
+    with pytest.raises(RuntimeError, match="fell over"):
+        gp.launch(ops, x["c"], epoch=1, grid=100, rows=(512, 512))
+    assert not gp.decided and gp.engine == "undecided" and not gp._gplans and not engine._measured
+    FakeTiming.made[0].fail_time = False
+    monkeypatch.setattr(engine, "_timing", lambda device: FakeTiming.made[0])
+    gp.launch(ops, x["c"], epoch=1, grid=100, rows=(512, 512))
+    assert gp.decided and gp.why.startswith("measured (graphs") and len(engine._measured) == 1
+    # inside a capture: the tile GEMM, no timing made
+    gp2, x = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: 1.0)
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=90, rows=(512, 512))
+    assert gp2.engine == "tile" and not FakeTiming.made and fake_gluon[-1].get("tile")
+    with pytest.raises(RuntimeError, match="capture"):
+        gp2._measure(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], 90, (512, 512))
+    assert not FakeTiming.made
