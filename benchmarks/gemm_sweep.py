@@ -25,7 +25,10 @@ alone (``tile_ms``), ``wait_ms`` is the GEMM as the consumer ops run it: over th
 are already set (``wait_table``), of the per-tile kernel's tuned
 tile (``tune_gemm`` without the flattened configs), on the engine the ops pick
 (``overlap.kernels.engine.engine_plan``: the tile GEMM or the Gluon GEMM, measured; its
-pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. So these
+pick in ``wait_engine``); ``tile_wait_ms`` is the tile GEMM alone on that table. Where
+the engine measured, each of its Gluon candidates is timed here too, on that table as the
+engine runs it (``engine_cands_ms``, with the tile GEMM's ``tile_wait_ms``; the fastest
+``engine_best``, ``engine_pick_vs_best``: its time over the pick's). So these
 figures are what waiting on flags costs when nothing is late (their kernels, with waits,
 are built at their first use; the Gluon configs the engine measures are built in the pool too, waiting). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
@@ -150,6 +153,22 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
         if v:
             gl_[kind] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": round(min(v), 4),
                          "shapes": len(v)}
+    eng = [r for r in ok if r.get("engine_pick_vs_best")]
+    if eng:
+        from overlap.kernels.engine import MARGIN
+
+        pv = [r["engine_pick_vs_best"] for r in eng]
+        bw = [r["cublas_ms"] / r["engine_cands_ms"][r["engine_best"]] for r in eng]
+        gl_["engine"] = {"shapes": len(eng), "pick_is_fastest": sum(r["wait_engine"] == r["engine_best"] for r in eng),
+                         "pick_within_margin": sum(v >= 1 / (1 + MARGIN) for v in pv),
+                         "pick_vs_fastest_geomean": round(math.exp(sum(map(math.log, pv)) / len(pv)), 4),
+                         "pick_vs_fastest_min": round(min(pv), 4),
+                         "fastest_wait_geomean": round(math.exp(sum(map(math.log, bw)) / len(bw)), 4),
+                         "missed": [[label(r), r["wait_engine"], r["engine_best"], r["engine_pick_vs_best"]]
+                                    for r in eng if r["engine_pick_vs_best"] < 1 / (1 + MARGIN)]}
+    es = [r["wait_engine_s"] for r in ok if r.get("wait_engine_s") is not None]
+    if es:
+        gl_["engine_first_launch_s"] = {"median": round(statistics.median(es), 3), "max": round(max(es), 3)}
     return {"shapes": len(ok), "wait": wait, "tile_wait": tile_wait, **gl_, "geomean": round(geo, 4),
             "min": round(min(sp), 4),
             "max": round(max(sp), 4),
@@ -192,6 +211,12 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                    + (f"; the tile GEMM alone on that table: geo-mean {summary['tile_wait']['geomean']:.3f}x, "
                       f"min {summary['tile_wait']['min']:.3f}x." if summary.get("tile_wait") else ".")
                    if summary.get("wait") else "No wait column."),
+                  *([f"The engine's pick against the fastest of its candidates timed here: the fastest on "
+                     f"{summary['engine']['pick_is_fastest']} of {summary['engine']['shapes']} shapes, within 1% on "
+                     f"{summary['engine']['pick_within_margin']}; pick / fastest speed geo-mean "
+                     f"{summary['engine']['pick_vs_fastest_geomean']:.3f}, min "
+                     f"{summary['engine']['pick_vs_fastest_min']:.3f}; the fastest candidate everywhere would wait at "
+                     f"{summary['engine']['fastest_wait_geomean']:.3f}x cuBLAS."] if summary.get("engine") else []),
                   *[f"Gluon GEMM {what} (its fastest config per shape): geo-mean "
                     f"{summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x."
                     for kind, what in (("gluon", "alone"), ("gluon_wait", "waiting")) if summary.get(kind)],
@@ -348,7 +373,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str, cached_configs, tune_gemm
-    from overlap.kernels.engine import engine_plan
+    from overlap.kernels.engine import EnginePlan, engine_plan
     from overlap.kernels.tile_gemm import launch_gemm, launch_tile_gemm
 
     m, n, k, b_kn = row["m"], row["n"], row["k"], row["b_layout"] == "kn"
@@ -387,6 +412,13 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
               "wait": GraphTimer(lambda: ep.launch(ep.operands(a, b), c_e, epoch=1, grid=sms)),
               "tile_wait": GraphTimer(lambda: launch_tile_gemm(a, b, c_w, wtab, flags=flags, err=err, epoch=1,
                                                                wait=True, grid=sms, config=wcfg))}
+    # each candidate the engine measured, timed here as the sweep times (the tile GEMM's is
+    # tile_wait): does the engine's pick match the fastest of them?
+    if isinstance(ep, EnginePlan):
+        for gcfg in ep.configs:
+            cc = torch.empty(m, n, device=dev, dtype=dtype)
+            timers[f"cand {ep.label(gcfg)}"] = GraphTimer(
+                lambda gcfg=gcfg, cc=cc: ep._launch_gluon(gcfg, a, b, None, cc, 1, sms, None, flags, err, None))
     g_runs = _gluon_runs(a, b, m, n, flags, err, sms) if gluon else {}
     for kk, (fn, _out) in g_runs.items():
         timers[kk] = GraphTimer(fn)
@@ -412,6 +444,12 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     extra = _gluon_fields(g_runs, times, cb, ref) if gluon else {}
     if int(err[0]) != 0:
         raise RuntimeError(f"gluon: a wait failed on flags already set: error word {err.tolist()}")
+    cands = {"tile": twt, **{kk[5:]: statistics.median(v) for kk, v in times.items() if kk.startswith("cand ")}}
+    if len(cands) > 1:
+        best = min(cands, key=cands.get)
+        extra.update({"engine_cands_ms": {kk: round(v, 5) for kk, v in cands.items()}, "engine_best": best,
+                      "engine_pick_vs_best": round(cands[best] / cands[wait_engine], 4)
+                      if wait_engine in cands else None})
     flops = 2.0 * m * n * k
     ratios = sorted(x / y for x, y in zip(times["cublas"], times["tile"]))
     return {**row, "cublas_ms": round(cb, 5), "tile_ms": round(tl_, 5), "speed_vs_cublas": round(cb / tl_, 4),
