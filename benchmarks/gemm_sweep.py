@@ -541,10 +541,19 @@ def main() -> None:
                          "before)")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
+    ap.add_argument("--engine-eager", action="store_true",
+                    help="the engine ranks its candidates by eager rounds (its measurement before graphs), "
+                         "to compare the two ways of ranking; use an --out of its own (picks are kept there)")
     args = ap.parse_args()
     if not 0 <= args.wait_chunks <= WAIT_CHUNKS:
         sys.exit(f"--wait-chunks must be 0 to {WAIT_CHUNKS}")
     FIXED_CHUNKS[0] = args.wait_chunks
+    if args.engine_eager:
+        from overlap.kernels import engine as _engine
+
+        def _eager_only(*_a: Any, **_k: Any) -> Any:
+            raise RuntimeError("--engine-eager")
+        _engine.graph_times = _eager_only  # the engine's fallback: eager rounds
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OVERLAP_GEMM_CACHE", os.path.join(os.path.abspath(args.out), "gemm_cache.json"))
