@@ -293,6 +293,17 @@ def bound_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
     """``stream_write_value(stream, flags, idx, value)`` with its driver arguments made
     once (a call plan's flag post; ``stream`` a fixed side stream): a function of no
     arguments. Without cuda-bindings, or on CPU, it calls ``stream_write_value``."""
+    from . import _driver
+
+    fast = _driver.write_value32() if flags.is_cuda else None
+    if fast is not None:  # plain ints through ctypes: no Python object per argument
+        raw, addr, v32, check = stream.cuda_stream, flags.data_ptr() + idx * 4, value & 0xFFFFFFFF, _driver.check
+
+        def post_fast() -> None:
+            code = fast(raw, addr, v32, 0)
+            if code:
+                check(code, "cuStreamWriteValue32")
+        return post_fast
     drv = _cuda_driver()
     if not drv or not flags.is_cuda:
         return lambda: stream_write_value(stream, flags, idx, value)
@@ -309,11 +320,22 @@ def bound_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
 def bound_zero(t: torch.Tensor, n: int) -> Any:
     """``stream_zero(stream, t, n)`` with its driver arguments made once (a call plan's
     words): a function of the stream's raw handle and the stream."""
+    if n > t.numel():
+        raise ValueError(f"stream_zero: {n} words asked of a tensor of {t.numel()}")
+    from . import _driver
+
+    fast = _driver.memset_d32() if t.is_cuda and n > 1 else None
+    if fast is not None:  # plain ints through ctypes: no Python object per argument
+        addr, check = t.data_ptr(), _driver.check
+
+        def zero_fast(raw: int, stream: Any) -> None:
+            code = fast(addr, 0, n, raw)
+            if code:
+                check(code, "cuMemsetD32Async")
+        return zero_fast
     drv = _cuda_driver()
     if not drv or not t.is_cuda or n <= 1:
         return lambda raw, stream: stream_zero(stream, t, n)
-    if n > t.numel():
-        raise ValueError(f"stream_zero: {n} words asked of a tensor of {t.numel()}")
     fn, mk, p = drv.cuMemsetD32Async, drv.CUstream, drv.CUdeviceptr(t.data_ptr())
 
     def zero(raw: int, stream: Any) -> None:

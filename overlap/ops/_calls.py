@@ -66,7 +66,8 @@ from ._state import Words
 from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
-           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats", "index", "index_lookup", "generation"]
+           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats", "index", "index_lookup", "generation",
+           "transport_env"]
 
 _launch: Any = None  # overlap.kernels._launch, once a body is made
 
@@ -85,7 +86,17 @@ _index: dict[tuple, tuple] = _state.call_index
 transport), tuned cache, tuned key, plans cache, plan key): see ``index_lookup``."""
 
 _generation = _state.generation
-_environ = os.environ
+_env_data = getattr(os.environ, "_data", None)
+if isinstance(_env_data, dict) and all(isinstance(k, bytes) for k in list(_env_data)[:1]):
+    def transport_env() -> Any:
+        """``OVERLAP_TRANSPORT`` as the index compares it: here the raw bytes from
+        ``os.environ``'s own mapping (the one ``os.environ[...] = ...`` and ``del`` change),
+        one dict read instead of ``os.environ.get``'s three Python frames; None where unset."""
+        return _env_data.get(b"OVERLAP_TRANSPORT")
+else:  # a platform whose environment mapping is kept otherwise
+    def transport_env() -> Any:
+        """``OVERLAP_TRANSPORT`` as the index compares it (None where unset)."""
+        return os.environ.get("OVERLAP_TRANSPORT")
 _move_to_end = OrderedDict.move_to_end  # C: marks an entry used without a Python frame
 
 
@@ -132,7 +143,7 @@ def index_lookup(key: tuple, group: Any, config: Any) -> tuple | None:
     their caches, as the full lookup's reads mark them."""
     e = _index.get(key)
     if e is None or e[0] != _generation[0] or e[1] is not group or e[2] is not config or \
-            e[3] != _environ.get("OVERLAP_TRANSPORT"):
+            e[3] != transport_env():
         return None
     try:
         if e[5] is not None:

@@ -54,8 +54,10 @@ body.
 from __future__ import annotations
 
 import os
+import functools
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -158,25 +160,48 @@ def _tensors(out: Any) -> list[torch.Tensor] | None:
     return None
 
 
-def _copier(dst: torch.Tensor) -> Any:
-    """``f(src, raw_stream) -> bool``: ``dst[:] = src`` as one ``cuMemcpyDtoDAsync`` on the
-    stream where ``src`` is contiguous with ``dst``'s shape and dtype (about a third of
-    ``copy_``'s host time), else False; a function that always says False without
-    cuda-bindings or off a GPU."""
+def _dtod() -> Any:
+    """``f(dst, src, nbytes, raw_stream) -> CUresult``: one ``cuMemcpyDtoDAsync`` with its
+    pointers as ints (``overlap._driver`` through ``ctypes``; else cuda-bindings, which
+    makes a Python object per argument), or None (no driver: off a GPU). A result other
+    than 0 goes to ``_driver.check``."""
+    from .. import _driver
+
+    fast = _driver.memcpy_dtod()
+    if fast is not None:
+        return fast
     from .. import flags as _flags
 
     drv = _flags._cuda_driver()
-    if not drv or not dst.is_cuda or not dst.is_contiguous():
-        return lambda src, raw: False
+    if not drv:
+        return None
     fn, mk, ptr = drv.cuMemcpyDtoDAsync, drv.CUstream, drv.CUdeviceptr
-    d, nbytes, shape, dtype = ptr(dst.data_ptr()), dst.numel() * dst.element_size(), dst.shape, dst.dtype
+    return lambda dst, src, nbytes, raw: int(fn(ptr(dst), ptr(src), nbytes, mk(raw))[0])
+
+
+def _driver_check() -> Any:
+    from .. import _driver
+
+    return _driver.check
+
+
+def _copier(dst: torch.Tensor) -> Any:
+    """``f(src, raw_stream) -> bool``: ``dst[:] = src`` as one ``cuMemcpyDtoDAsync`` on the
+    stream where ``src`` is contiguous with ``dst``'s shape and dtype (a fraction of
+    ``copy_``'s host time), else False; a function that always says False without a
+    driver (``_dtod``) or off a GPU."""
+    dtod = _dtod()
+    if dtod is None or not dst.is_cuda or not dst.is_contiguous():
+        return lambda src, raw: False
+    d, nbytes, shape, dtype = dst.data_ptr(), dst.numel() * dst.element_size(), dst.shape, dst.dtype
+    check = _driver_check()
 
     def copy(src: torch.Tensor, raw: int) -> bool:
         if src.dtype is not dtype or src.shape != shape or not src.is_contiguous() or not nbytes:
             return False
-        res = fn(d, ptr(src.data_ptr()), nbytes, mk(raw))
-        if int(res[0]):
-            _flags._check(res, "cuMemcpyDtoDAsync")
+        code = dtod(d, src.data_ptr(), nbytes, raw)
+        if code:
+            check(code, "cuMemcpyDtoDAsync")
         return True
     return copy
 
@@ -184,21 +209,18 @@ def _copier(dst: torch.Tensor) -> Any:
 def _cloner(out: Any) -> Any:
     """A function of the raw stream returning ``out`` with every tensor cloned (its
     structure kept): a contiguous tensor as a new tensor and one driver copy
-    (``_copier``), a tensor's or a pair's without a Python frame per level."""
+    (``_dtod``), a tensor's or a pair's without a Python frame per level."""
     def one(t: torch.Tensor) -> Any:
-        from .. import flags as _flags
-
-        drv = _flags._cuda_driver()
-        if not drv or not t.is_cuda or not t.is_contiguous() or not t.numel():
+        dtod = _dtod()
+        if dtod is None or not t.is_cuda or not t.is_contiguous() or not t.numel():
             return lambda raw: t.clone()
-        fn, mk, src = drv.cuMemcpyDtoDAsync, drv.CUstream, drv.CUdeviceptr(t.data_ptr())
-        nbytes, ptr, empty = t.numel() * t.element_size(), drv.CUdeviceptr, torch.empty_like
+        src, nbytes, empty, check = t.data_ptr(), t.numel() * t.element_size(), torch.empty_like, _driver_check()
 
         def clone(raw: int) -> torch.Tensor:
             new = empty(t)
-            res = fn(ptr(new.data_ptr()), src, nbytes, mk(raw))
-            if int(res[0]):
-                _flags._check(res, "cuMemcpyDtoDAsync")
+            code = dtod(new.data_ptr(), src, nbytes, raw)
+            if code:
+                check(code, "cuMemcpyDtoDAsync")
             return new
         return clone
 
@@ -226,7 +248,7 @@ class PlanGraph:
     inputs' pointers it captured, and the words it owns."""
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
-                 "clone", "owner", "copiers", "__weakref__")
+                 "clone", "owner", "copiers", "replay", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any, owner: int) -> None:
@@ -246,6 +268,10 @@ class PlanGraph:
         self.copiers = {i: _copier(statics[i]) for i in moving if statics[i] is not None}
         """Per moving input: ``f(src, raw_stream) -> bool``, one driver copy of a contiguous
         ``src`` into its static input (False: the caller copies with ``copy_``)."""
+        base = getattr(torch._C, "_CUDAGraph", None)
+        self.replay = functools.partial(base.replay, graph) if base is not None and isinstance(graph, base) else None
+        """The graph's replay as one C call (torch's ``CUDAGraph.replay`` adds a Python frame
+        and a check of a pool tracker the library's graphs do not use); None: ``graph.replay``."""
 
     def __repr__(self) -> str:
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
@@ -266,7 +292,7 @@ class PlanGraph:
             with _glock:
                 _retired.append((ev, self.device, self.graph, self.statics, self.keep))
         self.graph = None
-        self.statics = self.out = self.keep = self.clone = self.last = self.copiers = None
+        self.statics = self.out = self.keep = self.clone = self.last = self.copiers = self.replay = None
 
 
 def _free(graph: Any) -> None:
@@ -457,20 +483,42 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                             statics[i].record_stream(cur)
             raw = cur.cuda_stream
             # the driver copies run in the thread's current context: the runtime's device only
-            drv = _cuda.current_device() == g.index
+            drv = (_get_device() if _cuda is torch.cuda else _cuda.current_device()) == g.index
             copiers = g.copiers
             for i in g.moving:
                 x = args[i]
                 if x is not None and not (drv and copiers[i](x, raw)):
                     statics[i].copy_(x)
-            g.graph.replay()
+            if g.replay is not None:
+                g.replay()
+            else:
+                g.graph.replay()
             out = g.clone(raw) if drv else _cloned(g.out)
         finally:
             order.end(cur)
         report_eager(body.err, body.check)
-    rt.seen.add((cp.op, cp.sig))
+    _seen(rt.seen, (cp.op, cp.sig))
     stats["replayed"] += 1
     return out
+
+
+def _seen(seen: Any, key: tuple) -> None:
+    """``seen.add(key)`` (``mark_warm``: a user's later capture of the signature needs it),
+    as one C call where the key is there already (the usual case: a replayed signature ran
+    eagerly before it was captured)."""
+    if isinstance(seen, OrderedDict):
+        try:
+            _move_to_end(seen, key)
+            return
+        except KeyError:
+            pass
+    seen.add(key)
+
+
+_move_to_end = OrderedDict.move_to_end
+_get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+"""``torch.cuda.current_device()`` without its lazy-init check (a replay follows a capture:
+CUDA is initialized)."""
 
 
 _abandoned: list[PlanGraph] = []

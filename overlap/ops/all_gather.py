@@ -33,7 +33,6 @@ transport and the tuner; the peer-copy transport is in ``all_gather_p2p.py``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -506,7 +505,7 @@ def _planned(a_shard: Any, b: Any, group: Any, return_gathered: bool, config: Ov
     if hit is not None:
         rt, cp, cfg, transport = hit
     else:  # the full lookup, indexed where it finds a plan
-        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, a_shard.device)
         if rt is None:
             return None

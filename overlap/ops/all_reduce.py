@@ -50,7 +50,6 @@ ranks) has each rank reduce only its share of the rows and push them back
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -545,7 +544,7 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     if hit is not None:
         rt, cp, cfg, transport = hit
     else:  # the full lookup, indexed where it finds a plan
-        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, x.device)
         if rt is None:
             return None

@@ -29,7 +29,6 @@ NCCL CTA caps against the sequential reference and caches the pick per shape.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -199,7 +198,7 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     if hit is not None:
         rt, cp = hit[0], hit[1]
     else:  # the full lookup, indexed where it finds a plan
-        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, a.device)
         if rt is None:
             return None

@@ -48,7 +48,6 @@ all-reduce op; inside a CUDA graph capture a p2p call runs the reference, with a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -524,7 +523,7 @@ def _planned(op: str, a: Any, b: Any, group: Any, residual: Any, config: Overlap
     if hit is not None:
         rt, cp, cfg, transport = hit
     else:  # the full lookup, indexed where it finds a plan
-        gen, env = _calls.generation(), os.environ.get("OVERLAP_TRANSPORT")
+        gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, a.device)
         if rt is None:
             return None

@@ -552,3 +552,23 @@ def test_clear_call_plans_waits_for_nothing(fake, monkeypatch) -> None:  # noqa:
     monkeypatch.setattr(_Event, "done", True)
     _graphs._reap()
     assert graph.resets == 1
+
+
+def test_a_replay_keeps_its_signature_warm(fake) -> None:  # noqa: ANN001
+    """A replay marks its signature as run eagerly (what a user's later capture of it asks),
+    the most recently used in the runtime's bounded ``seen``: other signatures' calls do not
+    push it out while it is replayed."""
+    fake.rt.seen = _state.LRU(3)
+    body, b = _Body(), torch.randn(8, 4)
+    key = (fake.cp.op, fake.cp.sig)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(fake, body, torch.randn(6, 8), b)
+    assert _graphs.stats["captured"] == 1
+    for i in range(5):
+        fake.rt.seen.add(("other", i))
+        fake.rt.seen.add(("other", -i))
+        _call(fake, body, torch.randn(6, 8), b)
+        assert list(fake.rt.seen)[-1] == key
+    fake.rt.seen.clear()
+    _call(fake, body, torch.randn(6, 8), b)
+    assert key in fake.rt.seen
