@@ -5,7 +5,9 @@
 Per op with a plan graph (``overlap.ops._graphs``): the host time (median of 300, each
 timed alone) of the whole call, of the graph's replay alone, and of the outputs' clones
 (torch's, and the driver copies a replay makes); beside a graph of one small kernel, one of eight, and
-torch.mm. Writes ``DIR/plan_graph_launch.json``.
+torch.mm. Then each step of a replayed call alone (``_graphs._replay``'s, and the call up
+to it: the op's entry, its call plan found, the graph picked), so their sum can be held
+against the whole call. Writes ``DIR/plan_graph_launch.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,50 @@ def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
         t.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return round(statistics.median(t), 1)
+
+
+def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
+    """Each step of a replayed call of ``fn`` (whose graph is ``g``), timed alone."""
+    from overlap import observe
+    from overlap.ops import _calls, _graphs, _sigs
+    from overlap.ops._plans import report_eager
+
+    hit = next(e[4] for e in _calls._index.values()
+               if getattr(getattr(e[4][1], "body", None), "gstate", None) is not None
+               and e[4][1].body.gstate.graph is g)
+    rt, cp = hit[0], hit[1]
+    body = cp.body
+    seen: list[Any] = []
+    real = _graphs._replay
+    _graphs._replay = lambda rt_, cp_, body_, g_, args: seen.append(args) or g_.out  # the call up to the replay
+    try:
+        entry = host_us(fn)
+    finally:
+        _graphs._replay = real
+    args = seen[-1]
+    cur = rt.current_stream()
+    raw = cur.cuda_stream
+    out: list[dict[str, Any]] = [{"what": f"{name}: call up to _replay (entry, plan, graph picked)",
+                                  "host_us": entry}]
+    parts: dict[str, Callable[[], Any]] = {
+        "agreement point (check_agreed)": lambda: _sigs.check_agreed(rt, cp.op, cp.names, cp.values, cp.key),
+        "call counted (record_call)": lambda: observe.record_call(cp.op, cp.shape, cp.path, cp.why),
+        "order lock, current stream, begin, end": lambda: (rt.order.lock.acquire(), rt.order.begin(rt.current_stream()),
+                                                           rt.order.end(cur), rt.order.lock.release()),
+        "current device": lambda: _graphs._get_device(),
+        "copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
+        "replay": g.replay if g.replay is not None else g.graph.replay,
+        "clones out": lambda: g.clone(raw),
+        "error report": lambda: report_eager(body.err, body.check),
+        "signature marked warm": lambda: _graphs._seen(rt.seen, (cp.op, cp.sig)),
+    }
+    total = 0.0
+    for what, f in parts.items():
+        us = host_us(f)
+        total += us
+        out.append({"what": f"{name}: step: {what}", "host_us": us})
+    out.append({"what": f"{name}: steps summed (with the call up to _replay)", "host_us": round(total + entry, 1)})
+    return out
 
 
 def main() -> None:
@@ -94,6 +140,7 @@ def main() -> None:
                          "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
             rows.append({"what": f"{name}: outputs cloned (as a replay clones them)",
                          "host_us": host_us(lambda g=g: g.clone(raw))})
+            rows += steps(name, fn, g)
     for r in rows:
         print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
     os.makedirs(args.out, exist_ok=True)

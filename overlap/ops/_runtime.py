@@ -462,14 +462,18 @@ def resolve_group(group: Any) -> Any:
     """``group``, else the tensor-parallel group of ``overlap.dist.init``, else WORLD."""
     if group is not None:
         return group
-    from .. import dist
+    if not _ctx_mod:
+        from ..dist import context as ctx_mod  # (lazy: overlap.dist imports the ops)
+        import torch.distributed as tdist
 
-    ctx = dist.get_context()
+        _ctx_mod[:] = [ctx_mod, tdist.group]
+    ctx = _ctx_mod[0]._ctx  # ``overlap.dist.get_context()`` (read on every call: one attribute)
     if ctx is not None:
         return ctx.tp_group
-    import torch.distributed as tdist
+    return _ctx_mod[1].WORLD
 
-    return tdist.group.WORLD
+
+_ctx_mod: list[Any] = []
 
 
 # the names of the split-out modules, where the ops and tests import them from
