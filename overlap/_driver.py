@@ -17,7 +17,7 @@ import ctypes
 import threading
 from typing import Any, Callable
 
-__all__ = ["memcpy_dtod", "memset_d32", "write_value32", "check"]
+__all__ = ["memcpy_dtod", "memset_d32", "write_value32", "wait_value32", "WAIT_GEQ", "check"]
 
 _lib: Any = None
 _lock = threading.Lock()
@@ -41,6 +41,9 @@ def _load() -> Any:
                     # CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
                     lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
                     lib.cuStreamWriteValue32_v2.restype = ctypes.c_int
+                    # CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
+                    lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
+                    lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
                     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
                     lib.cuGetErrorName.restype = ctypes.c_int
                 except (OSError, AttributeError):
@@ -66,6 +69,17 @@ def write_value32() -> Callable[[int, int, int, int], int] | None:
     """``f(stream, addr, value, flags) -> CUresult``: ``cuStreamWriteValue32``, or None."""
     lib = _load()
     return lib.cuStreamWriteValue32_v2 if lib else None
+
+
+def wait_value32() -> Callable[[int, int, int, int], int] | None:
+    """``f(stream, addr, value, flags) -> CUresult``: ``cuStreamWaitValue32`` (``WAIT_GEQ``
+    is flags 0), or None."""
+    lib = _load()
+    return lib.cuStreamWaitValue32_v2 if lib else None
+
+
+WAIT_GEQ = 0
+"""``CU_STREAM_WAIT_VALUE_GEQ``: wait until ``(int32)(*addr - value) >= 0``."""
 
 
 def check(code: int, what: str) -> None:

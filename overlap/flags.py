@@ -361,6 +361,18 @@ def bound_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, v
     """``stream_wait_value(stream, flags, idx, value)`` with its driver arguments made once
     (a call plan's wait; ``stream`` a fixed side stream): a function of no arguments.
     Without cuda-bindings, or on CPU, it calls ``stream_wait_value``."""
+    from . import _driver
+
+    fast = _driver.wait_value32() if flags.is_cuda else None
+    if fast is not None:  # plain ints through ctypes: no Python object per argument
+        raw, addr, v32, geq, check = (stream.cuda_stream, flags.data_ptr() + idx * 4, value & 0xFFFFFFFF,
+                                      _driver.WAIT_GEQ, _driver.check)
+
+        def wait_fast() -> None:
+            code = fast(raw, addr, v32, geq)
+            if code:
+                check(code, "cuStreamWaitValue32")
+        return wait_fast
     drv = _cuda_driver()
     if not drv or not flags.is_cuda:
         return lambda: stream_wait_value(stream, flags, idx, value)

@@ -30,6 +30,7 @@ def test_no_driver_library_on_this_machine_means_none() -> None:
     if _driver._load():
         pytest.skip("a CUDA driver library is installed here")
     assert _driver.memcpy_dtod() is None and _driver.memset_d32() is None and _driver.write_value32() is None
+    assert _driver.wait_value32() is None
 
 
 def test_check_names_the_call_and_the_code() -> None:
@@ -84,6 +85,12 @@ def test_bound_zero_and_post_take_plain_ints(monkeypatch) -> None:  # noqa: ANN0
 
     monkeypatch.setattr(_driver, "memset_d32", lambda: memset)
     monkeypatch.setattr(_driver, "write_value32", lambda: write)
+
+    def wait(raw, addr, value, fl):  # noqa: ANN001, ANN202
+        got.append(("wait", raw, addr, value, fl))
+        return code[0]
+
+    monkeypatch.setattr(_driver, "wait_value32", lambda: wait)
     words = _cuda_like(torch.zeros(8, dtype=torch.int32))
     zero = flags.bound_zero(words, 5)
     zero(11, None)
@@ -92,6 +99,9 @@ def test_bound_zero_and_post_take_plain_ints(monkeypatch) -> None:  # noqa: ANN0
     post = flags.bound_write_value(stream, words, 3, -1)
     post()
     assert got[-1] == ("write", 13, words.data_ptr() + 12, 0xFFFFFFFF, 0)
+    hold = flags.bound_wait_value(stream, words, 2, 7)
+    hold()
+    assert got[-1] == ("wait", 13, words.data_ptr() + 8, 7, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
     with pytest.raises(ValueError, match="9 words asked of a tensor of 8"):
         flags.bound_zero(words, 9)
     code[0] = 1
@@ -99,3 +109,5 @@ def test_bound_zero_and_post_take_plain_ints(monkeypatch) -> None:  # noqa: ANN0
         zero(11, None)
     with pytest.raises(RuntimeError, match="cuStreamWriteValue32 failed"):
         post()
+    with pytest.raises(RuntimeError, match="cuStreamWaitValue32 failed"):
+        hold()
