@@ -19,6 +19,10 @@ A replay is ordered like an eager call (``DeviceOrder`` under its lock: after th
 call, whatever its stream), reports a timeout as the op's config says, and returns new
 tensors (the graph's outputs are cloned: a later replay never changes an earlier result).
 
+``mlp_chain`` (one GPU, no group) has call plans too: its "body" (``chain._Body``) is its
+fused body with the plan's config, and its replay has no agreement point (its plan's
+transport is "local").
+
 When a signature gets a graph (``OVERLAP_PLAN_GRAPHS``, read when a body is made):
 
 - ``auto`` (the default): where the GEMM work is at most ``AUTO_FLOPS`` (there the host
@@ -462,7 +466,8 @@ def _capture_stream(rt: Any) -> Any:
 def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
     """One call from the graph, as the bound body's frame orders it (see the module
     docstring); the error word reported as the op's config says."""
-    check_agreed(rt, cp.op, cp.names, cp.values, cp.key)
+    if cp.transport != "local":  # (a one-GPU op, the chain, has no ranks to agree with)
+        check_agreed(rt, cp.op, cp.names, cp.values, cp.key)
     _observe.record_call(cp.op, cp.shape, cp.path, cp.why)
     order = rt.order
     with order.lock:

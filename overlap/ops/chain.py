@@ -91,7 +91,9 @@ import torch
 from .. import flags as _flags
 from .._fields import choice_field, float_field, int_field
 from ..observe import gpu_range
+from . import _calls, _graphs
 from ._agree import check_dtype, named
+from ._calls import aligned, grad_refused, tensor_key
 from ._runtime import (MAX_SMS, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, check_gemm_field)
 from ._runtime import (LRU, OverlapCaptureError, Runtime, capturing, env_sm_margin, keep_for_capture,
                        local_runtime, local_runtime_if_made, observed, on_stream, refuse_grad, report_errors,
@@ -329,7 +331,88 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
     ``mlp_chain_ref`` with a one-time warning. ``sync`` ("row" or "tile")
     overrides the config's (or the tuned config's) policy.
     """
+    out = _planned(x, w1, w2, activation, config, sync)
+    if out is not None:
+        return out
     return _mlp_chain(x, w1, w2, activation=activation, config=config, sync=sync)
+
+
+def _call_key(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None, cfg: ChainConfig,
+              given: bool, tuned: bool) -> tuple:
+    """A call's signature for its ``CallPlan`` (``_calls``): everything the full path's
+    checks and decisions read, but the pointers (checked per call)."""
+    return (tensor_key(x), tensor_key(w1), tensor_key(w2), activation, cfg, given, tuned)
+
+
+@named(OP)
+def _planned(x: Any, w1: Any, w2: Any, activation: str | None, config: ChainConfig | None,
+             sync: str | None) -> Any:
+    """The call run from its signature's ``CallPlan`` (``_calls``: made by the signature's
+    first call once it returned), or None where it has none or needs the full path (a
+    capture, autograd, an unaligned pointer, a tuned pick stored since). A plan of this
+    op has no rank agreement (one GPU); where the host sets the pace its fused body is
+    captured as a plan graph (``_graphs``) and replayed per call."""
+    if not (isinstance(x, torch.Tensor) and isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)) \
+            or not x.is_cuda:
+        return None
+    if capturing() or grad_refused(x, w1, w2):
+        return None
+    ikey = (OP, id(config), tensor_key(x), tensor_key(w1), tensor_key(w2), activation, sync)
+    hit = _calls.index_lookup(ikey, None, config)
+    if hit is not None:
+        rt, cp, cfg, _ = hit
+    else:  # the full lookup, indexed where it finds a plan
+        if x.dim() != 2 or w1.dim() != 2 or w2.dim() != 2 or sync not in (None, "row", "tile") \
+                or (config is not None and not isinstance(config, ChainConfig)):
+            return None  # the full path's checks say what is wrong
+        gen, env = _calls.generation(), _calls.transport_env()
+        rt = local_runtime_if_made(x.device)
+        if rt is None:
+            return None
+        tuned = tcache = tkey = None
+        if config is None:
+            tcache, tkey = _tuned(rt), _tune_key(x, w1, w2, activation)
+            tuned = tcache.get(tkey)
+        cfg = config or tuned or ChainConfig()
+        if sync is not None and sync != cfg.sync:
+            cfg = dataclasses.replace(cfg, sync=sync)
+        key = _call_key(x, w1, w2, activation, cfg, config is not None, tuned is not None)
+        cp = _calls.find(rt, OP, key)
+        if cp is None:
+            return None
+        _calls.index(ikey, gen, None, config, env, rt, cp, cfg, "local", tcache if tuned is not None else None,
+                     tkey, key)
+    if not aligned(x, w1, w2):
+        return None
+    _calls.stats["planned"] += 1
+    body = cp.body
+    if body is None:
+        body = cp.body = _Body(rt, cfg, activation, cp.shape)
+    out = _graphs.replay_or_capture(rt, cp, body, (x, w1, w2))
+    if out is not _graphs.NO:
+        stats["fused"] += 1
+        return out
+    return observed(OP, cp.shape, cp.path, cp.why, x.device, _fused, rt, x, w1, w2, activation, cfg, False, 0)
+
+
+class _Body:
+    """What a plan graph (``_graphs``) needs of a chain's call plan: its fused body
+    (``_fused`` with the plan's config and activation), the argument it copies in per call
+    (x; the weights are read in place), its GEMM flops, its error word and check."""
+
+    moving = (0,)
+
+    def __init__(self, rt: Runtime, cfg: ChainConfig, activation: str | None, shape: tuple[int, ...]) -> None:
+        m, k, f, n = shape
+        self.rt, self.cfg, self.activation = rt, cfg, activation
+        self.flops = 2 * m * f * (k + n)
+        self.err, self.check = rt.err(OP), cfg.check
+
+    def fused(self, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return _fused(self.rt, x, w1, w2, self.activation, self.cfg, False, 0)
+
+    def __repr__(self) -> str:
+        return f"mlp_chain body ({self.cfg.sync} sync, {self.cfg.launch})"
 
 
 @named(OP)
@@ -364,8 +447,14 @@ def _mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activatio
                   "running the chain without its start gate")
     why = "config given" if config is not None else ("tuner pick" if tuned is not None else "default config")
     path = f"tile-flag {cfg.sync}" + (" pdl" if cfg.launch == "pdl" and not consumer_first else "")
-    return observed("mlp_chain", (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1]), path, why,
-                    x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first, producer_delay_cycles)
+    shape = (x.shape[0], x.shape[1], w1.shape[1], w2.shape[1])
+    out = observed("mlp_chain", shape, path, why, x.device, _fused, rt, x, w1, w2, activation, cfg, consumer_first,
+                   producer_delay_cycles)
+    if not consumer_first and not producer_delay_cycles:  # returned: later calls of its signature take its plan
+        sig = (shape[0], shape[1], shape[2], shape[3], x.dtype, w1.stride(), w2.stride(), activation, cfg, False)
+        _calls.keep(rt, _call_key(x, w1, w2, activation, cfg, config is not None, tuned is not None),
+                    _calls.CallPlan(OP, (), (), None, sig, shape, path, why, cfg, "local"))
+    return out
 
 
 def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str | None,
@@ -383,7 +472,7 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
                          f"consumer ({rt.num_sms} SMs)")
     x = x.contiguous()
     m, f, n = x.shape[0], w1.shape[1], w2.shape[1]
-    sig = (m, x.shape[1], f, n, x.dtype, w1.stride(), w2.stride(), activation, cfg, consumer_first)
+    sig = (m, x.shape[1], f, n, x.dtype, w1.stride(), w2.stride(), activation, cfg, consumer_first)  # (a plan's sig)
     if capturing() and (OP, sig) not in rt.seen:
         raise OverlapCaptureError(f"mlp_chain: x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                                   f"({x.dtype}) with this config has not run outside a CUDA graph capture yet; call "

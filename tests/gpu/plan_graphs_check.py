@@ -26,7 +26,7 @@ os.environ["OVERLAP_PLAN_GRAPHS"] = "always"
 
 from overlap import dist  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,  # noqa: E402
-                         matmul_all_reduce_matmul, matmul_reduce_scatter)
+                         matmul_all_reduce_matmul, matmul_reduce_scatter, mlp_chain)
 from overlap.ops import _calls, _graphs  # noqa: E402
 
 M, K, N, N2 = 384, 256, 512, 128
@@ -119,6 +119,44 @@ def main() -> None:
                 assert rel(got, want) < TOL, (op, "two streams", it, rel(got, want))
             done += 1
             print(f"ok {op}: {_graphs.stats}", flush=True)
+        # mlp_chain: new inputs every call, earlier outputs kept, a weight changed in place and moved
+        def chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            mid = torch.nn.functional.gelu(x.float() @ w1.float()).to(DT)
+            return mlp_chain(x, w1, w2), mid.float() @ w2.float()
+
+        w1, w2 = rnd(K, N), rnd(N, N2)
+        cap0, rep0, p0 = _graphs.stats["captured"], _graphs.stats["replayed"], _calls.stats["planned"]
+        kept = []
+        for it in range(10):
+            got, want = chain(rnd(M, K), w1, w2)
+            assert rel(got, want) < TOL, ("mlp_chain", it, rel(got, want))
+            kept.append((got, want))
+        torch.cuda.synchronize()
+        for it, (got, want) in enumerate(kept):
+            assert rel(got, want) < TOL, ("mlp_chain", "earlier output", it, rel(got, want))
+        assert _calls.stats["planned"] - p0 == 9, ("mlp_chain planned", _calls.stats)
+        assert _graphs.stats["captured"] - cap0 == 1, ("mlp_chain captured", _graphs.stats)
+        assert _graphs.stats["replayed"] - rep0 == 10 - _graphs.CAPTURE_AT, ("mlp_chain replayed", _graphs.stats)
+        w2.mul_(-0.5)
+        got, want = chain(rnd(M, K), w1, w2)
+        assert rel(got, want) < TOL, ("mlp_chain", "weight changed in place", rel(got, want))
+        w1, cap1 = rnd(K, N), _graphs.stats["captured"]
+        for it in range(_graphs.CAPTURE_AT + 2):
+            got, want = chain(rnd(M, K), w1, w2)
+            assert rel(got, want) < TOL, ("mlp_chain", "new weight", it, rel(got, want))
+        assert _graphs.stats["captured"] - cap1 == 1, ("mlp_chain captured again", _graphs.stats)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        outs = []
+        for it in range(6):
+            s = (s1, s2)[it % 2]
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                outs.append(chain(rnd(M, K), w1, w2))
+        torch.cuda.synchronize()
+        for it, (got, want) in enumerate(outs):
+            assert rel(got, want) < TOL, ("mlp_chain", "two streams", it, rel(got, want))
+        done += 1
+        print(f"ok mlp_chain: {_graphs.stats}", flush=True)
         # a broadcast residual (stride 0): copied into the graph's contiguous input
         w = rnd(N, K)
         for it in range(_graphs.CAPTURE_AT + 3):

@@ -177,6 +177,11 @@ def failure_chain() -> str:
             assert e < TOL[dtype], f"after {tag}: call {i}: rel err {e}"
 
     calls_ok("start")
+    # a setting is read, and a launch made, when a call plan's fused body runs or its graph is
+    # captured: with the plans cleared the next call takes the full path
+    from overlap.ops._calls import clear_call_plans
+
+    clear_call_plans()
     os.environ["OVERLAP_WAIT_TIMEOUT_MS"] = "inf"
     try:
         chmod.mlp_chain(*ops)
@@ -186,6 +191,7 @@ def failure_chain() -> str:
         del os.environ["OVERLAP_WAIT_TIMEOUT_MS"]
     calls_ok("a bad wait bound")
     for which in ("producer", "consumer"):
+        clear_call_plans()
         tile_gemm.launch_tile_gemm = failing(which)
         try:
             chmod.mlp_chain(*ops)

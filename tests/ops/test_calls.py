@@ -323,3 +323,63 @@ def test_bound_frame_prepares_before_the_fork_and_finishes_after_the_join() -> N
     del log[:]
     body.prepare = body.finish = None
     assert body(1) == 2 and log == ["begin", "zero", "fork", ("run", 1), "join", "end"], log
+
+
+def test_chain_call_plan_through_the_index(monkeypatch) -> None:  # noqa: ANN001
+    """``mlp_chain``'s short path: no plan before its first call returned; then a call of the
+    signature is found through the index (no runtime lookup), runs from its plan with its
+    own tensors (new every call) through the plan graphs' door and, while that says no, its
+    fused body observed as the full path runs it; a tuned pick stored after the plan was
+    made sends the next call to the plan of the pick; another activation or sync is another
+    signature; autograd and a capture take the full path."""
+    from types import SimpleNamespace
+
+    from overlap.ops import _graphs
+    from overlap.ops import chain as ch
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    looked: list = []
+    monkeypatch.setattr(ch, "local_runtime_if_made", lambda d: looked.append(d) or rt)
+    doors: list = []
+    monkeypatch.setattr(_graphs, "replay_or_capture", lambda rt_, cp, body, args: doors.append((cp, body, args))
+                        or _graphs.NO)
+    monkeypatch.setattr(ch, "observed", lambda op, shape, path, why, dev, fn, *args: (why, args))
+    monkeypatch.setattr(ch, "_Body", lambda rt_, cfg, act, shape: SimpleNamespace(cfg=cfg, act=act, shape=shape))
+    gen = torch.Generator().manual_seed(7)
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape, generator=gen))
+
+    m, k, f, n = 8, 16, 32, 8
+    t0 = (new(m, k), new(k, f), new(f, n))
+    assert ch._planned(*t0, "gelu", None, None) is None and len(looked) == 1  # no plan yet
+    plans = {}
+    for why, cfg, tuned in (("default config", ch.ChainConfig(), False),
+                            ("tuner pick", ch.ChainConfig(reserve_sms=3), True)):
+        plans[why] = _calls.CallPlan(ch.OP, (), (), None, (), (m, k, f, n), "tile-flag row", why, cfg, "local")
+        _calls.keep(rt, ch._call_key(*t0, "gelu", cfg, False, tuned), plans[why])
+
+    def call(act: str | None = "gelu", sync: str | None = None) -> object:
+        t = (new(m, k), new(k, f), new(f, n))
+        out = ch._planned(*t, act, None, sync)
+        if out is None:
+            return None
+        why, args = out
+        assert args[1] is t[0] and args[2] is t[1] and args[3] is t[2], "a previous call's tensors"
+        assert doors[-1][2] == t and doors[-1][0].why == why
+        return why
+
+    assert call() == "default config" and len(looked) == 2
+    assert call() == "default config" and call() == "default config" and len(looked) == 2  # the index
+    assert doors[-1][1].cfg == ch.ChainConfig() and doors[-1][1].act == "gelu"
+    ch._tuned(rt)[ch._tune_key(*t0, "gelu")] = plans["tuner pick"].config  # a tuner stores a pick
+    assert call() == "tuner pick" and len(looked) == 3
+    assert call() == "tuner pick" and len(looked) == 3
+    assert call(act=None) is None and call(sync="tile") is None  # other signatures: no plan
+    x, w1, w2 = new(m, k), new(k, f), new(f, n)
+    w1.requires_grad_(True)
+    assert ch._planned(x, w1, w2, "gelu", None, None) is None  # autograd: the full path refuses it
+    monkeypatch.setattr(ch, "capturing", lambda: True)
+    assert ch._planned(new(m, k), new(k, f), new(f, n), "gelu", None, None) is None

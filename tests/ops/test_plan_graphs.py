@@ -145,7 +145,7 @@ def fake(monkeypatch):  # noqa: ANN001, ANN201
     rt = SimpleNamespace(order=_Order(log), current_stream=lambda: stream, device=torch.device("cpu"), seen=set(),
                          _caches={})
     cp = SimpleNamespace(op="test_op", names=(), values=(), key=(), shape=(8, 8, 8), path="nccl", why="test",
-                         sig=("sig",))
+                         sig=("sig",), transport="nccl")
     return SimpleNamespace(rt=rt, cp=cp, log=log, cuda=cuda)
 
 
@@ -572,3 +572,17 @@ def test_a_replay_keeps_its_signature_warm(fake) -> None:  # noqa: ANN001
     fake.rt.seen.clear()
     _call(fake, body, torch.randn(6, 8), b)
     assert key in fake.rt.seen
+
+
+def test_a_one_gpu_op_replays_without_an_agreement(fake) -> None:  # noqa: ANN001
+    """A plan of a one-GPU op (the chain: transport "local") has no ranks to agree with: its
+    replay counts the call and reports its error word, with no agreement point; a group op's
+    replay has one."""
+    body, b = _Body(), torch.randn(8, 4)
+    fake.cp.transport = "local"
+    for _ in range(_graphs.CAPTURE_AT + 1):
+        _call(fake, body, torch.randn(6, 8), b)
+    assert _graphs.stats["replayed"] == 2 and "agreed" not in fake.log and fake.log.count("recorded") == 2
+    fake.cp.transport = "nccl"
+    _call(fake, body, torch.randn(6, 8), b)
+    assert fake.log.count("agreed") == 1
