@@ -39,6 +39,16 @@ def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
     return round(statistics.median(t), 1)
 
 
+def _replay_of(g: Any) -> Callable[[], Any]:
+    """The graph's replay alone; with its own copies, after a post of a slot that copies
+    nothing (a replay without its post would find its slot unwritten)."""
+    replay = g.replay if g.replay is not None else g.graph.replay
+    if g.relay is None:
+        return replay
+    zeros = [0] * g.relay.cols
+    return lambda: (g.relay.post(zeros), replay())
+
+
 def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
     """Each step of a replayed call of ``fn`` (whose graph is ``g``), timed alone."""
     from overlap import observe
@@ -68,9 +78,11 @@ def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
         "order lock, current stream, begin, end": lambda: (rt.order.lock.acquire(), rt.order.begin(rt.current_stream()),
                                                            rt.order.end(cur), rt.order.lock.release()),
         "current device": lambda: _graphs._get_device(),
-        "copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
-        "replay": g.replay if g.replay is not None else g.graph.replay,
-        "clones out": lambda: g.clone(raw),
+        **({"copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
+            "replay": _replay_of(g),
+            "clones out": lambda: g.clone(raw)} if g.relay is None else
+           {"replay, its slot posted (the graph copies)": _replay_of(g),
+            "new outputs": lambda: [torch.empty_like(o) for _c, o in g.rout]}),
         "error report": lambda: report_eager(body.err, body.check),
         "signature marked warm": lambda: _graphs._seen(rt.seen, (cp.op, cp.sig)),
     }
@@ -121,6 +133,7 @@ def main() -> None:
     rows.append({"what": "torch.mm", "host_us": host_us(lambda: torch.mm(a, w.t()))})
     rows.append({"what": "tensor.clone (512 x 1024)", "host_us": host_us(lambda: a.clone())})
     rows.append({"what": "tensor.copy_ (512 x 1024)", "host_us": host_us(lambda: x.copy_(a))})
+    rows.append({"what": "torch.empty_like (512 x 1024)", "host_us": host_us(lambda: torch.empty_like(a))})
     cases = {
         "all_gather_matmul": lambda: all_gather_matmul(a, w.t(), group=group, config=cfg),
         "all_reduce_matmul + layernorm": lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm,
@@ -133,14 +146,21 @@ def main() -> None:
             before = set(map(id, _graphs.live))
             call = host_us(fn)
             g = next(pg for pg in _graphs.live if id(pg) not in before)
-            rows.append({"what": f"{name}: call", "host_us": call})
-            rows.append({"what": f"{name}: replay alone", "host_us": host_us(g.graph.replay)})
+            rows.append({"what": f"{name}: call" + (" (the graph's own copies)" if g.relay is not None else ""),
+                         "host_us": call})
+            rows.append({"what": f"{name}: replay alone", "host_us": host_us(_replay_of(g))})
             raw = torch.cuda.current_stream().cuda_stream
             rows.append({"what": f"{name}: outputs cloned (torch clone)",
                          "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
             rows.append({"what": f"{name}: outputs cloned (as a replay clones them)",
                          "host_us": host_us(lambda g=g: g.clone(raw))})
             rows += steps(name, fn, g)
+            if g.relay is not None:  # the same calls with a driver copy per activation and output
+                _graphs.RELAY = False
+                _calls.clear_call_plans()
+                rows.append({"what": f"{name}: call (driver copies)", "host_us": host_us(fn)})
+                _graphs.RELAY = True
+                _calls.clear_call_plans()
     for r in rows:
         print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
     os.makedirs(args.out, exist_ok=True)

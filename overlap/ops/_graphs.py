@@ -94,8 +94,9 @@ _cuda: Any = torch.cuda
 NO = object()
 """``replay_or_capture``'s answer when the call is not run from a graph."""
 
-stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0}
-"""Graphs captured, calls replayed, captures that failed or were refused, graphs dropped."""
+stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0, "relayed": 0}
+"""Graphs captured, calls replayed, captures that failed or were refused, graphs dropped,
+replays whose copies the graph made (``kernels.relay``)."""
 
 live: "weakref.WeakSet[PlanGraph]" = weakref.WeakSet()
 """The plan graphs alive."""
@@ -252,10 +253,11 @@ class PlanGraph:
     inputs' pointers it captured, and the words it owns."""
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
-                 "clone", "owner", "copiers", "replay", "__weakref__")
+                 "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
-                 keep: list, stream: Any, device: Any, owner: int) -> None:
+                 keep: list, stream: Any, device: Any, owner: int, relay: Any = None,
+                 rin: tuple = (), rout: tuple = ()) -> None:
         self.graph, self.statics, self.moving, self.out, self.ptrs, self.keep = \
             graph, statics, moving, out, ptrs, keep
         self.owner = owner
@@ -276,6 +278,12 @@ class PlanGraph:
         self.replay = functools.partial(base.replay, graph) if base is not None and isinstance(graph, base) else None
         """The graph's replay as one C call (torch's ``CUDAGraph.replay`` adds a Python frame
         and a check of a pool tracker the library's graphs do not use); None: ``graph.replay``."""
+        self.relay, self.rin, self.rout = relay, rin, rout
+        """``relay``: the graph's ring of slots (``kernels.relay.Relay``) where its copies are
+        kernels of its own, or None (driver copies per call). ``rin``: per relayed input
+        (index, column, shape, dtype); ``rout``: per relayed output (column, the graph's
+        output), empty where the outputs are cloned (another structure than a tensor or a
+        pair of contiguous tensors)."""
 
     def __repr__(self) -> str:
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
@@ -297,6 +305,7 @@ class PlanGraph:
                 _retired.append((ev, self.device, self.graph, self.statics, self.keep))
         self.graph = None
         self.statics = self.out = self.keep = self.clone = self.last = self.copiers = self.replay = None
+        self.relay = None
 
 
 def _free(graph: Any) -> None:
@@ -370,6 +379,15 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
             g = None
         if g is not None and profiling:
             return NO
+        if g is not None and g.relay is not None:
+            bad = g.relay.failed()
+            if bad:  # (before the agreement point: a raise here is the call's refusal)
+                _drop(st, wait=False)
+                st.off = True
+                raise RuntimeError(f"{cp.op}: the plan graph's call {bad} found its copy addresses unwritten; its "
+                                   "outputs are not valid. The signature now runs without a plan graph")
+            if not g.relay.room():
+                return NO  # its slots all in flight (the GPU far behind): this call runs without the graph
         if g is None:
             if st.off:
                 return NO
@@ -432,13 +450,28 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                         statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 cap = _capture_stream(rt)
                 cap.wait_stream(cur)
+                cols = [i for i in moving if statics[i] is not None]
+                relay = _make_relay(dev, len(cols) + 2) if RELAY and _relay_ok(dev) else None
+                rin: list = []
+                rout: list = []
                 graph = _cuda.CUDAGraph()
                 with _cuda.stream(cap):
+                    if relay is not None:
+                        relay.warm(statics, cols)  # compiled and loaded outside the capture
                     graph.capture_begin(capture_error_mode="thread_local")
                     try:
+                        if relay is not None:
+                            rin = [(i, relay.copy_in(statics[i]), statics[i].shape, statics[i].dtype) for i in cols]
                         out = body.fused(*statics)
+                        if relay is not None:
+                            outs = _pair_or_one(out)
+                            if outs is not None:
+                                rout = [(relay.copy_out(o), o) for o in outs]
+                            relay.advance()
                     finally:
                         graph.capture_end()
+                if relay is not None:
+                    keep.append(relay)  # its pinned slots live as long as the graph's replays
             except Exception as e:  # noqa: BLE001 - the call runs as before; the signature is not captured again
                 _state.warn_once(f"plan-graph-{op}-{type(e).__name__}",
                                  f"{op}: a call plan's graph could not be captured ({type(e).__name__}: {e}); "
@@ -453,7 +486,35 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                                for o in outs for s in ins):
             graph.reset()
             return None
-        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt))
+        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout))
+
+
+RELAY = True
+"""Plan graphs copy their activations in and their outputs out with kernels of their own,
+from addresses the host leaves in pinned slots (``kernels.relay``); False: a driver copy
+per activation and output per call."""
+
+
+def _relay_ok(dev: Any) -> bool:
+    """Relayed copies on this device: a CUDA device under the real ``torch.cuda``."""
+    return _cuda is torch.cuda and getattr(dev, "type", None) == "cuda"
+
+
+def _make_relay(dev: Any, cols: int) -> Any:
+    from ..kernels.relay import Relay
+
+    return Relay(dev, cols)
+
+
+def _pair_or_one(out: Any) -> list | None:
+    """The output tensors a relay copies out: a contiguous tensor, or a pair of them; else None."""
+    if isinstance(out, torch.Tensor):
+        outs = [out]
+    elif isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out):
+        outs = list(out)
+    else:
+        return None
+    return outs if all(o.is_contiguous() and o.numel() for o in outs) else None
 
 
 def _capture_stream(rt: Any) -> Any:
@@ -486,19 +547,45 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                     for i in g.moving:
                         if statics[i] is not None:
                             statics[i].record_stream(cur)
-            raw = cur.cuda_stream
-            # the driver copies run in the thread's current context: the runtime's device only
-            drv = (_get_device() if _cuda is torch.cuda else _cuda.current_device()) == g.index
-            copiers = g.copiers
-            for i in g.moving:
-                x = args[i]
-                if x is not None and not (drv and copiers[i](x, raw)):
-                    statics[i].copy_(x)
-            if g.replay is not None:
-                g.replay()
+            relay = g.relay
+            if relay is not None:
+                # the graph copies: the addresses of this call's activations and of its new
+                # outputs go into its next slot (an input that is not contiguous, copied here)
+                addrs = [0] * relay.cols
+                for i, col, shape, dtype in g.rin:
+                    x = args[i]
+                    if x.dtype is dtype and x.shape == shape and x.is_contiguous():
+                        addrs[col - 1] = x.data_ptr()
+                    else:
+                        statics[i].copy_(x)
+                if g.rout:
+                    news = [torch.empty_like(o) for _c, o in g.rout]
+                    for (col, _o), t in zip(g.rout, news):
+                        addrs[col - 1] = t.data_ptr()
+                relay.post(addrs)
+                if g.replay is not None:
+                    g.replay()
+                else:
+                    g.graph.replay()
+                if g.rout:
+                    out = news[0] if len(news) == 1 else (news[0], news[1])
+                else:
+                    out = _cloned(g.out)
+                stats["relayed"] += 1
             else:
-                g.graph.replay()
-            out = g.clone(raw) if drv else _cloned(g.out)
+                raw = cur.cuda_stream
+                # the driver copies run in the thread's current context: the runtime's device only
+                drv = (_get_device() if _cuda is torch.cuda else _cuda.current_device()) == g.index
+                copiers = g.copiers
+                for i in g.moving:
+                    x = args[i]
+                    if x is not None and not (drv and copiers[i](x, raw)):
+                        statics[i].copy_(x)
+                if g.replay is not None:
+                    g.replay()
+                else:
+                    g.graph.replay()
+                out = g.clone(raw) if drv else _cloned(g.out)
         finally:
             order.end(cur)
         report_eager(body.err, body.check)

@@ -8,8 +8,9 @@ place (read by the next replay); a new weight tensor (that call runs the bound b
 graph is dropped and captured again on the new weight); calls alternating between two
 streams; a user's CUDA graph captured at the graphed signature (the full path) replayed
 with new inputs. Then the host time per call of all_gather_matmul at 512 x 1024 x 1024,
-graphed and not. Prints ``PASS plan_graphs ...`` or ``FAIL plan_graphs: ...``; exits 1
-on a failure.
+graphed and not. ``--driver-copies``: the graphs copy with the driver per call (else with
+kernels of their own, ``kernels.relay``; the check asserts which ran). Prints ``PASS
+plan_graphs ...`` or ``FAIL plan_graphs: ...``; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def main() -> None:
+    relay = "--driver-copies" not in sys.argv[1:]
+    _graphs.RELAY = relay
     ctx = dist.init()
     dev, group = ctx.device, ctx.tp_group
     torch.manual_seed(0)
@@ -198,7 +201,10 @@ def main() -> None:
                 t.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             times[setting] = sorted(t)[len(t) // 2] * 1e6
-        print(f"PASS plan_graphs world={ctx.tp_size} ops={done} captured={_graphs.stats['captured']} "
+        assert (_graphs.stats["relayed"] == _graphs.stats["replayed"]) if relay else not _graphs.stats["relayed"], \
+            ("relayed", _graphs.stats)
+        print(f"PASS plan_graphs world={ctx.tp_size} ops={done} copies={'graph' if relay else 'driver'} "
+              f"captured={_graphs.stats['captured']} "
               f"replayed={_graphs.stats['replayed']} host_us_p50 bound={times['off']:.1f} "
               f"graphed={times['always']:.1f}", flush=True)
     except Exception as e:  # noqa: BLE001

@@ -586,3 +586,105 @@ def test_a_one_gpu_op_replays_without_an_agreement(fake) -> None:  # noqa: ANN00
     fake.cp.transport = "nccl"
     _call(fake, body, torch.randn(6, 8), b)
     assert fake.log.count("agreed") == 1
+
+
+class _Relay:
+    """A stand-in ring (``kernels.relay.Relay``): its copies queued in the graph read the
+    addresses of the call posted last (the stand-in graph reruns its work at once)."""
+
+    def __init__(self, dev, cols) -> None:  # noqa: ANN001
+        self.cols, self.next, self.addrs, self.posts = cols, 1, None, 0
+        self.fail, self.full = 0, False
+
+    def warm(self, statics, cols) -> None:  # noqa: ANN001
+        self.post([0] * self.cols)
+
+    def _copy(self, col, st, into) -> None:  # noqa: ANN001
+        import ctypes
+
+        addr = self.addrs[col - 1]
+        if addr:
+            n = st.numel() * st.element_size()
+            ctypes.memmove(st.data_ptr(), addr, n) if into else ctypes.memmove(addr, st.data_ptr(), n)
+
+    def copy_in(self, st):  # noqa: ANN001, ANN201
+        col, self.next = self.next, self.next + 1
+        _queue(lambda: self._copy(col, st, True))
+        return col
+
+    def copy_out(self, st):  # noqa: ANN001, ANN201
+        col, self.next = self.next, self.next + 1
+        _queue(lambda: self._copy(col, st, False))
+        return col
+
+    def advance(self) -> None:
+        _queue(lambda: None)
+
+    def post(self, addrs) -> None:  # noqa: ANN001
+        assert len(addrs) == self.cols
+        self.addrs, self.posts = list(addrs), self.posts + 1
+
+    def failed(self) -> int:
+        return self.fail
+
+    def room(self) -> bool:
+        return not self.full
+
+
+@pytest.fixture
+def relayed(fake, monkeypatch):  # noqa: ANN001, ANN201
+    made: list = []
+    monkeypatch.setattr(_graphs, "_relay_ok", lambda dev: True)
+    monkeypatch.setattr(_graphs, "_make_relay", lambda dev, cols: made.append(_Relay(dev, cols)) or made[-1])
+    fake.relays = made
+    return fake
+
+
+def test_relayed_copies_follow_each_call(relayed) -> None:  # noqa: ANN001
+    """With the graph's own copies: each call posts its activations' and its new output's
+    addresses (no host copy of a contiguous input), and gets a new tensor; an input that is
+    not contiguous is copied by the host and posted as 0; earlier outputs stay as they were."""
+    body, b = _Body(), torch.randn(8, 4)
+    outs = []
+    for it in range(_graphs.CAPTURE_AT + 5):
+        a, r = torch.randn(6, 8), torch.randn(6, 4)
+        if it == _graphs.CAPTURE_AT + 3:
+            r = torch.randn(4).expand(6, 4)  # strided: copied by the host, its column posted as 0
+        got = _call(relayed, body, a, b, r)
+        if it < _graphs.CAPTURE_AT - 1:
+            assert got is _graphs.NO  # counted, run by the caller
+            continue
+        torch.testing.assert_close(got, torch.addmm(r, a, b))
+        outs.append((got, torch.addmm(r, a, b)))
+        addrs = relayed.relays[0].addrs
+        assert addrs[0] == a.data_ptr() and addrs[2] == got.data_ptr() and addrs[3] == 0
+        assert addrs[1] == (0 if r.stride(0) == 0 else r.data_ptr())
+    assert len(relayed.relays) == 1 and _graphs.stats["relayed"] == 6 == _graphs.stats["replayed"]
+    assert relayed.relays[0].posts == 6 + 1  # and the warm-up's
+    for got, want in outs:
+        torch.testing.assert_close(got, want)
+    assert len({o.data_ptr() for o, _ in outs}) == 6, "an output's memory reused"
+
+
+def test_relay_full_or_failed_before_the_agreement(relayed) -> None:  # noqa: ANN001
+    """A ring with every slot in flight: the call runs eagerly (the fused body), no wait; a
+    copy that found its slot unwritten: the next call raises before its agreement point,
+    and the signature runs without a graph from then on."""
+    body, b = _Body(), torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(relayed, body, torch.randn(6, 8), b)
+    relay = relayed.relays[0]
+    relay.full = True
+    fused, replayed = body.fused_calls, _graphs.stats["replayed"]
+    a = torch.randn(6, 8)
+    assert _call(relayed, body, a, b) is _graphs.NO and _graphs.stats["replayed"] == replayed
+    relay.full = False
+    a = torch.randn(6, 8)
+    torch.testing.assert_close(_call(relayed, body, a, b), a @ b)
+    relay.fail = 9
+    del relayed.log[:]
+    with pytest.raises(RuntimeError, match="call 9 found its copy addresses unwritten"):
+        _call(relayed, body, torch.randn(6, 8), b)
+    assert "agreed" not in relayed.log and body.gstate.off and body.gstate.graph is None
+    assert _call(relayed, body, torch.randn(6, 8), b) is _graphs.NO
+    assert body.fused_calls == fused
