@@ -42,8 +42,9 @@ RING = 64
 BLOCK = 2048
 """Words a copy program moves."""
 
-SPIN = 1 << 14
-"""Reads of a slot's tag before a copy kernel gives up on it."""
+SPIN = 1 << 10
+"""Reads of a slot's tag before a copy kernel gives up on it (a slot is written before its
+replay is launched: a tag not yet seen is a visibility delay at most)."""
 
 WAIT_S = 60.0
 """How long a host waits for a free slot (the GPU ``RING`` replays behind) before raising."""
@@ -130,6 +131,7 @@ class Relay:
         addresses), with every copy kernel the capture will launch for the inputs
         ``statics[i]``, ``i`` in ``cols``, and a guess at the outputs' (4-byte words):
         Triton compiles and CUDA loads them here, not inside the capture."""
+        self.seq_dev.zero_()  # on this stream, before the kernels that count on it
         self.post([0] * self.cols)
         for col, i in enumerate(cols, 1):
             self._launch_copy(col, statics[i], True)
@@ -159,6 +161,11 @@ class Relay:
     def advance(self) -> None:
         """Queue the end of a call: the graph's counter moved on, ``done`` stored for the host."""
         relay_advance_kernel[(1,)](self.seq_dev.data_ptr(), self.status.data_ptr(), num_warps=1)
+
+    def lost(self) -> None:
+        """A call posted and never replayed (its replay raised): the graph's counter would
+        stay one behind its slots, so the graph is failed from here on (``failed``)."""
+        self._status[1] = self.seq
 
     def failed(self) -> int:
         """The call number of a copy that found its slot unwritten, or 0."""

@@ -384,8 +384,9 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
             if bad:  # (before the agreement point: a raise here is the call's refusal)
                 _drop(st, wait=False)
                 st.off = True
-                raise RuntimeError(f"{cp.op}: the plan graph's call {bad} found its copy addresses unwritten; its "
-                                   "outputs are not valid. The signature now runs without a plan graph")
+                raise RuntimeError(f"{cp.op}: the plan graph's call {bad} did not make its copies (its slot was "
+                                   "not written for it, or its replay failed); its outputs are not valid. The "
+                                   "signature now runs without a plan graph")
             if not g.relay.room():
                 return NO  # its slots all in flight (the GPU far behind): this call runs without the graph
         if g is None:
@@ -448,10 +449,11 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                     x = args[i]
                     if x is not None:
                         statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                cols = [i for i in moving if statics[i] is not None]
+                # (made before the capture stream waits for this one: its counter's zeroing is ordered first)
+                relay = _make_relay(dev, len(cols) + 2) if RELAY and _relay_ok(dev) else None
                 cap = _capture_stream(rt)
                 cap.wait_stream(cur)
-                cols = [i for i in moving if statics[i] is not None]
-                relay = _make_relay(dev, len(cols) + 2) if RELAY and _relay_ok(dev) else None
                 rin: list = []
                 rout: list = []
                 graph = _cuda.CUDAGraph()
@@ -563,10 +565,14 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                     for (col, _o), t in zip(g.rout, news):
                         addrs[col - 1] = t.data_ptr()
                 relay.post(addrs)
-                if g.replay is not None:
-                    g.replay()
-                else:
-                    g.graph.replay()
+                try:
+                    if g.replay is not None:
+                        g.replay()
+                    else:
+                        g.graph.replay()
+                except BaseException:
+                    relay.lost()  # posted, never replayed: the graph's counter is behind its slots
+                    raise
                 if g.rout:
                     out = news[0] if len(news) == 1 else (news[0], news[1])
                 else:

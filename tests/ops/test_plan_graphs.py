@@ -627,6 +627,9 @@ class _Relay:
     def failed(self) -> int:
         return self.fail
 
+    def lost(self) -> None:
+        self.fail = -1
+
     def room(self) -> bool:
         return not self.full
 
@@ -683,8 +686,28 @@ def test_relay_full_or_failed_before_the_agreement(relayed) -> None:  # noqa: AN
     torch.testing.assert_close(_call(relayed, body, a, b), a @ b)
     relay.fail = 9
     del relayed.log[:]
-    with pytest.raises(RuntimeError, match="call 9 found its copy addresses unwritten"):
+    with pytest.raises(RuntimeError, match="call 9 did not make its copies"):
         _call(relayed, body, torch.randn(6, 8), b)
     assert "agreed" not in relayed.log and body.gstate.off and body.gstate.graph is None
     assert _call(relayed, body, torch.randn(6, 8), b) is _graphs.NO
     assert body.fused_calls == fused
+
+
+def test_a_replay_that_raises_after_its_post_fails_the_graph(relayed) -> None:  # noqa: ANN001
+    """A call posted and never replayed would leave the graph's counter one slot behind (each
+    later replay reading the call before it): the replay's error is raised, and the next
+    call raises before its agreement and runs without the graph from then on."""
+    body, b = _Body(), torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT):
+        _call(relayed, body, torch.randn(6, 8), b)
+
+    def boom() -> None:
+        raise RuntimeError("replay failed")
+
+    body.gstate.graph.graph.replay = boom
+    body.gstate.graph.replay = None
+    with pytest.raises(RuntimeError, match="replay failed"):
+        _call(relayed, body, torch.randn(6, 8), b)
+    with pytest.raises(RuntimeError, match="did not make its copies"):
+        _call(relayed, body, torch.randn(6, 8), b)
+    assert body.gstate.off and _call(relayed, body, torch.randn(6, 8), b) is _graphs.NO
