@@ -51,22 +51,38 @@ WAIT_S = 60.0
 
 
 @triton.jit
-def relay_copy_kernel(slots_addr, status_addr, seq_addr, static_addr, n_words, COL: tl.constexpr,
-                      WIDTH: tl.constexpr, RING_: tl.constexpr, IN: tl.constexpr, BYTES: tl.constexpr,
-                      BLOCK_: tl.constexpr, SPIN_: tl.constexpr):
+def relay_fetch_kernel(slots_addr, status_addr, seq_addr, mirror_addr, WIDTH: tl.constexpr, WP2: tl.constexpr,
+                       RING_: tl.constexpr, SPIN_: tl.constexpr):
     # this replay's number: the graph's counter (moved on by the advance kernel at its end) + 1
     seq = tl.load(seq_addr.to(tl.pointer_type(tl.int64)), volatile=True) + 1
     row = slots_addr.to(tl.pointer_type(tl.int64)) + (seq % RING_) * WIDTH
-    tag = tl.load(row, volatile=True)
+    # the slot read by system-scope atomics: a plain (even volatile) load of pinned host
+    # memory was served stale for about a millisecond after the host's write (measured)
+    tag = tl.atomic_add(row, 0, sem="relaxed", scope="sys")
     i = 0
     while (tag != seq) & (i < SPIN_):
-        tag = tl.load(row, volatile=True)
+        tag = tl.atomic_add(row, 0, sem="relaxed", scope="sys")
         i += 1
-    addr = tl.load(row + COL, volatile=True)
-    if tag != seq:
-        if tl.program_id(0) == 0:
-            tl.atomic_xchg(status_addr.to(tl.pointer_type(tl.int64)) + 1, seq, sem="release", scope="sys")
-    elif addr != 0:
+    cols = tl.arange(0, WP2)
+    live = (cols >= 1) & (cols < WIDTH)
+    vals = tl.atomic_add(row + cols, tl.zeros([WP2], tl.int64), mask=live, sem="relaxed", scope="sys")
+    mirror = mirror_addr.to(tl.pointer_type(tl.int64))
+    if tag == seq:
+        tl.store(mirror + cols, tl.where(cols == 0, seq, vals), mask=cols < WIDTH)
+    else:  # no copy this call (tag 0 in the mirror); the host raises at the graph's next call
+        tl.store(mirror + cols, tl.zeros([WP2], tl.int64), mask=cols < WIDTH)
+        tl.atomic_xchg(status_addr.to(tl.pointer_type(tl.int64)) + 1, seq, sem="release", scope="sys")
+
+
+@triton.jit
+def relay_copy_kernel(mirror_addr, seq_addr, static_addr, n_words, COL: tl.constexpr, IN: tl.constexpr,
+                      BYTES: tl.constexpr, BLOCK_: tl.constexpr):
+    # the slot as the fetch kernel copied it to device memory (before, in stream order)
+    seq = tl.load(seq_addr.to(tl.pointer_type(tl.int64)), volatile=True) + 1
+    mirror = mirror_addr.to(tl.pointer_type(tl.int64))
+    tag = tl.load(mirror, volatile=True)
+    addr = tl.load(mirror + COL, volatile=True)
+    if (tag == seq) & (addr != 0):
         offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
         mask = offs < n_words
         if BYTES == 4:
@@ -97,8 +113,8 @@ def _word_bytes(nbytes: int) -> int:
 
 class Relay:
     """One plan graph's ring of slots (``cols`` addresses a call) and counters. Inside the
-    capture: ``copy_in`` / ``copy_out`` per tensor (a column each, in order), then
-    ``advance`` last. Per call, before the replay: ``post(addresses)``."""
+    capture: ``begin`` first, ``copy_in`` / ``copy_out`` per tensor (a column each, in
+    order), then ``advance`` last. Per call, before the replay: ``post(addresses)``."""
 
     def __init__(self, device: Any, cols: int) -> None:
         import torch
@@ -110,6 +126,8 @@ class Relay:
         """[0]: ``done``, the replays whose copies have ended; [1]: the call number of a
         copy that found its slot unwritten (0: none)."""
         self.seq_dev = torch.zeros(1, dtype=torch.int64, device=device)
+        self.mirror = torch.zeros(self.width, dtype=torch.int64, device=device)
+        """The call's slot in device memory, as the fetch kernel read it (tag 0: no copies)."""
         self._slots, self._status = self.slots.numpy(), self.status.numpy()
         self.seq = 0
         """Calls posted (the host's count; the graph's counter follows it on the GPU)."""
@@ -122,9 +140,15 @@ class Relay:
         grid = max(1, -(-n // BLOCK))
         # Triton's own dispatch (it specializes integers on their divisibility): these
         # launches are made once per graph, at its capture
-        relay_copy_kernel[(grid,)](self.slots.data_ptr(), self.status.data_ptr(), self.seq_dev.data_ptr(),
-                                   static.data_ptr(), n, COL=col, WIDTH=self.width, RING_=RING, IN=into, BYTES=wb,
-                                   BLOCK_=BLOCK, SPIN_=SPIN, num_warps=4)
+        relay_copy_kernel[(grid,)](self.mirror.data_ptr(), self.seq_dev.data_ptr(), static.data_ptr(), n,
+                                   COL=col, IN=into, BYTES=wb, BLOCK_=BLOCK, num_warps=4)
+
+    def begin(self) -> None:
+        """Queue the start of a call: its slot read (system-scope atomics) into device memory."""
+        wp2 = 1 << max(0, (self.width - 1).bit_length())
+        relay_fetch_kernel[(1,)](self.slots.data_ptr(), self.status.data_ptr(), self.seq_dev.data_ptr(),
+                                 self.mirror.data_ptr(), WIDTH=self.width, WP2=wp2, RING_=RING, SPIN_=SPIN,
+                                 num_warps=1)
 
     def warm(self, statics: Sequence[Any], cols: Sequence[int]) -> None:
         """Before the capture, on its stream: one call that copies nothing (a slot of zero
@@ -133,6 +157,7 @@ class Relay:
         Triton compiles and CUDA loads them here, not inside the capture."""
         self.seq_dev.zero_()  # on this stream, before the kernels that count on it
         self.post([0] * self.cols)
+        self.begin()
         for col, i in enumerate(cols, 1):
             self._launch_copy(col, statics[i], True)
         if cols:

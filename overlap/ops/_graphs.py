@@ -471,6 +471,7 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                     graph.capture_begin(capture_error_mode="thread_local")
                     try:
                         if relay is not None:
+                            relay.begin()
                             rin = [(i, relay.copy_in(statics[i]), statics[i].shape, statics[i].dtype) for i in cols]
                         out = body.fused(*statics)
                         if relay is not None:

@@ -18,6 +18,7 @@ from tests._interp import interpreted
 
 
 def _replay(r, cols_in, statics_in, work, statics_out, cols_out):  # noqa: ANN001, ANN202
+    r.begin()
     for col, st in zip(cols_in, statics_in):
         r._launch_copy(col, st, True)
     work()
@@ -73,11 +74,13 @@ def test_a_slot_never_posted_is_reported_not_read(monkeypatch) -> None:  # noqa:
     st = torch.zeros(8, dtype=torch.float32)
     x = torch.ones(8)
     r.post([x.data_ptr()])
+    r.begin()
     r._launch_copy(1, st, True)
     r.advance()
     assert torch.equal(st, x) and not r.failed()
     st.zero_()
-    r._launch_copy(1, st, True)  # a replay whose call was never posted: slot 2 holds no tag 2
+    r.begin()  # a replay whose call was never posted: slot 2 holds no tag 2
+    r._launch_copy(1, st, True)
     r.advance()
     assert r.failed() == 2 and not st.any(), "a copy read a slot not written for its call"
 
@@ -120,25 +123,29 @@ def _sm90(fn, sig, consts):  # noqa: ANN001, ANN202
         raise
 
 
-def test_sm90_slot_reads_are_volatile_and_done_is_a_system_release() -> None:
-    """Built for sm_90 on the CPU: every read of the slots and of the graph's counter is a
-    volatile load (not served from a cache line of an earlier call), the failure and
-    ``done`` stores are system-scope releases (the host reads them without a sync)."""
+def test_sm90_slot_reads_are_system_atomics_and_done_is_a_system_release() -> None:
+    """Built for sm_90 on the CPU: the fetch kernel reads the slot with system-scope atomics
+    (a load of pinned host memory was served stale on an H200), and stores a failure with a
+    system-scope release; the copies read the device mirror and the counter with volatile
+    loads; ``done`` is a system-scope release."""
     from overlap.kernels import relay as R
 
+    sys_release = r"atom(\.global)?\.sys\.release|atom(\.global)?\.release\.sys"
+    k = _sm90(R.relay_fetch_kernel, {"slots_addr": "i64", "status_addr": "i64", "seq_addr": "i64",
+                                     "mirror_addr": "i64", "WIDTH": "constexpr", "WP2": "constexpr",
+                                     "RING_": "constexpr", "SPIN_": "constexpr"},
+              {"WIDTH": 4, "WP2": 4, "RING_": R.RING, "SPIN_": R.SPIN})
+    ptx = k.asm["ptx"]
+    assert re.search(r"atom(\.global)?(\.relaxed)?\.sys(\.relaxed)?\.add", ptx), ptx[:3000]
+    assert re.search(sys_release, ptx), "the failure store is not a system-scope release"
     for into in (True, False):
         for nbytes in (4, 2, 1):
-            k = _sm90(R.relay_copy_kernel, {"slots_addr": "i64", "status_addr": "i64", "seq_addr": "i64",
-                                            "static_addr": "i64", "n_words": "i32", "COL": "constexpr",
-                                            "WIDTH": "constexpr", "RING_": "constexpr", "IN": "constexpr",
-                                            "BYTES": "constexpr", "BLOCK_": "constexpr", "SPIN_": "constexpr"},
-                      {"COL": 1, "WIDTH": 4, "RING_": R.RING, "IN": into, "BYTES": nbytes, "BLOCK_": R.BLOCK,
-                       "SPIN_": R.SPIN})
-            ptx = k.asm["ptx"]
-            assert ptx.count("ld.volatile.global.b64") + ptx.count("ld.volatile.global.u64") >= 4, ptx[:2000]
-            assert re.search(r"atom(\.global)?\.sys\.release|atom(\.global)?\.release\.sys", ptx), \
-                "the failure store is not a system-scope release"
+            k = _sm90(R.relay_copy_kernel, {"mirror_addr": "i64", "seq_addr": "i64", "static_addr": "i64",
+                                            "n_words": "i32", "COL": "constexpr", "IN": "constexpr",
+                                            "BYTES": "constexpr", "BLOCK_": "constexpr"},
+                      {"COL": 1, "IN": into, "BYTES": nbytes, "BLOCK_": R.BLOCK})
+            assert k.asm["ptx"].count("ld.volatile.global") >= 3
     k = _sm90(R.relay_advance_kernel, {"seq_addr": "i64", "status_addr": "i64"}, {})
     ptx = k.asm["ptx"]
-    assert re.search(r"atom(\.global)?\.sys\.release|atom(\.global)?\.release\.sys", ptx), ptx[:2000]
+    assert re.search(sys_release, ptx), ptx[:2000]
     assert "ld.volatile.global" in ptx

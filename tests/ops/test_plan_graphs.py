@@ -620,6 +620,9 @@ class _Relay:
     def advance(self) -> None:
         _queue(lambda: None)
 
+    def begin(self) -> None:
+        _queue(lambda: None)
+
     def post(self, addrs) -> None:  # noqa: ANN001
         assert len(addrs) == self.cols
         self.addrs, self.posts = list(addrs), self.posts + 1
