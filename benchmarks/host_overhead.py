@@ -141,14 +141,14 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also run CALLS more calls of each row under cProfile and write where their host time "
                          "goes (rank 0: DIR/host_profile.txt, by own time and by cumulative time)")
-    ap.add_argument("--driver-copies", action="store_true",
-                    help="plan graphs copy with a driver copy per activation and output per call, not with "
-                         "kernels of their own (overlap.kernels.relay): the two side by side")
+    ap.add_argument("--graph-copies", action="store_true",
+                    help="plan graphs copy with kernels of their own (overlap.kernels.relay; "
+                         "OVERLAP_PLAN_GRAPH_COPIES=graph), not a driver copy per activation and output per call")
     args = ap.parse_args()
-    if args.driver_copies:
+    if args.graph_copies:
         from overlap.ops import _graphs
 
-        _graphs.RELAY = False
+        _graphs.RELAY = True
 
     import overlap
     from overlap import dist
@@ -274,7 +274,7 @@ def main() -> None:
                            "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
                            "call_plans": dict(_calls.stats), "plan_graphs": dict(_graphs.stats),
                            "plan_graphs_setting": os.environ.get("OVERLAP_PLAN_GRAPHS", "auto"),
-                           "plan_graph_copies": "graph" if _graphs.RELAY else "driver"}, "rows": rows}
+                           "plan_graph_copies": "graph" if _graphs._relay_wanted() else "driver"}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:

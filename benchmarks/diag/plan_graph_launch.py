@@ -106,6 +106,7 @@ def main() -> None:
                              matmul_all_reduce_matmul)
     from overlap.ops import _calls, _graphs
 
+    _graphs.RELAY = True  # the graph's own copies first; each case then again with driver copies
     ctx = dist.init()
     dev, group = ctx.device, ctx.tp_group
     M, N, K = 512, 1024, 1024

@@ -174,10 +174,14 @@ def generation() -> int:
 
 
 def keep(rt: Runtime, key: tuple, cp: CallPlan) -> None:
-    """Remember ``cp`` under ``key`` (a call of its signature has returned); an unhashable
+    """Remember ``cp`` under ``key`` (a call of its signature has returned), unless a plan
+    is kept there already (the one in use stays, with its body and graph); an unhashable
     key is not kept."""
     try:
-        call_plans(rt, cp.op)[key] = cp
+        plans = call_plans(rt, cp.op)
+        if key in plans:  # made already (a full-path call of a planned signature: a capture, an
+            return        # unaligned input): the plan in use, its body and graph, stay
+        plans[key] = cp
     except TypeError:
         return
     stats["made"] += 1

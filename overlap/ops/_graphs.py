@@ -261,7 +261,7 @@ class PlanGraph:
     inputs' pointers it captured, and the words it owns."""
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
-                 "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "__weakref__")
+                 "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "holder", "fin", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any, owner: int, relay: Any = None,
@@ -287,6 +287,10 @@ class PlanGraph:
         """The graph's replay as one C call (torch's ``CUDAGraph.replay`` adds a Python frame
         and a check of a pool tracker the library's graphs do not use); None: ``graph.replay``."""
         self.relay, self.rin, self.rout = relay, rin, rout
+        self.holder = [stream]
+        """The stream of the last replay, for ``fin``."""
+        self.fin = weakref.finalize(self, _retire_relay, self.holder, relay, device) if relay is not None else None
+        """A graph freed without ``drop`` (its call plan freed) retires its relay."""
         """``relay``: the graph's ring of slots (``kernels.relay.Relay``) where its copies are
         kernels of its own, or None (driver copies per call). ``rin``: per relayed input
         (index, column, shape, dtype); ``rout``: per relayed output (column, the graph's
@@ -303,6 +307,8 @@ class PlanGraph:
         behind its last replay has completed; no wait on the caller's path)."""
         if self.graph is None:
             return
+        if self.fin is not None:
+            self.fin.detach()  # retired with the graph below (its ``keep`` holds the relay)
         if wait:
             _cuda.synchronize(self.device)
             _free(self.graph)
@@ -382,11 +388,6 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
         g = st.graph
         if g is not None and g.graph is None:  # dropped by ``drop_graphs``
             st.graph = g = None
-        if g is not None and g.ptrs != ptrs:
-            _drop(st, wait=False)  # fixed inputs moved: counted again from here
-            g = None
-        if g is not None and profiling:
-            return NO
         if g is not None and g.relay is not None:
             bad = g.relay.failed()
             if bad:  # (before the agreement point: a raise here is the call's refusal)
@@ -395,6 +396,12 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
                 raise RuntimeError(f"{cp.op}: the plan graph's call {bad} did not make its copies (its slot was "
                                    "not written for it, or its replay failed); its outputs are not valid. The "
                                    "signature now runs without a plan graph")
+        if g is not None and g.ptrs != ptrs:
+            _drop(st, wait=False)  # fixed inputs moved: counted again from here
+            g = None
+        if g is not None and profiling:
+            return NO
+        if g is not None and g.relay is not None:
             if not g.relay.room():
                 return NO  # its slots all in flight (the GPU far behind): this call runs without the graph
         if g is None:
@@ -451,7 +458,7 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
         with _state.capture_sink() as keep:
             # everything here comes before the call's agreement point: a failure (an allocation,
             # the capture) must not raise on this rank alone, so the call runs as before
-            cap = None
+            cap = relay = None
             try:
                 for i in moving:
                     x = args[i]
@@ -459,7 +466,7 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                         statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 cols = [i for i in moving if statics[i] is not None]
                 # (made before the capture stream waits for this one: its counter's zeroing is ordered first)
-                relay = _make_relay(dev, len(cols) + 2) if RELAY and _relay_ok(dev) else None
+                relay = _make_relay(dev, len(cols) + 2) if _relay_wanted() and _relay_ok(dev) else None
                 cap = _capture_stream(rt)
                 cap.wait_stream(cur)
                 rin: list = []
@@ -487,6 +494,8 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                 _state.warn_once(f"plan-graph-{op}-{type(e).__name__}",
                                  f"{op}: a call plan's graph could not be captured ({type(e).__name__}: {e}); "
                                  "its signature runs without one")
+                if relay is not None and cap is not None:
+                    _retire_relay([cap], relay, dev)  # its warm-up may still run on the capture stream
                 return None
             finally:
                 if cap is not None:
@@ -496,14 +505,44 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
         if outs is None or any(o.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
                                for o in outs for s in ins):
             graph.reset()
+            if relay is not None:
+                _retire_relay([cur], relay, dev)  # (cur waits for the capture stream's warm-up)
             return None
         return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout))
 
 
-RELAY = True
+RELAY: bool | None = None
 """Plan graphs copy their activations in and their outputs out with kernels of their own,
-from addresses the host leaves in pinned slots (``kernels.relay``); False: a driver copy
-per activation and output per call."""
+from addresses the host leaves in pinned slots (``kernels.relay``: True), or with a driver
+copy per activation and output per call (False); None: as ``OVERLAP_PLAN_GRAPH_COPIES``
+says (``driver``, the default, or ``graph``), read at each capture."""
+
+
+def _relay_wanted() -> bool:
+    if RELAY is not None:
+        return RELAY
+    raw = os.environ.get("OVERLAP_PLAN_GRAPH_COPIES", "driver").strip().lower()
+    if raw in ("", "driver"):
+        return False
+    if raw == "graph":
+        return True
+    _state.warn_once(f"plan-graph-copies-{raw}", f"OVERLAP_PLAN_GRAPH_COPIES={raw!r}: expected driver or graph; "
+                     "plan graphs copy with the driver")
+    return False
+
+
+def _retire_relay(holder: list, relay: Any, device: Any) -> None:
+    """A relay whose graph went without ``drop`` (its plan freed): its pinned slots kept
+    until an event behind the graph's last replay (or the capture stream's work) has
+    completed, as a retired graph's (the host allocator would hand them out at once)."""
+    try:
+        ev = _cuda.Event()
+        ev.record(holder[0])
+    except Exception:  # noqa: BLE001 - no event to be had (the context is gone): kept for good
+        _abandoned.append(relay)
+        return
+    with _glock:
+        _retired.append((ev, device, None, None, [relay]))
 
 
 def _relay_ok(dev: Any) -> bool:
@@ -552,7 +591,7 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
         try:  # on the current stream (a replay launches there, on the graph's device)
             statics = g.statics
             if cur is not g.last:
-                g.last = cur
+                g.last = g.holder[0] = cur
                 if id(cur) not in g.streams:  # the statics' memory not reused while this stream reads them
                     g.streams.add(id(cur))
                     for i in g.moving:
@@ -565,9 +604,10 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                 addrs = [0] * relay.cols
                 for i, col, shape, dtype in g.rin:
                     x = args[i]
-                    if x.dtype is dtype and x.shape == shape and x.is_contiguous():
-                        addrs[col - 1] = x.data_ptr()
-                    else:
+                    p = x.data_ptr()
+                    if x.dtype is dtype and x.shape == shape and not p & 15 and x.is_contiguous():
+                        addrs[col - 1] = p
+                    else:  # (the copy kernels read 16-byte-aligned words)
                         statics[i].copy_(x)
                 if g.rout:
                     news = [torch.empty_like(o) for _c, o in g.rout]

@@ -383,3 +383,21 @@ def test_chain_call_plan_through_the_index(monkeypatch) -> None:  # noqa: ANN001
     assert ch._planned(x, w1, w2, "gelu", None, None) is None  # autograd: the full path refuses it
     monkeypatch.setattr(ch, "capturing", lambda: True)
     assert ch._planned(new(m, k), new(k, f), new(f, n), "gelu", None, None) is None
+
+
+def test_keep_leaves_a_plan_in_use() -> None:
+    """A full-path call of a signature that has a plan (a capture, an unaligned input) keeps
+    nothing new: the plan in use, its body and its graph stay, and the plans' generation
+    (which every op's index checks) does not move."""
+    from overlap.ops import _state
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    first = _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "nccl", "a", None, "nccl")
+    _calls.keep(rt, ("k",), first)
+    gen, made = _state.generation[0], _calls.stats["made"]
+    _calls.keep(rt, ("k",), _calls.CallPlan("all_gather_matmul", (), (), None, (), (16, 8, 16), "nccl", "b", None,
+                                            "nccl"))
+    assert _calls.find(rt, "all_gather_matmul", ("k",)) is first
+    assert _state.generation[0] == gen and _calls.stats["made"] == made

@@ -640,6 +640,7 @@ class _Relay:
 @pytest.fixture
 def relayed(fake, monkeypatch):  # noqa: ANN001, ANN201
     made: list = []
+    monkeypatch.setenv("OVERLAP_PLAN_GRAPH_COPIES", "graph")
     monkeypatch.setattr(_graphs, "_relay_ok", lambda dev: True)
     monkeypatch.setattr(_graphs, "_make_relay", lambda dev, cols: made.append(_Relay(dev, cols)) or made[-1])
     fake.relays = made
@@ -714,3 +715,52 @@ def test_a_replay_that_raises_after_its_post_fails_the_graph(relayed) -> None:  
     with pytest.raises(RuntimeError, match="did not make its copies"):
         _call(relayed, body, torch.randn(6, 8), b)
     assert body.gstate.off and _call(relayed, body, torch.randn(6, 8), b) is _graphs.NO
+
+
+def test_graph_copies_are_asked_for(fake, monkeypatch) -> None:  # noqa: ANN001
+    """The graph's own copies only with ``OVERLAP_PLAN_GRAPH_COPIES=graph`` (read at each
+    capture); unset or ``driver``: a driver copy per call; another value: warned, driver."""
+    made: list = []
+    monkeypatch.setattr(_graphs, "_relay_ok", lambda dev: True)
+    monkeypatch.setattr(_graphs, "_make_relay", lambda dev, cols: made.append(_Relay(dev, cols)) or made[-1])
+    for value, relayed in ((None, False), ("driver", False), ("graph", True), ("both", False)):
+        if value is None:
+            monkeypatch.delenv("OVERLAP_PLAN_GRAPH_COPIES", raising=False)
+        else:
+            monkeypatch.setenv("OVERLAP_PLAN_GRAPH_COPIES", value)
+        body, b = _Body(), torch.randn(8, 4)
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            _state._warned.discard("plan-graph-copies-both")
+            for _ in range(_graphs.CAPTURE_AT):
+                _call(fake, body, torch.randn(6, 8), b)
+        assert (body.gstate.graph.relay is not None) == relayed, value
+        if value == "both":
+            assert any("OVERLAP_PLAN_GRAPH_COPIES='both'" in str(w.message) for w in got), [str(w.message) for w in got]
+    assert len(made) == 1
+
+
+def test_a_relay_outlives_its_graph_until_the_gpu_is_done(relayed, monkeypatch) -> None:  # noqa: ANN001
+    """The relay's pinned slots are kept until an event behind the graph's work has
+    completed: after a capture that failed (its warm-up may still run), and when a graph
+    goes without ``drop`` (its call plan freed); freed by a later reap once the event has."""
+    import gc
+
+    monkeypatch.setattr(_graphs, "_retired", [])
+    body, b = _Body(fail=RuntimeError("no capture")), torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (warned once per process: another test may have)
+        for _ in range(_graphs.CAPTURE_AT):
+            _call(relayed, body, torch.randn(6, 8), b)
+    assert body.gstate.off
+    assert len(relayed.relays) == 1 and [r[4] for r in _graphs._retired] == [[relayed.relays[0]]]
+    body, b = _Body(), torch.randn(8, 4)
+    for _ in range(_graphs.CAPTURE_AT + 1):
+        _call(relayed, body, torch.randn(6, 8), b)
+    relay = body.gstate.graph.relay
+    body.gstate.graph = None  # the plan freed, its graph with it: no drop
+    gc.collect()
+    assert [r[4] for r in _graphs._retired][-1] == [relay]
+    monkeypatch.setattr(_Event, "done", True)
+    _graphs._reap()
+    assert _graphs._retired == []
