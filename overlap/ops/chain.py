@@ -388,9 +388,11 @@ def _planned(x: Any, w1: Any, w2: Any, activation: str | None, config: ChainConf
     body = cp.body
     if body is None:
         body = cp.body = _Body(rt, cfg, activation, cp.shape)
+    fused0 = stats["fused"]
     out = _graphs.replay_or_capture(rt, cp, body, (x, w1, w2))
     if out is not _graphs.NO:
-        stats["fused"] += 1
+        if stats["fused"] == fused0:  # a replay (a capture, or the fused body run instead, counted itself)
+            stats["fused"] += 1
         return out
     return observed(OP, cp.shape, cp.path, cp.why, x.device, _fused, rt, x, w1, w2, activation, cfg, False, 0)
 
