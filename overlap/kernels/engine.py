@@ -298,7 +298,7 @@ def _keep(key: tuple, label: str, why: str, device: Any) -> None:
     with _lock:
         _measured[key] = (label, why)
         path = cache_path()
-        if path is None:
+        if path is None or "(eager," in why:  # measured another way than the file's key says: this process only
             return
         dk = _disk_key(key, device)
         _disk[dk] = {"engine": label, "why": why}

@@ -536,3 +536,18 @@ def test_a_failed_measurement_leaves_no_state_and_none_runs_in_a_capture(fake_gl
     with pytest.raises(RuntimeError, match="capture"):
         gp2._measure(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], 90, (512, 512))
     assert not FakeTiming.made
+
+
+def test_a_pick_measured_eagerly_is_not_kept_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A pick measured by eager rounds (a capture failed) is for this process only: the
+    file's key says how its picks were measured (``TIMING``), and that is not how."""
+    import os
+
+    monkeypatch.setenv("OVERLAP_GEMM_CACHE", str(tmp_path / "gemm.json"))
+    monkeypatch.setattr(engine, "_env", lambda device: {"gpu": "test", "sms": 132})
+    monkeypatch.setattr(engine, "_measured", {})
+    monkeypatch.setattr(engine, "_disk", {})
+    engine._keep(("p", 1), "tile", "measured (eager, a capture failed (RuntimeError: x)) tile 1.000 ms", "cpu")
+    assert engine._measured[("p", 1)][0] == "tile" and not os.path.exists(engine.cache_path())
+    engine._keep(("p", 2), "tile", "measured (graphs of 5 launches, 5 rounds) tile 1.000 ms", "cpu")
+    assert os.path.exists(engine.cache_path())
