@@ -288,15 +288,18 @@ class PlanGraph:
         """The graph's replay as one C call (torch's ``CUDAGraph.replay`` adds a Python frame
         and a check of a pool tracker the library's graphs do not use); None: ``graph.replay``."""
         self.relay, self.rin, self.rout = relay, rin, rout
-        self.holder = [stream]
-        """The stream of the last replay, for ``fin``."""
-        self.fin = weakref.finalize(self, _retire_relay, self.holder, relay, device) if relay is not None else None
-        """A graph freed without ``drop`` (its call plan freed) retires its relay."""
         """``relay``: the graph's ring of slots (``kernels.relay.Relay``) where its copies are
         kernels of its own, or None (driver copies per call). ``rin``: per relayed input
         (index, column, shape, dtype); ``rout``: per relayed output (column, the graph's
         output), empty where the outputs are cloned (another structure than a tensor or a
         pair of contiguous tensors)."""
+        self.holder = [stream]
+        """The stream of the last replay, for ``fin``."""
+        self.fin = None
+        """A graph freed without ``drop`` (its call plan freed) retires its relay."""
+        if relay is not None:
+            self.fin = weakref.finalize(self, _retire_relay, self.holder, relay, device)
+            self.fin.atexit = False  # (at exit the process's memory goes anyway)
 
     def __repr__(self) -> str:
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
