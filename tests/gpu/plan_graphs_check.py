@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Any
 
 import torch
 
@@ -38,6 +39,21 @@ TOL = 4e-2
 
 def rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item()
+
+
+def two_streams(op: str, call: Any) -> None:
+    """Six calls alternating between two streams, their inputs made on each (``call() ->
+    (got, want)``), checked once all have run."""
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = []
+    for it in range(6):
+        s = (s1, s2)[it % 2]
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(call())
+    torch.cuda.synchronize()
+    for it, (got, want) in enumerate(outs):
+        assert rel(got, want) < TOL, (op, "two streams", it, rel(got, want))
 
 
 def main() -> None:
@@ -109,17 +125,7 @@ def main() -> None:
                 assert rel(got, want) < TOL, (op, "new weight", it, rel(got, want))
             assert _calls.stats["bound"] - b0 == _graphs.CAPTURE_AT - 1, (op, "bound after a move", _calls.stats)
             assert _graphs.stats["captured"] - cap1 == 1, (op, "captured again", _graphs.stats)
-            # two streams, the inputs made on each
-            s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-            outs = []
-            for it in range(6):
-                s = (s1, s2)[it % 2]
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    outs.append(fn(rnd(M, K), w, w2))
-            torch.cuda.synchronize()
-            for it, (got, want) in enumerate(outs):
-                assert rel(got, want) < TOL, (op, "two streams", it, rel(got, want))
+            two_streams(op, lambda: fn(rnd(M, K), w, w2))
             done += 1
             print(f"ok {op}: {_graphs.stats}", flush=True)
         # mlp_chain: new inputs every call, earlier outputs kept, a weight changed in place and moved
@@ -148,16 +154,7 @@ def main() -> None:
             got, want = chain(rnd(M, K), w1, w2)
             assert rel(got, want) < TOL, ("mlp_chain", "new weight", it, rel(got, want))
         assert _graphs.stats["captured"] - cap1 == 1, ("mlp_chain captured again", _graphs.stats)
-        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-        outs = []
-        for it in range(6):
-            s = (s1, s2)[it % 2]
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                outs.append(chain(rnd(M, K), w1, w2))
-        torch.cuda.synchronize()
-        for it, (got, want) in enumerate(outs):
-            assert rel(got, want) < TOL, ("mlp_chain", "two streams", it, rel(got, want))
+        two_streams("mlp_chain", lambda: chain(rnd(M, K), w1, w2))
         done += 1
         print(f"ok mlp_chain: {_graphs.stats}", flush=True)
         # a broadcast residual (stride 0): copied into the graph's contiguous input
