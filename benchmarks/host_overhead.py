@@ -141,14 +141,16 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
                     help="also run CALLS more calls of each row under cProfile and write where their host time "
                          "goes (rank 0: DIR/host_profile.txt, by own time and by cumulative time)")
-    ap.add_argument("--graph-copies", action="store_true",
-                    help="plan graphs copy with kernels of their own (overlap.kernels.relay; "
-                         "OVERLAP_PLAN_GRAPH_COPIES=graph), not a driver copy per activation and output per call")
+    ap.add_argument("--copies", choices=("driver", "graph", "nodes"), default=None,
+                    help="how plan graphs copy activations in and outputs out (OVERLAP_PLAN_GRAPH_COPIES): a "
+                         "driver copy each per call, kernels of the graph (overlap.kernels.relay), or memcpy "
+                         "nodes of the graph re-pointed per call; default: as the environment says")
+    ap.add_argument("--graph-copies", action="store_true", help="the same as --copies graph")
     args = ap.parse_args()
-    if args.graph_copies:
+    if args.graph_copies or args.copies:
         from overlap.ops import _graphs
 
-        _graphs.RELAY = True
+        _graphs.COPIES = args.copies or "graph"
 
     import overlap
     from overlap import dist
@@ -274,7 +276,7 @@ def main() -> None:
                            "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
                            "call_plans": dict(_calls.stats), "plan_graphs": dict(_graphs.stats),
                            "plan_graphs_setting": os.environ.get("OVERLAP_PLAN_GRAPHS", "auto"),
-                           "plan_graph_copies": "graph" if _graphs._relay_wanted() else "driver"}, "rows": rows}
+                           "plan_graph_copies": _graphs.copies()}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:

@@ -17,7 +17,27 @@ import ctypes
 import threading
 from typing import Any, Callable
 
-__all__ = ["memcpy_dtod", "memset_d32", "write_value32", "wait_value32", "WAIT_GEQ", "check"]
+__all__ = ["memcpy_dtod", "memset_d32", "write_value32", "wait_value32", "WAIT_GEQ", "check", "Memcpy3D",
+           "graph_launch", "exec_memcpy_set", "memcpy_nodes", "current_context"]
+
+
+class Memcpy3D(ctypes.Structure):
+    """``CUDA_MEMCPY3D``: a memcpy node's parameters (a 1-D device copy sets ``srcDevice``,
+    ``dstDevice`` and ``WidthInBytes``, with ``Height`` and ``Depth`` 1)."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
+                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
+                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+
+_GRAPH_NODE_MEMCPY = 1
+"""``CU_GRAPH_NODE_TYPE_MEMCPY``."""
 
 _lib: Any = None
 _lock = threading.Lock()
@@ -44,12 +64,42 @@ def _load() -> Any:
                     # CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
                     lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
                     lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
+                    _graph_api(lib)
                     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
                     lib.cuGetErrorName.restype = ctypes.c_int
                 except (OSError, AttributeError):
                     lib = False
                 _lib = lib
     return _lib
+
+
+def _graph_api(lib: Any) -> None:
+    """Argument types of the graph calls (``memcpy_nodes``, ``exec_memcpy_set``,
+    ``graph_launch``); a driver without one leaves ``lib.graphs`` False."""
+    vp, size = ctypes.c_void_p, ctypes.c_size_t
+    try:
+        # CUresult cuGraphLaunch(CUgraphExec exec, CUstream s)
+        lib.cuGraphLaunch.argtypes = [vp, vp]
+        lib.cuGraphLaunch.restype = ctypes.c_int
+        # CUresult cuGraphExecMemcpyNodeSetParams(CUgraphExec exec, CUgraphNode node,
+        #                                         const CUDA_MEMCPY3D *params, CUcontext ctx)
+        lib.cuGraphExecMemcpyNodeSetParams.argtypes = [vp, vp, ctypes.POINTER(Memcpy3D), vp]
+        lib.cuGraphExecMemcpyNodeSetParams.restype = ctypes.c_int
+        # CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *count)
+        lib.cuGraphGetNodes.argtypes = [vp, ctypes.POINTER(vp), ctypes.POINTER(size)]
+        lib.cuGraphGetNodes.restype = ctypes.c_int
+        # CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType *type)
+        lib.cuGraphNodeGetType.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
+        lib.cuGraphNodeGetType.restype = ctypes.c_int
+        # CUresult cuGraphMemcpyNodeGetParams(CUgraphNode node, CUDA_MEMCPY3D *params)
+        lib.cuGraphMemcpyNodeGetParams.argtypes = [vp, ctypes.POINTER(Memcpy3D)]
+        lib.cuGraphMemcpyNodeGetParams.restype = ctypes.c_int
+        # CUresult cuCtxGetCurrent(CUcontext *ctx)
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxGetCurrent.restype = ctypes.c_int
+        lib.graphs = True
+    except AttributeError:
+        lib.graphs = False
 
 
 def memcpy_dtod() -> Callable[[int, int, int, int], int] | None:
@@ -76,6 +126,57 @@ def wait_value32() -> Callable[[int, int, int, int], int] | None:
     is flags 0), or None."""
     lib = _load()
     return lib.cuStreamWaitValue32_v2 if lib else None
+
+
+def graph_launch() -> Callable[[int, int], int] | None:
+    """``f(exec, stream) -> CUresult``: ``cuGraphLaunch`` of an executable graph, or None."""
+    lib = _load()
+    return lib.cuGraphLaunch if lib and lib.graphs else None
+
+
+def exec_memcpy_set() -> Callable[[int, int, Any, int], int] | None:
+    """``f(exec, node, params, ctx) -> CUresult``: ``cuGraphExecMemcpyNodeSetParams`` (the
+    executable graph's memcpy node ``node`` takes ``params``, a ``Memcpy3D`` passed by
+    reference, for its later launches; those queued already keep theirs), or None."""
+    lib = _load()
+    return lib.cuGraphExecMemcpyNodeSetParams if lib and lib.graphs else None
+
+
+def memcpy_nodes(graph: int) -> list[tuple[int, Memcpy3D]] | None:
+    """The memcpy nodes of the (not executable) graph ``graph``: (node, its parameters) each,
+    in the graph's order; None without a driver, or where a call fails."""
+    lib = _load()
+    if not lib or not lib.graphs:
+        return None
+    count = ctypes.c_size_t(0)
+    if lib.cuGraphGetNodes(graph, None, ctypes.byref(count)):
+        return None
+    nodes = (ctypes.c_void_p * count.value)()
+    if count.value and lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)):
+        return None
+    out = []
+    kind = ctypes.c_int()
+    for node in nodes[:count.value]:
+        if lib.cuGraphNodeGetType(node, ctypes.byref(kind)):
+            return None
+        if kind.value != _GRAPH_NODE_MEMCPY:
+            continue
+        params = Memcpy3D()
+        if lib.cuGraphMemcpyNodeGetParams(node, ctypes.byref(params)):
+            return None
+        out.append((int(node), params))
+    return out
+
+
+def current_context() -> int | None:
+    """The calling thread's current context (``cuCtxGetCurrent``), or None."""
+    lib = _load()
+    if not lib or not lib.graphs:
+        return None
+    ctx = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(ctx)) or not ctx.value:
+        return None
+    return int(ctx.value)
 
 
 WAIT_GEQ = 0

@@ -7,7 +7,10 @@ timed alone) of the whole call, of the graph's replay alone, and of the outputs'
 (torch's, and the driver copies a replay makes); beside a graph of one small kernel, one of eight, and
 torch.mm. Then each step of a replayed call alone (``_graphs._replay``'s, and the call up
 to it: the op's entry, its call plan found, the graph picked), so their sum can be held
-against the whole call. Writes ``DIR/plan_graph_launch.json``.
+against the whole call. The graphs copy through memcpy nodes of their own
+(``OVERLAP_PLAN_GRAPH_COPIES=nodes``); each case's whole call is then timed again with the
+graph's own copy kernels (``graph``) and with driver copies (``driver``). Writes
+``DIR/plan_graph_launch.json``.
 """
 
 from __future__ import annotations
@@ -39,9 +42,13 @@ def host_us(fn: Callable[[], Any], calls: int = 300) -> float:
     return round(statistics.median(t), 1)
 
 
-def _replay_of(g: Any) -> Callable[[], Any]:
+def _replay_of(g: Any) -> Callable[[], Any] | None:
     """The graph's replay alone; with its own copies, after a post of a slot that copies
-    nothing (a replay without its post would find its slot unwritten)."""
+    nothing (a replay without its post would find its slot unwritten); None for a graph
+    whose memcpy nodes a call re-points (its output nodes point at the last call's outputs,
+    which a replay alone would overwrite, freed or not)."""
+    if g.nodes is not None:
+        return None
     replay = g.replay if g.replay is not None else g.graph.replay
     if g.relay is None:
         return replay
@@ -78,7 +85,10 @@ def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
         "order lock, current stream, begin, end": lambda: (rt.order.lock.acquire(), rt.order.begin(rt.current_stream()),
                                                            rt.order.end(cur), rt.order.lock.release()),
         "current device": lambda: _graphs._get_device(),
-        **({"copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
+        **({"nodes pointed at the call's tensors, graph launched": lambda: g.nodes.call(args, raw),
+            "new outputs alone": lambda: [torch.empty(t[3], dtype=t[4], device=t[5]) for t in g.nodes.outs]}
+           if g.nodes is not None else
+           {"copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
             "replay": _replay_of(g),
             "clones out": lambda: g.clone(raw)} if g.relay is None else
            {"replay, its slot posted (the graph copies)": _replay_of(g),
@@ -106,7 +116,8 @@ def main() -> None:
                              matmul_all_reduce_matmul)
     from overlap.ops import _calls, _graphs
 
-    _graphs.RELAY = True  # the graph's own copies first; each case then again with driver copies
+    first, others = "nodes", ("graph", "driver")
+    _graphs.COPIES = first  # each case then again with the other ways of copying
     ctx = dist.init()
     dev, group = ctx.device, ctx.tp_group
     M, N, K = 512, 1024, 1024
@@ -147,21 +158,22 @@ def main() -> None:
             before = set(map(id, _graphs.live))
             call = host_us(fn)
             g = next(pg for pg in _graphs.live if id(pg) not in before)
-            rows.append({"what": f"{name}: call" + (" (the graph's own copies)" if g.relay is not None else ""),
-                         "host_us": call})
-            rows.append({"what": f"{name}: replay alone", "host_us": host_us(_replay_of(g))})
+            how = "nodes" if g.nodes is not None else "graph" if g.relay is not None else "driver"
+            rows.append({"what": f"{name}: call ({how} copies)", "host_us": call})
+            if _replay_of(g) is not None:
+                rows.append({"what": f"{name}: replay alone", "host_us": host_us(_replay_of(g))})
             raw = torch.cuda.current_stream().cuda_stream
             rows.append({"what": f"{name}: outputs cloned (torch clone)",
                          "host_us": host_us(lambda g=g: _graphs._cloned(g.out))})
             rows.append({"what": f"{name}: outputs cloned (as a replay clones them)",
                          "host_us": host_us(lambda g=g: g.clone(raw))})
             rows += steps(name, fn, g)
-            if g.relay is not None:  # the same calls with a driver copy per activation and output
-                _graphs.RELAY = False
+            for other in others:  # the same calls copying the other ways
+                _graphs.COPIES = other
                 _calls.clear_call_plans()
-                rows.append({"what": f"{name}: call (driver copies)", "host_us": host_us(fn)})
-                _graphs.RELAY = True
-                _calls.clear_call_plans()
+                rows.append({"what": f"{name}: call ({other} copies)", "host_us": host_us(fn)})
+            _graphs.COPIES = first
+            _calls.clear_call_plans()
     for r in rows:
         print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -23,6 +23,10 @@ its last ones the outputs out (an input that is not contiguous or aligned is cop
 host, its slot address 0; outputs of another form than a tensor or a pair are cloned).
 That saved host time (all_gather_matmul 36.7 us a call against 45.0) and cost GPU time
 (some 7-15 us a call: four to six more kernels in the graph), so it is not the default.
+With ``OVERLAP_PLAN_GRAPH_COPIES=nodes`` the copies are memcpy nodes of the graph, pointed
+at each call's tensors before its launch (``_graph_nodes``); driver copies of a graph so
+captured go into its placeholders (``statics``) and out of its output placeholders
+(``out``), which its nodes read and fill.
 
 A replay is ordered like an eager call (``DeviceOrder`` under its lock: after the previous
 call, whatever its stream), reports a timeout as the op's config says, and returns new
@@ -76,7 +80,7 @@ from typing import Any
 import torch
 
 from .. import observe as _observe
-from . import _state
+from . import _graph_nodes, _state
 from ._plans import report_eager
 from ._runtime import check_agreed
 
@@ -103,9 +107,10 @@ _cuda: Any = torch.cuda
 NO = object()
 """``replay_or_capture``'s answer when the call is not run from a graph."""
 
-stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0, "relayed": 0}
+stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0, "relayed": 0, "noded": 0}
 """Graphs captured, calls replayed, captures that failed or were refused, graphs dropped,
-replays whose copies the graph made (``kernels.relay``)."""
+replays whose copies the graph made from a relay (``kernels.relay``) or through its own
+memcpy nodes (``_graph_nodes``)."""
 
 live: "weakref.WeakSet[PlanGraph]" = weakref.WeakSet()
 """The plan graphs alive."""
@@ -262,11 +267,12 @@ class PlanGraph:
     inputs' pointers it captured, and the words it owns."""
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
-                 "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "holder", "fin", "__weakref__")
+                 "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "holder", "fin", "nodes", "held",
+                 "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any, owner: int, relay: Any = None,
-                 rin: tuple = (), rout: tuple = ()) -> None:
+                 rin: tuple = (), rout: tuple = (), nodes: Any = None, held: tuple = ()) -> None:
         self.graph, self.statics, self.moving, self.out, self.ptrs, self.keep = \
             graph, statics, moving, out, ptrs, keep
         self.owner = owner
@@ -293,6 +299,13 @@ class PlanGraph:
         (index, column, shape, dtype); ``rout``: per relayed output (column, the graph's
         output), empty where the outputs are cloned (another structure than a tensor or a
         pair of contiguous tensors)."""
+        self.nodes = nodes
+        """``_graph_nodes.Nodes`` where the graph copies through memcpy nodes of its own,
+        re-pointed per call; else None (then ``statics`` and ``out`` are what driver copies
+        write into and clone from: in a graph captured with its nodes, their placeholders)."""
+        self.held = tuple(statics[i] for i in moving if statics[i] is not None) + tuple(held)
+        """The tensors allocated outside the capture that the graph reads (recorded on each
+        stream it is replayed on)."""
         self.holder = [stream]
         """The stream of the last replay, for ``fin``."""
         self.fin = None
@@ -302,8 +315,9 @@ class PlanGraph:
             self.fin.atexit = False  # (at exit the process's memory goes anyway)
 
     def __repr__(self) -> str:
+        how = f"; {self.nodes!r}" if self.nodes is not None else (" (relay)" if self.relay is not None else "")
         return (f"PlanGraph(moving inputs {list(self.moving)} copied in, "
-                f"{len(self.ptrs)} fixed input(s) read in place)")
+                f"{len(self.ptrs)} fixed input(s) read in place{how})")
 
     def drop(self, wait: bool = True) -> None:
         """Free the graph once its replays have ended: ``wait``, after a device synchronize;
@@ -323,7 +337,8 @@ class PlanGraph:
                 _retired.append((ev, self.device, self.graph, self.statics, self.keep))
         self.graph = None
         self.statics = self.out = self.keep = self.clone = self.last = self.copiers = self.replay = None
-        self.relay = None
+        self.relay = self.nodes = None
+        self.held = ()
 
 
 def _free(graph: Any) -> None:
@@ -469,13 +484,22 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                     if x is not None:
                         statics[i] = torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 cols = [i for i in moving if statics[i] is not None]
+                how = copies()
                 # (made before the capture stream waits for this one: its counter's zeroing is ordered first)
-                relay = _make_relay(dev, len(cols) + 2) if _relay_wanted() and _relay_ok(dev) else None
+                relay = _make_relay(dev, len(cols) + 2) if how == "graph" and _relay_ok(dev) else None
+                graph = None
+                if how == "nodes" and all(statics[i].numel() for i in cols) and _graph_nodes.usable(dev, _cuda):
+                    graph = _graph_nodes.new_graph(_cuda)  # kept after its capture: its nodes are looked up
+                noded = graph is not None
+                # the placeholders the graph's input nodes copy from until a call points them elsewhere
+                phs = {i: torch.empty_like(statics[i]) for i in cols} if noded else {}
                 cap = _capture_stream(rt)
                 cap.wait_stream(cur)
                 rin: list = []
                 rout: list = []
-                graph = _cuda.CUDAGraph()
+                obufs: list = []
+                if graph is None:
+                    graph = _cuda.CUDAGraph()
                 with _cuda.stream(cap):
                     if relay is not None:
                         relay.warm(statics, cols)  # compiled and loaded outside the capture
@@ -484,12 +508,20 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                         if relay is not None:
                             relay.begin()
                             rin = [(i, relay.copy_in(statics[i]), statics[i].shape, statics[i].dtype) for i in cols]
+                        for i in phs:
+                            _graph_nodes.capture_copy(statics[i], phs[i], cap)
                         out = body.fused(*statics)
                         if relay is not None:
                             outs = _pair_or_one(out)
                             if outs is not None:
                                 rout = [(relay.copy_out(o), o) for o in outs]
                             relay.advance()
+                        if noded:
+                            outs = _pair_or_one(out)
+                            if outs is not None:  # (else the outputs are cloned per call)
+                                obufs = [(o, torch.empty_like(o)) for o in outs]
+                                for o, ob in obufs:
+                                    _graph_nodes.capture_copy(ob, o, cap)
                     finally:
                         graph.capture_end()
                 if relay is not None:
@@ -512,27 +544,43 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
             if relay is not None:
                 _retire_relay([cur], relay, dev)  # (cur waits for the capture stream's warm-up)
             return None
-        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout))
+        nodes = None
+        inner: tuple = ()
+        if noded:
+            nodes = _graph_nodes.bind(graph, [(i, statics[i], phs[i]) for i in phs], obufs, len(obufs) == 2)
+            if nodes is None:
+                _state.warn_once(f"plan-graph-nodes-{op}", f"{op}: a plan graph's memcpy nodes could not be found; "
+                                 "its calls copy with the driver (OVERLAP_PLAN_GRAPH_COPIES=nodes)")
+            # driver copies (``nodes`` None, or given up later) go into the placeholders and out of
+            # the output nodes' placeholders, which the graph's own nodes copy from and into
+            inner = tuple(statics[i] for i in phs)
+            statics = [phs.get(i, x) for i, x in enumerate(statics)]
+            if obufs:
+                out = obufs[0][1] if len(obufs) == 1 else (obufs[0][1], obufs[1][1])
+        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout),
+                         nodes, inner)
 
 
-RELAY: bool | None = None
-"""Plan graphs copy their activations in and their outputs out with kernels of their own,
-from addresses the host leaves in pinned slots (``kernels.relay``: True), or with a driver
-copy per activation and output per call (False); None: as ``OVERLAP_PLAN_GRAPH_COPIES``
-says (``driver``, the default, or ``graph``), read at each capture."""
+COPIES: str | None = None
+"""How plan graphs captured from now on copy their activations in and their outputs out:
+``driver`` (a driver copy per activation and output per call), ``graph`` (kernels of the
+graph, from addresses the host leaves in pinned slots: ``kernels.relay``) or ``nodes``
+(memcpy nodes of the graph, re-pointed per call: ``_graph_nodes``); None: as
+``OVERLAP_PLAN_GRAPH_COPIES`` says (``driver`` where unset), read at each capture."""
+
+_COPIES = ("driver", "graph", "nodes")
 
 
-def _relay_wanted() -> bool:
-    if RELAY is not None:
-        return RELAY
-    raw = os.environ.get("OVERLAP_PLAN_GRAPH_COPIES", "driver").strip().lower()
-    if raw in ("", "driver"):
-        return False
-    if raw == "graph":
-        return True
-    _state.warn_once(f"plan-graph-copies-{raw}", f"OVERLAP_PLAN_GRAPH_COPIES={raw!r}: expected driver or graph; "
-                     "plan graphs copy with the driver")
-    return False
+def copies() -> str:
+    """``COPIES``, or ``OVERLAP_PLAN_GRAPH_COPIES`` (another value: warned, ``driver``)."""
+    if COPIES is not None:
+        return COPIES
+    raw = os.environ.get("OVERLAP_PLAN_GRAPH_COPIES", "driver").strip().lower() or "driver"
+    if raw in _COPIES:
+        return raw
+    _state.warn_once(f"plan-graph-copies-{raw}", f"OVERLAP_PLAN_GRAPH_COPIES={raw!r}: expected driver, graph or "
+                     "nodes; plan graphs copy with the driver")
+    return "driver"
 
 
 def _retire_relay(holder: list, relay: Any, device: Any) -> None:
@@ -598,9 +646,8 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                 g.last = g.holder[0] = cur
                 if id(cur) not in g.streams:  # the statics' memory not reused while this stream reads them
                     g.streams.add(id(cur))
-                    for i in g.moving:
-                        if statics[i] is not None:
-                            statics[i].record_stream(cur)
+                    for t in g.held:
+                        t.record_stream(cur)
             relay = g.relay
             if relay is not None:
                 # the graph copies: the addresses of this call's activations and of its new
@@ -635,21 +682,51 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                 raw = cur.cuda_stream
                 # the driver copies run in the thread's current context: the runtime's device only
                 drv = (_get_device() if _cuda is torch.cuda else _cuda.current_device()) == g.index
-                copiers = g.copiers
-                for i in g.moving:
-                    x = args[i]
-                    if x is not None and not (drv and copiers[i](x, raw)):
-                        statics[i].copy_(x)
-                if g.replay is not None:
-                    g.replay()
-                else:
-                    g.graph.replay()
-                out = g.clone(raw) if drv else _cloned(g.out)
+                out = NO if g.nodes is None else _node_call(body, g, args, raw, drv)
+                if out is NO:
+                    copiers = g.copiers
+                    for i in g.moving:
+                        x = args[i]
+                        if x is not None and not (drv and copiers[i](x, raw)):
+                            statics[i].copy_(x)
+                    if g.replay is not None:
+                        g.replay()
+                    else:
+                        g.graph.replay()
+                    out = g.clone(raw) if drv else _cloned(g.out)
         finally:
             order.end(cur)
         report_eager(body.err, body.check)
     _seen(rt.seen, (cp.op, cp.sig))
     stats["replayed"] += 1
+    return out
+
+
+def _node_call(body: Any, g: PlanGraph, args: tuple, raw: int, drv: bool) -> Any:
+    """The call through the graph's memcpy nodes (``_graph_nodes``): its outputs, or ``NO``
+    where a node's update failed: the nodes are pointed back at their placeholders and the
+    graph copies with the driver from then on (this call too)."""
+    nd = g.nodes
+    try:
+        if drv:
+            out = nd.call(args, raw)
+        else:  # (the launch on the graph's device)
+            with _cuda.device(g.index):
+                out = nd.call(args, raw)
+    except _graph_nodes.NodeUpdateError as e:
+        g.nodes = None
+        if not nd.restore():
+            st = state_for(body)
+            _drop(st, wait=False)
+            st.off = True
+            raise RuntimeError(f"a plan graph's memcpy node could not be updated (CUresult {e}) nor restored; "
+                               "the signature now runs without a plan graph") from None
+        _state.warn_once("plan-graph-nodes-update", f"a plan graph's memcpy node could not be updated (CUresult {e}); "
+                         "that graph copies with the driver from now on")
+        return NO
+    stats["noded"] += 1
+    if out is None:  # (outputs of another structure than a tensor or a pair: cloned)
+        out = g.clone(raw) if drv else _cloned(g.out)
     return out
 
 

@@ -8,9 +8,11 @@ place (read by the next replay); a new weight tensor (that call runs the bound b
 graph is dropped and captured again on the new weight); calls alternating between two
 streams; a user's CUDA graph captured at the graphed signature (the full path) replayed
 with new inputs. Then the host time per call of all_gather_matmul at 512 x 1024 x 1024,
-graphed and not. ``--driver-copies``: the graphs copy with the driver per call (else with
-kernels of their own, ``kernels.relay``; the check asserts which ran). Prints ``PASS
-plan_graphs ...`` or ``FAIL plan_graphs: ...``; exits 1 on a failure.
+graphed and not. ``--copies graph|driver|nodes`` (default ``graph``): how the graphs copy
+their activations in and outputs out (``_graphs.copies``: kernels of their own,
+``kernels.relay``; a driver copy per call; memcpy nodes of their own re-pointed per call,
+``_graph_nodes``); the check asserts which ran. Prints ``PASS plan_graphs ...`` or ``FAIL
+plan_graphs: ...``; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def two_streams(op: str, call: Any) -> None:
 
 
 def main() -> None:
-    relay = "--driver-copies" not in sys.argv[1:]
-    _graphs.RELAY = relay
+    argv = sys.argv[1:]
+    copies = argv[argv.index("--copies") + 1] if "--copies" in argv else "graph"
+    assert copies in ("graph", "driver", "nodes"), copies
+    _graphs.COPIES = copies
     ctx = dist.init()
     dev, group = ctx.device, ctx.tp_group
     torch.manual_seed(0)
@@ -198,9 +202,10 @@ def main() -> None:
                 t.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             times[setting] = sorted(t)[len(t) // 2] * 1e6
-        assert (_graphs.stats["relayed"] == _graphs.stats["replayed"]) if relay else not _graphs.stats["relayed"], \
-            ("relayed", _graphs.stats)
-        print(f"PASS plan_graphs world={ctx.tp_size} ops={done} copies={'graph' if relay else 'driver'} "
+        for how, stat in (("graph", "relayed"), ("nodes", "noded")):  # every replay made its copies as asked
+            assert (_graphs.stats[stat] == _graphs.stats["replayed"]) if copies == how else not _graphs.stats[stat], \
+                (stat, _graphs.stats)
+        print(f"PASS plan_graphs world={ctx.tp_size} ops={done} copies={copies} "
               f"captured={_graphs.stats['captured']} "
               f"replayed={_graphs.stats['replayed']} host_us_p50 bound={times['off']:.1f} "
               f"graphed={times['always']:.1f}", flush=True)

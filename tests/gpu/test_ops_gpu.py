@@ -55,15 +55,15 @@ def test_call_plans_gpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copies", ["graph", "driver"])
+@pytest.mark.parametrize("copies", ["graph", "driver", "nodes"])
 def test_plan_graphs_gpu(copies: str) -> None:
     """The five group ops and the chain from plan graphs at world size 1
     (plan_graphs_check.py): captured once, replayed right with new inputs every call,
     earlier outputs unchanged, a weight changed in place or moved, two streams, a user's
-    graph at the signature; the copies made by the graph's own kernels (``kernels.relay``)
-    or by the driver per call."""
-    r = run_cmd(["python", "tests/gpu/plan_graphs_check.py"] + (["--driver-copies"] if copies == "driver" else []),
-                timeout_s=400)
+    graph at the signature; the copies made by the graph's own kernels (``kernels.relay``),
+    by the driver per call, or by the graph's memcpy nodes re-pointed per call
+    (``_graph_nodes``)."""
+    r = run_cmd(["python", "tests/gpu/plan_graphs_check.py", "--copies", copies], timeout_s=400)
     assert r.returncode == 0, r.out[-6000:]
     assert re.search(rf"^PASS plan_graphs world=1 ops=6 copies={copies} ", r.out, re.M), r.out[-6000:]
     print(re.search(r"^PASS plan_graphs .*$", r.out, re.M).group(0))
