@@ -86,7 +86,7 @@ def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
                                                            rt.order.end(cur), rt.order.lock.release()),
         "current device": lambda: _graphs._get_device(),
         **({"nodes pointed at the call's tensors, graph launched": lambda: g.nodes.call(args, raw),
-            "new outputs alone": lambda: [torch.empty(t[3], dtype=t[4], device=t[5]) for t in g.nodes.outs]}
+            "new outputs alone": lambda: [torch.empty_like(t[3]) for t in g.nodes.outs]}
            if g.nodes is not None else
            {"copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
             "replay": _replay_of(g),

@@ -107,7 +107,8 @@ class Nodes:
         """Per moving input: (its argument index, node, parameters, their reference, the
         placeholder, its address, shape, dtype)."""
         self.outs = tuple(outs)
-        """Per output: (node, parameters, their reference, shape, dtype, device)."""
+        """Per output: (node, parameters, their reference, its placeholder: a new output is
+        made like it)."""
         self.setp, self.launch, self.check = d.setp, d.launch, d.check
         self.first = [(node, type(prm).from_buffer_copy(prm)) for _i, node, prm, *_r in self.ins] + \
             [(node, type(prm).from_buffer_copy(prm)) for node, prm, *_r in self.outs]
@@ -133,8 +134,9 @@ class Nodes:
             if code:
                 raise NodeUpdateError(code)
         news = []
-        for node, prm, ref, shape, dtype, device in self.outs:
-            t = torch.empty(shape, dtype=dtype, device=device)
+        empty = torch.empty_like
+        for node, prm, ref, proto in self.outs:
+            t = empty(proto)
             prm.dstDevice = t.data_ptr()
             code = setp(ex, node, ref, ctx)
             if code:
@@ -160,7 +162,7 @@ def bind(graph: Any, ins: list, outs: list, pair: bool) -> Nodes | None:
     """The ``Nodes`` of a graph captured with ``capture_copy``'s copies, or None where they
     cannot be found (the caller then copies with the driver). ``ins``: per moving input
     (index, static, placeholder); ``outs``: per output (the body's output, its
-    placeholder). Instantiates the graph."""
+    placeholder: contiguous, of the output's shape and dtype). Instantiates the graph."""
     d = driver()
     try:
         graph.instantiate()  # (a kept graph is instantiated by hand)
@@ -191,5 +193,5 @@ def bind(graph: Any, ins: list, outs: list, pair: bool) -> Nodes | None:
         if hit is None:
             return None
         node, prm = hit
-        node_outs.append((node, prm, ctypes.byref(prm), o.shape, o.dtype, o.device))
+        node_outs.append((node, prm, ctypes.byref(prm), ob))
     return Nodes(ex, ctx, node_ins, node_outs, pair, d)
