@@ -15,9 +15,8 @@ after its capture (torch's ``keep_graph``) so that those nodes can be found. A c
   each output node's destination at a new tensor, with
   ``cuGraphExecMemcpyNodeSetParams``: a change of the executable graph that holds for its
   later launches, not for those queued already;
-- launches the executable graph itself (``cuGraphLaunch``). torch's replay also
-  advances the random generators registered with the capture, which a plan graph (no
-  random numbers in an op's body) does not read.
+- launches the executable graph itself (``cuGraphLaunch``, on the caller's stream: what
+  torch's replay does for a graph without random numbers, as an op's body is).
 
 Every launch is preceded by the update of every node, so no launch reads an earlier call's
 tensors. Where an update fails (memory the driver does not take for the node), every node
