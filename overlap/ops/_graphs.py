@@ -333,8 +333,8 @@ class PlanGraph:
         else:
             ev = _cuda.Event()
             ev.record(self.last)  # calls are in one device order: the last replay ends after every other
-            with _glock:
-                _retired.append((ev, self.device, self.graph, self.statics, self.keep))
+            with _glock:  # (``held``: the statics a graph with memcpy nodes reads behind its placeholders)
+                _retired.append((ev, self.device, self.graph, self.statics, self.keep + list(self.held)))
         self.graph = None
         self.statics = self.out = self.keep = self.clone = self.last = self.copiers = self.replay = None
         self.relay = self.nodes = None
