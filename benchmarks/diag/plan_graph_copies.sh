@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The three ways a plan graph copies its activations in and outputs out, on one GPU, in one job:
+#   bash benchmarks/diag/plan_graph_copies.sh OUT_DIR
+# 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
+# 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
+#    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
+# 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
+#    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/;
+# 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call).
+# Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
+# the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
+set -uo pipefail
+out="$1"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+mkdir -p "$out"
+cd "$repo" || exit 1
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+    PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS CMD...
+    local name=$1 secs=$2
+    shift 2
+    echo "== $name: $*" > "$out/$name.log"
+    timeout "$secs" "$@" >> "$out/$name.log" 2>&1
+    echo "rc=$?" >> "$out/$name.log"
+    tail -n 1 "$out/$name.log" | sed "s/^/$name /"
+}
+step nodes_unit 120 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_driver_gpu.py
+for kind in nodes driver graph; do
+    step "check_$kind" 300 python tests/gpu/plan_graphs_check.py --copies "$kind"
+done
+ops="torch.mm,all_gather_matmul,all_reduce_matmul + layernorm,matmul_reduce_scatter,matmul_all_reduce"
+ops="$ops,matmul_all_reduce_matmul + layernorm,mlp_chain"
+n=0
+for kind in nodes driver graph nodes; do
+    n=$((n + 1))
+    step "host_$kind$n" 300 python benchmarks/host_overhead.py --copies "$kind" --calls 300 --no-graph-rows \
+        --only "$ops" --out "$out/host_$kind$n"
+done
+step launch 300 python benchmarks/diag/plan_graph_launch.py --out "$out/launch"
