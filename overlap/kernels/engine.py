@@ -400,6 +400,25 @@ class EnginePlan:
         self._launch_gluon(self.gluon, descs.a, descs.b, descs.a2, c, epoch, grid, rows, self.flags, self.err,
                            self.counter)
 
+    def bind(self, a: Any, b: Any, c: Any, *, a2: Any = None, epoch: int, grid: int, rowstat: Any = None,
+             colvec: Any = None, sig: int = 0, rows: tuple[int, int] | None = None) -> Any:
+        """``TileGemmPlan.bind`` on the engine picked: the tile plan's bound launch, or the
+        Gluon plan's (``GluonGemmPlan.bind``: the same per-call tensors); None before the
+        pick (the first launch picks), for what ``launch`` refuses, or where the picked plan
+        cannot be bound (its Gluon plan not launched yet, among others): the caller keeps
+        ``launch``."""
+        if not self.decided or (rows is not None) != self.clip:
+            return None
+        if self.gluon is None:
+            return self.tile.bind(a, b, c, a2=a2, epoch=epoch, grid=grid, rowstat=rowstat, colvec=colvec, sig=sig,
+                                  rows=rows)
+        if rowstat is not None or colvec is not None or sig:
+            return None
+        gp = self._gplans.get((self.gluon, id(self.flags), id(self.err), id(self.counter)))
+        if gp is None or gp.b_kn != self.b_kn:  # (a call gives B as the tile plan lays it out)
+            return None
+        return gp.bind(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
+
     def _launch_gluon(self, cfg: GluonGemmConfig, a: Any, b: Any, a2: Any, c: Any, epoch: int, grid: int,
                       rows: Any, flags: Any, err: Any, counter: Any) -> None:
         key = (cfg, id(flags), id(err), id(counter))

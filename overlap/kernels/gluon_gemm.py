@@ -718,24 +718,57 @@ class GluonGemmPlan:
             raise ValueError(f"gluon_gemm: operands (a, a2, b, c) laid out as {got}; the plan's are {self.layouts}")
         if self.table.shape[0] == 0:
             return
-        cap, span = rows if rows is not None else (1, 1)
         if self.prepared.raw is not None:
             # the compiled kernel's C launcher called with the descriptors filled once per
             # pointer (``_launch._RawLaunch``): plain fields, no Gluon descriptor objects per call
-            cfg, mk = self.cfg, _gluon_desc
-            a_desc = HostDesc(a, a.shape, a.stride(), [cfg.block_m, cfg.block_k], mk)
-            a2_desc = HostDesc(a2, a2.shape, a2.stride(), [cfg.block_m, cfg.block_k], mk) if a2 is not None \
-                else a_desc
-            b_desc = HostDesc(b_store, b_store.shape, b_store.stride(),
-                              [cfg.block_k, cfg.block_n] if self.b_kn else [cfg.block_n, cfg.block_k], mk)
-            c_desc = HostDesc(c, c.shape, c.stride(), [cfg.block_m, cfg.block_n], mk)
+            descs = self._host_descs(a, a2, b_store, c)
         else:
-            a_desc, a2_desc, b_desc, c_desc, _ = descriptors(a, b, c, self.cfg, a2)
-        nprog = max(1, min(int(grid), self.table.shape[0]))
-        args = (a_desc, a2_desc, b_desc, c_desc, c, self.table, self.flags, self.err, self.counter, *self.head,
-                int(epoch), *self.tail, int(cap), int(span))
+            descs = descriptors(a, b, c, self.cfg, a2)[:4]
+        nprog, args = self._args(descs, c, epoch, grid, rows)
         self.prepared.launch(nprog, args, aligned=(c,) if self.own_aligned else
                              (c, self.table, self.flags, self.err, self.counter))
+
+    def _host_descs(self, a: torch.Tensor, a2: torch.Tensor | None, b_store: torch.Tensor,
+                    c: torch.Tensor) -> tuple:
+        """The four descriptors' fields (``HostDesc``; the Gluon descriptor made of them where
+        Triton's path is taken); a2's is a's where there is none."""
+        cfg, mk = self.cfg, _gluon_desc
+        a_desc = HostDesc(a, a.shape, a.stride(), [cfg.block_m, cfg.block_k], mk)
+        a2_desc = HostDesc(a2, a2.shape, a2.stride(), [cfg.block_m, cfg.block_k], mk) if a2 is not None else a_desc
+        b_desc = HostDesc(b_store, b_store.shape, b_store.stride(),
+                          [cfg.block_k, cfg.block_n] if self.b_kn else [cfg.block_n, cfg.block_k], mk)
+        c_desc = HostDesc(c, c.shape, c.stride(), [cfg.block_m, cfg.block_n], mk)
+        return a_desc, a2_desc, b_desc, c_desc
+
+    def _args(self, descs: tuple, c: torch.Tensor, epoch: int, grid: int, rows: Any) -> tuple[int, tuple]:
+        """(programs, the kernel's arguments) of a launch with these descriptors."""
+        cap, span = rows if rows is not None else (1, 1)
+        nprog = max(1, min(int(grid), self.table.shape[0]))
+        return nprog, (*descs, c, self.table, self.flags, self.err, self.counter, *self.head, int(epoch), *self.tail,
+                       int(cap), int(span))
+
+    def bind(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a2: torch.Tensor | None = None,
+             epoch: int, grid: int, rows: tuple[int, int] | None = None) -> Any:
+        """This plan's launch with every argument fixed but the storage of its tensors, for a
+        call plan (``overlap.ops._calls``), as ``TileGemmPlan.bind``: a
+        ``_launch.BoundLaunch`` called per call as ``bl(stream, (a, a2, b_store, c, None,
+        None))`` with tensors of the shapes and strides given here (``b_store``: b, or
+        ``b.t()`` where ``b_kn`` is False). None where it cannot be bound (the kernel not
+        compiled and launched yet, another launcher form, an unaligned plan tensor, no tile,
+        operands not of the plan's layouts): the caller keeps ``launch``."""
+        if self.prepared.raw is None or not self.own_aligned or self.table.shape[0] == 0:
+            return None
+        if (rows is not None) != self.clip or (a2 is not None) != self.has_a2:
+            return None
+        b_store = b if self.b_kn else b.t()
+        a2_ = a2 if a2 is not None else a
+        if (self._rows_free(a), self._rows_free(a2_), (tuple(b_store.shape), tuple(b_store.stride())),
+                (c.shape[1], tuple(c.stride()))) != self.layouts:
+            return None
+        from ._launch import BoundLaunch
+
+        nprog, args = self._args(self._host_descs(a, a2, b_store, c), c, epoch, grid, rows)
+        return BoundLaunch.of(self.prepared, nprog, args, (a, a2, b_store, c, None, None))
 
 
 _LAUNCHERS: dict[bool, Any] = {}

@@ -30,7 +30,8 @@ Everything else the full path checks is a function of the key.
 On the NCCL transport a plan also holds a **bound body** (``BoundBody``), made by the
 signature's first call from a plan: every object the op's fused body looks up per call
 (its op plan, GEMM plans, communicator, error word, wait bound, streams, words, events)
-found once, each launch bound (``TileGemmPlan.bind``: the C launcher's arguments built
+found once, each launch bound (``gemm_bind``: ``TileGemmPlan.bind``, or an engine plan's
+pick's, the tile GEMM's or ``GluonGemmPlan.bind``; the C launcher's arguments built
 once, a call setting only its tensors' storage), each collective bound
 (``NcclCommunicator.bound``), each flag post and the words' zeroing bound
 (``flags.bound_write_value``, ``bound_zero``). A later call is then::
@@ -66,7 +67,7 @@ from ._state import Words
 from ._runtime import LRU, Runtime, _runtimes, agree_key, check_agree, check_agreed, observed
 
 __all__ = ["CallPlan", "call_plans", "find", "keep", "run_planned", "run_bound", "BoundBody", "clear_call_plans",
-           "tile_bind", "aligned", "tensor_key", "grad_refused", "stats", "index", "index_lookup", "generation",
+           "gemm_bind", "aligned", "tensor_key", "grad_refused", "stats", "index", "index_lookup", "generation",
            "transport_env"]
 
 _launch: Any = None  # overlap.kernels._launch, once a body is made
@@ -307,21 +308,18 @@ class BoundBody:
         return out if self.finish is None else self.finish(out)
 
 
-def tile_bind(gp: Any) -> Any:
-    """``gp.bind`` for a ``TileGemmPlan``; for an engine plan (``kernels.engine.EnginePlan``)
-    that has picked the tile GEMM, its tile plan's ``bind`` (its launch is then exactly the
-    tile plan's); else None: an engine plan that picked the Gluon GEMM, or has not picked
-    yet, keeps its own launch. (An engine plan's unknown attributes fall through to its
-    tile plan's, so ``getattr(gp, "bind")`` would bind the tile GEMM behind its back: its
-    own ``__dict__`` is read here.)"""
+def gemm_bind(gp: Any) -> Any:
+    """The ``bind`` of a GEMM plan: a ``TileGemmPlan``'s, or an engine plan's
+    (``kernels.engine.EnginePlan.bind``: the bound launch of the engine it picked, the tile
+    GEMM's or the Gluon GEMM's, or None before its pick); None for any other plan, which
+    keeps its own launch. (The type is asked, not the attribute: an engine plan's unknown
+    attributes fall through to its tile plan's, and a stand-in's ``bind`` could be the tile
+    plan's, launching the tile GEMM behind the engine's back.)"""
+    from ..kernels.engine import EnginePlan
     from ..kernels.tile_gemm import TileGemmPlan
 
-    if type(gp) is TileGemmPlan:
+    if type(gp) is TileGemmPlan or type(gp) is EnginePlan:
         return gp.bind
-    own = getattr(gp, "__dict__", {})
-    tile = own.get("tile")
-    if own.get("decided") is True and "gluon" in own and own["gluon"] is None and type(tile) is TileGemmPlan:
-        return tile.bind
     return None
 
 

@@ -624,11 +624,11 @@ class _Bound(_calls.BoundBody):
 
         p, cut = self.p, self.cut
         self.bound = True
-        bind = _calls.tile_bind(self.gp)
-        if bind is None:  # an engine plan: its own launch
+        bind = _calls.gemm_bind(self.gp)
+        if bind is None:  # (not a GEMM plan that binds: its general launch)
             return
         if self.gated:
-            bind_local = _calls.tile_bind(self.gl)
+            bind_local = _calls.gemm_bind(self.gl)
             self.bl_local = bind_local(a, b, c, a2=gathered, epoch=1, grid=p.grid, rows=cut) if bind_local else None
             a_, kw = self.gate_args
             self.bl_gate = _gate.bind_gate(*a_, **kw)

@@ -664,7 +664,7 @@ class _Bound(_calls.BoundBody):
 
         self.bound = True
         p, w = self.p, self.words
-        bind = _calls.tile_bind(self.gp)
+        bind = _calls.gemm_bind(self.gp)
         if bind is None:
             return
         if self.prologue:

@@ -309,7 +309,7 @@ class _Bound(_calls.BoundBody):
         from ..kernels.add_norm import bind_add_norm
 
         self.bound = True
-        b1, b2 = _calls.tile_bind(self.gp1), _calls.tile_bind(self.gp2)
+        b1, b2 = _calls.gemm_bind(self.gp1), _calls.gemm_bind(self.gp2)
         if b1 is None or b2 is None:
             return
         if self.prologue:

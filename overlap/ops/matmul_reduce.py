@@ -630,7 +630,7 @@ class _Bound(_calls.BoundBody):
             gp.launch(gp.operands(a, b), c, epoch=1, grid=self.p.grid, rows=self.cut)
             if not self.bound:
                 self.bound = True
-                bind = _calls.tile_bind(gp)
+                bind = _calls.gemm_bind(gp)
                 self.bl = bind(a, b, c, epoch=1, grid=self.p.grid, rows=self.cut) if bind is not None else None
         for start, rows, live, wait, coll in self.chunks:
             wait()  # every tile of the chunk stored (each posted once, with release)

@@ -5,7 +5,9 @@ run from it (counted), every result right against torch with new inputs every ca
 stale read fails); at a planned signature an input that requires grad and an unaligned
 input take the full path, which refuses them with the op's name; another dtype makes
 another plan; a CUDA graph captured at a planned signature replays right with new inputs.
-Prints ``PASS planned ...`` or ``FAIL planned: ...``; exits 1 on a failure.
+``--engine auto|tile|gluon`` sets ``OVERLAP_GEMM_ENGINE`` (default: as the environment says;
+``gluon`` binds the Gluon GEMM's launches wherever it runs). Prints ``PASS planned ...`` or
+``FAIL planned: ...``; exits 1 on a failure.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 os.environ["OVERLAP_PLAN_GRAPHS"] = "off"  # the bound bodies themselves (plan graphs: plan_graphs_check.py)
+if "--engine" in sys.argv:
+    os.environ["OVERLAP_GEMM_ENGINE"] = sys.argv[sys.argv.index("--engine") + 1]
 
 from overlap import dist  # noqa: E402
 from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,  # noqa: E402
@@ -82,6 +86,7 @@ def main() -> None:
 
     try:
         made = 0
+        engines: set[str] = set()  # the engines the bound consumer GEMMs picked
         for dt in (torch.float16, torch.bfloat16):
             tol = 2e-2 if dt == torch.float16 else 4e-2
             for op, fn in cases(dt).items():
@@ -95,13 +100,13 @@ def main() -> None:
                 if op in BOUND:  # the planned calls ran through the bound body, its launches bound
                     assert _calls.stats["bound"] - b0 == 3, (op, dt, "bound", _calls.stats["bound"] - b0)
                     body = next(iter(get_runtime(group, dev).cache(f"{op}.calls", _calls.CALLS_CAP).values())).body
-                    # an engine plan that picked the Gluon GEMM keeps its own launch; one that picked
-                    # the tile GEMM is bound like a tile plan
+                    # an engine plan's launch is bound as its pick's: the tile GEMM's or the Gluon GEMM's
                     gluon = [vars(x).get("decided") is True and vars(x).get("gluon") is not None
                              for x in (getattr(body, g, None) for g in ("gp", "gl", "gp1", "gp2"))
                              if type(x).__name__ == "EnginePlan"]
-                    print(op, dt, body, "(the Gluon GEMM: its own launch)" if any(gluon) else "")
-                    assert "launches bound" in repr(body) or any(gluon), body
+                    print(op, dt, body, "(the Gluon GEMM)" if any(gluon) else "")
+                    assert "launches bound" in repr(body), body
+                    engines.update("gluon" if x else "tile" for x in gluon)
                 made += 1
                 # an input that requires grad at a planned signature: the full path refuses it
                 try:
@@ -146,7 +151,7 @@ def main() -> None:
             e = rel(out, x.float() @ w.float().t())
             assert e < 2e-2, ("graph replay", it, e)
         print(f"PASS planned world={ctx.tp_size} ops={made} planned={_calls.stats['planned']} "
-              f"made={_calls.stats['made']}", flush=True)
+              f"made={_calls.stats['made']} engines={','.join(sorted(engines)) or 'none'}", flush=True)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         print(f"FAIL planned: {type(e).__name__}: {e}", flush=True)

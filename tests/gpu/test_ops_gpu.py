@@ -45,13 +45,18 @@ def test_random_m_gpu(world: int) -> None:
 
 
 @pytest.mark.gpu
-def test_call_plans_gpu() -> None:
+@pytest.mark.parametrize("engine", ["auto", "gluon"])
+def test_call_plans_gpu(engine: str) -> None:
     """The five group ops from their call plans at world size 1 (planned_check.py): a plan
     per signature, later calls counted as planned and right with new inputs, refusals and
-    unaligned inputs through the full path, a CUDA graph at a planned signature."""
-    r = run_cmd(["python", "tests/gpu/planned_check.py"], timeout_s=400)
+    unaligned inputs through the full path, a CUDA graph at a planned signature; with the
+    Gluon GEMM forced, its launches bound in the bodies (the engines listed)."""
+    r = run_cmd(["python", "tests/gpu/planned_check.py", "--engine", engine], timeout_s=400)
     assert r.returncode == 0, r.out[-6000:]
-    assert re.search(r"^PASS planned world=1 ops=10 ", r.out, re.M), r.out[-6000:]
+    got = re.search(r"^PASS planned world=1 ops=10 .* engines=(\S+)$", r.out, re.M)
+    assert got, r.out[-6000:]
+    if engine == "gluon":
+        assert "gluon" in got.group(1).split(","), got.group(0)
 
 
 @pytest.mark.gpu

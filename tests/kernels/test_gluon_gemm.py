@@ -247,3 +247,56 @@ def test_plan_launch_passes_plain_descriptors_once_the_raw_launch_is_known() -> 
         back = hd.triton()
         assert type(back) is type(gd) and list(back.block_shape) == list(gd.block_shape) and \
             tuple(back.shape) == tuple(gd.shape) and back.layout == gd.layout
+
+
+def test_plan_bind_hands_the_bound_launch_what_a_launch_hands_the_kernel(monkeypatch) -> None:
+    """``GluonGemmPlan.bind`` (a call plan's bound launch): the programs and arguments its
+    launch hands the kernel's launcher, each descriptor with the same fields, and the
+    call's tensors in the order a bound body gives them (a, a2, B as stored, c); none
+    before the kernel's C launcher is known, or for operands not laid out as the plan's."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels import _launch
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    a2 = torch.zeros(256, 128, dtype=torch.bfloat16)
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)  # [N, K]: b = w.t()
+    c = torch.zeros(256, 256, dtype=torch.bfloat16)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    launched: list = []
+    bound: list = []
+
+    class Prepared:
+        raw = None
+
+        def launch(self, grid, args, aligned=()) -> None:  # noqa: ANN001
+            launched.append((grid, args))
+
+    monkeypatch.setattr(_launch.BoundLaunch, "of", staticmethod(lambda pl, grid, args, tensors: bound.append(
+        (pl, grid, args, tensors)) or "bound"))
+    for second in (None, a2):
+        plan = GluonGemmPlan(a, w.t(), c, tab, a2=second, clip=True)
+        plan.prepared = Prepared()
+        assert plan.bind(a, w.t(), c, a2=second, epoch=1, grid=5, rows=(1, 2)) is None  # no C launcher known
+        Prepared.raw = object()
+        plan.launch(a, w.t(), c, a2=second, epoch=1, grid=5, rows=(1, 2))
+        assert plan.bind(a, w.t(), c, a2=second, epoch=1, grid=5, rows=(1, 2)) == "bound"
+        pl, grid, args, tensors = bound[-1]
+        want_grid, want = launched[-1]
+        assert pl is plan.prepared and grid == want_grid == 2  # min(grid, tiles)
+        assert len(args) == len(want)
+        for got_v, want_v in zip(args, want):
+            if type(want_v) is _launch.HostDesc:
+                assert type(got_v) is _launch.HostDesc and got_v.base.data_ptr() == want_v.base.data_ptr()
+                assert (tuple(got_v.shape), tuple(got_v.strides), list(got_v.block_shape)) == \
+                    (tuple(want_v.shape), tuple(want_v.strides), list(want_v.block_shape))
+            else:
+                assert got_v is want_v or got_v == want_v
+        assert tensors[0] is a and tensors[1] is second and tensors[3] is c and tensors[4:] == (None, None)
+        assert tensors[2].data_ptr() == w.data_ptr() and tuple(tensors[2].shape) == (256, 128)  # B as stored
+        assert args[2].base is tensors[2]  # B's descriptor is of the tensor a call gives in its place
+        # operands of another layout, or rows without the plan's clip: not bound
+        assert plan.bind(a[:, :64], w.t()[:64], c, a2=second, epoch=1, grid=5, rows=(1, 2)) is None
+        assert plan.bind(a, w.t(), c, a2=second, epoch=1, grid=5) is None
+        Prepared.raw = None

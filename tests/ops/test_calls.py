@@ -4,6 +4,9 @@ themselves run on CUDA: tests/gpu/planned_check.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
 from overlap.ops import _calls
@@ -86,29 +89,49 @@ def test_short_path_declines_wrong_dims(monkeypatch) -> None:  # noqa: ANN001
         assert bd._planned(two, two, bad, None, None, None, None) is None
 
 
-def test_only_a_tile_plan_is_bound() -> None:
-    """A bound body binds a ``TileGemmPlan``'s launch, and an engine plan's only once it has
-    picked the tile GEMM: an engine plan's attributes fall through to its tile plan's, and
-    binding through them would launch the tile GEMM where the engine picked another."""
+def test_gemm_bind_follows_the_engine_pick() -> None:
+    """A bound body binds a ``TileGemmPlan``'s launch, and an engine plan's through its own
+    ``bind``: nothing before its pick, the tile plan's bound launch once it has picked the
+    tile GEMM, the Gluon plan's once it has picked the Gluon GEMM (what its launch runs), and
+    nothing for what its launch refuses. Another object whose ``bind`` would be a tile
+    plan's (an engine plan's unknown attributes fall through to its tile plan's) is not
+    bound."""
+    from overlap.kernels.engine import EnginePlan
     from overlap.kernels.tile_gemm import TileGemmPlan
 
     tile = TileGemmPlan.__new__(TileGemmPlan)
+    assert _calls.gemm_bind(tile).__func__ is TileGemmPlan.bind
 
-    class Engine:  # as kernels.engine.EnginePlan: unknown attributes from its tile plan
-        def __getattr__(self, name):
+    class Fallthrough:  # an object whose attributes are its tile plan's
+        def __getattr__(self, name):  # noqa: ANN001, ANN204
             return getattr(tile, name)
 
-    assert _calls.tile_bind(tile) is not None and _calls.tile_bind(tile).__func__ is TileGemmPlan.bind
-    assert getattr(Engine(), "bind", None) is not None  # what a getattr would have bound
-    assert _calls.tile_bind(Engine()) is None
-    # an engine plan that has picked: the tile GEMM (its launch is the tile plan's), or Gluon
-    picked = Engine()
-    picked.__dict__.update(tile=tile, decided=True, gluon=None)
-    assert _calls.tile_bind(picked).__self__ is tile
-    for decided, gluon in ((False, None), (True, "a Gluon config")):
-        other = Engine()
-        other.__dict__.update(tile=tile, decided=decided, gluon=gluon)
-        assert _calls.tile_bind(other) is None, (decided, gluon)
+    assert getattr(Fallthrough(), "bind", None) is not None and _calls.gemm_bind(Fallthrough()) is None
+    calls: list = []
+    tile.bind = lambda *a, **kw: calls.append(("tile", a, kw)) or "tile-bound"  # type: ignore[method-assign]
+    gplan = SimpleNamespace(b_kn=True, bind=lambda *a, **kw: calls.append(("gluon", a, kw)) or "gluon-bound")
+    flags, err, counter = object(), object(), object()
+
+    def engine(decided: bool, gluon: Any) -> EnginePlan:
+        e = EnginePlan.__new__(EnginePlan)
+        e.__dict__.update(tile=tile, decided=decided, gluon=gluon, clip=False, flags=flags, err=err,
+                          counter=counter, b_kn=True, _gplans={("cfg", id(flags), id(err), id(counter)): gplan})
+        return e
+
+    a, b, c = object(), object(), object()
+    assert _calls.gemm_bind(engine(False, None))(a, b, c, epoch=1, grid=4) is None  # not picked yet
+    assert _calls.gemm_bind(engine(True, None))(a, b, c, epoch=1, grid=4) == "tile-bound"
+    assert _calls.gemm_bind(engine(True, "cfg"))(a, b, c, a2=a, epoch=1, grid=4) == "gluon-bound"
+    assert [x[0] for x in calls] == ["tile", "gluon"] and calls[1][1] == (a, b, c)
+    assert calls[1][2] == dict(a2=a, epoch=1, grid=4, rows=None)
+    picked = engine(True, "cfg")
+    assert picked.bind(a, b, c, epoch=1, grid=4, rows=(1, 2)) is None  # rows without the plan's clip
+    assert picked.bind(a, b, c, epoch=1, grid=4, sig=3) is None  # what its launch refuses
+    picked.__dict__["_gplans"] = {}
+    assert picked.bind(a, b, c, epoch=1, grid=4) is None  # its Gluon plan not launched yet
+    gplan.b_kn = False
+    assert engine(True, "cfg").bind(a, b, c, epoch=1, grid=4) is None  # B laid out otherwise
+    assert len(calls) == 2
 
 
 def test_index_follows_what_may_change_a_decision(monkeypatch) -> None:  # noqa: ANN001
