@@ -92,8 +92,12 @@ if isinstance(_env_data, dict) and all(isinstance(k, bytes) for k in list(_env_d
     def transport_env() -> Any:
         """``OVERLAP_TRANSPORT`` as the index compares it: here the raw bytes from
         ``os.environ``'s own mapping (the one ``os.environ[...] = ...`` and ``del`` change),
-        one dict read instead of ``os.environ.get``'s three Python frames; None where unset."""
-        return _env_data.get(b"OVERLAP_TRANSPORT")
+        one dict read instead of ``os.environ.get``'s three Python frames; None where unset.
+        The mapping is looked up per call (``os.environ`` itself may have been replaced)."""
+        try:
+            return os.environ._data.get(b"OVERLAP_TRANSPORT")  # type: ignore[attr-defined]
+        except AttributeError:  # (replaced by a mapping of another kind)
+            return os.environ.get("OVERLAP_TRANSPORT")
 else:  # a platform whose environment mapping is kept otherwise
     def transport_env() -> Any:
         """``OVERLAP_TRANSPORT`` as the index compares it (None where unset)."""

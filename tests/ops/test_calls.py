@@ -424,3 +424,16 @@ def test_keep_leaves_a_plan_in_use() -> None:
                                             "nccl"))
     assert _calls.find(rt, "all_gather_matmul", ("k",)) is first
     assert _state.generation[0] == gen and _calls.stats["made"] == made
+
+
+def test_transport_env_follows_the_environment_object(monkeypatch) -> None:  # noqa: ANN001
+    """``transport_env`` (what the index compares ``OVERLAP_TRANSPORT`` by) sees a change of
+    the variable, and an ``os.environ`` replaced by another mapping."""
+    import os
+
+    monkeypatch.delenv("OVERLAP_TRANSPORT", raising=False)
+    assert _calls.transport_env() is None
+    monkeypatch.setenv("OVERLAP_TRANSPORT", "p2p")
+    assert _calls.transport_env() in ("p2p", b"p2p")
+    monkeypatch.setattr(os, "environ", {"OVERLAP_TRANSPORT": "nccl"})
+    assert _calls.transport_env() == "nccl"
