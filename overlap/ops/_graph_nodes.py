@@ -19,10 +19,12 @@ after its capture (torch's ``keep_graph``) so that those nodes can be found. A c
   torch's replay does for a graph without random numbers, as an op's body is).
 
 Every launch is preceded by the update of every node, so no launch reads an earlier call's
-tensors. Where an update fails (memory the driver does not take for the node), every node
-is pointed back at its placeholder, and the graph's calls copy with the driver from then
-on: into the placeholders, out of them. Neither raises on one rank alone after the
-agreement point.
+tensors. Where the driver refuses an update (``CUDA_ERROR_INVALID_VALUE``: memory it does
+not take for the node), every node is pointed back at its placeholder, and the graph's
+calls copy with the driver from then on: into the placeholders, out of them; where even
+that is refused, the graph is dropped and the call runs the op's fused body. Neither
+raises on one rank alone after the agreement point. Another error code (the context's
+sticky error of an earlier launch) raises, as a failed launch does.
 
 ``driver()`` holds the calls (``overlap._driver``; a stand-in in the CPU tests).
 """
@@ -90,8 +92,12 @@ def capture_copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         d.check(code, "cuMemcpyDtoDAsync")
 
 
+INVALID_VALUE = 1
+"""``CUDA_ERROR_INVALID_VALUE``: the driver refused an update's parameters."""
+
+
 class NodeUpdateError(RuntimeError):
-    """A memcpy node's update failed: the call copies with the driver instead."""
+    """The driver refused a memcpy node's update: the call copies with the driver instead."""
 
 
 class Nodes:
@@ -131,7 +137,7 @@ class Nodes:
                 prm.srcDevice = ph_ptr
             code = setp(ex, node, ref, ctx)
             if code:
-                raise NodeUpdateError(code)
+                self._failed(code)
         news = []
         empty = torch.empty_like
         for node, prm, ref, proto in self.outs:
@@ -139,7 +145,7 @@ class Nodes:
             prm.dstDevice = t.data_ptr()
             code = setp(ex, node, ref, ctx)
             if code:
-                raise NodeUpdateError(code)
+                self._failed(code)
             news.append(t)
         code = self.launch(ex, raw)
         if code:
@@ -147,6 +153,11 @@ class Nodes:
         if not news:
             return None
         return (news[0], news[1]) if self.pair else news[0]
+
+    def _failed(self, code: int) -> None:
+        if code == INVALID_VALUE:
+            raise NodeUpdateError(code)
+        self.check(code, "cuGraphExecMemcpyNodeSetParams")
 
     def restore(self) -> bool:
         """Every node pointed back at its placeholder (as captured); False where an update
@@ -161,10 +172,9 @@ def bind(graph: Any, ins: list, outs: list, pair: bool) -> Nodes | None:
     """The ``Nodes`` of a graph captured with ``capture_copy``'s copies, or None where they
     cannot be found (the caller then copies with the driver). ``ins``: per moving input
     (index, static, placeholder); ``outs``: per output (the body's output, its
-    placeholder: contiguous, of the output's shape and dtype). Instantiates the graph."""
+    placeholder: contiguous, of the output's shape and dtype). The graph is instantiated."""
     d = driver()
-    try:
-        graph.instantiate()  # (a kept graph is instantiated by hand)
+    try:  # (instantiated by the caller: a kept graph is not by its capture)
         ex, raw_graph = int(graph.raw_cuda_graph_exec()), int(graph.raw_cuda_graph())
     except (RuntimeError, AttributeError, TypeError):
         return None

@@ -107,6 +107,9 @@ _cuda: Any = torch.cuda
 NO = object()
 """``replay_or_capture``'s answer when the call is not run from a graph."""
 
+_FUSED = object()
+"""``_node_call``'s answer when the call must run the fused body (its graph dropped)."""
+
 stats: dict[str, int] = {"captured": 0, "replayed": 0, "refused": 0, "dropped": 0, "relayed": 0, "noded": 0}
 """Graphs captured, calls replayed, captures that failed or were refused, graphs dropped,
 replays whose copies the graph made from a relay (``kernels.relay``) or through its own
@@ -524,6 +527,8 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
                                     _graph_nodes.capture_copy(ob, o, cap)
                     finally:
                         graph.capture_end()
+                if noded:
+                    graph.instantiate()  # (a kept graph is instantiated by hand: a failure refuses the capture)
                 if relay is not None:
                     keep.append(relay)  # its pinned slots live as long as the graph's replays
             except Exception as e:  # noqa: BLE001 - the call runs as before; the signature is not captured again
@@ -546,7 +551,7 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
             return None
         nodes = None
         inner: tuple = ()
-        if noded:
+        if noded and (phs or obufs):  # (nothing to re-point: a plain replay)
             nodes = _graph_nodes.bind(graph, [(i, statics[i], phs[i]) for i in phs], obufs, len(obufs) == 2)
             if nodes is None:
                 _state.warn_once(f"plan-graph-nodes-{op}", f"{op}: a plan graph's memcpy nodes could not be found; "
@@ -640,6 +645,7 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
             return out
         cur = rt.current_stream()
         order.begin(cur)
+        out = NO
         try:  # on the current stream (a replay launches there, on the graph's device)
             statics = g.statics
             if cur is not g.last:
@@ -683,7 +689,9 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                 # the driver copies run in the thread's current context: the runtime's device only
                 drv = (_get_device() if _cuda is torch.cuda else _cuda.current_device()) == g.index
                 out = NO if g.nodes is None else _node_call(body, g, args, raw, drv)
-                if out is NO:
+                if out is _FUSED:
+                    pass  # (run below, once this call's order is ended: the body keeps its own)
+                elif out is NO:
                     copiers = g.copiers
                     for i in g.moving:
                         x = args[i]
@@ -696,6 +704,10 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
                     out = g.clone(raw) if drv else _cloned(g.out)
         finally:
             order.end(cur)
+        if out is _FUSED:  # its graph dropped before anything was queued: the same collectives, eagerly
+            out = body.fused(*args)
+            rt.seen.add((cp.op, cp.sig))
+            return out
         report_eager(body.err, body.check)
     _seen(rt.seen, (cp.op, cp.sig))
     stats["replayed"] += 1
@@ -704,8 +716,11 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
 
 def _node_call(body: Any, g: PlanGraph, args: tuple, raw: int, drv: bool) -> Any:
     """The call through the graph's memcpy nodes (``_graph_nodes``): its outputs, or ``NO``
-    where a node's update failed: the nodes are pointed back at their placeholders and the
-    graph copies with the driver from then on (this call too)."""
+    where the driver refused a node's update: the nodes are pointed back at their
+    placeholders and the graph copies with the driver from then on (this call too); or
+    ``_FUSED`` where even that was refused: the graph is dropped, the signature runs without
+    one, and this call runs the fused body (after the agreement point a raise on one rank
+    would leave its peers' collectives waiting)."""
     nd = g.nodes
     try:
         if drv:
@@ -719,8 +734,9 @@ def _node_call(body: Any, g: PlanGraph, args: tuple, raw: int, drv: bool) -> Any
             st = state_for(body)
             _drop(st, wait=False)
             st.off = True
-            raise RuntimeError(f"a plan graph's memcpy node could not be updated (CUresult {e}) nor restored; "
-                               "the signature now runs without a plan graph") from None
+            _state.warn_once("plan-graph-nodes-restore", f"a plan graph's memcpy node could not be updated (CUresult "
+                             f"{e}) nor pointed back at its placeholder; that signature runs without a plan graph")
+            return _FUSED
         _state.warn_once("plan-graph-nodes-update", f"a plan graph's memcpy node could not be updated (CUresult {e}); "
                          "that graph copies with the driver from now on")
         return NO

@@ -697,6 +697,7 @@ class _Bound(_calls.BoundBody):
             self.gl.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
             a_, kw = self.gate_args
             _gate.launch_gate(*a_, **kw)
+            descs = _operands_of(gp, self.gl, descs, a_shard, b, gathered)
         else:
             descs = gp.operands(a_shard, b, gathered)
         gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
@@ -712,6 +713,13 @@ class _Bound(_calls.BoundBody):
                 + (f" + give-back {p.give_back_grid}" if p.give_back_grid else "")
                 + (", local grid and gate first" if self.gated else "") + f", launches {launches}, "
                 f"wait bound {self.timeout_ns / 1e6:g} ms, check {self.check!r}")
+
+
+def _operands_of(gp: Any, gl: Any, descs: Any, a_shard: torch.Tensor, b: Any, gathered: torch.Tensor) -> Any:
+    """The operands of the peers' grid ``gp`` where ``descs`` are the local grid ``gl``'s:
+    the same where both plans are of one kind, else its own (a split tail keeps ``gp`` on
+    the tile GEMM while ``gl`` may be an engine plan, and each takes only its own kind)."""
+    return descs if type(gp) is type(gl) else gp.operands(a_shard, b, gathered)
 
 
 def _many_refusal(bs: list[torch.Tensor]) -> str | None:
@@ -810,6 +818,7 @@ def _fused(rt: Runtime, a_shard: torch.Tensor, b: Any, return_gathered: bool,
             with gpu_range("gate", "chunk", 0):
                 idx, mult = p.first_wait  # chunk 0's flag, posted once a call
                 _gate.launch_gate(w.flags, idx, mult, 3 * mult, err.word, rank=rt.rank, timeout_ns=timeout_ns)
+            descs = _operands_of(gp, gl, descs, a_shard, b, gathered)
             with gpu_range("gemm", "grid"):
                 gp.launch(descs, c, epoch=1, grid=p.grid, rows=cut)
         else:

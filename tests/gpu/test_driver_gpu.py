@@ -69,6 +69,7 @@ def test_graph_memcpy_nodes_repointed_per_launch() -> None:
         _graph_nodes.capture_copy(obuf, out, s)
         g.capture_end()
     torch.cuda.current_stream().wait_stream(s)
+    g.instantiate()
     nd = _graph_nodes.bind(g, [(0, static, ph)], [(out, obuf)], False)
     assert nd is not None, "the captured copies were not found among the graph's memcpy nodes"
     raw = torch.cuda.current_stream().cuda_stream

@@ -437,3 +437,37 @@ def test_transport_env_follows_the_environment_object(monkeypatch) -> None:  # n
     assert _calls.transport_env() in ("p2p", b"p2p")
     monkeypatch.setattr(os, "environ", {"OVERLAP_TRANSPORT": "nccl"})
     assert _calls.transport_env() == "nccl"
+
+
+def test_gated_grids_each_take_their_own_kind_of_operands(monkeypatch) -> None:  # noqa: ANN001
+    """``all_gather_matmul``'s gated launches: the peers' grid takes the local grid's operands
+    where both plans are of one kind, else makes its own (a split tail keeps the peers' grid
+    on the tile GEMM while the local one may be an engine plan: each takes only its own)."""
+    from overlap.kernels import gate as _gate
+
+    launched: list = []
+
+    class Plan:
+        def __init__(self, kind: str) -> None:
+            self.kind = kind
+
+        def operands(self, a, b, a2):  # noqa: ANN001, ANN201
+            return (self.kind, a, b, a2)
+
+        def launch(self, descs, c, **kw):  # noqa: ANN001, ANN003
+            assert descs[0] == self.kind, f"a {self.kind} plan launched with {descs[0]} operands"
+            launched.append((self.kind, kw["grid"]))
+
+    class Other(Plan):
+        pass
+
+    monkeypatch.setattr(_gate, "launch_gate", lambda *a, **kw: launched.append(("gate",)))
+    a, b, g, c = object(), object(), object(), object()
+    for gl, gp in ((Plan("engine"), Plan("engine")), (Plan("engine"), Other("tile")), (Other("tile"), Plan("engine"))):
+        body = ag._Bound.__new__(ag._Bound)
+        body.gated, body.gl, body.gp, body.cut, body.gate_args = True, gl, gp, (1, 2), ((), {})
+        body.p = SimpleNamespace(grid=4, give_back_grid=0)
+        del launched[:]
+        body._launch(None, a, b, g, c)
+        assert launched == [(gl.kind, 4), ("gate",), (gp.kind, 4)], launched
+        assert ag._operands_of(gp, gl, gl.operands(a, b, g), a, b, g)[0] == gp.kind

@@ -189,18 +189,60 @@ def test_a_failed_update_falls_back_to_driver_copies(noded) -> None:  # noqa: AN
     assert g.graph.torch_replays == 4 and _graphs.stats["noded"] == 1  # (the capturing call's)
 
 
-def test_nodes_neither_updated_nor_restored_drop_the_graph(noded) -> None:  # noqa: ANN001
-    """No update taken at all (nor the restore): the call raises naming the code, the graph
-    is dropped and the signature runs without one from then on (never a launch reading an
-    earlier call's tensors)."""
+def test_nodes_neither_updated_nor_restored_run_the_fused_body(noded) -> None:  # noqa: ANN001
+    """No update taken at all (nor the restore): the graph is dropped before anything is
+    launched, the call runs the fused body (the same collectives as its peers' graphs: no
+    raise on one rank after the agreement point), warned, and the signature runs without a
+    graph from then on (never a launch reading an earlier call's tensors)."""
     body, b = _Body(), torch.randn(8, 4)
     g = _graphed(noded, body, b)
-    launches = noded.drv.launches
+    launches, fused = noded.drv.launches, body.fused_calls
     noded.drv.fail = lambda k: True
-    with pytest.raises(RuntimeError, match=r"could not be updated \(CUresult 1\) nor restored"):
-        _call(noded, body, torch.randn(6, 8), b, torch.randn(6, 4))
+    _state._warned.discard("plan-graph-nodes-restore")
+    a, r = torch.randn(6, 8), torch.randn(6, 4)
+    del noded.log[:]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = _call(noded, body, a, b, r)
+    torch.testing.assert_close(got, torch.addmm(r, a, b))
+    assert any("nor pointed back at its placeholder" in str(x.message) for x in w), [str(x.message) for x in w]
     assert noded.drv.launches == launches and g.graph is None and body.gstate.off
+    assert body.fused_calls == fused + 1 and noded.log[:3] == ["agreed", "recorded", "begin"] and "end" in noded.log
     assert _call(noded, body, torch.randn(6, 8), b, torch.randn(6, 4)) is _graphs.NO
+
+
+def test_an_update_error_other_than_a_refusal_raises(noded) -> None:  # noqa: ANN001
+    """An update failing with another code than ``CUDA_ERROR_INVALID_VALUE`` (the context's
+    sticky error of an earlier launch) raises naming the call, as a failed launch does; the
+    graph keeps its nodes (the next call points every one of them again)."""
+    body, b = _Body(), torch.randn(8, 4)
+    g = _graphed(noded, body, b)
+    real = noded.drv.setp
+    noded.drv.setp = lambda *a: 700
+    g.nodes.setp = noded.drv.setp
+    with pytest.raises(RuntimeError, match=r"cuGraphExecMemcpyNodeSetParams failed with CUresult 700"):
+        _call(noded, body, torch.randn(6, 8), b, torch.randn(6, 4))
+    g.nodes.setp = real
+    a, r = torch.randn(6, 8), torch.randn(6, 4)
+    torch.testing.assert_close(_call(noded, body, a, b, r), torch.addmm(r, a, b))
+    assert g.nodes is not None
+
+
+def test_a_graph_that_cannot_be_instantiated_is_refused(noded, monkeypatch) -> None:  # noqa: ANN001
+    """A kept graph is instantiated at its capture: a failure there refuses the capture (the
+    call runs as before, the signature never captured again), never a later replay that
+    instantiates after the agreement point."""
+    def fail(self) -> None:  # noqa: ANN001
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(_KeptGraph, "instantiate", fail)
+    body, b = _Body(), torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2 * _graphs.CAPTURE_AT):
+            assert _call(noded, body, torch.randn(6, 8), b, torch.randn(6, 4)) is _graphs.NO
+    assert body.gstate.off and body.gstate.graph is None and _graphs.stats["refused"] == 1
+    _state._warned.discard("plan-graph-test_op-RuntimeError")  # (warned once per process: others expect it)
 
 
 def test_nodes_not_found_copy_with_the_driver(noded) -> None:  # noqa: ANN001
