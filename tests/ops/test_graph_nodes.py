@@ -302,3 +302,26 @@ def test_copy_parameters_are_the_drivers_struct() -> None:
     if not _driver._load():
         assert _driver.graph_launch() is None and _driver.exec_memcpy_set() is None
         assert _driver.memcpy_nodes(1) is None and _driver.current_context() is None
+
+
+def test_a_refused_output_update_falls_back_too(noded) -> None:  # noqa: ANN001
+    """The output node's update refused (the inputs' taken): every node, the inputs' too, is
+    pointed back at its placeholder, and the call's output comes from the output's
+    placeholder through torch's replay: right, and a new tensor."""
+    body, b = _Body(), torch.randn(8, 4)
+    g = _graphed(noded, body, b)
+    phs = {node: ph_ptr for _i, node, _p, _r, _ph, ph_ptr, *_s in g.nodes.ins}
+    del noded.drv.updates[:]
+    noded.drv.fail = lambda k: k == 2  # the third update of the call: its output's
+    _state._warned.discard("plan-graph-nodes-update")
+    a, r = torch.randn(6, 8), torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _call(noded, body, a, b, r)
+    torch.testing.assert_close(got, torch.addmm(r, a, b))
+    assert got.data_ptr() != g.out.data_ptr() and g.nodes is None and g.graph.torch_replays == 1
+    for node, src in phs.items():
+        assert noded.drv.exec_params[node].srcDevice == src, "an input node left on the call's tensor"
+    a2, r2 = torch.randn(6, 8), torch.randn(6, 4)
+    torch.testing.assert_close(_call(noded, body, a2, b, r2), torch.addmm(r2, a2, b))
+    torch.testing.assert_close(got, torch.addmm(r, a, b))  # the earlier output unchanged
