@@ -300,3 +300,46 @@ def test_plan_bind_hands_the_bound_launch_what_a_launch_hands_the_kernel(monkeyp
         assert plan.bind(a[:, :64], w.t()[:64], c, a2=second, epoch=1, grid=5, rows=(1, 2)) is None
         assert plan.bind(a, w.t(), c, a2=second, epoch=1, grid=5) is None
         Prepared.raw = None
+
+
+def test_plan_bind_fills_each_calls_own_descriptors() -> None:
+    """The Gluon plan's bound launch, run with a stand-in C launcher: for a call's new
+    tensors it hands the launcher exactly what the plan's general raw launch
+    (``_launch._RawLaunch``) would for the same tensors: each descriptor filled for that
+    call's pointer (A, a2, B as stored, C), C itself in its plain slot, the stream given."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from types import SimpleNamespace
+
+    from overlap.kernels import _launch
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape).to(torch.bfloat16)
+
+    a, a2, w, c = t(256, 128), t(256, 128), t(256, 128), t(256, 256)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    plan = GluonGemmPlan(a, w.t(), c, tab, a2=a2, clip=True)
+    calls: list = []
+    raw = _launch._RawLaunch()
+    raw.c_launch = lambda *args: calls.append(args)
+    raw.fill = lambda ptr, *meta: ("filled", ptr, *meta)
+    raw.dtypes = {i: f"dtype{i}" for i in range(16)}
+    raw.head = ("function", False, False, "packed")
+    raw.descs = tuple((i, {"swizzle": 3, "elem_size": 2, "elem_type": 5, "block_size": [64, 64]}) for i in range(4))
+    raw.maps = {}
+    _, args0 = plan._args(plan._host_descs(a, a2, w, c), c, 1, 5, (1, 2))
+    plan.prepared = SimpleNamespace(raw=raw, compiled=object(), owner=SimpleNamespace(enabled=True),
+                                    widths=_launch._widths(args0), const_vals=("K1", "K2"), device=None)
+    bl = plan.bind(a, w.t(), c, a2=a2, epoch=1, grid=5, rows=(1, 2))
+    assert bl is not None, "not bound"
+    for i in range(3):
+        na, na2, nw, nc = t(256, 128), t(256, 128), t(256, 128), t(256, 256)  # new pointers every call
+        bl(100 + i, (na, na2, nw, nc, None, None))
+        got = calls[-1]
+        nprog, args = plan._args(plan._host_descs(na, na2, nw, nc), nc, 1, 5, (1, 2))
+        raw(nprog, 100 + i, args, ("K1", "K2"))
+        want = calls[-1]
+        assert len(got) == len(want) and all(g is w_ or g == w_ for g, w_ in zip(got, want)), (i, got, want)
+        assert [x[1] for x in got if isinstance(x, tuple) and x[:1] == ("filled",)] == \
+            [na.data_ptr(), na2.data_ptr(), nw.data_ptr(), nc.data_ptr()]
