@@ -84,6 +84,18 @@ def test_graph_memcpy_nodes_repointed_per_launch() -> None:
     for it, (got, want) in enumerate(kept):
         torch.testing.assert_close(got, want, msg=f"launch {it} read or wrote another call's tensors")
     assert len({got.data_ptr() for got, _ in kept}) == 5
+    # behind a busy GPU the updates and launch queue, they do not wait for the launches before
+    x0 = torch.randn(48, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        nd.call((x0,), raw)
+    busy_us = (time.perf_counter() - t0) / 3 * 1e6
+    torch.cuda.synchronize()
+    print(f"nodes behind a busy GPU: {busy_us:.1f} us per call")
+    assert busy_us < 5000, f"a node update or launch waited for the GPU ({busy_us:.0f} us per call)"
+    torch.testing.assert_close(nd.call((x0,), raw), x0 @ w)
     # a broadcast input goes through the placeholder
     row = torch.randn(64, device="cuda")
     got = nd.call((row.expand(48, 64),), raw)
