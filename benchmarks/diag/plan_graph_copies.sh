@@ -6,7 +6,8 @@
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
 # 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
 #    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/;
-# 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call).
+# 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call);
+# 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -37,3 +38,4 @@ for kind in nodes driver graph nodes; do
         --only "$ops" --out "$out/host_$kind$n"
 done
 step launch 300 python benchmarks/diag/plan_graph_launch.py --out "$out/launch"
+step planned_gluon 300 python tests/gpu/planned_check.py --engine gluon
