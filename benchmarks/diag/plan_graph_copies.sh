@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The three ways a plan graph copies its activations in and outputs out, on one GPU, in one job:
-#   bash benchmarks/diag/plan_graph_copies.sh OUT_DIR
+#   bash benchmarks/diag/plan_graph_copies.sh OUT_DIR [STEP_PREFIX ...]
+# (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`;
+# all of it takes some 8-10 minutes on an H200 host)
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
@@ -12,14 +14,20 @@
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
 out="$1"
+shift
+prefixes=("$@")
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 mkdir -p "$out"
 cd "$repo" || exit 1
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS CMD...
-    local name=$1 secs=$2
+    local name=$1 secs=$2 p
     shift 2
+    if [ ${#prefixes[@]} -gt 0 ]; then
+        for p in "${prefixes[@]}"; do [[ $name == "$p"* ]] && break; p=; done
+        [ -z "$p" ] && return 0
+    fi
     echo "== $name: $*" > "$out/$name.log"
     timeout "$secs" "$@" >> "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log"
