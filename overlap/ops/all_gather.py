@@ -220,7 +220,7 @@ def _natural(rt: Runtime, gathered: torch.Tensor, layout: AllGatherLayout, ms: i
     the first ``ms`` are this call's)."""
     w, mb = layout.world, layout.m_shard
     ms = mb if ms is None else ms
-    if len(layout.chunk_rows) == 1:
+    if len(layout.chunk_rows) == 1 or w == 1 or layout.natural:  # in rank order already (one rank: chunk by chunk)
         return gathered if ms == mb else gathered.view(w, mb, -1)[:, :ms].reshape(w * ms, -1)
     # the permutation is a Python loop over M rows: build it once per layout (on rt's device)
     key = (layout.world, layout.rank, layout.m_shard, layout.chunk_rows)

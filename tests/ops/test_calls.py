@@ -471,3 +471,25 @@ def test_gated_grids_each_take_their_own_kind_of_operands(monkeypatch) -> None: 
         body._launch(None, a, b, g, c)
         assert launched == [(gl.kind, 4), ("gate",), (gp.kind, 4)], launched
         assert ag._operands_of(gp, gl, gl.operands(a, b, g), a, b, g)[0] == gp.kind
+
+
+def test_gathered_rows_in_rank_order_without_a_copy_at_one_rank() -> None:
+    """``return_gathered``'s rows in rank order: at one rank the gathered buffer is in that
+    order whatever the chunks (no permutation copy: the buffer itself, or its first rows of
+    a row bucket); at two ranks and two chunks the rows are permuted, as the layout says."""
+    from overlap.policies import all_gather_layout
+    from tests.ops._cpu_runtime import cpu_runtime
+
+    rt = cpu_runtime()
+    for chunks in (1, 2, 3):
+        layout = all_gather_layout(1, 0, 256, chunks, 64)
+        g = torch.randn(256, 8)
+        assert ag._natural(rt, g, layout) is g
+        cut = ag._natural(rt, g, layout, ms=200)
+        assert cut.data_ptr() == g.data_ptr() and torch.equal(cut, g[:200])
+    layout = all_gather_layout(2, 1, 128, 2, 64)
+    g = torch.randn(256, 8)
+    got = ag._natural(rt, g, layout)
+    assert got.data_ptr() != g.data_ptr()
+    assert torch.equal(got, g[torch.tensor(layout.gathered_to_natural())])
+    assert not torch.equal(got, g)
