@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 __all__ = ["memcpy_dtod", "memset_d32", "write_value32", "wait_value32", "WAIT_GEQ", "check", "Memcpy3D",
-           "graph_launch", "exec_memcpy_set", "memcpy_nodes", "current_context"]
+           "graph_launch", "exec_memcpy_set", "memcpy_nodes", "node_kinds", "current_context"]
 
 
 class Memcpy3D(ctypes.Structure):
@@ -146,6 +146,41 @@ def memcpy_nodes(graph: int) -> list[tuple[int, Memcpy3D]] | None:
     """The memcpy nodes of the (not executable) graph ``graph``: (node, its parameters) each,
     in the graph's order; None without a driver, or where a call fails."""
     lib = _load()
+    typed = _typed_nodes(lib, graph)
+    if typed is None:
+        return None
+    out = []
+    for node, kind in typed:
+        if kind != _GRAPH_NODE_MEMCPY:
+            continue
+        params = Memcpy3D()
+        if lib.cuGraphMemcpyNodeGetParams(node, ctypes.byref(params)):
+            return None
+        out.append((int(node), params))
+    return out
+
+
+NODE_KINDS = ("kernel", "memcpy", "memset", "host", "child graph", "empty", "event wait", "event record",
+              "semaphore signal", "semaphore wait", "mem alloc", "mem free", "batch mem op", "conditional")
+"""``CUgraphNodeType`` by value."""
+
+
+def node_kinds(graph: int) -> dict[str, int] | None:
+    """How many nodes of each kind the (not executable) graph ``graph`` has, by
+    ``NODE_KINDS``' names; None without a driver, or where a call fails."""
+    typed = _typed_nodes(_load(), graph)
+    if typed is None:
+        return None
+    out: dict[str, int] = {}
+    for _node, kind in typed:
+        name = NODE_KINDS[kind] if 0 <= kind < len(NODE_KINDS) else f"kind {kind}"
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _typed_nodes(lib: Any, graph: int) -> list[tuple[Any, int]] | None:
+    """(node, its ``CUgraphNodeType``) of each node of ``graph``, in the graph's order; None
+    without a driver, or where a call fails."""
     if not lib or not lib.graphs:
         return None
     count = ctypes.c_size_t(0)
@@ -159,12 +194,7 @@ def memcpy_nodes(graph: int) -> list[tuple[int, Memcpy3D]] | None:
     for node in nodes[:count.value]:
         if lib.cuGraphNodeGetType(node, ctypes.byref(kind)):
             return None
-        if kind.value != _GRAPH_NODE_MEMCPY:
-            continue
-        params = Memcpy3D()
-        if lib.cuGraphMemcpyNodeGetParams(node, ctypes.byref(params)):
-            return None
-        out.append((int(node), params))
+        out.append((node, kind.value))
     return out
 
 

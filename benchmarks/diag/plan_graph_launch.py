@@ -9,8 +9,8 @@ torch.mm. Then each step of a replayed call alone (``_graphs._replay``'s, and th
 to it: the op's entry, its call plan found, the graph picked), so their sum can be held
 against the whole call. The graphs copy through memcpy nodes of their own
 (``OVERLAP_PLAN_GRAPH_COPIES=nodes``); each case's whole call is then timed again with the
-graph's own copy kernels (``graph``) and with driver copies (``driver``). Writes
-``DIR/plan_graph_launch.json``.
+graph's own copy kernels (``graph``) and with driver copies (``driver``); a kept graph's
+nodes are counted by kind (what its launch submits). Writes ``DIR/plan_graph_launch.json``.
 """
 
 from __future__ import annotations
@@ -160,6 +160,16 @@ def main() -> None:
             g = next(pg for pg in _graphs.live if id(pg) not in before)
             how = "nodes" if g.nodes is not None else "graph" if g.relay is not None else "driver"
             rows.append({"what": f"{name}: call ({how} copies)", "host_us": call})
+            kinds = None
+            if hasattr(g.graph, "raw_cuda_graph"):  # (a kept graph: its nodes by kind, what its launch submits)
+                from overlap import _driver
+
+                try:
+                    kinds = _driver.node_kinds(int(g.graph.raw_cuda_graph()))
+                except RuntimeError:
+                    kinds = None
+            if kinds is not None:
+                rows.append({"what": f"{name}: graph nodes {kinds}", "host_us": None})
             if _replay_of(g) is not None:
                 rows.append({"what": f"{name}: replay alone", "host_us": host_us(_replay_of(g))})
             raw = torch.cuda.current_stream().cuda_stream
@@ -175,7 +185,7 @@ def main() -> None:
             _graphs.COPIES = first
             _calls.clear_call_plans()
     for r in rows:
-        print(f"{r['what']:55s} {r['host_us']:8.1f} us", flush=True)
+        print(f"{r['what']:55s} " + (f"{r['host_us']:8.1f} us" if r["host_us"] is not None else ""), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "plan_graph_launch.json"), "w") as fh:
         json.dump({"context": {**run_context(1), "shape": [M, N, K], "dtype": "bfloat16",

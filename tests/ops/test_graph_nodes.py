@@ -325,3 +325,41 @@ def test_a_refused_output_update_falls_back_too(noded) -> None:  # noqa: ANN001
     a2, r2 = torch.randn(6, 8), torch.randn(6, 4)
     torch.testing.assert_close(_call(noded, body, a2, b, r2), torch.addmm(r2, a2, b))
     torch.testing.assert_close(got, torch.addmm(r, a, b))  # the earlier output unchanged
+
+
+def test_a_graphs_nodes_read_through_the_driver(monkeypatch) -> None:  # noqa: ANN001
+    """``_driver.memcpy_nodes`` and ``node_kinds`` on a stand-in driver library: the graph's
+    nodes listed (count first, then the handles), each one's kind asked, the memcpy nodes'
+    parameters read; a failing call gives None."""
+    kinds = {11: 0, 12: 1, 13: 12, 14: 1, 15: 3}  # kernel, memcpy, batch mem op, memcpy, host
+    fail = {"get": False}
+
+    class Lib:
+        graphs = True
+
+        def cuGraphGetNodes(self, graph, nodes, count):  # noqa: ANN001, ANN201, N802
+            assert graph == 77
+            if fail["get"]:
+                return 1
+            if nodes is not None:
+                for i, n in enumerate(kinds):
+                    nodes[i] = n
+            count._obj.value = len(kinds)
+            return 0
+
+        def cuGraphNodeGetType(self, node, out):  # noqa: ANN001, ANN201, N802
+            out._obj.value = kinds[node]
+            return 0
+
+        def cuGraphMemcpyNodeGetParams(self, node, out):  # noqa: ANN001, ANN201, N802
+            assert kinds[node] == 1
+            out._obj.srcDevice, out._obj.dstDevice, out._obj.WidthInBytes = 1000 + node, 2000 + node, 64
+            return 0
+
+    monkeypatch.setattr(_driver, "_lib", Lib())
+    got = _driver.memcpy_nodes(77)
+    assert [(n, p.srcDevice, p.dstDevice, p.WidthInBytes) for n, p in got] == [(12, 1012, 2012, 64),
+                                                                               (14, 1014, 2014, 64)]
+    assert _driver.node_kinds(77) == {"kernel": 1, "memcpy": 2, "batch mem op": 1, "host": 1}
+    fail["get"] = True
+    assert _driver.memcpy_nodes(77) is None and _driver.node_kinds(77) is None
