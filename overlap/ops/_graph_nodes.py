@@ -125,8 +125,8 @@ class Nodes:
     def call(self, args: tuple, raw: int) -> Any:
         """Point the nodes at this call's activations and at new outputs, launch the graph on
         the stream ``raw``; the new outputs (a tensor, a pair, or None where the graph's
-        outputs are cloned by the caller). ``NodeUpdateError`` before the launch where an
-        update failed."""
+        outputs are cloned by the caller). ``NodeUpdateError`` before the launch where the
+        driver refused an update; ``RuntimeError`` naming the call for another failure."""
         setp, ex, ctx = self.setp, self.exec, self.ctx
         for i, node, prm, ref, ph, ph_ptr, shape, dtype in self.ins:
             x = args[i]
