@@ -187,8 +187,14 @@ def bind(graph: Any, ins: list, outs: list, pair: bool) -> Nodes | None:
         p.dstDevice, p.dstXInBytes = p.dstDevice + p.dstXInBytes, 0
 
     def node_of(dst: torch.Tensor, src: torch.Tensor) -> tuple | None:
-        hits = [(n, p) for n, p in found if p.dstDevice == dst.data_ptr() and p.srcDevice == src.data_ptr()]
-        return hits[0] if len(hits) == 1 else None
+        """The one node copying all of ``src`` into ``dst`` as one row of bytes (the form a
+        call's update keeps), or None."""
+        n = src.numel() * src.element_size()
+        hits = [(nd, p) for nd, p in found if p.dstDevice == dst.data_ptr() and p.srcDevice == src.data_ptr()]
+        if len(hits) != 1:
+            return None
+        p = hits[0][1]
+        return hits[0] if (p.WidthInBytes, max(p.Height, 1), max(p.Depth, 1)) == (n, 1, 1) else None
 
     node_ins, node_outs = [], []
     for i, static, ph in ins:

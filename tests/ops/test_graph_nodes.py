@@ -61,6 +61,7 @@ class _Driver:
         self.launches = 0
         self.next_node = 100
         self.find = True
+        self.rows = 1  # a captured copy kept as this many rows of bytes
 
     def dtod(self, dst: int, src: int, n: int, raw: int) -> int:
         assert all(type(v) is int for v in (dst, src, n, raw))
@@ -69,14 +70,14 @@ class _Driver:
             ctypes.memmove(dst, src, n)
             return 0
         node, self.next_node = self.next_node, self.next_node + 1
-        p = Memcpy3D(srcDevice=src, dstDevice=dst, WidthInBytes=n, Height=1, Depth=1, srcMemoryType=2,
-                     dstMemoryType=2)
+        p = Memcpy3D(srcDevice=src, dstDevice=dst, WidthInBytes=n // self.rows, Height=self.rows, Depth=1,
+                     srcMemoryType=2, dstMemoryType=2, srcPitch=n // self.rows, dstPitch=n // self.rows)
         g.memcpys.append((node, p))
         self.exec_params[node] = Memcpy3D.from_buffer_copy(p)
 
         def copy(node: int = node) -> None:
             q = self.exec_params[node]
-            ctypes.memmove(q.dstDevice, q.srcDevice, q.WidthInBytes)
+            ctypes.memmove(q.dstDevice, q.srcDevice, q.WidthInBytes * q.Height)
 
         g.work.append(copy)
         return 0
@@ -250,6 +251,17 @@ def test_nodes_not_found_copy_with_the_driver(noded) -> None:  # noqa: ANN001
     the placeholders and out of the output's placeholder (which the graph's own copies
     read and fill), right every call."""
     noded.drv.find = False
+    _not_found(noded)
+
+
+def test_nodes_of_another_form_copy_with_the_driver(noded) -> None:  # noqa: ANN001
+    """A captured copy the driver keeps as two rows of bytes (not the one row a call's update
+    re-points): not taken as the call's node; the graph copies with the driver."""
+    noded.drv.rows = 2
+    _not_found(noded)
+
+
+def _not_found(noded) -> None:  # noqa: ANN001
     body, b = _Body(), torch.randn(8, 4)
     _state._warned.discard("plan-graph-nodes-test_op")
     with warnings.catch_warnings(record=True) as w:
