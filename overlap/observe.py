@@ -56,6 +56,7 @@ import functools
 import os
 import statistics
 import itertools
+import sys
 import threading
 import warnings
 from collections import deque
@@ -429,12 +430,37 @@ def _resolve_locked(limit: int | None = None, drop: bool = False) -> None:
 
 
 def reset_report() -> None:
-    """Forget everything recorded (events still pending are dropped)."""
+    """Forget everything recorded (events still pending are dropped; the plan graphs'
+    counts start again from here)."""
     with _lock:
         for d in (_calls, _warnings, _timeouts, _tunings, _alone, _samples, _engines):
             d.clear()
         _pending.clear()
         _dropped[0] = 0
+        g = sys.modules.get("overlap.ops._graphs")
+        _graphs_base.clear()
+        if g is not None:
+            _graphs_base.update(g.stats)
+
+
+_graphs_base: dict[str, int] = {}
+"""The plan graphs' counts (``overlap.ops._graphs.stats``) at the last ``reset_report``."""
+
+
+def _plan_graphs() -> dict | None:
+    """The plan graphs' counts since the last ``reset_report`` (captured, replayed, of those
+    through memcpy nodes (``noded``) or the relay's kernels (``relayed``), refused, dropped),
+    the graphs alive and how a capture now copies (``copies``); None where no op has made
+    or tried one."""
+    g = sys.modules.get("overlap.ops._graphs")
+    if g is None:
+        return None
+    got: dict[str, Any] = {k: v - _graphs_base.get(k, 0) for k, v in g.stats.items()}
+    if not any(got.values()):
+        return None
+    got["live"] = len(g.live)
+    got["copies"] = g.copies()
+    return got
 
 
 # ---- the report -----------------------------------------------------------------------
@@ -465,26 +491,30 @@ class Report:
     {count, last} or None; ``timing`` [{path, serial, calls, op_ms, comm_ms, gemm_ms,
     other phases' medians, comm_alone_ms, gemm_alone_ms, hidden}] (ms are medians;
     ``hidden`` None where an alone-time is missing). A note: ``op``, ``warnings``,
-    ``timeouts`` as in a row."""
+    ``timeouts`` as in a row. ``plan_graphs``: the plan graphs' counts since the last
+    ``reset_report`` and how new captures copy, or None where none was made or tried."""
 
     def __init__(self, rows: list[dict], dropped: int = 0, pending: int = 0,
-                 notes: list[dict] | None = None, engines: list[dict] | None = None) -> None:
+                 notes: list[dict] | None = None, engines: list[dict] | None = None,
+                 plan_graphs: dict | None = None) -> None:
         self.rows = rows
         self.notes = notes or []
         self.engines = engines or []
+        self.plan_graphs = plan_graphs
+        """The plan graphs' counts (``_plan_graphs``), or None."""
         self.dropped = dropped
         self.pending = pending
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps({"rows": self.rows, "notes": self.notes, "engines": self.engines,
-                           "dropped_timings": self.dropped,
+                           "plan_graphs": self.plan_graphs, "dropped_timings": self.dropped,
                            "pending_timings": self.pending}, **kw)
 
     def __repr__(self) -> str:
         return f"Report({len(self.rows)} rows)"
 
     def __str__(self) -> str:
-        if not self.rows and not self.notes and not self.engines:
+        if not self.rows and not self.notes and not self.engines and not self.plan_graphs:
             return "overlap report: no calls recorded"
         head = ("op", "shape", "path (why)", "calls", "op ms", "comm alone", "gemm alone", "hidden")
         lines: list[tuple] = []
@@ -521,6 +551,12 @@ class Report:
         for e in self.engines:
             m, n, k, dt = e["gemm"]
             notes.append(f"GEMM {m}x{n}x{k} {dt}: engine {e['engine']} ({e['why']})")
+        g = self.plan_graphs
+        if g:
+            notes.append(f"plan graphs: {g['captured']} captured, {g['replayed']} call(s) replayed "
+                         f"({g['noded']} through memcpy nodes, {g['relayed']} through the relay's kernels, "
+                         f"{g['replayed'] - g['noded'] - g['relayed']} with driver copies), {g['refused']} refused, "
+                         f"{g['dropped']} dropped, {g['live']} alive; new captures copy with: {g['copies']}")
         if self.pending or self.dropped:
             notes.append(f"timings: {self.pending} call(s) not complete yet, {self.dropped} dropped")
         return "\n".join(out + notes)
@@ -576,7 +612,7 @@ def report() -> Report:
                 "timing": _timing(e["samples"], _alone.get((op, shape), {})),
             })
         engines = [{"gemm": list(k), "engine": v[0], "why": v[1]} for k, v in sorted(_engines.items(), key=str)]
-        return Report(rows, _dropped[0], len(_pending), notes, engines)
+        return Report(rows, _dropped[0], len(_pending), notes, engines, _plan_graphs())
 
 
 def _timing(by: dict[tuple, dict], alone_given: dict) -> list[dict]:

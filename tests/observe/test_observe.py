@@ -557,3 +557,31 @@ def test_kernels_carry_their_launch_metadata() -> None:
                 "x_ptr": torch.empty(0), "b_ptr": torch.empty(0), "w_ptr": torch.empty(0), "HAS_RES": True,
                 "NORM": 1, "HAS_BIAS": True, "FOLD": False, "WORLD": 2, "slot_stride": 64 * 64}
         fn((4, 1, 1), _kernel("k"), Strict({k: v for k, v in base.items() if k in names}))
+
+
+def test_report_counts_plan_graphs_since_its_reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's plan-graph line: captures, replays by how they copied, refusals, drops,
+    the graphs alive and how a new capture copies, counted from the last ``reset_report``;
+    none where no graph was made or tried since."""
+    import json
+
+    from overlap.ops import _graphs
+
+    for k in _graphs.stats:
+        monkeypatch.setitem(_graphs.stats, k, 5)  # counts from before the reset
+    monkeypatch.setattr(_graphs, "COPIES", "nodes")
+    observe.reset_report()
+    assert observe.report().plan_graphs is None and "plan graphs" not in str(observe.report())
+    _graphs.stats["captured"] += 2
+    _graphs.stats["replayed"] += 10
+    _graphs.stats["noded"] += 7
+    _graphs.stats["relayed"] += 1
+    rep = observe.report()
+    assert rep.plan_graphs["captured"] == 2 and rep.plan_graphs["replayed"] == 10 and rep.plan_graphs["dropped"] == 0
+    line = [x for x in str(rep).splitlines() if x.startswith("plan graphs:")]
+    assert line == [f"plan graphs: 2 captured, 10 call(s) replayed (7 through memcpy nodes, 1 through the relay's "
+                    f"kernels, 2 with driver copies), 0 refused, 0 dropped, {len(_graphs.live)} alive; new captures "
+                    "copy with: nodes"], line
+    assert json.loads(rep.to_json())["plan_graphs"]["noded"] == 7
+    observe.reset_report()
+    assert observe.report().plan_graphs is None
