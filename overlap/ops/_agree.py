@@ -353,9 +353,14 @@ def _initialized() -> bool:
 def _resolve(group: Any) -> Any:
     if group is not None:
         return group
-    from ._runtime import resolve_group
+    if not _resolver:  # (an import statement per call cost about 1 us: the function is kept)
+        from ._runtime import resolve_group
 
-    return resolve_group(None)
+        _resolver.append(resolve_group)
+    return _resolver[0](None)
+
+
+_resolver: list[Any] = []
 
 
 def _is_capture_error(e: BaseException) -> bool:

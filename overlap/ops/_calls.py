@@ -109,7 +109,7 @@ class CallPlan:
     """What the full path of one op decided for one signature (see the module docstring)."""
 
     __slots__ = ("op", "names", "values", "rows_at", "sig", "shape", "path", "why", "config", "transport", "key",
-                 "body")
+                 "body", "kept_as")
 
     def __init__(self, op: str, names: tuple[str, ...], values: tuple[int, ...], rows_at: int | None, sig: tuple,
                  shape: tuple[int, ...], path: str, why: str, config: Any, transport: str) -> None:
@@ -118,6 +118,10 @@ class CallPlan:
         self.key = agree_key(op, names, values, rows_at)
         self.body: BoundBody | None = None
         """The bound body (NCCL transport), made by the signature's first call from this plan."""
+        self.kept_as: tuple | None = None
+        """The key object it is kept under in its op's call plans (``keep``): the index marks
+        it used by that very object (a lookup by identity, not by comparing an equal key's
+        config field by field)."""
 
     def __repr__(self) -> str:
         agreed = ", ".join(f"{n}={v}" for n, v in zip(self.names, self.values))
@@ -169,6 +173,8 @@ def index(key: tuple, gen: int, group: Any, config: Any, env: str | None, rt: Ru
     entry stale, never wrong). Bounded: past ``INDEX_CAP`` entries the index starts again."""
     if len(_index) >= INDEX_CAP:
         _index.clear()
+    if cp.kept_as is not None and cp.kept_as == plan_key:
+        plan_key = cp.kept_as
     _index[key] = (gen, group, config, env, (rt, cp, cfg, transport), tuned_cache, tuned_key,
                    call_plans(rt, cp.op), plan_key)
 
@@ -187,6 +193,7 @@ def keep(rt: Runtime, key: tuple, cp: CallPlan) -> None:
         if key in plans:  # made already (a full-path call of a planned signature: a capture, an
             return        # unaligned input): the plan in use, its body and graph, stay
         plans[key] = cp
+        cp.kept_as = key
     except TypeError:
         return
     stats["made"] += 1

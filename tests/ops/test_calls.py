@@ -493,3 +493,27 @@ def test_gathered_rows_in_rank_order_without_a_copy_at_one_rank() -> None:
     assert got.data_ptr() != g.data_ptr()
     assert torch.equal(got, g[torch.tensor(layout.gathered_to_natural())])
     assert not torch.equal(got, g)
+
+
+def test_the_index_marks_a_plan_used_by_its_own_key_object() -> None:
+    """An index entry holds the very key object its plan is kept under (an equal key of the
+    full lookup is swapped for it), so marking the plan used per call finds it by identity,
+    not by comparing a config field by field."""
+    from overlap.ops import OverlapConfig
+    from overlap.ops._runtime import Runtime
+
+    rt = Runtime.__new__(Runtime)
+    rt._caches = {}
+    kept = ("shape", OverlapConfig(chunks=2), "nccl")
+    cp = _calls.CallPlan("all_gather_matmul", (), (), None, (), (1, 1, 1), "nccl", "x", kept[1], "nccl")
+    _calls.keep(rt, kept, cp)
+    assert cp.kept_as is kept
+    equal = ("shape", OverlapConfig(chunks=2), "nccl")  # what a later full lookup builds
+    assert equal == kept and equal is not kept
+    ikey = ("test-kept-as", 1)
+    _calls.index(ikey, _calls.generation(), None, None, None, rt, cp, kept[1], "nccl", None, None, equal)
+    try:
+        assert _calls._index[ikey][8] is kept
+        assert _calls.index_lookup(ikey, None, None) == (rt, cp, kept[1], "nccl")
+    finally:
+        _calls._index.pop(ikey, None)
