@@ -455,7 +455,9 @@ def _plan_graphs() -> dict | None:
     g = sys.modules.get("overlap.ops._graphs")
     if g is None:
         return None
-    got: dict[str, Any] = {k: v - _graphs_base.get(k, 0) for k, v in g.stats.items()}
+    base = dict(_graphs_base)
+    # (a count below its base was set back since the reset: counted from 0)
+    got: dict[str, Any] = {k: v - base.get(k, 0) if v >= base.get(k, 0) else v for k, v in g.stats.items()}
     if not any(got.values()):
         return None
     got["live"] = len(g.live)
@@ -553,10 +555,11 @@ class Report:
             notes.append(f"GEMM {m}x{n}x{k} {dt}: engine {e['engine']} ({e['why']})")
         g = self.plan_graphs
         if g:
+            driven = max(0, g["replayed"] - g["noded"] - g["relayed"])
             notes.append(f"plan graphs: {g['captured']} captured, {g['replayed']} call(s) replayed "
                          f"({g['noded']} through memcpy nodes, {g['relayed']} through the relay's kernels, "
-                         f"{g['replayed'] - g['noded'] - g['relayed']} with driver copies), {g['refused']} refused, "
-                         f"{g['dropped']} dropped, {g['live']} alive; new captures copy with: {g['copies']}")
+                         f"{driven} with driver copies), {g['refused']} refused, {g['dropped']} dropped, "
+                         f"{g['live']} alive; new captures copy with: {g['copies']}")
         if self.pending or self.dropped:
             notes.append(f"timings: {self.pending} call(s) not complete yet, {self.dropped} dropped")
         return "\n".join(out + notes)
@@ -574,6 +577,7 @@ def report() -> Report:
     One pass over each record groups it by (op, shape), so the report takes time
     linear in the number of records (plus sorting the rows). What an op recorded
     without a shape (``shape == ()``: a process-wide warning) goes to ``notes``."""
+    graphs = _plan_graphs()  # (outside the lock: it may warn, and a warning takes the lock)
     with _lock:
         _resolve_locked()
         by: dict[tuple, dict] = {}
@@ -612,7 +616,7 @@ def report() -> Report:
                 "timing": _timing(e["samples"], _alone.get((op, shape), {})),
             })
         engines = [{"gemm": list(k), "engine": v[0], "why": v[1]} for k, v in sorted(_engines.items(), key=str)]
-        return Report(rows, _dropped[0], len(_pending), notes, engines, _plan_graphs())
+        return Report(rows, _dropped[0], len(_pending), notes, engines, graphs)
 
 
 def _timing(by: dict[tuple, dict], alone_given: dict) -> list[dict]:

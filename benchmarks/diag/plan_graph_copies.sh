@@ -2,7 +2,8 @@
 # The three ways a plan graph copies its activations in and outputs out, on one GPU, in one job:
 #   bash benchmarks/diag/plan_graph_copies.sh OUT_DIR [STEP_PREFIX ...]
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`;
-# all of it takes some 8-10 minutes on an H200 host)
+# all of it can take more than 10 minutes on an H200 host: where one command is bounded by
+# that, run it in two, e.g. `nodes_unit check_ host_nodes1 host_driver` then the rest)
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
@@ -13,11 +14,12 @@
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
-out="$1"
+mkdir -p "$1" || exit 1
+out="$(cd "$1" && pwd)"  # (absolute: the steps run from the repository's root)
 shift
-prefixes=("$@")
+prefixes=()
+for p in "$@"; do [ -n "$p" ] && prefixes+=("$p"); done  # (an empty prefix: ignored)
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-mkdir -p "$out"
 cd "$repo" || exit 1
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
     PYTHONUNBUFFERED=1
@@ -29,7 +31,7 @@ step() {  # step NAME SECONDS CMD...
         [ -z "$p" ] && return 0
     fi
     echo "== $name: $*" > "$out/$name.log"
-    timeout "$secs" "$@" >> "$out/$name.log" 2>&1
+    timeout -k 15 "$secs" "$@" >> "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log"
     tail -n 1 "$out/$name.log" | sed "s/^/$name /"
 }

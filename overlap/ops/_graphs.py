@@ -708,9 +708,9 @@ def _replay(rt: Any, cp: Any, body: Any, g: PlanGraph, args: tuple) -> Any:
             out = body.fused(*args)
             rt.seen.add((cp.op, cp.sig))
             return out
+        stats["replayed"] += 1  # (counted with how it copied, before a report that may raise)
         report_eager(body.err, body.check)
     _seen(rt.seen, (cp.op, cp.sig))
-    stats["replayed"] += 1
     return out
 
 

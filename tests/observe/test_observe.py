@@ -585,3 +585,26 @@ def test_report_counts_plan_graphs_since_its_reset(monkeypatch: pytest.MonkeyPat
     assert json.loads(rep.to_json())["plan_graphs"]["noded"] == 7
     observe.reset_report()
     assert observe.report().plan_graphs is None
+
+
+def test_report_with_plan_graphs_and_a_setting_it_warns_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report whose plan-graph line reads a setting that warns (an unknown
+    ``OVERLAP_PLAN_GRAPH_COPIES``) returns: the warning is recorded outside the report's
+    lock, never waited for under it."""
+    import threading
+
+    from overlap.ops import _graphs, _state
+
+    observe.reset_report()
+    monkeypatch.setattr(_graphs, "COPIES", None)
+    monkeypatch.setenv("OVERLAP_PLAN_GRAPH_COPIES", "nodez")
+    monkeypatch.setitem(_graphs.stats, "refused", _graphs.stats["refused"] + 1)
+    _state._warned.discard("plan-graph-copies-nodez")
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(observe.report()), daemon=True)
+    with pytest.warns(UserWarning, match="nodez"):
+        t.start()
+        t.join(timeout=30)
+    assert got, "report() did not return (a lock taken twice)"
+    assert got[0].plan_graphs["copies"] == "driver" and got[0].plan_graphs["refused"] == 1
+    observe.reset_report()
