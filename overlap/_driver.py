@@ -51,26 +51,32 @@ def _load() -> Any:
             if _lib is None:
                 try:
                     lib = ctypes.CDLL("libcuda.so.1")
-                    u64, size = ctypes.c_uint64, ctypes.c_size_t
-                    # CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
-                    lib.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, size, ctypes.c_void_p]
-                    lib.cuMemcpyDtoDAsync_v2.restype = ctypes.c_int
-                    # CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t n, CUstream s)
-                    lib.cuMemsetD32Async.argtypes = [u64, ctypes.c_uint, size, ctypes.c_void_p]
-                    lib.cuMemsetD32Async.restype = ctypes.c_int
-                    # CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
-                    lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
-                    lib.cuStreamWriteValue32_v2.restype = ctypes.c_int
-                    # CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
-                    lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
-                    lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
-                    _graph_api(lib)
-                    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-                    lib.cuGetErrorName.restype = ctypes.c_int
+                    _bind(lib)
                 except (OSError, AttributeError):
                     lib = False
                 _lib = lib
     return _lib
+
+
+def _bind(lib: Any) -> None:
+    """Argument and result types of the driver calls on ``lib`` (the driver library, or a
+    stand-in that takes attributes); ``AttributeError`` where the driver lacks one."""
+    u64, size = ctypes.c_uint64, ctypes.c_size_t
+    # CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+    lib.cuMemcpyDtoDAsync_v2.argtypes = [u64, u64, size, ctypes.c_void_p]
+    lib.cuMemcpyDtoDAsync_v2.restype = ctypes.c_int
+    # CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t n, CUstream s)
+    lib.cuMemsetD32Async.argtypes = [u64, ctypes.c_uint, size, ctypes.c_void_p]
+    lib.cuMemsetD32Async.restype = ctypes.c_int
+    # CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
+    lib.cuStreamWriteValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
+    lib.cuStreamWriteValue32_v2.restype = ctypes.c_int
+    # CUresult cuStreamWaitValue32_v2(CUstream s, CUdeviceptr addr, cuuint32_t value, unsigned flags)
+    lib.cuStreamWaitValue32_v2.argtypes = [ctypes.c_void_p, u64, ctypes.c_uint32, ctypes.c_uint]
+    lib.cuStreamWaitValue32_v2.restype = ctypes.c_int
+    _graph_api(lib)
+    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuGetErrorName.restype = ctypes.c_int
 
 
 def _graph_api(lib: Any) -> None:
