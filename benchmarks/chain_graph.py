@@ -22,6 +22,10 @@ two kernels):
 - ``fc1``, ``fc2``: each tile kernel alone over every SM (their sum is what stream sync
   costs without the gap between them).
 
+fc2 in the chain and in stream sync runs on the engine the consumer ops take
+(``overlap.kernels.engine``: the Gluon GEMM where it measured faster, else the tile GEMM;
+``OVERLAP_GEMM_ENGINE`` forces one); ``fc2_engines`` names what each took per tile.
+
 each eager (``calls`` calls queued back to back, after a sleep that keeps the GPU ahead
 of the host, so host time is hidden) and as a CUDA graph of ``calls`` calls, in
 interleaved rounds, medians of ms per call. Before timing, each captured graph is
@@ -178,6 +182,11 @@ def run_shape(sh: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
         row[f"flag_over_sync_{mode}"] = min(ms[f"stream-sync {mode}"], ms[f"sync own {mode}"]) / best
         row[f"flag_over_torch_{mode}"] = ms[f"torch {mode}"] / best
     row["fc1_plus_fc2_ms"] = ms["fc1 graph"] + ms["fc2 graph"]
+    # the engine fc2 took in the chain (waiting on fc1's flags) and in stream sync (alone)
+    from overlap.kernels import engine
+
+    row["fc2_engines"] = {("wait" if p[9] else "alone") + f" {p[5]}x{p[6]}": label
+                          for p, (label, _why) in engine.picks().items() if p[:3] == (m, k, f)}
     del graphs
     torch.cuda.synchronize()
     return row
@@ -210,7 +219,7 @@ def main() -> None:
               f" flag/torch {r['flag_over_torch_graph']:.3f} | eager flag/sync {r['flag_over_sync_eager']:.3f} "
               f"flag/torch {r['flag_over_torch_eager']:.3f} | model {r['wave_model']['ceiling']:.3f} "
               f"tuned {r['wave_model']['tuned']:.3f} | waves {r['fc1_waves']:.2f}/{r['fc2_waves']:.2f} | "
-              f"err {max(r['rel_err'].values()):.1e}", flush=True)
+              f"err {max(r['rel_err'].values()):.1e} | fc2 {r['fc2_engines']}", flush=True)
     out = {"context": run_context(1), "rows": rows, "left_out": left_out,
            "args": {"rows": rows_m, "rounds": args.rounds, "calls": args.calls}}
     if args.out:

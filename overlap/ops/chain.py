@@ -43,6 +43,12 @@ their tiles statically; the consumer's programs end with a wait for the producer
 grid (``griddepcontrol.wait``), so work queued behind the consumer comes after both,
 even when a failed wait let consumer tiles skip theirs.
 
+fc2 runs on the GEMM engine the consumer ops take (``overlap.kernels.engine``): under
+RowSync with ``launch="streams"`` the warp-specialized Gluon GEMM where it runs on this GPU
+and measured faster at fc2's first launch, else (TileSync, PDL, or slower) the tile GEMM.
+The argument above holds for both: the Gluon GEMM's loader warp takes tiles from the same
+counter (one ahead of its MMA warps, which never spin) and its waits are bounded alike.
+
 One hazard is outside the kernels: loading a kernel's module (CUDA loads
 modules lazily, Triton on first launch) waits while a spinning kernel holds
 the GPU. Enqueued first, a consumer therefore times out if the producer's
@@ -95,7 +101,7 @@ from . import _calls, _graphs
 from ._agree import check_dtype, named
 from ._calls import aligned, grad_refused, tensor_key
 from ._runtime import (MAX_SMS, MAX_TIMEOUT_MS, MIN_TIMEOUT_MS, check_gemm_field)
-from ._runtime import (LRU, OverlapCaptureError, Runtime, capturing, env_sm_margin, keep_for_capture,
+from ._runtime import (LRU, OverlapCaptureError, Runtime, capturing, env_sm_margin, gemm_plan, keep_for_capture,
                        local_runtime, local_runtime_if_made, observed, on_stream, refuse_grad, report_errors,
                        serial_phases, warn_once)
 
@@ -181,6 +187,17 @@ def _runtime(device: torch.device) -> Runtime:
 def _tables_of(rt: Runtime) -> LRU:
     """Tile tables on ``rt`` by shape and config, the 64 most recently used (a new M builds new ones)."""
     return rt.cache("mlp_chain.tables", 64)
+
+
+def _consumers(rt: Runtime, key: tuple) -> LRU:
+    """The consumer GEMM's plans (``_runtime.gemm_plan``: the tile GEMM's, or an engine plan
+    that measures it against the Gluon GEMM at its first launch) for the chain tables of
+    ``key``, by the flag and counter words they wait on and count with."""
+    plans = rt.cache("mlp_chain.consumers", 64)
+    got = plans.get(key)
+    if got is None:
+        got = plans[key] = LRU(8)
+    return got
 
 
 def _tuned(rt: Runtime) -> LRU:
@@ -279,8 +296,10 @@ def _takes_fast_path(x: torch.Tensor) -> bool:
 
 def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
                           activation: str | None = "gelu", config: ChainConfig | None = None) -> torch.Tensor:
-    """The same two tile kernels as ``mlp_chain``, one after the other on the
-    current stream, each over every SM (no flags): the stream-synchronized baseline."""
+    """The same two GEMMs as ``mlp_chain``, one after the other on the current stream, each
+    over every SM (no flags): the stream-synchronized baseline. fc2 runs on the engine
+    ``mlp_chain``'s consumer takes (``overlap.kernels.engine``: the Gluon GEMM where it
+    measured faster on this GEMM without waits, else the tile GEMM)."""
     from ..kernels.tile_gemm import launch_tile_gemm
 
     _check_inputs(x, w1, w2, activation)
@@ -304,7 +323,11 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     if tm:
         tm.stop("comm")
         tm.start("gemm")
-    launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms, config=cfg.consumer or pc)
+    # fc2 on the engine the chain's consumer takes (the same GEMM, without waits)
+    cc = cfg.consumer or pc
+    gp = gemm_plan(_consumers(rt, (m, f, n, pc, cc, cfg.sync, "stream-sync")), mid, w2, y, cons, flags=cons,
+                   err=cons, timeout_ns=0, config=cc)  # (no waits: flags and error word never read)
+    gp.launch(gp.operands(mid, w2), y, epoch=0, grid=rt.num_sms)
     if tm:
         tm.stop("gemm")
         tm.commit()
@@ -514,8 +537,17 @@ def _fused(rt: Runtime, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act
                                  pdl_trigger=pdl, **common)
 
         def consumer() -> None:
-            launch_tile_gemm(mid, w2, y, cons, grid=rt.num_sms - cfg.reserve_sms - margin, config=cc, wait=True,
-                             counter=w.counters[4:5], k_wait=k_wait, pdl_dependent=pdl, **common)
+            grid = rt.num_sms - cfg.reserve_sms - margin
+            if pdl:  # (a programmatic dependent launch: the tile GEMM's launch function only)
+                launch_tile_gemm(mid, w2, y, cons, grid=grid, config=cc, wait=True, counter=w.counters[4:5],
+                                 k_wait=k_wait, pdl_dependent=True, **common)
+                return
+            # the engine the consumer ops' GEMMs take: the Gluon GEMM where it runs RowSync's
+            # waits and measured faster (``overlap.kernels.engine``), else the tile GEMM
+            gp = gemm_plan(_consumers(rt, (m, f, n, pc, cc, cfg.sync)), mid, w2, y, cons, flags=w.flags,
+                           err=err.word, timeout_ns=timeout_ns, counter=w.counters[4:5], config=cc, wait=True,
+                           k_wait=k_wait)
+            gp.launch(gp.operands(mid, w2), y, epoch=1, grid=grid)
 
         try:
             if pdl:

@@ -875,3 +875,69 @@ def test_bound_body_python_calls_are_few() -> None:
         total = sum(nc for (_, _, _), (_, nc, _, _, _) in st.stats.items()) / calls
         lib = sum(nc for (f, _, _), (_, nc, _, _, _) in st.stats.items() if os.path.abspath(f).startswith(pkg)) / calls
         assert 5 <= lib <= 20 and total <= 80, (lib, total)
+
+
+@interpreted
+def test_chain_fused_consumer_on_the_engine() -> None:
+    """``mlp_chain``'s fused body (``chain._fused``) on a stand-in runtime, its kernels
+    interpreted: RowSync and TileSync, gelu and none, fc2's B in both layouts, new inputs
+    every call. y matches torch; fc2 is made once per tables and words by the consumer
+    ops' engine (``gemm_plan`` -> ``engine_plan``, waiting on the chain's row flags and
+    counting with its own counter; the interpreter's pick is the tile GEMM) and reused;
+    the stream-synced baseline's fc2 takes the same engine, without waits."""
+    from unittest import mock
+
+    from overlap.kernels import engine
+    from overlap.ops import chain
+
+    class Stream(_NcclStandIn.Stream):
+        def wait_stream(self, other):
+            pass
+
+    rt = _NcclStandIn()
+    rt.Stream, rt.seen = Stream, set()
+    rt.comm_stream = rt.aux_stream = Stream()
+    made = []
+    real = engine.engine_plan
+
+    def engine_plan(a, b, c, table, **kw):
+        made.append(kw)
+        return real(a, b, c, table, **kw)
+
+    g = torch.Generator().manual_seed(9)
+    m, k, f, n = 40, 32, 48, 32
+    fused0, synced0 = chain.stats["fused"], chain.stats["stream_sync"]
+    with rt.patched(), mock.patch.object(torch.cuda, "current_stream", lambda *a: Stream()), \
+            mock.patch.object(engine, "engine_plan", engine_plan), \
+            mock.patch.object(chain, "_runtime", lambda device: rt), \
+            mock.patch.object(chain, "_takes_fast_path", lambda x: True), \
+            mock.patch.object(chain, "_validate_cuda", lambda *a: None):
+        for sync, act, kn in (("row", "gelu", False), ("tile", None, True), ("row", None, True)):
+            cfg = chain.ChainConfig(producer=CFG, sync=sync, check="sync")
+            w1 = (torch.randn(f, k, generator=g) / k ** 0.5).t()
+            w2 = (torch.randn(n, f, generator=g) / f ** 0.5).t()
+            if kn:
+                w2 = w2.contiguous()
+            del made[:]
+            for it in range(3):
+                x = torch.randn(m, k, generator=g)
+                want = x @ w1
+                if act == "gelu":
+                    want = torch.nn.functional.gelu(want)
+                want = want @ w2
+                y = chain._fused(rt, x, w1, w2, act, cfg, False, 0)
+                assert _rel(y, want) < TOL[torch.float32], (sync, act, kn, it, _rel(y, want))
+                ref0 = chain.stats["reference"]
+                y = chain.mlp_chain_stream_sync(x, w1, w2, activation=act, config=cfg)
+                assert _rel(y, want) < TOL[torch.float32], ("stream sync", sync, act, kn, it)
+                assert chain.stats["reference"] == ref0, "the baseline ran torch"
+            # one plan per consumer kind, made at the first call and reused by the next two
+            assert len(made) == 2, (sync, made)
+            waits, plain = made
+            words = rt.local_words(chain.OP, 8, 1)
+            assert waits["wait"] is True and waits["counter"].data_ptr() == words.counters[4:5].data_ptr(), waits
+            assert waits["flags"].data_ptr() == words.flags.data_ptr()
+            assert waits["k_wait"] == (0 if sync == "row" else chain._tables(rt, m, f, n, cfg)[4]) and \
+                waits["config"] == CFG
+            assert not plain.get("wait") and plain.get("counter") is None and plain["config"] == CFG, plain
+    assert chain.stats["fused"] == fused0 + 9 and chain.stats["stream_sync"] == synced0 + 9
