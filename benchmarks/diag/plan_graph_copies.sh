@@ -10,7 +10,9 @@
 # 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
 #    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/;
 # 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call);
-# 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound.
+# 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound;
+# 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
+#    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -49,3 +51,6 @@ for kind in nodes driver graph nodes; do
 done
 step launch 300 python benchmarks/diag/plan_graph_launch.py --out "$out/launch"
 step planned_gluon 300 python tests/gpu/planned_check.py --engine gluon
+step gluon_chain 300 python tests/gpu/chain_check.py --engine gluon
+step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --rounds 3 --max-seconds 200 \
+    --out "$out/chain_graph"
