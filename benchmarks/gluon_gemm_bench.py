@@ -53,9 +53,11 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "128x128": dict(block_m=128, block_n=128, stages=4),
     "pp128x128": dict(block_m=128, block_n=128, stages=5, pingpong=True),
     "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
+    "128x192": dict(block_m=128, block_n=192, stages=4),
 }
-"""The configs checked and timed: both MMA warpgroups on one tile, and (``pp``) ping-pong."""
-DYNAMIC_VARIANTS = ("128x256", "pp128x128")
+"""The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, and
+a 192-column tile as two accumulators (``GluonGemmConfig.wide``)."""
+DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192")
 """The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 
 

@@ -14,7 +14,9 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
 - a table of a tile it has (128x256, 256x128, 128x128; 64x256 in ping-pong); a table of
   128x256 (256x128) tiles may also run as its column (row) halves on ping-pong 128x128
   (``HALF_CONFIGS``, ``split_columns`` / ``split_rows``: each tile's flag, multiple and row
-  cut kept, twice the tiles);
+  cut kept, twice the tiles); with ``OVERLAP_GLUON_WIDE=1`` a table of 128-row tiles may
+  also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
+  tiled again, its flag, multiple and row cut kept);
 - bf16 / fp16 on an sm_90 GPU, a Triton whose Gluon it knows (``_gluon_compat``);
 
 and not: posts (producer tiles), split tiles, a folded norm, several weights, TileSync,
@@ -52,7 +54,7 @@ from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
 __all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
-           "split_rows",
+           "split_rows", "retile_columns", "wide_enabled", "WIDE_ENV",
            "engine_plan",
            "EnginePlan", "picks"]
 
@@ -78,6 +80,23 @@ the table's tiles cut into its two column halves (``split_columns``) or row halv
 (``split_rows``), so every tile keeps the op's A source, flag, multiple and row cut.
 Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep shapes
 (docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
+
+WIDE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
+    (128, 256): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
+    (128, 128): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
+}
+"""Gluon configs of a 192-column tile (``GluonGemmConfig.wide``), measured on a table of
+128-row tiles retiled to 192 columns (``retile_columns``: each row block's flag, multiple
+and row cut kept) where ``OVERLAP_GLUON_WIDE=1``. Where 256 columns leave a partial wave,
+192 may fill one (N = 1536, M = 2048: 96 tiles of 128x256 on 132 SMs, 128 of 128x192).
+Off by default until a GPU has checked the kernel and timed it (docs/experiments.md)."""
+WIDE_ENV = "OVERLAP_GLUON_WIDE"
+
+
+def wide_enabled() -> bool:
+    """``OVERLAP_GLUON_WIDE`` is 1 (or on, true, yes): the engine also measures ``WIDE_CONFIGS``."""
+    return os.environ.get(WIDE_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+
 
 MARGIN = 0.01
 """How much faster (a fraction of the tile GEMM's time) the Gluon GEMM must measure to be picked."""
@@ -119,9 +138,12 @@ def unavailable(device: Any, dtype: Any) -> str | None:
 
 def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
-    the tile itself first, then those that run its halves (``HALF_CONFIGS``)."""
+    the tile itself first, then those that run its halves (``HALF_CONFIGS``), then (with
+    ``OVERLAP_GLUON_WIDE=1``) those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
     tile = (config.block_m, config.block_n)
-    return TILE_CONFIGS.get(tile, ()) + HALF_CONFIGS.get(tile, ())
+    if not TILE_CONFIGS.get(tile):
+        return ()
+    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + (WIDE_CONFIGS.get(tile, ()) if wide_enabled() else ())
 
 
 def split_columns(table: Any, n: int, block_n: int) -> Any:
@@ -149,6 +171,49 @@ def split_columns(table: Any, n: int, block_n: int) -> Any:
     out = table.repeat_interleave(2, dim=0)
     out[:, _p.COL_N_TILE] = 2 * out[:, _p.COL_N_TILE] + torch.arange(out.shape[0], dtype=torch.int32) % 2
     return out[out[:, _p.COL_N_TILE] * (block_n // 2) < n].contiguous()
+
+
+def retile_columns(table: Any, n: int, block_n: int, new_n: int) -> Any:
+    """A tile table (int32 [T, 8], one weight) of ``block_n``-wide tiles as one of
+    ``new_n``-wide tiles over the same rows: each row block (A rows, source, C rows) gets
+    the column tiles that cover N at the new width, with the row block's flag and multiple,
+    in the order of the old tiles they start in (so the old table's group order holds).
+    Every row block must have every old column tile once, and one flag and multiple; tables
+    that post are refused (a post counts tiles). A CPU tensor in, a CPU tensor out."""
+    import torch
+
+    if block_n <= 0 or new_n <= 0:
+        raise ValueError(f"retile_columns: widths must be positive, got {block_n} and {new_n}")
+    if table.dim() != 2 or table.shape[1] != _p.TABLE_COLS or table.dtype != torch.int32:
+        raise ValueError(f"retile_columns: a table is int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
+    from ..policies import NO_FLAG
+
+    if bool((table[:, _p.COL_POST] != NO_FLAG).any()):
+        raise ValueError("retile_columns: a table whose tiles post cannot be retiled (each post counts a tile)")
+    nt = table[:, _p.COL_N_TILE].long()
+    cols = -(-n // block_n)
+    if bool((nt < 0).any()) or bool((nt >= cols).any()):
+        raise ValueError(f"retile_columns: column tiles must be in [0, {cols}) for N = {n} at {block_n} a tile")
+    key_cols = [_p.COL_A_ROW, _p.COL_A_SRC, _p.COL_C_ROW, _p.COL_C_ROWS]
+    blocks, inverse = torch.unique(table[:, key_cols], dim=0, return_inverse=True)
+    per = torch.zeros(blocks.shape[0], cols, dtype=torch.long)
+    per.index_put_((inverse, nt), torch.ones_like(nt), accumulate=True)
+    if not bool((per == 1).all()):
+        raise ValueError("retile_columns: each row block must have each column tile exactly once")
+    waits = table[:, [_p.COL_WAIT, _p.COL_WAIT_MULT]]
+    first = torch.zeros(blocks.shape[0], 2, dtype=table.dtype)
+    first[inverse] = waits
+    if not bool((first[inverse] == waits).all()):
+        raise ValueError("retile_columns: the tiles of a row block wait on different flags")
+    lo = nt * block_n
+    hi = torch.clamp((nt + 1) * block_n, max=n)
+    j0 = -(-lo // new_n)                   # the first new tile that starts in [lo, hi)
+    counts = torch.clamp(-(-hi // new_n) - j0, min=0)
+    out = table.repeat_interleave(counts, dim=0)
+    start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    out[:, _p.COL_N_TILE] = (torch.repeat_interleave(j0, counts) + torch.arange(out.shape[0]) - start).to(table.dtype)
+    return out.contiguous()
 
 
 def split_rows(table: Any, block_m: int) -> Any:
@@ -205,9 +270,9 @@ def picks() -> dict[tuple, tuple[str, str]]:
         return dict(_picks)
 
 
-def _label(cfg: GluonGemmConfig, halves: bool = False) -> str:
+def _label(cfg: GluonGemmConfig, how: str = "") -> str:
     return (f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
-            f"{' halves' if halves else ''}")
+            f"{' ' + how if how else ''}")
 
 
 def _record(problem: tuple, label: str, why: str) -> None:
@@ -255,9 +320,12 @@ def _env(device: Any) -> dict[str, Any]:
     the Gluon configs measured and the margin."""
     from .autotune import device_env
 
-    return {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
-            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
-            "timing": TIMING}
+    env = {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
+           "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
+           "timing": TIMING}
+    if wide_enabled():  # (picks measured without the wide configs keep their key)
+        env["wide"] = {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()}
+    return env
 
 
 def _disk_key(key: tuple, device: Any) -> str:
@@ -277,8 +345,10 @@ def _known(key: tuple, labels: tuple, device: Any) -> tuple[str, str] | None:
     with _lock:
         got = _measured.get(key)
         path = cache_path()
-        if got is not None or path is None:
-            return got
+        if got is not None:  # (a pick of a config no longer a candidate, OVERLAP_GLUON_WIDE changed: measured again)
+            return got if got[0] in ("tile", *labels) else None
+        if path is None:
+            return None
         if not _disk_loaded[0]:
             _disk_loaded[0] = True
             _disk.update(_read(path))
@@ -432,17 +502,24 @@ class EnginePlan:
 
     def label(self, cfg: GluonGemmConfig | None) -> str:
         """The engine's name in the report: "tile", or the Gluon config (+ " halves" where it
-        runs the column halves of the op's tiles)."""
-        return "tile" if cfg is None else _label(cfg, (cfg.block_m, cfg.block_n) != self.tile_shape)
+        runs the halves of the op's tiles, " retiled" where the op's row blocks at 192 columns)."""
+        if cfg is None:
+            return "tile"
+        if (cfg.block_m, cfg.block_n) == self.tile_shape:
+            return _label(cfg)
+        return _label(cfg, "retiled" if cfg.wide else "halves")
 
     def _table_for(self, cfg: GluonGemmConfig) -> Any:
         """The table ``cfg`` runs: the op's, or (a config of half its tile) its column or
-        row halves, built once from a host copy of the op's (not inside a capture)."""
+        row halves, or (a ``wide`` config) its row blocks at 192 columns, built once from a
+        host copy of the op's (not inside a capture)."""
         key = (cfg.block_m, cfg.block_n)
         t = self._tables.get(key)
         if t is None:
             tm, tn = self.tile_shape
-            if key == (tm, tn // 2):
+            if cfg.wide and tm == cfg.block_m:
+                split = lambda tab: retile_columns(tab, self.n, tn, cfg.block_n)  # noqa: E731
+            elif key == (tm, tn // 2):
                 split = lambda tab: split_columns(tab, self.n, tn)  # noqa: E731
             elif key == (tm // 2, tn):
                 split = lambda tab: split_rows(tab, tm)  # noqa: E731

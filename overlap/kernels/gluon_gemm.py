@@ -27,6 +27,12 @@ With ``GluonGemmConfig.pingpong`` the MMA warps are two partitions of one warpgr
 on alternate tiles of the program (``gluon_gemm_pp_kernel``): one's epilogue runs under
 the other's K loop, and a turn barrier hands the ring over between them.
 
+With ``GluonGemmConfig.wide`` (a 192-column tile, ``gluon_gemm_wide_kernel``) B and C are
+two TMA tiles each (128 and 64 columns) and the MMA warps hold two accumulators, issuing two
+wgmmas a K step: Gluon's register tiles have power-of-two sides, so a 192-wide accumulator
+is the two. It fills waves a 256-wide tile leaves partial (N = 1536 at M = 2048: 96 tiles of
+128x256 on 132 SMs, 128 of 128x192).
+
 Tiles are taken statically (program p runs rows p, p + G, ...) or, with a dispatch
 counter (``DYNAMIC``), from an atomic counter shared by every launch over the table (the
 give-back grid can join): the loader warp takes a tile and hands its index to the MMA
@@ -70,8 +76,9 @@ class GluonGemmConfig:
     ``pingpong`` 64 or 128 (one warpgroup's tile)."""
     block_n: int = 256
     """Columns of a C tile: 128 or 256 (a wgmma's N; Gluon's register tiles are powers of
-    two). With ``pingpong``, block_m x block_n at most 128 x 128 or 64 x 256: one
-    warpgroup holds the fp32 accumulator (128 registers a thread)."""
+    two), or 192 with block_m 128 (``wide``: two accumulators of 128 and 64 columns, two
+    wgmmas a K step). With ``pingpong``, block_m x block_n at most 128 x 128 or 64 x 256:
+    one warpgroup holds the fp32 accumulator (128 registers a thread)."""
     block_k: int = 64
     """K step of the ring."""
     stages: int = 3
@@ -87,7 +94,7 @@ class GluonGemmConfig:
     so each waits only on ring phases that its predecessor has seen complete."""
 
     def __post_init__(self) -> None:
-        tiles = ((64, 256), (128, 128)) if self.pingpong else ((128, 128), (128, 256), (256, 128))
+        tiles = ((64, 256), (128, 128)) if self.pingpong else ((128, 128), (128, 192), (128, 256), (256, 128))
         if (self.block_m, self.block_n) not in tiles:
             raise ValueError(f"GluonGemmConfig: a {'ping-pong ' if self.pingpong else ''}tile is one of "
                              f"{', '.join(f'{m}x{n}' for m, n in tiles)}, got {self.block_m}x{self.block_n}")
@@ -108,6 +115,19 @@ class GluonGemmConfig:
         c_tiles = 2 if self.pingpong else 1
         # + ring barriers, tile queue, turn barriers, and what the compiler adds
         return ring + c_tiles * self.block_m * self.block_n * elem + 16 * self.stages + 1024
+
+    @property
+    def wide(self) -> bool:
+        """A 192-column tile: C as two accumulators (128 and 64 columns), B and C as two TMA
+        tiles each (``gluon_gemm_wide_kernel``). A 192-wide tile fills the SMs where 256
+        leaves a partial wave: N = 1536 at M = 2048 is 128 tiles of 128x192 on 132 SMs, 96
+        of 128x256."""
+        return self.block_n == 192
+
+    @property
+    def kind(self) -> str:
+        """Which kernel runs the config: "pp" (``pingpong``), "wide" or "plain"."""
+        return "pp" if self.pingpong else ("wide" if self.wide else "plain")
 
     @property
     def num_warps(self) -> int:
@@ -238,16 +258,19 @@ if AVAILABLE:
         return t
 
     @gluon.jit
-    def _loader(a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs, ready, empty,
-                tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap, rows_span,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr, DYNAMIC: gl.constexpr,
-                CLIP: gl.constexpr, CONSUMERS: gl.constexpr):
+    def _loader(a_desc, a2_desc, b_desc, b1_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
+                b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
+                rows_span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
+                DYNAMIC: gl.constexpr, CLIP: gl.constexpr, WIDE: gl.constexpr, CONSUMERS: gl.constexpr):
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
         ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
         each tile from the dispatch counter and passes its index to the MMA side through the
         tile queue, then one end mark (``num_tiles``) per MMA consumer. With ``CLIP`` a tile
-        whose C rows the call's row blocks cut away (a dead tile) neither waits nor loads."""
+        whose C rows the call's row blocks cut away (a dead tile) neither waits nor loads.
+        With ``WIDE`` (a 192-column tile) B comes as two TMA tiles a step: its first 128
+        columns through ``b_desc`` into ``b_bufs``, the last 64 through ``b1_desc`` into
+        ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads)."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -297,8 +320,12 @@ if AVAILABLE:
                     _c.tma_load(a2_desc, [a_row, off_k], bar, a_bufs.index(s), pred=load & from_a2)
                 if B_KN:
                     _c.tma_load(b_desc, [off_k, off_n], bar, b_bufs.index(s), pred=load)
+                    if WIDE:
+                        _c.tma_load(b1_desc, [off_k, off_n + 128], bar, b1_bufs.index(s), pred=load)
                 else:
                     _c.tma_load(b_desc, [off_n, off_k], bar, b_bufs.index(s), pred=load)
+                    if WIDE:
+                        _c.tma_load(b1_desc, [off_n + 128, off_k], bar, b1_bufs.index(s), pred=load)
                 mbarrier.arrive(bar, count=1, pred=not load)
                 cnt += 1
             j += 1
@@ -447,9 +474,10 @@ if AVAILABLE:
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
                         err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
                         B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, num_warps)),
-                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
-                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
-                           rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, CLIP, 1)),
+                (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
+                           b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
+                           timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
+                           HAS_WAIT, DYNAMIC, CLIP, False, 1)),
             ], [1], [LOADER_REGS])
 
 
@@ -553,10 +581,115 @@ if AVAILABLE:
                 (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
                            table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
                            BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 1)),
-                (_loader, (a_desc, a2_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs, b_bufs,
-                           ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
-                           rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2, HAS_WAIT, DYNAMIC, CLIP, 2)),
+                (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
+                           b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
+                           timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
+                           HAS_WAIT, DYNAMIC, CLIP, False, 2)),
             ], [4, 1], [MMA_REGS, LOADER_REGS])
+
+
+    @gluon.jit
+    def _mma_wide(a_bufs, b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c1_smem, c_desc, c1_desc,
+                  c_ptr, table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                  CLIP: gl.constexpr, num_warps: gl.constexpr):
+        """``_mma`` of a 192-column tile: two accumulators (the tile's first 128 columns and
+        its last 64), two wgmmas a K step on the same A slot (both in flight until the next
+        step's issue: the wait leaves the two just issued), two epilogues."""
+        BN1: gl.constexpr = BLOCK_N - 128
+        l0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, 128, 16])
+        l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN1, 16])
+        pid = gl.program_id(0)
+        num_progs = gl.num_programs(0)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        cnt = 0
+        j = 0
+        if DYNAMIC:
+            t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+        else:
+            t = pid
+        while t < num_tiles:
+            row = table_ptr + t * _TABLE_COLS
+            c_row = gl.load(row + _COL_C_ROW)
+            c_rows = gl.load(row + _COL_C_ROWS)
+            if CLIP:
+                c_row, c_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
+            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            acc0 = gl.zeros((BLOCK_M, 128), dtype=gl.float32, layout=l0)
+            acc1 = gl.zeros((BLOCK_M, BN1), dtype=gl.float32, layout=l1)
+            for ki in range(k_tiles):
+                s = cnt % STAGES
+                mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
+                if B_KN:
+                    b0 = b_bufs.index(s)
+                    b1 = b1_bufs.index(s)
+                else:
+                    b0 = b_bufs.index(s).permute((1, 0))
+                    b1 = b1_bufs.index(s).permute((1, 0))
+                acc0 = _c.warpgroup_mma(a_bufs.index(s), b0, acc0, is_async=True)
+                acc1 = _c.warpgroup_mma(a_bufs.index(s), b1, acc1, is_async=True)
+                acc0, acc1 = _c.warpgroup_mma_wait(2, deps=(acc0, acc1))
+                # both MMAs of the step before are done: its slot goes back to the loader
+                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+                cnt += 1
+            acc0, acc1 = _c.warpgroup_mma_wait(0, deps=(acc0, acc1))
+            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            _epilogue(acc0, l0, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                      BLOCK_M, 128, HAS_WAIT, ACTIVATION)
+            _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
+                      BLOCK_M, BN1, HAS_WAIT, ACTIVATION)
+            j += 1
+            if DYNAMIC:
+                t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
+            else:
+                t += num_progs
+        _c.tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=_PER_CALL)
+    def gluon_gemm_wide_kernel(a_desc, a2_desc, b_desc, b1_desc, c_desc, c1_desc, c_ptr, table_ptr, flags_ptr,
+                               err_ptr, counter_ptr, N, K, num_tiles, epoch, rank, timeout_ns, stride_cm, rows_cap,
+                               rows_span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                               STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
+                               HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, WS_LIST: gl.constexpr, CLIP: gl.constexpr,
+                               num_warps: gl.constexpr):
+        """``gluon_gemm_kernel`` on 192-column tiles (``GluonGemmConfig.wide``): B and C each
+        as a 128-column and a 64-column TMA tile (``b_desc``/``b1_desc``, ``c_desc``/``c1_desc``),
+        two accumulators in the MMA warpgroups (``_mma_wide``); the loader, the flags, the
+        error word, the dispatch counter and the row cut as there."""
+        dtype: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        b1_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b1_desc.block_type.shape, b1_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, 128], c_desc.layout)
+        c1_smem = gl.allocate_shared_memory(c1_desc.dtype, [BLOCK_M, BLOCK_N - 128], c1_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        tq = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(tq_ready.index(i), count=1)
+            mbarrier.init(tq_empty.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.static_assert(WS_LIST, "the Gluon GEMM needs gl.warp_specialize's list form (Triton 3.6+)")
+        gl.static_assert(BLOCK_N == 192, "the wide kernel's tile is 192 columns (128 + 64)")
+        if WS_LIST:
+            gl.warp_specialize([
+                (_mma_wide, (a_bufs, b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c1_smem, c_desc,
+                             c1_desc, c_ptr, table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
+                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP,
+                             num_warps)),
+                (_loader, (a_desc, a2_desc, b_desc, b1_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
+                           b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
+                           timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
+                           HAS_WAIT, DYNAMIC, CLIP, True, 1)),
+            ], [1], [LOADER_REGS])
 
 
 def _gl_dtype(dt: torch.dtype) -> Any:
@@ -578,23 +711,36 @@ def _gluon_desc(t: torch.Tensor, block: list[int]) -> Any:
     return _c.TensorDescriptor.from_tensor(t, list(block), _smem_layout(block[0], block[1], t.dtype))
 
 
+def _b_block(config: GluonGemmConfig, b_kn: bool, cols: int) -> list[int]:
+    """The TMA tile of B for ``cols`` of a tile's columns."""
+    return [config.block_k, cols] if b_kn else [cols, config.block_k]
+
+
+def _col_parts(config: GluonGemmConfig) -> tuple[int, ...]:
+    """The column widths of a tile's B and C TMA tiles: the tile's, or (``wide``) 128 and the rest."""
+    return (128, config.block_n - 128) if config.wide else (config.block_n,)
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: GluonGemmConfig,
-                a2: torch.Tensor | None = None) -> tuple[Any, Any, Any, Any, bool]:
+                a2: torch.Tensor | None = None) -> tuple[Any, ...]:
     """TMA descriptors of A (and A2), B and C, and whether B is read as row-major [K, N]
-    (``b`` itself) or as the [N, K] storage of an ``nn.Linear`` weight (``b = w.t()``)."""
+    (``b`` itself) or as the [N, K] storage of an ``nn.Linear`` weight (``b = w.t()``):
+    ``(a, a2, b, c, b_kn)``; for a ``wide`` config B and C come as two descriptors each
+    (a tile's first 128 columns, then the rest): ``(a, a2, b, b1, c, c1, b_kn)``, the
+    kernel's order."""
     TD = _c.TensorDescriptor
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    bm, bk = config.block_m, config.block_k
     a_layout = _smem_layout(bm, bk, a.dtype)
     a_desc = TD.from_tensor(a, [bm, bk], a_layout)
     a2_desc = TD.from_tensor(a2, [bm, bk], a_layout) if a2 is not None else a_desc
     b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
-    if b_kn:
-        b_desc = TD.from_tensor(b, [bk, bn], _smem_layout(bk, bn, b.dtype))
-    else:
-        w = b.t()  # [N, K] row-major
-        b_desc = TD.from_tensor(w, [bn, bk], _smem_layout(bn, bk, b.dtype))
-    c_desc = TD.from_tensor(c, [bm, bn], _smem_layout(bm, bn, c.dtype))
-    return a_desc, a2_desc, b_desc, c_desc, b_kn
+    b_store = b if b_kn else b.t()  # [K, N], or the [N, K] row-major weight
+    bs, cs = [], []
+    for cols in _col_parts(config):
+        blk = _b_block(config, b_kn, cols)
+        bs.append(TD.from_tensor(b_store, blk, _smem_layout(blk[0], blk[1], b.dtype)))
+        cs.append(TD.from_tensor(c, [bm, cols], _smem_layout(bm, cols, c.dtype)))
+    return (a_desc, a2_desc, *bs, *cs, b_kn)
 
 
 def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
@@ -681,6 +827,7 @@ class GluonGemmPlan:
         if cfg.pingpong:
             meta["MMA_REGS"] = 232
         meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip), num_warps=cfg.num_warps)
+
         a2_ = a2 if a2 is not None else a
         b_store = b if b_kn else b.t()
         self.has_a2 = a2 is not None
@@ -690,8 +837,8 @@ class GluonGemmPlan:
         # integers it does not skip), and, to be safe, the operands' row strides and B's layout
         key = (tuple(meta.values()), a.dtype, c.dtype, c.shape[1], a.shape[1], c.stride(0), a.stride(0),
                a2_.stride(0), tuple(b_store.shape), tuple(b_store.stride()))
-        self.prepared = _LAUNCHERS[bool(cfg.pingpong)].prepare(key, meta, num_warps=cfg.num_warps,
-                                                               options=(("maxnreg", 168),))
+        self.prepared = _LAUNCHERS[cfg.kind].prepare(key, meta, num_warps=cfg.num_warps,
+                                                     options=(("maxnreg", 168),))
         self.head = (c.shape[1], a.shape[1], table.shape[0])
         self.tail = (int(rank), int(timeout_ns), c.stride(0))
         own = (table, self.flags, self.err, self.counter)
@@ -723,22 +870,23 @@ class GluonGemmPlan:
             # pointer (``_launch._RawLaunch``): plain fields, no Gluon descriptor objects per call
             descs = self._host_descs(a, a2, b_store, c)
         else:
-            descs = descriptors(a, b, c, self.cfg, a2)[:4]
+            descs = descriptors(a, b, c, self.cfg, a2)[:-1]
         nprog, args = self._args(descs, c, epoch, grid, rows)
         self.prepared.launch(nprog, args, aligned=(c,) if self.own_aligned else
                              (c, self.table, self.flags, self.err, self.counter))
 
     def _host_descs(self, a: torch.Tensor, a2: torch.Tensor | None, b_store: torch.Tensor,
                     c: torch.Tensor) -> tuple:
-        """The four descriptors' fields (``HostDesc``; the Gluon descriptor made of them where
-        Triton's path is taken); a2's is a's where there is none."""
+        """The descriptors' fields (``HostDesc``; the Gluon descriptor made of them where
+        Triton's path is taken), in the kernel's order (``descriptors``); a2's is a's where
+        there is none."""
         cfg, mk = self.cfg, _gluon_desc
         a_desc = HostDesc(a, a.shape, a.stride(), [cfg.block_m, cfg.block_k], mk)
         a2_desc = HostDesc(a2, a2.shape, a2.stride(), [cfg.block_m, cfg.block_k], mk) if a2 is not None else a_desc
-        b_desc = HostDesc(b_store, b_store.shape, b_store.stride(),
-                          [cfg.block_k, cfg.block_n] if self.b_kn else [cfg.block_n, cfg.block_k], mk)
-        c_desc = HostDesc(c, c.shape, c.stride(), [cfg.block_m, cfg.block_n], mk)
-        return a_desc, a2_desc, b_desc, c_desc
+        parts = _col_parts(cfg)
+        bs = [HostDesc(b_store, b_store.shape, b_store.stride(), _b_block(cfg, self.b_kn, cols), mk) for cols in parts]
+        cs = [HostDesc(c, c.shape, c.stride(), [cfg.block_m, cols], mk) for cols in parts]
+        return (a_desc, a2_desc, *bs, *cs)
 
     def _args(self, descs: tuple, c: torch.Tensor, epoch: int, grid: int, rows: Any) -> tuple[int, tuple]:
         """(programs, the kernel's arguments) of a launch with these descriptors."""
@@ -771,10 +919,12 @@ class GluonGemmPlan:
         return BoundLaunch.of(self.prepared, nprog, args, (a, a2, b_store, c, None, None))
 
 
-_LAUNCHERS: dict[bool, Any] = {}
-"""The two kernels' cached launchers (``overlap.kernels._launch``): a launch of a kernel
-already built skips Triton's per-call argument binding (tens of microseconds of host time)."""
+_LAUNCHERS: dict[str, Any] = {}
+"""The kernels' cached launchers by ``GluonGemmConfig.kind`` (``overlap.kernels._launch``): a
+launch of a kernel already built skips Triton's per-call argument binding (tens of
+microseconds of host time)."""
 if AVAILABLE:
     from ._launch import CachedLauncher as _CachedLauncher
 
-    _LAUNCHERS.update({False: _CachedLauncher(gluon_gemm_kernel), True: _CachedLauncher(gluon_gemm_pp_kernel)})
+    _LAUNCHERS.update({"plain": _CachedLauncher(gluon_gemm_kernel), "pp": _CachedLauncher(gluon_gemm_pp_kernel),
+                       "wide": _CachedLauncher(gluon_gemm_wide_kernel)})

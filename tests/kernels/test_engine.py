@@ -268,6 +268,81 @@ def test_split_columns_keeps_each_tiles_rows_and_waits() -> None:
         engine.split_columns(torch.tensor(build_tile_table(segs, 640, 128, 256, 4), dtype=torch.int32), 256, 256)
 
 
+def test_retile_columns_keeps_each_row_blocks_rows_and_waits() -> None:
+    """A table of 128x256 (or 128x128) tiles retiled to 192 columns: the same tiles as a
+    table built at 192 columns (rows, source, flag, multiple), each exactly once, in the
+    order of the old tiles they start in; a table with posts, a row block missing a column
+    tile, or a row block of two flags is refused."""
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=200),
+            Segment(a_src=1, a_row=64, c_row=200, rows=300, wait_idx=1, wait_mult=3),
+            Segment(a_src=1, a_row=0, c_row=500, rows=128, wait_idx=0, wait_mult=2)]
+    for old_n in (256, 128):
+        for n in (1536, 640, 700, 100, 192):
+            old = torch.tensor(build_tile_table(segs, n, 128, old_n, 4), dtype=torch.int32)
+            new = engine.retile_columns(old, n, old_n, 192)
+            want = build_tile_table(segs, n, 128, 192, 4)
+            assert sorted(map(tuple, new.tolist())) == sorted(map(tuple, want)), (old_n, n)
+            # in the old order: a new tile follows the old tile it starts in
+            starts = [t[4] * 192 // old_n for t in new.tolist()]
+            rows = [tuple(t[:4]) for t in old.tolist()]
+            pos = [rows.index(tuple(t[:4])) for t in new.tolist()]
+            keyed = [(rows[p], s) for p, s in zip(pos, starts)]
+            order = [(tuple(t[:4]), t[4]) for t in old.tolist()]
+            assert [order.index(kv) for kv in keyed] == sorted(order.index(kv) for kv in keyed), (old_n, n)
+    old = torch.tensor(build_tile_table(segs, 640, 128, 256, 4), dtype=torch.int32)
+    posts = old.clone()
+    posts[:, 7] = 0
+    with pytest.raises(ValueError, match="post"):
+        engine.retile_columns(posts, 640, 256, 192)
+    with pytest.raises(ValueError, match="exactly once"):
+        engine.retile_columns(old[1:], 640, 256, 192)
+    two = old.clone()
+    two[0, 5] = 7
+    with pytest.raises(ValueError, match="different flags"):
+        engine.retile_columns(two, 640, 256, 192)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        engine.retile_columns(old, 500, 256, 192)
+
+
+def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 192-column config is a candidate of 128-row tables with ``OVERLAP_GLUON_WIDE=1``
+    only (and in the kept picks' key then); picked, it runs on the retiled table (the op's
+    words, rows and grid) and the report says "retiled"."""
+    monkeypatch.delenv(engine.WIDE_ENV, raising=False)
+    assert all(not c.wide for c in engine.gluon_configs(CFG))
+    from overlap.kernels import autotune
+
+    monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
+    assert "wide" not in engine._env("cpu")
+    monkeypatch.setenv(engine.WIDE_ENV, "1")
+    assert engine._env("cpu")["wide"]["128x256"] == ["gluon 128x192x64 s4"]
+    cands = engine.gluon_configs(CFG)
+    assert [c.block_n for c in cands] == [256, 128, 192] and cands[-1].wide
+    assert [c.block_n for c in engine.gluon_configs(GemmConfig(block_m=128, block_n=128))][-1] == 192
+    assert not any(c.wide for c in engine.gluon_configs(GemmConfig(block_m=256, block_n=128)))
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setattr(engine, "_measured", {})
+    monkeypatch.setattr(engine.EnginePlan, "_measure", lambda self, ops, c, grid, rows: (cands[-1], "measured"))
+    x = _call(m=1024, n=640)
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    for it in range(2):
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=3 + it, grid=77, rows=(512, 512))
+        got = fake_gluon[-1]
+        assert torch.equal(got["table"], engine.retile_columns(x["table"], 640, 256, 192))
+        assert got["config"] == cands[-1] and got["flags"] is x["kw"]["flags"] and got["rows"] == (512, 512)
+    assert gp.engine == "gluon 128x192x64 s4 retiled"
+    # the wide configs off again: the pick this process kept is no candidate, so measured again
+    monkeypatch.delenv(engine.WIDE_ENV)
+    measured: list[int] = []
+    monkeypatch.setattr(engine.EnginePlan, "_measure",
+                        lambda self, ops, c, grid, rows: (measured.append(1), (None, "measured"))[1])
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+    gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=5, grid=77, rows=(512, 512))
+    assert measured == [1] and gp.engine == "tile" and fake_gluon[-1].get("tile")
+
+
 def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a 128x256 table the candidates are 128x256 and ping-pong 128x128 on the table's
     column halves; picked, the halves run on the split table (same words, rows and grid) and
@@ -393,7 +468,7 @@ class FakeTiming:
         if entry.get("tile"):
             return "tile"
         cfg = entry["config"]
-        return engine._label(cfg, cfg.block_n == 128)  # (on a 128x256 table: its halves)
+        return engine._label(cfg, "halves" if cfg.block_n == 128 else "")  # (on a 128x256 table: its halves)
 
     def context(self) -> Any:
         import contextlib

@@ -81,16 +81,19 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
 
     from overlap.kernels import gluon_gemm as gg
 
-    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong, stages=5 if pingpong else 3)
+    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong,
+                          stages=5 if pingpong else (4 if block_n == 192 else 3))
     a = torch.empty(512, 512, dtype=torch.bfloat16)
     w = torch.empty(512, 512, dtype=torch.bfloat16)
     c = torch.empty(512, 512, dtype=torch.bfloat16)
-    ad, a2d, bd, cd, kn = gg.descriptors(a, w if b_kn else w.t(), c, cfg, a if has_a2 else None)
+    *descs, kn = gg.descriptors(a, w if b_kn else w.t(), c, cfg, a if has_a2 else None)
     assert kn == b_kn
+    names = ("a_desc", "a2_desc", "b_desc", "b1_desc", "c_desc", "c1_desc") if cfg.wide else \
+        ("a_desc", "a2_desc", "b_desc", "c_desc")
+    assert len(descs) == len(names)
     i32 = torch.empty(8, dtype=torch.int32)
-    fn = gg.gluon_gemm_pp_kernel if pingpong else gg.gluon_gemm_kernel
-    vals = dict(a_desc=ad, a2_desc=a2d, b_desc=bd, c_desc=cd, c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32,
-                counter_ptr=i32)
+    fn = {"pp": gg.gluon_gemm_pp_kernel, "wide": gg.gluon_gemm_wide_kernel, "plain": gg.gluon_gemm_kernel}[cfg.kind]
+    vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
                 WS_LIST=compat.WS_LIST_FORM, CLIP=clip, num_warps=cfg.num_warps)
@@ -343,3 +346,106 @@ def test_plan_bind_fills_each_calls_own_descriptors() -> None:
         assert len(got) == len(want) and all(g is w_ or g == w_ for g, w_ in zip(got, want)), (i, got, want)
         assert [x[1] for x in got if isinstance(x, tuple) and x[:1] == ("filled",)] == \
             [na.data_ptr(), na2.data_ptr(), nw.data_ptr(), nc.data_ptr()]
+
+
+def test_sm90_wide_tile_two_accumulators() -> None:
+    """A 192-column tile (``GluonGemmConfig.wide``): per K step the loader loads A and B's
+    two TMA tiles (128 and 64 columns; a second A source adds one), the MMA warps issue an
+    m64n128 and an m64n64 wgmma on them, and store C as two TMA tiles; only the loader
+    waits. Both B layouts, with waits, a dispatch counter and a row cut; it fits an SM's
+    shared memory at 4 stages."""
+    acquire = "atomic_rmw add, acquire, sys"
+    for b_kn, has_a2, dynamic, clip in ((False, False, False, False), (True, True, True, True)):
+        k = _build(block_m=128, block_n=192, b_kn=b_kn, has_a2=has_a2, dynamic=dynamic, clip=clip)
+        mma, loader = _regions(k)
+        assert loader.count("async_tma_copy_global_to_local") == 3 + has_a2, (b_kn, has_a2)
+        assert mma.count("warp_group_dot ") == 2 and "warp_group_dot " not in loader
+        assert mma.count("async_tma_copy_local_to_global") == 2
+        assert acquire in loader and acquire not in mma and "globaltimer" not in mma
+        ptx = k.asm["ptx"]
+        assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+        assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+        assert "m64n256k16" not in ptx and "m64n192k16" not in ptx
+        assert ("ttg.memdesc_trans" in mma) == (not b_kn)
+        assert ("arith.minsi" in mma) == clip and ("atomic_rmw add, relaxed, gpu" in loader) == dynamic
+        assert k.metadata.shared <= 227 * 1024, k.metadata.shared
+
+
+def test_wide_config_and_descriptors() -> None:
+    """The 192-column tile is a config of the plain kernel's shape (block_m 128, not in
+    ping-pong); its descriptors come as A, A2, B (128 columns), B1 (64), C (128), C1 (64)."""
+    cfg = GluonGemmConfig(block_m=128, block_n=192, stages=4)
+    assert cfg.wide and cfg.kind == "wide" and cfg.num_warps == 8
+    assert cfg.smem_bytes(2) == 4 * (128 + 192) * 64 * 2 + 128 * 192 * 2 + 16 * 4 + 1024
+    for bad in (dict(block_m=256, block_n=192), dict(block_m=128, block_n=192, pingpong=True),
+                dict(block_m=128, block_n=192, stages=5)):
+        with pytest.raises(ValueError):
+            GluonGemmConfig(**bad)
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels import gluon_gemm as gg
+
+    a = torch.empty(256, 64, dtype=torch.bfloat16)
+    w = torch.empty(320, 64, dtype=torch.bfloat16)
+    c = torch.empty(256, 320, dtype=torch.bfloat16)
+    for b, kn in ((w.t(), False), (w.t().contiguous(), True)):
+        *descs, b_kn = gg.descriptors(a, b, c, cfg)
+        assert b_kn == kn and len(descs) == 6
+        blocks = [list(d.block_shape) for d in descs]
+        assert blocks == [[128, 64], [128, 64]] + ([[64, 128], [64, 64]] if kn else [[128, 64], [64, 64]]) + \
+            [[128, 128], [128, 64]], blocks
+
+
+def test_wide_plan_launches_and_binds_six_descriptors(monkeypatch) -> None:
+    """A plan of the 192-column tile hands the wide kernel's launcher A, A2, B (its first 128
+    columns), B1 (the last 64), C, C1, each of the call's tensor (B as stored) with its own
+    tile, then C itself; before the C launcher is known, the Gluon descriptors of the same
+    tiles; its bound launch takes the same arguments."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels import _launch
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    cfg = GluonGemmConfig(block_m=128, block_n=192, stages=4)
+    a, w, c = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(384, 128, dtype=torch.bfloat16), \
+        torch.zeros(256, 384, dtype=torch.bfloat16)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    launched: list = []
+    bound: list = []
+
+    class Prepared:
+        raw = None
+
+        def launch(self, grid, args, aligned=()) -> None:  # noqa: ANN001
+            launched.append(args)
+
+    monkeypatch.setattr(_launch.BoundLaunch, "of", staticmethod(lambda pl, grid, args, tensors: bound.append(
+        (args, tensors)) or "bound"))
+    for b, kn in ((w.t(), False), (w.t().contiguous(), True)):
+        plan = GluonGemmPlan(a, b, c, tab, config=cfg)
+        assert plan.prepared.owner is gg_launchers()["wide"] and plan.b_kn == kn
+        plan.prepared = Prepared()
+        plan.launch(a, b, c, epoch=1, grid=2)
+        gl_descs = launched[-1][:6]
+        assert all(type(d) is compat.TensorDescriptor for d in gl_descs)
+        Prepared.raw = object()
+        plan.launch(a, b, c, epoch=1, grid=2)
+        descs, rest = launched[-1][:6], launched[-1][6:]
+        assert all(type(d) is _launch.HostDesc for d in descs) and rest[0] is c
+        b_store = b if kn else b.t()
+        bb = [[64, 128], [64, 64]] if kn else [[128, 64], [64, 64]]
+        assert [list(d.block_shape) for d in descs] == [[128, 64], [128, 64], *bb, [128, 128], [128, 64]]
+        assert [d.base.data_ptr() for d in descs] == [a.data_ptr()] * 2 + [b_store.data_ptr()] * 2 + \
+            [c.data_ptr()] * 2
+        assert [list(d.block_shape) for d in gl_descs] == [list(d.block_shape) for d in descs]
+        assert plan.bind(a, b, c, epoch=1, grid=2) == "bound"
+        args, tensors = bound[-1]
+        assert [list(d.block_shape) for d in args[:6]] == [list(d.block_shape) for d in descs]
+        assert args[2].base is tensors[2] and args[3].base is tensors[2] and args[5].base is tensors[3] is c
+        Prepared.raw = None
+
+
+def gg_launchers() -> dict:
+    from overlap.kernels import gluon_gemm as gg
+
+    return gg._LAUNCHERS
