@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# The three ways a plan graph copies its activations in and outputs out, on one GPU, in one job:
-#   bash benchmarks/diag/plan_graph_copies.sh OUT_DIR [STEP_PREFIX ...]
+# What has been built and tested on the CPU but not yet run on a GPU, checked and timed on one
+# GPU in one job:
+#   bash benchmarks/diag/gpu_pending.sh OUT_DIR [STEP_PREFIX ...]
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`;
-# all of it can take more than 10 minutes on an H200 host: where one command is bounded by
-# that, run it in two, e.g. `nodes_unit check_ host_nodes1 host_driver` then the rest)
+# all of it takes more than 10 minutes on an H200 host: where one command is bounded by that,
+# run it in parts, e.g. `nodes_unit check_ host_nodes1 host_driver`, then `host_graph host_nodes4
+# launch planned_gluon`, then `gluon_`)
+# The three ways a plan graph copies its activations in and outputs out (OVERLAP_PLAN_GRAPH_COPIES):
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
 # 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
 #    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/;
 # 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call);
+# The Gluon GEMM:
 # 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound;
 # 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
-#    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync.
+#    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
+# 7. the Gluon GEMM's GPU tests, the 192-column tile among them (its kernel alone, waiting, by
+#    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
+#    timing 128x256, ping-pong 128x128 and 128x192 on its eleven shapes against cuBLAS.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -54,3 +61,6 @@ step planned_gluon 300 python tests/gpu/planned_check.py --engine gluon
 step gluon_chain 300 python tests/gpu/chain_check.py --engine gluon
 step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --rounds 3 --max-seconds 200 \
     --out "$out/chain_graph"
+step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
+step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
+    --variants 128x256,pp128x128,128x192 --rounds 3 --max-seconds 300
