@@ -1,8 +1,9 @@
-"""The consumer ops at world size 1 on each GEMM engine, side by side in one run.
+"""The consumer and producer ops at world size 1 on each GEMM engine, side by side in one run.
 
     python benchmarks/engine_ops_bench.py --out DIR [--rounds 5] [--iters 10]
 
-``all_gather_matmul`` and ``all_reduce_matmul`` (residual, LayerNorm) on the NCCL
+``all_gather_matmul`` and ``all_reduce_matmul`` (residual, LayerNorm), and the producer ops
+``matmul_all_reduce`` and ``matmul_reduce_scatter`` (whose GEMM tiles post), on the NCCL
 transport of a one-rank group (the path they take at 2 or more ranks), bf16, ``w.t()``
 weights, per shape and op: ``OVERLAP_GEMM_ENGINE=tile`` (the ``triton.language`` tile
 GEMM, as before the engine choice) and ``auto`` (the engine the ops pick by measuring,
@@ -36,6 +37,10 @@ SHAPES = [  # M, N, K: sweep shapes and layer shapes (the last three never tuned
 ]
 
 
+OPS = ("agmm", "armm", "mar", "mrs")
+"""all_gather_matmul, all_reduce_matmul (+ residual, LayerNorm), matmul_all_reduce, matmul_reduce_scatter."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
@@ -47,7 +52,8 @@ def main() -> None:
 
     from benchmarks.context import run_context
     from overlap import dist, observe
-    from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul
+    from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,
+                             matmul_reduce_scatter)
     from overlap.kernels.engine import ENGINE_ENV
 
     dist.init()
@@ -66,9 +72,11 @@ def main() -> None:
         calls = {
             "agmm": lambda i: all_gather_matmul(xs[i % 2], b, config=cfg),
             "armm": lambda i: all_reduce_matmul(xs[i % 2], b, residual=res, norm=norm, config=cfg)[0],
+            "mar": lambda i: matmul_all_reduce(xs[i % 2], b, config=cfg),
+            "mrs": lambda i: matmul_reduce_scatter(xs[i % 2], b, config=cfg),
             "cublas": lambda i: torch.mm(xs[i % 2], b, out=c_ref),
         }
-        runs = [(op, eng) for op in ("agmm", "armm") for eng in ("tile", "auto")] + [("cublas", "-")]
+        runs = [(op, eng) for op in OPS for eng in ("tile", "auto")] + [("cublas", "-")]
         times: dict[tuple, list[float]] = {r: [] for r in runs}
         for op, eng in runs:  # warm: plans, compiles, the engine's measurement
             os.environ[ENGINE_ENV] = eng if eng != "-" else "tile"
@@ -93,7 +101,7 @@ def main() -> None:
             os.environ[ENGINE_ENV] = eng
             xs[0].normal_()
             got = calls[op](0).float()
-            if op == "agmm":
+            if op != "armm":
                 want = xs[0].float() @ b.float()
             else:
                 h = (xs[0].float() + res.float()).to(torch.bfloat16).float()
@@ -101,7 +109,7 @@ def main() -> None:
                 want = y.to(torch.bfloat16).float() @ b.float()
             errs[(op, eng)] = ((got - want).norm() / want.norm()).item()
         med = {r: statistics.median(v) for r, v in times.items()}
-        for op in ("agmm", "armm"):
+        for op in OPS:
             t, a = med[(op, "tile")], med[(op, "auto")]
             row = {"op": op, "m": m, "n": n, "k": k, "tile_ms": round(t, 4), "auto_ms": round(a, 4),
                    "auto_vs_tile": round(t / a, 4), "cublas_ms": round(med[("cublas", "-")], 4),

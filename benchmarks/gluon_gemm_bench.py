@@ -279,6 +279,76 @@ def check_dynamic(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS
         log.append(f"dynamic {name}: ragged + two sources, two grids on one counter, late flags: right")
 
 
+POST_VARIANTS = ("128x256", "256x128", "128x128")
+"""The plain kernel's configs, whose tiles may post (a producer op's: ``post=True``)."""
+
+
+def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """Tiles that post (``post=True``, as the producer ops' GEMM): fresh inputs, C poisoned
+    with NaN, both B layouts, ragged rows; after the launch every post flag holds its tile
+    count (dead tiles of a row cut count too); a second stream that waits on each flag
+    (``cuStreamWaitValue32``, as the producer ops' comm stream) and then copies that flag's
+    rows of C reads them whole, with the GEMM on a dispatch counter shared by two grids."""
+    import torch
+
+    from overlap import flags as _flags
+    from overlap import protocol as P
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side, give = torch.cuda.Stream(), torch.cuda.Stream()
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        m, n, k = 1000, 1000, 768
+        bounds = [0, 256, 512, 768, m]  # four row chunks, each posting to its m-tiles' flags
+        segs = [Segment(a_src=0, a_row=lo, c_row=lo, rows=hi - lo, post_base=16 * i)
+                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+        table = _table(segs, n, cfg.block_m, cfg.block_n)
+        posts = table[:, P.COL_POST].long()
+        want = torch.bincount(posts[posts >= 0], minlength=64)
+        for lay in ("nk", "kn"):
+            for it in range(3):
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, lay)
+                c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+                counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+                out = torch.full_like(c, float("nan"))
+                torch.cuda.synchronize()
+                # the reader first: it waits on each flag for its count, then copies those rows
+                with torch.cuda.stream(side):
+                    for f in torch.nonzero(want).flatten().tolist():
+                        _flags.stream_wait_value(side, flags, f, int(want[f]))
+                    for lo, hi in zip(bounds, bounds[1:]):
+                        out[lo:hi].copy_(c[lo:hi])
+                launch_gluon_gemm(a, b, c, table, grid=max(1, sms // 2), flags=flags, counter=counter,
+                                  config=cfg, post=True)
+                with torch.cuda.stream(give):  # the give-back grid on the same table and counter
+                    launch_gluon_gemm(a, b, c, table, grid=8, flags=flags, counter=counter, config=cfg, post=True)
+                torch.cuda.synchronize()
+                got = flags.long().cpu()
+                assert torch.equal(got, want.cpu()), f"posts {name} {lay} call {it}: flags {got.tolist()}"
+                _close(c, a, b, slice(None), f"posts {name} {lay} call {it}")
+                _close(out, a, b, slice(None), f"posts {name} {lay} call {it}: rows read after their flag")
+        # a row cut (a row bucket's plan): the table made for 512 rows, this call's 300; the
+        # tiles past row 300 store nothing and still count
+        span, cap = 512, 300
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=span, post_base=0)], n, cfg.block_m, cfg.block_n)
+        posts = table[:, P.COL_POST].long()
+        want = torch.bincount(posts[posts >= 0], minlength=64)
+        a = torch.randn(cap, k, device="cuda", dtype=torch.bfloat16)
+        b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, "nk")
+        c = torch.full((cap, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, config=cfg, post=True, rows=(cap, span))
+        torch.cuda.synchronize()
+        assert torch.equal(flags.long().cpu(), want.cpu()), f"posts {name} row cut: flags {flags.tolist()}"
+        _close(c, a, b, slice(None), f"posts {name} row cut")
+        log.append(f"posts {name}: every flag at its tile count, rows read after their flag whole, two grids "
+                   "on one counter, dead tiles of a row cut counted: right")
+
+
 def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], dict[str, str]]:
     """Every variant's checks; returns the log and the variants that failed (with why)."""
     import torch
@@ -292,6 +362,8 @@ def checks(variants: dict[str, dict[str, Any]] = VARIANTS) -> tuple[list[str], d
             check_waits(log, {name: fields})
             if name in DYNAMIC_VARIANTS:
                 check_dynamic(log, {name: fields})
+            if name in POST_VARIANTS:
+                check_posts(log, {name: fields})
         except Exception as e:  # noqa: BLE001 - recorded; that variant is then not timed
             failed[name] = f"{type(e).__name__}: {str(e)[:1000]}"
             log.append(f"FAILED {name}: {failed[name]}")

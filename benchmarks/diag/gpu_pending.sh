@@ -17,9 +17,12 @@
 # 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound;
 # 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
 #    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
-# 7. the Gluon GEMM's GPU tests, the 192-column tile among them (its kernel alone, waiting, by
+# 7. the Gluon GEMM's GPU tests, the 192-column tile and posts among them (its kernel alone, waiting, by
 #    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
-#    timing 128x256, ping-pong 128x128 and 128x192 on its eleven shapes against cuBLAS.
+#    timing 128x256, ping-pong 128x128 and 128x192 on its eleven shapes against cuBLAS;
+# 8. with OVERLAP_GLUON_EXPERIMENTAL=1: the producer ops and the block boundary with the Gluon
+#    GEMM forced (its tiles' posts: producer_check.py at world size 1, planned_check.py), and
+#    engine_ops_bench.py, auto (the 192-column tile and posts among the candidates) against tile.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -64,3 +67,7 @@ step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --ro
 step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
 step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
     --variants 128x256,pp128x128,128x192 --rounds 3 --max-seconds 300
+step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
+step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
+step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \
+    --out "$out/engine_ops"

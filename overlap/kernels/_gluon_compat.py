@@ -8,6 +8,7 @@ what                   Triton 3.6                                    Triton 3.9
 =====================  ============================================  ==========================
 TMA global -> shared   ``tma.async_copy_global_to_shared``           ``tma.async_load``
 TMA shared -> global   ``tma.async_copy_shared_to_global``           ``tma.async_store``
+a barrier of threads   ``gl.thread_barrier``                         ``gl.barrier``
 ``warp_specialize``    ``([(fn, args), ...], warps, regs)``          the same (3.5 took
                                                                      ``default_args, default_partition,
                                                                      worker_args, ...``, one
@@ -26,7 +27,8 @@ import inspect
 from typing import Any
 
 __all__ = ["AVAILABLE", "REASON", "WS_LIST_FORM", "gluon", "gl", "tma", "mbarrier", "fence_async_shared",
-           "warpgroup_mma", "warpgroup_mma_wait", "TensorDescriptor", "tma_load", "tma_store", "version"]
+           "warpgroup_mma", "warpgroup_mma_wait", "TensorDescriptor", "tma_load", "tma_store", "thread_barrier",
+           "version"]
 
 AVAILABLE = False
 REASON = ""
@@ -41,6 +43,7 @@ warpgroup_mma_wait: Any = None
 TensorDescriptor: Any = None
 tma_load: Any = None
 tma_store: Any = None
+thread_barrier: Any = None
 
 
 def version() -> str:
@@ -54,7 +57,7 @@ def version() -> str:
 
 def _resolve() -> None:
     global AVAILABLE, REASON, WS_LIST_FORM, gluon, gl, tma, mbarrier, fence_async_shared
-    global warpgroup_mma, warpgroup_mma_wait, TensorDescriptor, tma_load, tma_store
+    global warpgroup_mma, warpgroup_mma_wait, TensorDescriptor, tma_load, tma_store, thread_barrier
     try:
         from triton.experimental import gluon as _gluon
         from triton.experimental.gluon import language as _gl
@@ -66,7 +69,9 @@ def _resolve() -> None:
     _tma = _hopper.tma
     load = getattr(_tma, "async_load", None) or getattr(_tma, "async_copy_global_to_shared", None)
     store = getattr(_tma, "async_store", None) or getattr(_tma, "async_copy_shared_to_global", None)
-    missing = [n for n, v in (("TMA load", load), ("TMA store", store),
+    # a barrier of the partition's threads: ``gl.thread_barrier`` in 3.6, ``gl.barrier`` since
+    barrier = getattr(_gl, "barrier", None) or getattr(_gl, "thread_barrier", None)
+    missing = [n for n, v in (("TMA load", load), ("TMA store", store), ("a thread barrier", barrier),
                               ("warpgroup_mma", getattr(_hopper, "warpgroup_mma", None)),
                               ("warp_specialize", getattr(_gl, "warp_specialize", None)))
                if v is None]
@@ -86,6 +91,7 @@ def _resolve() -> None:
     fence_async_shared = _hopper.fence_async_shared
     warpgroup_mma, warpgroup_mma_wait = _hopper.warpgroup_mma, _hopper.warpgroup_mma_wait
     TensorDescriptor, tma_load, tma_store = _TD, load, store
+    thread_barrier = barrier
     AVAILABLE = True
 
 

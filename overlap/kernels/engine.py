@@ -1,4 +1,4 @@
-"""Which GEMM engine runs a consumer op's tiles: the ``triton.language`` tile GEMM or the
+"""Which GEMM engine runs an op's tiles: the ``triton.language`` tile GEMM or the
 warp-specialized Gluon GEMM, chosen per GEMM by measurement.
 
     plan = engine_plan(a, b, c, table, flags=..., err=..., config=GemmConfig, wait=True, ...)
@@ -14,19 +14,22 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
 - a table of a tile it has (128x256, 256x128, 128x128; 64x256 in ping-pong); a table of
   128x256 (256x128) tiles may also run as its column (row) halves on ping-pong 128x128
   (``HALF_CONFIGS``, ``split_columns`` / ``split_rows``: each tile's flag, multiple and row
-  cut kept, twice the tiles); with ``OVERLAP_GLUON_WIDE=1`` a table of 128-row tiles may
+  cut kept, twice the tiles); with ``OVERLAP_GLUON_EXPERIMENTAL=1`` a table of 128-row tiles may
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
   tiled again, its flag, multiple and row cut kept);
+- or (with ``OVERLAP_GLUON_EXPERIMENTAL=1``) tiles that post and do not wait (a producer's),
+  on the plain kernel of the table's own tile (``_post_configs``: halves and retiled tables
+  would post per piece);
 - bf16 / fp16 on an sm_90 GPU, a Triton whose Gluon it knows (``_gluon_compat``);
 
-and not: posts (producer tiles), split tiles, a folded norm, several weights, TileSync,
-a flattened GEMM's groups, the peer-copy transport's signature words, a start flag. Those
-calls run the tile GEMM, which stays the fallback everywhere.
+and not: posts from tiles that wait, split tiles, a folded norm, several weights, TileSync,
+a flattened GEMM's groups, A-row cuts, the peer-copy transport's signature words, a start
+flag. Those calls run the tile GEMM, which stays the fallback everywhere.
 
 ``OVERLAP_GEMM_ENGINE`` (read when a plan is made): ``auto`` (the default) measures, at a
 plan's first launch outside a graph capture, the GEMM as the op runs it (its table, A
 rows, grid and row cut, every flag already set, on scratch flags, error word, counter and
-C) on the tile GEMM and each Gluon config of the table's tile (and of its halves), as they
+C; the posts of a producer's tiles go to scratch flags too) on the tile GEMM and each Gluon config of the table's tile (and of its halves), as they
 run sustained: each captured in a CUDA graph of about ``GRAPH_MS`` of launches on a stream
 of its own, the graphs replayed back to back, rotated, over ``ROUNDS`` rounds, medians
 (eager rounds where a capture fails); the Gluon GEMM runs only where it was ``MARGIN`` (1%)
@@ -54,7 +57,7 @@ from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
 __all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
-           "split_rows", "retile_columns", "wide_enabled", "WIDE_ENV",
+           "split_rows", "retile_columns", "experimental", "EXPERIMENTAL_ENV",
            "engine_plan",
            "EnginePlan", "picks"]
 
@@ -87,15 +90,17 @@ WIDE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
 }
 """Gluon configs of a 192-column tile (``GluonGemmConfig.wide``), measured on a table of
 128-row tiles retiled to 192 columns (``retile_columns``: each row block's flag, multiple
-and row cut kept) where ``OVERLAP_GLUON_WIDE=1``. Where 256 columns leave a partial wave,
+and row cut kept) where ``OVERLAP_GLUON_EXPERIMENTAL=1``. Where 256 columns leave a partial wave,
 192 may fill one (N = 1536, M = 2048: 96 tiles of 128x256 on 132 SMs, 128 of 128x192).
 Off by default until a GPU has checked the kernel and timed it (docs/experiments.md)."""
-WIDE_ENV = "OVERLAP_GLUON_WIDE"
+EXPERIMENTAL_ENV = "OVERLAP_GLUON_EXPERIMENTAL"
 
 
-def wide_enabled() -> bool:
-    """``OVERLAP_GLUON_WIDE`` is 1 (or on, true, yes): the engine also measures ``WIDE_CONFIGS``."""
-    return os.environ.get(WIDE_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+def experimental() -> bool:
+    """``OVERLAP_GLUON_EXPERIMENTAL`` is 1 (or on, true, yes): the Gluon GEMM's parts not yet
+    checked on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``) and the
+    posts of a producer's tiles (``_post_configs``)."""
+    return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
 MARGIN = 0.01
@@ -139,11 +144,11 @@ def unavailable(device: Any, dtype: Any) -> str | None:
 def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
     the tile itself first, then those that run its halves (``HALF_CONFIGS``), then (with
-    ``OVERLAP_GLUON_WIDE=1``) those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
+    ``OVERLAP_GLUON_EXPERIMENTAL=1``) those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
     tile = (config.block_m, config.block_n)
     if not TILE_CONFIGS.get(tile):
         return ()
-    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + (WIDE_CONFIGS.get(tile, ()) if wide_enabled() else ())
+    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + (WIDE_CONFIGS.get(tile, ()) if experimental() else ())
 
 
 def split_columns(table: Any, n: int, block_n: int) -> Any:
@@ -252,7 +257,8 @@ def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False
            clip: Any = None, start_flag: Any = None, activation: Any = None, **_: Any) -> str | None:
     """What of a ``TileGemmPlan``'s arguments the Gluon GEMM lacks, or None (it runs them)."""
     why = [what for what, on in (
-        ("several weights", isinstance(b, (list, tuple))), ("posts (a producer GEMM)", post),
+        ("several weights", isinstance(b, (list, tuple))), ("posts from tiles that wait", post and wait),
+        (f"posts (not yet checked on a GPU: {EXPERIMENTAL_ENV}=1)", post and not wait and not experimental()),
         ("TileSync waits (k_wait)", k_wait), ("a folded norm", norm_epi), ("split tiles", split is not None),
         ("signature words (peer-copy transport)", sig_stride is not None),
         ("a flattened GEMM (GemmConfig.flatten)", config.flatten or groups is not None),
@@ -261,7 +267,15 @@ def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False
     ) if on]
     if not gluon_configs(config):
         why.append(f"a {config.block_m}x{config.block_n} tile")
+    elif post and not _post_configs(config):
+        why.append(f"posts on a {config.block_m}x{config.block_n} tile (only the plain kernel's tiles post)")
     return ", ".join(why) or None
+
+
+def _post_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
+    """The configs that run a table of ``config``'s tile whose tiles post: the plain
+    kernel's of that very tile (halves and retiled tables would count a post per piece)."""
+    return tuple(g for g in TILE_CONFIGS.get((config.block_m, config.block_n), ()) if g.kind == "plain")
 
 
 def picks() -> dict[tuple, tuple[str, str]]:
@@ -292,7 +306,8 @@ def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
     # (M, N, K, dtype) as the report shows it, then what else the pick depends on
     c0 = c[0] if isinstance(c, (list, tuple)) else c
     problem = (c0.shape[0], _ns(b), a.shape[1], str(a.dtype).removeprefix("torch."), tile.b_kn, cfg.block_m,
-               cfg.block_n, table.shape[0], kw.get("a2") is not None, bool(kw.get("wait")), kw.get("activation"))
+               cfg.block_n, table.shape[0], kw.get("a2") is not None, bool(kw.get("wait")), kw.get("activation"),
+               bool(kw.get("post")))
     if mode == "tile":
         _record(problem, "tile", f"{ENGINE_ENV}=tile")
         return tile
@@ -323,8 +338,9 @@ def _env(device: Any) -> dict[str, Any]:
     env = {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
            "timing": TIMING}
-    if wide_enabled():  # (picks measured without the wide configs keep their key)
-        env["wide"] = {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()}
+    if experimental():  # (picks measured without the experimental candidates keep their key)
+        env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
+                               "posts": True}
     return env
 
 
@@ -345,7 +361,7 @@ def _known(key: tuple, labels: tuple, device: Any) -> tuple[str, str] | None:
     with _lock:
         got = _measured.get(key)
         path = cache_path()
-        if got is not None:  # (a pick of a config no longer a candidate, OVERLAP_GLUON_WIDE changed: measured again)
+        if got is not None:  # (a pick of a config no longer a candidate, OVERLAP_GLUON_EXPERIMENTAL changed: measured again)
             return got if got[0] in ("tile", *labels) else None
         if path is None:
             return None
@@ -412,6 +428,7 @@ class EnginePlan:
         self.err = kw.get("err")
         self.counter = kw.get("counter")
         self.wait = bool(kw.get("wait"))
+        self.post = bool(kw.get("post"))
         self.rank = int(kw.get("rank", 0))
         self.timeout_ns = int(kw.get("timeout_ns", 500_000_000))
         self.activation = ACTIVATIONS[kw.get("activation")]
@@ -419,7 +436,7 @@ class EnginePlan:
         self.problem = problem
         self.forced = forced
         cfg = kw.get("config") or GemmConfig()
-        self.configs = gluon_configs(cfg)
+        self.configs = _post_configs(cfg) if self.post else gluon_configs(cfg)
         self.tile_shape = (cfg.block_m, cfg.block_n)
         self.n = _ns(b)
         self._tables: dict[tuple, Any] = {self.tile_shape: table}  # tile -> its table (the op's, or its halves)
@@ -495,9 +512,9 @@ class EnginePlan:
         gp = self._gplans.get(key)
         if gp is None:
             gp = self._gplans[key] = _gg.GluonGemmPlan(
-                a, b, c, self._table_for(cfg), a2=a2, flags=flags if self.wait else None, err=err if self.wait else None,
-                rank=self.rank, timeout_ns=self.timeout_ns, activation=self.activation, counter=counter,
-                config=cfg, clip=self.clip)
+                a, b, c, self._table_for(cfg), a2=a2, flags=flags if self.wait or self.post else None,
+                err=err if self.wait else None, rank=self.rank, timeout_ns=self.timeout_ns,
+                activation=self.activation, counter=counter, config=cfg, clip=self.clip, post=self.post)
         gp.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
     def label(self, cfg: GluonGemmConfig | None) -> str:
@@ -568,6 +585,8 @@ class EnginePlan:
         dev = c.device
         tab = self.table.cpu()
         flags = err = counter = None
+        if self.post:  # (the posts count into scratch flags: the op's own are never touched)
+            flags = torch.zeros_like(self.flags)
         if self.wait:
             flags = torch.zeros_like(self.flags)
             err = torch.zeros_like(self.err)

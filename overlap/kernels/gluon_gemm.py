@@ -39,11 +39,16 @@ give-back grid can join): the loader warp takes a tile and hands its index to th
 warps through a two-slot queue in shared memory, and ends with an end mark per MMA
 warpgroup.
 
-Not here (the ``triton.language`` kernel has them): posts (producer tiles), split tiles,
-several weights, the folded norm, signature words, A-row cuts, TileSync. The consumer ops
-run it where their call needs none of these and it measured faster
-(``overlap.kernels.engine``; ``GluonGemmPlan`` is the form they launch); the tile GEMM runs
-everything else.
+With ``post`` (the plain kernel: a producer op's tiles, which wait on nothing) the MMA
+warps store each tile's C by masked stores, then, after a barrier of their threads, one
+thread adds 1 to the tile's post flag with release semantics (``tile_gemm``'s posts; a dead
+tile counts too).
+
+Not here (the ``triton.language`` kernel has them): posts from tiles that also wait, posts
+on the ping-pong and 192-column kernels, split tiles, several weights, the folded norm,
+signature words, A-row cuts, TileSync. The ops run it where their call needs none of these
+and it measured faster (``overlap.kernels.engine``; ``GluonGemmPlan`` is the form they
+launch); the tile GEMM runs everything else.
 
 Version differences of the Gluon API live in ``overlap.kernels._gluon_compat``; where it
 says Gluon is missing, nothing here is defined but ``AVAILABLE`` and ``REASON``.
@@ -148,6 +153,7 @@ if AVAILABLE:
     _COL_N_TILE = gl.constexpr(_p.COL_N_TILE)
     _COL_WAIT = gl.constexpr(_p.COL_WAIT)
     _COL_WAIT_MULT = gl.constexpr(_p.COL_WAIT_MULT)
+    _COL_POST = gl.constexpr(_p.COL_POST)
     _ERR_CODE = gl.constexpr(_p.ERR_CODE)
     _ERR_RANK = gl.constexpr(_p.ERR_RANK)
     _ERR_FLAG = gl.constexpr(_p.ERR_FLAG)
@@ -373,32 +379,49 @@ if AVAILABLE:
         gl.store(ptrs, nan.to(c_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
+    def _activate(acc, c_ptr, ACTIVATION: gl.constexpr):
+        """The activation, then C's dtype."""
+        if ACTIVATION == 1:
+            acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+        return acc.to(c_ptr.dtype.element_ty)
+
+    @gluon.jit
+    def _masked(out, acc_layout: gl.constexpr, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """``out`` into C's rows ``c_row`` .. + ``c_rows`` by masked stores of each thread's own
+        elements (the generic proxy: a later release by one thread of the partition, after a
+        barrier of its threads, publishes them, as ``tile_gemm``'s posts)."""
+        offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+        ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, out, mask=mask)
+
+    @gluon.jit
     def _store(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACTIVATION: gl.constexpr):
         """Activation, then the tile into C."""
-        if ACTIVATION == 1:
-            acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
-        out = acc.to(c_ptr.dtype.element_ty)
+        out = _activate(acc, c_ptr, ACTIVATION)
         if c_rows >= BLOCK_M:
             _c.tma.store_wait(0)
             c_smem.store(out)
             _c.fence_async_shared()
             _c.tma_store(c_desc, [c_row, off_n], c_smem)
         else:
-            offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
-            ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, out, mask=mask)
+            _masked(out, acc_layout, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
 
     @gluon.jit
-    def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, err_ptr,
-             N, K, num_tiles, stride_cm, rows_cap, rows_span,
+    def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, flags_ptr,
+             err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-             CLIP: gl.constexpr, num_warps: gl.constexpr):
+             CLIP: gl.constexpr, POST: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
-        flight, then the epilogue."""
+        flight, then the epilogue. With ``POST`` (a producer's tiles) each tile's C is stored
+        by masked stores, and once every thread of the partition has stored (a barrier of its
+        threads) one thread adds 1 to the tile's post flag with release semantics at GPU
+        scope: whoever acquires the count sees the tile (``tile_gemm``'s posts). A dead tile
+        (a row cut) stores nothing and still counts: the flag's waiters expect every tile."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid = gl.program_id(0)
@@ -432,8 +455,17 @@ if AVAILABLE:
                 cnt += 1
             acc = _c.warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
-            _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            if POST:
+                if c_rows > 0:
+                    _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N, stride_cm,
+                            BLOCK_M, BLOCK_N)
+                p_idx = gl.load(row + _COL_POST)
+                _c.thread_barrier()
+                if p_idx >= 0:
+                    gl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
+            else:
+                _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
@@ -447,8 +479,9 @@ if AVAILABLE:
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                           ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          WS_LIST: gl.constexpr, CLIP: gl.constexpr, num_warps: gl.constexpr):
+                          WS_LIST: gl.constexpr, CLIP: gl.constexpr, POST: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
+        gl.static_assert(not (POST and HAS_WAIT), "a tile posts or waits here, not both")
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
@@ -472,8 +505,8 @@ if AVAILABLE:
         if WS_LIST:
             gl.warp_specialize([
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
-                        err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                        B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, num_warps)),
+                        flags_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
+                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
@@ -747,7 +780,8 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
                       grid: int, a2: torch.Tensor | None = None, flags: torch.Tensor | None = None,
                       err: torch.Tensor | None = None, epoch: int = 0, rank: int = 0,
                       timeout_ns: int = 2_000_000_000, activation: int = 0, counter: torch.Tensor | None = None,
-                      config: GluonGemmConfig | None = None, rows: tuple[int, int] | None = None) -> None:
+                      config: GluonGemmConfig | None = None, rows: tuple[int, int] | None = None,
+                      post: bool = False) -> None:
     """Run the tiles of ``table`` (``overlap.policies.build_tile_table``'s int32 [T, 8]) on
     ``grid`` programs: ``c[c_row + i, n] = (a2 if a_src else a)[a_row + i, :] @ b[:, n]``.
 
@@ -770,13 +804,16 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     rows p, p + grid, ... ``rows=(cap, span)``: the table was made for C rows in blocks of
     ``span`` and this call's blocks hold ``cap <= span`` (``tile_gemm.launch_tile_gemm``'s
     ``rows``, C rows only): a tile's rows are cut at its block's end, and a tile with none
-    left neither waits nor stores. Raises ``RuntimeError`` where Gluon is missing (``REASON``)."""
+    left neither waits nor stores. ``post`` (a plain config, ``flags`` and no ``err``): each
+    tile then adds 1 to ``flags[post column]`` (none where it is negative) once its C rows are
+    stored, with release semantics; a dead tile counts too. Raises ``RuntimeError`` where
+    Gluon is missing (``REASON``)."""
     if not AVAILABLE:
         raise RuntimeError(f"gluon_gemm: {REASON}")
     if grid < 1:
         raise ValueError(f"gluon_gemm: grid must be >= 1, got {grid}")
     plan = GluonGemmPlan(a, b, c, table, a2=a2, flags=flags, err=err, rank=rank, timeout_ns=timeout_ns,
-                         activation=activation, counter=counter, config=config, clip=rows is not None)
+                         activation=activation, counter=counter, config=config, clip=rows is not None, post=post)
     plan.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
 
@@ -791,10 +828,13 @@ class GluonGemmPlan:
                  a2: torch.Tensor | None = None, flags: torch.Tensor | None = None, err: torch.Tensor | None = None,
                  rank: int = 0, timeout_ns: int = 2_000_000_000, activation: int = 0,
                  counter: torch.Tensor | None = None, config: GluonGemmConfig | None = None,
-                 clip: bool = False) -> None:
+                 clip: bool = False, post: bool = False) -> None:
         if not AVAILABLE:
             raise RuntimeError(f"gluon_gemm: {REASON}")
         cfg = config or GluonGemmConfig()
+        if post and (cfg.kind != "plain" or flags is None or err is not None):
+            raise ValueError("gluon_gemm: posts (post=True) take a plain config (not ping-pong, not 192 columns) "
+                             "and flags, and no error word: a tile that posts does not wait")
         if a.dim() != 2 or b.dim() != 2 or c.dim() != 2 or a.shape[1] != b.shape[0] or c.shape[1] != b.shape[1]:
             raise ValueError(f"gluon_gemm: shapes a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)} do "
                              "not make c = a @ b")
@@ -806,7 +846,9 @@ class GluonGemmPlan:
         if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != _p.TABLE_COLS:
             raise ValueError(f"gluon_gemm: table must be int32 [T, {_p.TABLE_COLS}], got {table.dtype} "
                              f"{tuple(table.shape)}")
-        has_wait = flags is not None
+        has_wait = flags is not None and not post
+        if post and flags.dtype != torch.int32:
+            raise ValueError(f"gluon_gemm: post flags must be int32, got {flags.dtype}")
         if has_wait and (err is None or flags.dtype != torch.int32 or err.dtype != torch.int32
                          or err.numel() < _p.ERR_WORDS):
             raise ValueError("gluon_gemm: flags need an int32 error word of 8 words (err)")
@@ -816,7 +858,7 @@ class GluonGemmPlan:
                              f"got {counter.dtype} {tuple(counter.shape)} on {counter.device}")
         b_kn = not (b.stride(0) == 1 and b.stride(1) == b.shape[0]) and b.stride(1) == 1
         self.cfg, self.b_kn, self.clip, self.table = cfg, b_kn, bool(clip), table
-        self.flags = flags if has_wait else table  # never read without waits / a counter
+        self.flags = flags if has_wait or post else table  # never read without waits or posts
         self.err = err if has_wait else table
         self.counter = counter if dynamic else table
         # 8 MMA warps + the loader's warpgroup: 384 threads share the 64 K registers of an SM;
@@ -826,7 +868,10 @@ class GluonGemmPlan:
                     LOADER_REGS=cfg.loader_regs)
         if cfg.pingpong:
             meta["MMA_REGS"] = 232
-        meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip), num_warps=cfg.num_warps)
+        meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip))
+        if cfg.kind == "plain":
+            meta["POST"] = bool(post)
+        meta["num_warps"] = cfg.num_warps
 
         a2_ = a2 if a2 is not None else a
         b_store = b if b_kn else b.t()

@@ -51,6 +51,18 @@ def test_gluon_gemm_dispatch_counter() -> None:
     assert len(log) == len(DYNAMIC_VARIANTS)
 
 
+@pytest.mark.gpu
+def test_gluon_gemm_posts() -> None:
+    """Tiles that post (the producer ops' GEMM): flags at their tile counts, rows read after
+    their flag whole, two grids on one counter, dead tiles of a row cut counted."""
+    _need_gluon()
+    from benchmarks.gluon_gemm_bench import POST_VARIANTS, VARIANTS, check_posts
+
+    log: list[str] = []
+    check_posts(log, {kk: VARIANTS[kk] for kk in POST_VARIANTS})
+    assert len(log) == len(POST_VARIANTS)
+
+
 def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str, tile: tuple = (128, 128)) -> dict:
     """The all-gather op's kind of call at world size 2, as rank 0: its shard's rows (A, no
     wait) then the peer's from the gathered buffer laid out for the bucket (A2, rows
@@ -75,7 +87,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     """The consumer GEMM's plan on the engine ``OVERLAP_GEMM_ENGINE`` gives (forced Gluon, or
     measured; ``halves`` / ``row_halves``: a table of 128x256 / 256x128 tiles run as its
     column / row halves on ping-pong 128x128, the pick set instead of measured; ``wide``: a
-    table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_WIDE=1``, set alike):
+    table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_EXPERIMENTAL=1``, set alike):
     right with new inputs every call and rows cut per bucket, both B layouts;
     the give-back grid joining by the counter on another stream; a flag never set: code 1
     within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
@@ -87,7 +99,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     halves = mode in ("halves", "row_halves", "wide")
     monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else mode)
     if mode == "wide":
-        monkeypatch.setenv(engine.WIDE_ENV, "1")
+        monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     if halves:
         monkeypatch.setattr(engine.EnginePlan, "_measure",
                             lambda self, ops, c, grid, rows: (self.configs[-1], "set by the test"))

@@ -305,17 +305,17 @@ def test_retile_columns_keeps_each_row_blocks_rows_and_waits() -> None:
 
 
 def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The 192-column config is a candidate of 128-row tables with ``OVERLAP_GLUON_WIDE=1``
+    """The 192-column config is a candidate of 128-row tables with ``OVERLAP_GLUON_EXPERIMENTAL=1``
     only (and in the kept picks' key then); picked, it runs on the retiled table (the op's
     words, rows and grid) and the report says "retiled"."""
-    monkeypatch.delenv(engine.WIDE_ENV, raising=False)
+    monkeypatch.delenv(engine.EXPERIMENTAL_ENV, raising=False)
     assert all(not c.wide for c in engine.gluon_configs(CFG))
     from overlap.kernels import autotune
 
     monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
     assert "wide" not in engine._env("cpu")
-    monkeypatch.setenv(engine.WIDE_ENV, "1")
-    assert engine._env("cpu")["wide"]["128x256"] == ["gluon 128x192x64 s4"]
+    monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
+    assert engine._env("cpu")["experimental"]["wide"]["128x256"] == ["gluon 128x192x64 s4"]
     cands = engine.gluon_configs(CFG)
     assert [c.block_n for c in cands] == [256, 128, 192] and cands[-1].wide
     assert [c.block_n for c in engine.gluon_configs(GemmConfig(block_m=128, block_n=128))][-1] == 192
@@ -332,7 +332,7 @@ def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.M
         assert got["config"] == cands[-1] and got["flags"] is x["kw"]["flags"] and got["rows"] == (512, 512)
     assert gp.engine == "gluon 128x192x64 s4 retiled"
     # the wide configs off again: the pick this process kept is no candidate, so measured again
-    monkeypatch.delenv(engine.WIDE_ENV)
+    monkeypatch.delenv(engine.EXPERIMENTAL_ENV)
     measured: list[int] = []
     monkeypatch.setattr(engine.EnginePlan, "_measure",
                         lambda self, ops, c, grid, rows: (measured.append(1), (None, "measured"))[1])
@@ -626,3 +626,64 @@ def test_a_pick_measured_eagerly_is_not_kept_on_disk(monkeypatch: pytest.MonkeyP
     assert engine._measured[("p", 1)][0] == "tile" and not os.path.exists(engine.cache_path())
     engine._keep(("p", 2), "tile", "measured (graphs of 5 launches, 5 rounds) tile 1.000 ms", "cpu")
     assert os.path.exists(engine.cache_path())
+
+
+def _producer(n: int = 768, cfg: GemmConfig = CFG) -> dict:
+    """A producer op's kind of GEMM: tiles that post per row chunk (flags 0, 1), wait on none."""
+    g = torch.Generator().manual_seed(n)
+    a, w = torch.randn(1024, 256, generator=g).half(), torch.randn(n, 256, generator=g).half()
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=512, post_base=0),
+            Segment(a_src=0, a_row=512, c_row=512, rows=512, post_base=4)]
+    table = torch.tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n, 8), dtype=torch.int32)
+    kw = dict(flags=torch.zeros(16, dtype=torch.int32), err=torch.zeros(8, dtype=torch.int32),
+              counter=torch.zeros(4, dtype=torch.int32), timeout_ns=1, rank=0, config=cfg, post=True)
+    return dict(a=a, b=w.t(), c=torch.empty(1024, n, dtype=torch.float16), table=table, kw=kw)
+
+
+def test_posts_run_on_the_plain_kernel_and_measure_on_scratch_flags(fake_gluon: list,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GEMM whose tiles post (a producer op's) may run, with ``OVERLAP_GLUON_EXPERIMENTAL=1``
+    only, on the Gluon GEMM's plain kernel of its tile only (no ping-pong, halves or retiled table: a post counts tiles); forced, it
+    launches with the op's flags, no error word and ``post``; measured, every candidate's
+    posts go to scratch flags, never the op's; posts from tiles that also wait, or on a tile
+    only ping-pong has, stay on the tile GEMM."""
+    x = _producer()
+    monkeypatch.delenv(engine.EXPERIMENTAL_ENV, raising=False)
+    assert "OVERLAP_GLUON_EXPERIMENTAL=1" in engine.misfit(x["b"], **x["kw"])
+    monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
+    assert engine.misfit(x["b"], **x["kw"]) is None
+    assert "posts from tiles that wait" in engine.misfit(x["b"], **{**x["kw"], "wait": True})
+    assert "posts on a 64x256 tile" in engine.misfit(x["b"], **{**x["kw"], "config": GemmConfig(block_m=64,
+                                                                                                 block_n=256)})
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    for cfg, want in ((CFG, "gluon 128x256x64 s3"), (GemmConfig(block_m=128, block_n=128), "gluon 128x128x64 s4")):
+        x = _producer(cfg=cfg)
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        assert isinstance(gp, engine.EnginePlan) and all(g.kind == "plain" for g in gp.configs), gp.configs
+        gp.launch(gp.operands(x["a"], x["b"]), x["c"], epoch=1, grid=100)
+        got = fake_gluon[-1]
+        assert got["post"] is True and got["flags"] is x["kw"]["flags"] and got["err"] is None
+        assert torch.equal(got["table"], x["table"]) and gp.engine == want, gp.engine
+    # measured: the candidates' posts into scratch flags
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setattr(engine, "_measured", {})
+    monkeypatch.setattr(engine, "cache_path", lambda: None)
+    FakeTiming.made.clear()
+    monkeypatch.setattr(engine, "_timing", lambda device: FakeTiming(fake_gluon, lambda nm, k: 1.0 if nm == "tile"
+                                                                     else 0.5))
+    x = _producer()
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    seen: list = []  # the flags of each tile GEMM launch (the measurement's copy of the plan, then the plan)
+
+    def tile_launch(self: Any, descs: Any, c: Any, **kw: Any) -> None:
+        seen.append(self.flags)
+        fake_gluon.append({"tile": True, "c": c, **kw})
+
+    monkeypatch.setattr(TileGemmPlan, "launch", tile_launch)
+    monkeypatch.setattr(TileGemmPlan, "operands", lambda self, a, b, a2=None: ("descs", a, b, a2))
+    n0 = len(fake_gluon)
+    gp.launch(gp.operands(x["a"], x["b"]), x["c"], epoch=1, grid=100)
+    measured = fake_gluon[n0:-1]
+    assert measured and all(e.get("flags") is not x["kw"]["flags"] for e in measured if not e.get("tile"))
+    assert seen and all(f is not x["kw"]["flags"] for f in seen)
+    assert gp.engine == "gluon 128x256x64 s3" and fake_gluon[-1]["flags"] is x["kw"]["flags"]

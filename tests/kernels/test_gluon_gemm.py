@@ -72,7 +72,8 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
-         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False) -> Any:
+         has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False,
+         post: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -96,7 +97,7 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
-                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, num_warps=cfg.num_warps)
+                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, num_warps=cfg.num_warps)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         if nm in meta:
@@ -449,3 +450,40 @@ def gg_launchers() -> dict:
     from overlap.kernels import gluon_gemm as gg
 
     return gg._LAUNCHERS
+
+
+def test_sm90_posts_after_a_barrier_of_the_mma_warps() -> None:
+    """``POST`` (a producer's tiles): the MMA partition stores C by masked stores (no TMA store
+    there), then a barrier of its 256 threads, then one thread's release add at GPU scope on
+    the tile's post flag; the loader waits on nothing. Without posts no release add at all."""
+    k = _build(has_wait=False, post=True, dynamic=True, clip=True)
+    mma, loader = _regions(k)
+    assert "atomic_rmw add, release, gpu" in mma and "atomic_rmw add, release" not in loader
+    assert "async_tma_copy_local_to_global" not in mma and mma.count("ttg.barrier") == 1
+    assert "atomic_rmw add, acquire" not in loader and "globaltimer" not in loader
+    ptx = k.asm["ptx"]
+    post = ptx.index("red.global.gpu.release.add.u32")
+    assert "bar.sync \t0, 256" in ptx[max(0, post - 400):post], "no barrier of the MMA warps before the post"
+    plain = _build(has_wait=False, dynamic=True, clip=True)
+    assert "atomic_rmw add, release" not in plain.asm["ttgir"] and "ttg.barrier" not in _regions(plain)[0]
+    assert "async_tma_copy_local_to_global" in _regions(plain)[0]
+
+
+def test_post_plan_refuses_what_cannot_post() -> None:
+    """Posts take the plain kernel, flags and no error word (a tile that posts does not wait)."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    a, w, c = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(256, 128, dtype=torch.bfloat16), \
+        torch.zeros(256, 256, dtype=torch.bfloat16)
+    tab, flags, err = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), \
+        torch.zeros(8, dtype=torch.int32)
+    for cfg, kw in ((GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True), dict(flags=flags)),
+                    (GluonGemmConfig(block_m=128, block_n=192, stages=4), dict(flags=flags)),
+                    (GluonGemmConfig(), dict()), (GluonGemmConfig(), dict(flags=flags, err=err))):
+        with pytest.raises(ValueError, match="posts"):
+            GluonGemmPlan(a, w.t(), c, tab, config=cfg, post=True, **kw)
+    plan = GluonGemmPlan(a, w.t(), c, tab, flags=flags, post=True)
+    assert plan.flags is flags and plan.prepared.constexprs["POST"] is True
+    assert plan.prepared.constexprs["HAS_WAIT"] is False
