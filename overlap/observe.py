@@ -207,7 +207,7 @@ _warnings: dict[tuple, int] = {}        # (op, shape, msg) -> times
 _timeouts: dict[tuple, list] = {}       # (op, shape) -> [count, last message]
 _tunings: dict[tuple, tuple] = {}       # (op, shape) -> (candidates, picked)
 _alone: dict[tuple, dict] = {}          # (op, shape) -> {"comm": ms, "gemm": ms}
-_engines: dict[tuple, tuple] = {}       # (M, N, K, dtype) -> (engine, why), the last GEMM plan's
+_engines: dict[tuple, tuple] = {}       # (M, N, K, dtype, kind) -> (engine, why), the last GEMM plan's
 _samples: dict[tuple, deque] = {}       # (op, shape, path, serial, phase) -> ms
 _pending: deque = deque()               # (op, shape, path, serial, {phase: (start, end)})
 _dropped = [0]
@@ -316,8 +316,9 @@ def record_tuning(op: str, shape: Sequence[int], candidates: Iterable[tuple[str,
 
 
 def record_engine(problem: Sequence[Any], engine: str, why: str) -> None:
-    """Which GEMM engine (``overlap.kernels.engine``) runs a consumer GEMM of ``problem``
-    ((M, N, K, dtype)) and why: measured times, a forced engine, or why Gluon cannot."""
+    """Which GEMM engine (``overlap.kernels.engine``) runs an op's GEMM of ``problem`` ((M, N,
+    K, dtype, "waits" | "posts" | "alone")) and why: measured times, a forced engine, or why
+    Gluon cannot."""
     with _lock:
         _engines[tuple(problem)] = (str(engine), str(why))
 
@@ -551,8 +552,10 @@ class Report:
             out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
             out += ["  ".join(v.ljust(w) for v, w in zip(l, widths)).rstrip() for l in lines]
         for e in self.engines:
-            m, n, k, dt = e["gemm"]
-            notes.append(f"GEMM {m}x{n}x{k} {dt}: engine {e['engine']} ({e['why']})")
+            m, n, k, dt = e["gemm"][:4]
+            kind = {"waits": " (tiles that wait)", "posts": " (tiles that post)", "alone": " (alone)"}.get(
+                (e["gemm"][4:] or [""])[0], "")
+            notes.append(f"GEMM {m}x{n}x{k} {dt}{kind}: engine {e['engine']} ({e['why']})")
         g = self.plan_graphs
         if g:
             driven = max(0, g["replayed"] - g["noded"] - g["relayed"])

@@ -49,6 +49,7 @@ import json
 import os
 import statistics
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from .. import protocol as _p
@@ -111,7 +112,16 @@ another way (3 rounds of 3 eager launches before) are measured again."""
 
 _lock = threading.Lock()
 _picks: dict[tuple, tuple[str, str]] = {}     # problem -> (label, why), the last plan's
-_measured: dict[tuple, tuple[str, str]] = {}  # problem + (grid, rows) -> (label, why)
+_DERIVED_CAP = 256
+_derived: "OrderedDict[tuple, tuple[Any, Any]]" = OrderedDict()
+"""Tables derived from an op's table (its halves, its row blocks at 192 columns), by the op
+table's address, shape and device and how: (the op's table, the derived one), the most
+recent ``_DERIVED_CAP``. A plan made inside a capture (its words are the capture's own, so
+its plan is new) finds here the table an eager plan of the same op table built, which it
+may not build itself. Each entry holds the op's table, so its address is not reused by
+another table while the entry lives; a plan holds the derived tables it runs (a captured
+graph reads them for good)."""
+_measured: dict[tuple, tuple[str, str, tuple]] = {}  # problem + (grid, rows) -> (label, why, the candidates measured)
 
 
 def engine_mode() -> str:
@@ -294,7 +304,10 @@ def _record(problem: tuple, label: str, why: str) -> None:
 
     with _lock:
         _picks[problem] = (label, why)
-    _observe.record_engine(problem[:4], label, why)
+    # (M, N, K, dtype) and what its tiles do: a waiting GEMM and a posting one of one shape
+    # (the chain's fc2 and its stream-synced baseline, say) are two lines of the report
+    kind = "posts" if problem[11] else ("waits" if problem[9] else "alone")
+    _observe.record_engine(problem[:4] + (kind,), label, why)
 
 
 def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
@@ -361,8 +374,11 @@ def _known(key: tuple, labels: tuple, device: Any) -> tuple[str, str] | None:
     with _lock:
         got = _measured.get(key)
         path = cache_path()
-        if got is not None:  # (a pick of a config no longer a candidate, OVERLAP_GLUON_EXPERIMENTAL changed: measured again)
-            return got if got[0] in ("tile", *labels) else None
+        if got is not None:
+            # measured again where a candidate is new since (OVERLAP_GLUON_EXPERIMENTAL turned
+            # on) or the pick is no longer one (turned off)
+            label, why, among = got
+            return (label, why) if label in ("tile", *labels) and set(labels) <= set(among) else None
         if path is None:
             return None
         if not _disk_loaded[0]:
@@ -373,16 +389,16 @@ def _known(key: tuple, labels: tuple, device: Any) -> tuple[str, str] | None:
         return None
     got = (entry["engine"], entry["why"] + " (kept from an earlier process)")
     with _lock:
-        _measured[key] = got
+        _measured[key] = (*got, tuple(labels))
     return got
 
 
-def _keep(key: tuple, label: str, why: str, device: Any) -> None:
+def _keep(key: tuple, label: str, why: str, device: Any, among: tuple = ()) -> None:
     """A new measured pick: for the process, and merged into the file (others' entries kept)."""
     from .autotune import _write_atomic
 
     with _lock:
-        _measured[key] = (label, why)
+        _measured[key] = (label, why, among)
         path = cache_path()
         if path is None or "(eager," in why:  # measured another way than the file's key says: this process only
             return
@@ -526,26 +542,73 @@ class EnginePlan:
             return _label(cfg)
         return _label(cfg, "retiled" if cfg.wide else "halves")
 
+    def _derived_key(self, cfg: GluonGemmConfig) -> tuple:
+        t = self.table
+        return (t.data_ptr(), tuple(t.shape), str(t.device), self.tile_shape, (cfg.block_m, cfg.block_n), self.n)
+
+    def _has_table(self, cfg: GluonGemmConfig) -> bool:
+        """Whether ``cfg``'s table is at hand without building it (inside a capture too)."""
+        if (cfg.block_m, cfg.block_n) in self._tables:
+            return True
+        with _lock:
+            got = _derived.get(self._derived_key(cfg))
+        return got is not None and got[0] is self.table
+
     def _table_for(self, cfg: GluonGemmConfig) -> Any:
         """The table ``cfg`` runs: the op's, or (a config of half its tile) its column or
-        row halves, or (a ``wide`` config) its row blocks at 192 columns, built once from a
-        host copy of the op's (not inside a capture)."""
+        row halves, or (a ``wide`` config) its row blocks at 192 columns: one another plan
+        of the same op table built (``_derived``), else built here from a host copy of the
+        op's (not inside a capture)."""
         key = (cfg.block_m, cfg.block_n)
         t = self._tables.get(key)
-        if t is None:
-            tm, tn = self.tile_shape
-            if cfg.wide and tm == cfg.block_m:
-                split = lambda tab: retile_columns(tab, self.n, tn, cfg.block_n)  # noqa: E731
-            elif key == (tm, tn // 2):
-                split = lambda tab: split_columns(tab, self.n, tn)  # noqa: E731
-            elif key == (tm // 2, tn):
-                split = lambda tab: split_rows(tab, tm)  # noqa: E731
-            else:
-                raise ValueError(f"gluon_gemm: a {key[0]}x{key[1]} config on a table of {tm}x{tn} tiles")
-            if _capturing():
-                raise RuntimeError("a table of halves is built outside a CUDA graph capture")
-            t = self._tables[key] = split(self.table.cpu()).to(self.table.device)
+        if t is not None:
+            return t
+        dk = self._derived_key(cfg)
+        with _lock:
+            got = _derived.get(dk)
+            if got is not None and got[0] is self.table:
+                _derived.move_to_end(dk)
+                t = self._tables[key] = got[1]
+                return t
+        tm, tn = self.tile_shape
+        if cfg.wide and tm == cfg.block_m:
+            split = lambda tab: retile_columns(tab, self.n, tn, cfg.block_n)  # noqa: E731
+        elif key == (tm, tn // 2):
+            split = lambda tab: split_columns(tab, self.n, tn)  # noqa: E731
+        elif key == (tm // 2, tn):
+            split = lambda tab: split_rows(tab, tm)  # noqa: E731
+        else:
+            raise ValueError(f"gluon_gemm: a {key[0]}x{key[1]} config on a table of {tm}x{tn} tiles")
+        if _capturing():
+            raise RuntimeError("a table derived from the op's (halves, 192 columns) is built outside a CUDA graph "
+                               "capture")
+        t = self._tables[key] = split(self.table.cpu()).to(self.table.device)
+        with _lock:
+            _derived[dk] = (self.table, t)
+            while len(_derived) > _DERIVED_CAP:
+                _derived.popitem(last=False)
         return t
+
+    def follow(self, other: "EnginePlan") -> bool:
+        """Take ``other``'s engine, decided, instead of measuring this plan's own: the same
+        GEMM (shapes, dtype, B's layout, table tile and size) run another way, as the MLP
+        chain's stream-synced baseline runs its fc2 (without waits) on the engine of the
+        chain's fc2 (``ops/chain.py``). False (nothing changed) where this plan is decided,
+        ``other`` is not, the GEMMs differ, or ``other``'s pick is no candidate here or its
+        table cannot be built (inside a capture)."""
+        if self.decided or not other.decided or other.problem[:9] != self.problem[:9]:
+            return False
+        g = next((g for g in self.configs if self.label(g) == other.engine), None)
+        if g is None and other.engine != "tile":
+            return False
+        if g is not None and _capturing() and not self._has_table(g):
+            return False
+        if g is not None:
+            self._table_for(g)
+        self.gluon, self.decided, self.engine = g, True, self.label(g)
+        self.why = f"as the same GEMM's other plan: {other.why}"
+        _record(self.problem, self.engine, self.why)
+        return True
 
     def _decide(self, ops: _Operands, c: Any, grid: int, rows: Any) -> None:
         key = self.problem + (int(grid), rows)
@@ -553,20 +616,24 @@ class EnginePlan:
         if self.forced:
             self.gluon, why = self.configs[0], f"{ENGINE_ENV}=gluon"
         elif known is not None and not (_capturing() and known[0] != "tile"
-                                        and any(self.label(g) == known[0]
-                                                and (g.block_m, g.block_n) not in self._tables
+                                        and any(self.label(g) == known[0] and not self._has_table(g)
                                                 for g in self.configs)):
             label, why = known
             self.gluon = next((g for g in self.configs if self.label(g) == label), None)
         elif _capturing():
-            # no measuring inside a capture: the tile GEMM, undecided for the next plan
+            # no measuring inside a capture: the tile GEMM, undecided for the next plan (a
+            # pick measured before stays the problem's in the report)
             self.decided, self.engine = True, "tile"
-            self.why = "first launch inside a CUDA graph capture: not measured"
-            _record(self.problem, "tile", self.why)
+            self.why = ("first launch inside a CUDA graph capture: not measured" if known is None else
+                        f"inside a CUDA graph capture, where the table of the pick ({known[0]}) cannot be built")
+            if known is None:
+                _record(self.problem, "tile", self.why)
             return
         else:
             self.gluon, why = self._measure(ops, c, grid, rows)
-            _keep(key, self.label(self.gluon), why, c.device)
+            _keep(key, self.label(self.gluon), why, c.device, tuple(self.label(g) for g in self.configs))
+        if self.gluon is not None and not _capturing():
+            self._table_for(self.gluon)  # built now: plans of this op table made in a capture take it
         self.decided = True
         self.engine = self.label(self.gluon)
         self.why = why
@@ -588,7 +655,7 @@ class EnginePlan:
         if self.post:  # (the posts count into scratch flags: the op's own are never touched)
             flags = torch.zeros_like(self.flags)
         if self.wait:
-            flags = torch.zeros_like(self.flags)
+            flags = torch.zeros(self.flags.shape, dtype=self.flags.dtype)  # (on the host: set per tile below)
             err = torch.zeros_like(self.err)
             w, mult = tab[:, _p.COL_WAIT].long(), tab[:, _p.COL_WAIT_MULT].long()
             for i in range(tab.shape[0]):  # epoch 1: flag w at its waiters' largest multiple

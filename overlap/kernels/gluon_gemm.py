@@ -672,8 +672,9 @@ if AVAILABLE:
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc0, l0, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                       BLOCK_M, 128, HAS_WAIT, ACTIVATION)
-            _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
-                      BLOCK_M, BN1, HAS_WAIT, ACTIVATION)
+            if off_n + 128 < N:  # (the last 64 columns of the last column tile may lie past N)
+                _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
+                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)

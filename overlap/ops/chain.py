@@ -298,8 +298,8 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
                           activation: str | None = "gelu", config: ChainConfig | None = None) -> torch.Tensor:
     """The same two GEMMs as ``mlp_chain``, one after the other on the current stream, each
     over every SM (no flags): the stream-synchronized baseline. fc2 runs on the engine
-    ``mlp_chain``'s consumer takes (``overlap.kernels.engine``: the Gluon GEMM where it
-    measured faster on this GEMM without waits, else the tile GEMM)."""
+    ``mlp_chain``'s fc2 took (``overlap.kernels.engine``; ``EnginePlan.follow``) where the
+    chain ran first with this config; else on the one measured for it alone."""
     from ..kernels.tile_gemm import launch_tile_gemm
 
     _check_inputs(x, w1, w2, activation)
@@ -323,10 +323,15 @@ def mlp_chain_stream_sync(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *
     if tm:
         tm.stop("comm")
         tm.start("gemm")
-    # fc2 on the engine the chain's consumer takes (the same GEMM, without waits)
+    # fc2 on the engine the chain's consumer took (the same GEMM, without waits), where the
+    # chain ran first; else on the one measured for it
     cc = cfg.consumer or pc
     gp = gemm_plan(_consumers(rt, (m, f, n, pc, cc, cfg.sync, "stream-sync")), mid, w2, y, cons, flags=cons,
                    err=cons, timeout_ns=0, config=cc)  # (no waits: flags and error word never read)
+    if not getattr(gp, "decided", True):
+        for lead in list(_consumers(rt, (m, f, n, pc, cc, cfg.sync)).values()):
+            if getattr(lead, "decided", False) and gp.follow(lead):
+                break
     gp.launch(gp.operands(mid, w2), y, epoch=0, grid=rt.num_sms)
     if tm:
         tm.stop("gemm")

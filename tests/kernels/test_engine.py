@@ -83,7 +83,7 @@ def test_what_gluon_cannot_run_stays_on_the_tile_gemm(fake_gluon: list, monkeypa
     assert engine.misfit([x["b"], x["b"]], **x["kw"]) == "several weights"
     c2 = [x["c"], x["c"][:, :256]]
     gp = engine.engine_plan(x["a"], [x["b"], x["b"][:, :256]], c2, x["table"], **{**x["kw"], "clip": None})
-    assert type(gp) is TileGemmPlan and _engines()[(512, 768, 256, "float16")] == ("tile", "Gluon: several weights")
+    assert type(gp) is TileGemmPlan and _engines()[(512, 768, 256, "float16", "waits")] == ("tile", "Gluon: several weights")
     observe.reset_report()
     assert engine.misfit(x["b"], **x["kw"]) is None
     counter = torch.zeros(8, dtype=torch.int32)
@@ -341,6 +341,16 @@ def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.M
     gp.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
     gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=5, grid=77, rows=(512, 512))
     assert measured == [1] and gp.engine == "tile" and fake_gluon[-1].get("tile")
+    # and on again: the tile GEMM kept without the wide config among the candidates is measured again
+    monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=6, grid=77, rows=(512, 512))
+    assert measured == [1, 1]
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])  # now kept with it
+    gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=7, grid=77, rows=(512, 512))
+    assert measured == [1, 1] and gp.engine == "tile"
 
 
 def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,11 +382,19 @@ def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.M
     assert fake_gluon[0]["table"] is fake_gluon[1]["table"]  # built once
     assert gp.engine == "gluon pp128x128x64 s5 halves"
     assert list(_engines().values()) == [("gluon pp128x128x64 s5 halves", "measured")]
-    # known from the first plan; a new plan's first launch inside a capture: the tile GEMM
+    # known from the first plan; a new plan of the same op table (new words: a capture's) whose
+    # first launch is inside a capture runs the halves on the table the first plan built
     monkeypatch.setattr(engine, "_capturing", lambda: True)
     gp2 = plan()
     gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
-    assert gp2.engine == "tile" and fake_gluon[-1].get("tile")
+    assert gp2.engine == "gluon pp128x128x64 s5 halves" and fake_gluon[-1]["table"] is fake_gluon[0]["table"]
+    # a plan of another op table (equal, not the same tensor) cannot build its halves in a
+    # capture: the tile GEMM, and the report keeps the measured pick
+    x["table"] = x["table"].clone()
+    gp2 = plan()
+    gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert gp2.engine == "tile" and fake_gluon[-1].get("tile") and "cannot be built" in gp2.why
+    assert list(_engines().values()) == [("gluon pp128x128x64 s5 halves", "measured")]
     # the 128x256 config, known, runs inside a capture on the op's own table
     monkeypatch.setattr(engine, "_capturing", lambda: False)
     pick[0] = cands[0]
@@ -687,3 +705,37 @@ def test_posts_run_on_the_plain_kernel_and_measure_on_scratch_flags(fake_gluon: 
     assert measured and all(e.get("flags") is not x["kw"]["flags"] for e in measured if not e.get("tile"))
     assert seen and all(f is not x["kw"]["flags"] for f in seen)
     assert gp.engine == "gluon 128x256x64 s3" and fake_gluon[-1]["flags"] is x["kw"]["flags"]
+
+
+def test_a_plan_may_follow_another_plans_pick(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EnginePlan.follow``: a plan of the same GEMM run without waits (the chain's
+    stream-synced fc2) takes the waiting plan's decided engine, unmeasured, on the same
+    derived table; not before that plan decided, not for another GEMM, not once decided."""
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setattr(engine, "_measured", {})
+    cands = engine.gluon_configs(CFG)
+    measured: list[str] = []
+
+    def measure(self: Any, ops: Any, c: Any, grid: int, rows: Any) -> tuple:
+        measured.append("waits" if self.wait else "alone")
+        return cands[1], "measured"
+
+    monkeypatch.setattr(engine.EnginePlan, "_measure", measure)
+    x = _call(m=1024, n=640)
+    lead = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    alone_kw = {**x["kw"], "wait": False, "flags": None, "err": None}
+    follower = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **alone_kw)
+    assert not follower.follow(lead)  # the lead has not decided
+    lead.launch(lead.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    other = _call(m=1024, n=768)
+    stranger = engine.engine_plan(other["a"], other["b"], other["c"], other["table"],
+                                  **{**other["kw"], "wait": False, "flags": None, "err": None})
+    assert not stranger.follow(lead) and not stranger.decided
+    assert follower.follow(lead) and not follower.follow(lead)  # (once decided, no more)
+    follower.launch(follower.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=0, grid=132, rows=(512, 512))
+    got = fake_gluon[-1]
+    assert measured == ["waits"] and follower.engine == lead.engine == "gluon pp128x128x64 s5 halves"
+    assert got["table"] is fake_gluon[0]["table"] and got["flags"] is None and got["config"] == cands[1]
+    assert follower.why.startswith("as the same GEMM's other plan: measured")
+    kinds = {k[4]: v[0] for k, v in _engines().items()}
+    assert kinds == {"waits": lead.engine, "alone": lead.engine}, kinds
