@@ -313,9 +313,9 @@ def gluon_compile_jobs(shapes: Iterable[dict[str, Any]], alone: bool) -> list[tu
     (its configs, waiting) and, with ``alone`` (``--gluon``), every config alone too."""
     from dataclasses import asdict
 
-    from overlap.kernels.engine import HALF_CONFIGS, TILE_CONFIGS, WIDE_CONFIGS, experimental
+    from overlap.kernels.engine import HALF_CONFIGS, REGS_CONFIGS, TILE_CONFIGS, WIDE_CONFIGS, experimental
 
-    extra = WIDE_CONFIGS.values() if experimental() else ()  # (OVERLAP_GLUON_EXPERIMENTAL=1)
+    extra = (*REGS_CONFIGS.values(), *WIDE_CONFIGS.values()) if experimental() else ()  # (OVERLAP_GLUON_EXPERIMENTAL=1)
     configs = {g: None for v in (*TILE_CONFIGS.values(), *HALF_CONFIGS.values(), *extra) for g in v}
     if alone:
         from benchmarks.gluon_gemm_bench import VARIANTS

@@ -54,9 +54,11 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "pp128x128": dict(block_m=128, block_n=128, stages=5, pingpong=True),
     "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
     "128x192": dict(block_m=128, block_n=192, stages=4),
+    "128x256r4": dict(block_m=128, block_n=256, stages=4, tma_epilogue=False),
 }
-"""The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, and
-a 192-column tile as two accumulators (``GluonGemmConfig.wide``)."""
+"""The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, a
+192-column tile as two accumulators (``GluonGemmConfig.wide``), and (``r4``) C stored from
+registers with a fourth ring slot in the C tile's room (``GluonGemmConfig.tma_epilogue``)."""
 DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192")
 """The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 
@@ -279,7 +281,7 @@ def check_dynamic(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS
         log.append(f"dynamic {name}: ragged + two sources, two grids on one counter, late flags: right")
 
 
-POST_VARIANTS = ("128x256", "256x128", "128x128")
+POST_VARIANTS = ("128x256", "256x128", "128x128", "128x256r4")
 """The plain kernel's configs, whose tiles may post (a producer op's: ``post=True``)."""
 
 

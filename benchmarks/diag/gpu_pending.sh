@@ -19,7 +19,8 @@
 #    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
 # 7. the Gluon GEMM's GPU tests, the 192-column tile and posts among them (its kernel alone, waiting, by
 #    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
-#    timing 128x256, ping-pong 128x128 and 128x192 on its eleven shapes against cuBLAS;
+#    timing 128x256, ping-pong 128x128, 128x192 and 128x256 on 4 stages with C from registers on
+#    its eleven shapes against cuBLAS;
 # 8. with OVERLAP_GLUON_EXPERIMENTAL=1: the producer ops and the block boundary with the Gluon
 #    GEMM forced (its tiles' posts: producer_check.py at world size 1, planned_check.py), and
 #    engine_ops_bench.py, auto (the 192-column tile and posts among the candidates) against tile.
@@ -66,7 +67,7 @@ step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --ro
     --out "$out/chain_graph"
 step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
 step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
-    --variants 128x256,pp128x128,128x192 --rounds 3 --max-seconds 300
+    --variants 128x256,pp128x128,128x192,128x256r4 --rounds 3 --max-seconds 300
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \

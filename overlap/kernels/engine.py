@@ -85,6 +85,14 @@ the table's tiles cut into its two column halves (``split_columns``) or row halv
 Ping-pong 128x128 waiting was the fastest Gluon config on 28 of the 48 sweep shapes
 (docs/experiments.md, 2026-12-04), where the tables are of 128x256 or 256x128 tiles."""
 
+REGS_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
+    (128, 256): (GluonGemmConfig(block_m=128, block_n=256, stages=4, tma_epilogue=False),),
+    (256, 128): (GluonGemmConfig(block_m=256, block_n=128, stages=4, tma_epilogue=False),),
+}
+"""Configs of the table's own tile whose C goes out by masked stores from registers, leaving
+the C tile's shared memory to a fourth ring slot (``GluonGemmConfig.tma_epilogue``), measured
+where ``OVERLAP_GLUON_EXPERIMENTAL=1``: more loads in flight for a long K (at 2048 x 8192 x
+14784 cuBLAS ran at 794 TFLOP/s, the best candidate at 711)."""
 WIDE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
     (128, 256): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
     (128, 128): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
@@ -154,11 +162,13 @@ def unavailable(device: Any, dtype: Any) -> str | None:
 def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
     the tile itself first, then those that run its halves (``HALF_CONFIGS``), then (with
-    ``OVERLAP_GLUON_EXPERIMENTAL=1``) those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
+    ``OVERLAP_GLUON_EXPERIMENTAL=1``) those of its own tile storing C from registers
+    (``REGS_CONFIGS``) and those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
     tile = (config.block_m, config.block_n)
     if not TILE_CONFIGS.get(tile):
         return ()
-    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + (WIDE_CONFIGS.get(tile, ()) if experimental() else ())
+    more = REGS_CONFIGS.get(tile, ()) + WIDE_CONFIGS.get(tile, ()) if experimental() else ()
+    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + more
 
 
 def split_columns(table: Any, n: int, block_n: int) -> Any:
@@ -296,7 +306,7 @@ def picks() -> dict[tuple, tuple[str, str]]:
 
 def _label(cfg: GluonGemmConfig, how: str = "") -> str:
     return (f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
-            f"{' ' + how if how else ''}")
+            f"{'' if cfg.tma_epilogue else ' regs'}{' ' + how if how else ''}")
 
 
 def _record(problem: tuple, label: str, why: str) -> None:
@@ -353,6 +363,7 @@ def _env(device: Any) -> dict[str, Any]:
            "timing": TIMING}
     if experimental():  # (picks measured without the experimental candidates keep their key)
         env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
+                               "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()},
                                "posts": True}
     return env
 

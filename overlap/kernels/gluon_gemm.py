@@ -97,6 +97,11 @@ class GluonGemmConfig:
     its tile's epilogue while the other's K loop keeps the tensor cores busy. A turn barrier
     passes the ring from one to the other once a warpgroup has taken its tile's last slot,
     so each waits only on ring phases that its predecessor has seen complete."""
+    tma_epilogue: bool = True
+    """C through shared memory and a TMA store (whole tiles). False (the plain kernel only):
+    every tile's C by masked stores from the MMA warps' registers, and no C tile in shared
+    memory, which leaves room for a fourth ring slot at 128x256x64 (4 x 48 KiB): more loads
+    in flight for a long K, a slower store per tile."""
 
     def __post_init__(self) -> None:
         tiles = ((64, 256), (128, 128)) if self.pingpong else ((128, 128), (128, 192), (128, 256), (256, 128))
@@ -110,6 +115,9 @@ class GluonGemmConfig:
         if self.smem_bytes(2) > 227 * 1024:
             raise ValueError(f"GluonGemmConfig {self}: {self.smem_bytes(2)} bytes of shared memory at 16-bit "
                              "operands, more than an H100/H200 SM's 227 KiB")
+        if not self.tma_epilogue and self.kind != "plain":
+            raise ValueError("GluonGemmConfig.tma_epilogue=False is the plain kernel's (not ping-pong, not 192 "
+                             "columns)")
         if self.loader_regs % 8 or not 24 <= self.loader_regs <= 256:
             raise ValueError(f"GluonGemmConfig.loader_regs must be a multiple of 8 in [24, 256], got "
                              f"{self.loader_regs}")
@@ -117,7 +125,7 @@ class GluonGemmConfig:
     def smem_bytes(self, elem: int) -> int:
         """Shared memory of a program: the ring, the C tile(s) and the barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        c_tiles = 2 if self.pingpong else 1
+        c_tiles = (2 if self.pingpong else 1) if self.tma_epilogue else 0
         # + ring barriers, tile queue, turn barriers, and what the compiler adds
         return ring + c_tiles * self.block_m * self.block_n * elem + 16 * self.stages + 1024
 
@@ -368,6 +376,23 @@ if AVAILABLE:
                        ACTIVATION)
 
     @gluon.jit
+    def _epilogue_regs(acc, acc_layout: gl.constexpr, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
+                       ACTIVATION: gl.constexpr):
+        """``_epilogue`` by masked stores from registers, whole tiles too (no C tile in shared
+        memory: ``GluonGemmConfig.tma_epilogue=False``); NaN after a failed wait as there."""
+        if c_rows > 0:
+            if HAS_WAIT:
+                if gl.load(err_ptr + _ERR_CODE, volatile=True) != 0:
+                    _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
+                else:
+                    _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N,
+                            stride_cm, BLOCK_M, BLOCK_N)
+            else:
+                _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N, stride_cm,
+                        BLOCK_M, BLOCK_N)
+
+    @gluon.jit
     def _poison(c_ptr, acc_layout: gl.constexpr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):
         """NaN over a tile's rows and columns of C (masked stores)."""
@@ -415,7 +440,7 @@ if AVAILABLE:
              err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-             CLIP: gl.constexpr, POST: gl.constexpr, num_warps: gl.constexpr):
+             CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr, num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
         flight, then the epilogue. With ``POST`` (a producer's tiles) each tile's C is stored
         by masked stores, and once every thread of the partition has stored (a barrier of its
@@ -463,15 +488,19 @@ if AVAILABLE:
                 _c.thread_barrier()
                 if p_idx >= 0:
                     gl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
-            else:
+            elif TMA_C:
                 _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                           BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+            else:
+                _epilogue_regs(acc, acc_layout, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
+                               BLOCK_N, HAS_WAIT, ACTIVATION)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
             else:
                 t += num_progs
-        _c.tma.store_wait(0)
+        if TMA_C:
+            _c.tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_PER_CALL)
     def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
@@ -479,12 +508,16 @@ if AVAILABLE:
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                           ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
-                          WS_LIST: gl.constexpr, CLIP: gl.constexpr, POST: gl.constexpr, num_warps: gl.constexpr):
+                          WS_LIST: gl.constexpr, CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr,
+                          num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         gl.static_assert(not (POST and HAS_WAIT), "a tile posts or waits here, not both")
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+        if TMA_C and not POST:
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+        else:  # (C by masked stores: a token buffer, never written)
+            c_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # the tile queue (DYNAMIC): two int32 slots and their barriers
@@ -506,7 +539,7 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
                         flags_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
-                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, num_warps)),
+                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, TMA_C, num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
@@ -872,6 +905,7 @@ class GluonGemmPlan:
         meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip))
         if cfg.kind == "plain":
             meta["POST"] = bool(post)
+            meta["TMA_C"] = bool(cfg.tma_epilogue)
         meta["num_warps"] = cfg.num_warps
 
         a2_ = a2 if a2 is not None else a

@@ -82,12 +82,13 @@ def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str, tile: tuple
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["gluon", "auto", "halves", "row_halves", "wide"])
+@pytest.mark.parametrize("mode", ["gluon", "auto", "halves", "row_halves", "wide", "regs"])
 def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer GEMM's plan on the engine ``OVERLAP_GEMM_ENGINE`` gives (forced Gluon, or
     measured; ``halves`` / ``row_halves``: a table of 128x256 / 256x128 tiles run as its
     column / row halves on ping-pong 128x128, the pick set instead of measured; ``wide``: a
-    table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_EXPERIMENTAL=1``, set alike):
+    table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_EXPERIMENTAL=1``, set alike;
+    ``regs``: the 128x256 table on 4 stages with C stored from registers, set alike):
     right with new inputs every call and rows cut per bucket, both B layouts;
     the give-back grid joining by the counter on another stream; a flag never set: code 1
     within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
@@ -96,19 +97,22 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     from overlap import observe
     from overlap.kernels import engine
 
-    halves = mode in ("halves", "row_halves", "wide")
+    halves = mode in ("halves", "row_halves", "wide", "regs")
     monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else mode)
-    if mode == "wide":
+    if mode in ("wide", "regs"):
         monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     if halves:
+        pick = (lambda cfgs: next(g for g in cfgs if not g.tma_epilogue)) if mode == "regs" else \
+            (lambda cfgs: cfgs[-1])
         monkeypatch.setattr(engine.EnginePlan, "_measure",
-                            lambda self, ops, c, grid, rows: (self.configs[-1], "set by the test"))
+                            lambda self, ops, c, grid, rows: (pick(self.configs), "set by the test"))
     observe.reset_report()
     span, n, k = 512, 640, 384
     side = torch.cuda.Stream()
     for layout in ("nk", "kn"):
         x = _engine_call(span, span, n, k, layout,
-                         {"halves": (128, 256), "row_halves": (256, 128), "wide": (128, 256)}.get(mode, (128, 128)))
+                         {"halves": (128, 256), "row_halves": (256, 128), "wide": (128, 256),
+                          "regs": (128, 256)}.get(mode, (128, 128)))
         flags, err, counter, b = x["flags"], x["err"], x["counter"], x["b"]
         gathered = torch.empty(2 * span, k, device="cuda", dtype=torch.bfloat16)
         c0 = torch.empty(2 * span, n, device="cuda", dtype=torch.bfloat16)
@@ -136,12 +140,12 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
             assert rel < 1e-2, (mode, layout, cap, rel)
             n_tiles = x["table"].shape[0]
             if halves:
-                assert gp.engine == ("gluon 128x192x64 s4 retiled" if mode == "wide" else
-                                     "gluon pp128x128x64 s5 halves"), gp.engine
+                assert gp.engine == {"wide": "gluon 128x192x64 s4 retiled", "regs": "gluon 128x256x64 s4 regs"}.get(
+                    mode, "gluon pp128x128x64 s5 halves"), gp.engine
                 n_tiles = gp._table_for(gp.gluon).shape[0]
                 # 640 columns: 3 tiles of 256, 5 of 128, 4 of 192; 2 x 512 rows: 4 tiles of 256, 8 of 128
                 want = {"halves": x["table"].shape[0] * 5 // 3, "row_halves": x["table"].shape[0] * 2,
-                        "wide": x["table"].shape[0] * 4 // 3}[mode]
+                        "wide": x["table"].shape[0] * 4 // 3, "regs": x["table"].shape[0]}[mode]
                 assert n_tiles == want, (n_tiles, x["table"].shape)
             # every tile taken once, and one failed take per program (the grids capped at the tiles)
             assert int(counter[0]) == n_tiles + min(100, n_tiles) + (32 if it % 2 else 0), (int(counter[0]), n_tiles)

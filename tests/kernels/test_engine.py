@@ -317,7 +317,8 @@ def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.M
     monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     assert engine._env("cpu")["experimental"]["wide"]["128x256"] == ["gluon 128x192x64 s4"]
     cands = engine.gluon_configs(CFG)
-    assert [c.block_n for c in cands] == [256, 128, 192] and cands[-1].wide
+    assert [c.block_n for c in cands] == [256, 128, 256, 192] and cands[-1].wide
+    assert not cands[2].tma_epilogue and cands[2].stages == 4 and engine._label(cands[2]) == "gluon 128x256x64 s4 regs"
     assert [c.block_n for c in engine.gluon_configs(GemmConfig(block_m=128, block_n=128))][-1] == 192
     assert not any(c.wide for c in engine.gluon_configs(GemmConfig(block_m=256, block_n=128)))
     monkeypatch.setenv(engine.ENGINE_ENV, "auto")

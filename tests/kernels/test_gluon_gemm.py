@@ -73,7 +73,7 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
          has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False,
-         post: bool = False) -> Any:
+         post: bool = False, stages: int = 0, tma_c: bool = True) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -82,8 +82,8 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
 
     from overlap.kernels import gluon_gemm as gg
 
-    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong,
-                          stages=5 if pingpong else (4 if block_n == 192 else 3))
+    cfg = GluonGemmConfig(block_m=block_m, block_n=block_n, pingpong=pingpong, tma_epilogue=tma_c,
+                          stages=stages or (5 if pingpong else (4 if block_n == 192 else 3)))
     a = torch.empty(512, 512, dtype=torch.bfloat16)
     w = torch.empty(512, 512, dtype=torch.bfloat16)
     c = torch.empty(512, 512, dtype=torch.bfloat16)
@@ -97,7 +97,7 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
-                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, num_warps=cfg.num_warps)
+                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, num_warps=cfg.num_warps)
     sig, consts = {}, {}
     for nm in fn.arg_names:
         if nm in meta:
@@ -487,3 +487,21 @@ def test_post_plan_refuses_what_cannot_post() -> None:
     plan = GluonGemmPlan(a, w.t(), c, tab, flags=flags, post=True)
     assert plan.flags is flags and plan.prepared.constexprs["POST"] is True
     assert plan.prepared.constexprs["HAS_WAIT"] is False
+
+
+def test_sm90_register_epilogue_leaves_room_for_a_fourth_slot() -> None:
+    """``tma_epilogue=False``: no C tile in shared memory and no TMA store; C by masked
+    stores (NaN over a skipped tile as with TMA); 128x256x64 then fits four ring slots."""
+    k = _build(stages=4, tma_c=False)
+    mma, loader = _regions(k)
+    assert "async_tma_copy_local_to_global" not in mma and "warp_group_dot " in mma
+    assert "dense<0x7FC0>" in k.asm["ttgir"]  # the poison store is still there
+    assert 4 * (128 + 256) * 64 * 2 <= k.metadata.shared <= 227 * 1024, k.metadata.shared
+    assert _build().metadata.shared > k.metadata.shared  # (3 slots and the C tile: 208 KiB, 4 slots: 192)
+    cfg = GluonGemmConfig(stages=4, tma_epilogue=False)
+    assert cfg.smem_bytes(2) == 4 * (128 + 256) * 64 * 2 + 16 * 4 + 1024
+    with pytest.raises(ValueError, match="227 KiB"):
+        GluonGemmConfig(stages=4)
+    for bad in (dict(block_m=128, block_n=128, pingpong=True, stages=5), dict(block_n=192, stages=4)):
+        with pytest.raises(ValueError, match="tma_epilogue"):
+            GluonGemmConfig(tma_epilogue=False, **bad)
