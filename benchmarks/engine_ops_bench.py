@@ -1,10 +1,10 @@
-"""The consumer and producer ops at world size 1 on each GEMM engine, side by side in one run.
+"""The consumer ops and a producer op at world size 1 on each GEMM engine, side by side in one run.
 
     python benchmarks/engine_ops_bench.py --out DIR [--rounds 5] [--iters 10]
 
-``all_gather_matmul`` and ``all_reduce_matmul`` (residual, LayerNorm), and the producer ops
-``matmul_all_reduce`` and ``matmul_reduce_scatter`` (whose GEMM tiles post), on the NCCL
-transport of a one-rank group (the path they take at 2 or more ranks), bf16, ``w.t()``
+``all_gather_matmul`` and ``all_reduce_matmul`` (residual, LayerNorm), and the producer op
+``matmul_all_reduce`` (whose GEMM tiles post; ``matmul_reduce_scatter``'s GEMM cuts A's rows
+per row bucket, which only the tile GEMM does), on the NCCL transport of a one-rank group (the path they take at 2 or more ranks), bf16, ``w.t()``
 weights, per shape and op: ``OVERLAP_GEMM_ENGINE=tile`` (the ``triton.language`` tile
 GEMM, as before the engine choice) and ``auto`` (the engine the ops pick by measuring,
 ``overlap.kernels.engine``), in interleaved rounds of ``--iters`` eager calls each timed
@@ -37,8 +37,8 @@ SHAPES = [  # M, N, K: sweep shapes and layer shapes (the last three never tuned
 ]
 
 
-OPS = ("agmm", "armm", "mar", "mrs")
-"""all_gather_matmul, all_reduce_matmul (+ residual, LayerNorm), matmul_all_reduce, matmul_reduce_scatter."""
+OPS = ("agmm", "armm", "mar")
+"""all_gather_matmul, all_reduce_matmul (+ residual, LayerNorm), matmul_all_reduce."""
 
 
 def main() -> None:
@@ -52,8 +52,7 @@ def main() -> None:
 
     from benchmarks.context import run_context
     from overlap import dist, observe
-    from overlap.ops import (Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce,
-                             matmul_reduce_scatter)
+    from overlap.ops import Norm, OverlapConfig, all_gather_matmul, all_reduce_matmul, matmul_all_reduce
     from overlap.kernels.engine import ENGINE_ENV
 
     dist.init()
@@ -73,7 +72,6 @@ def main() -> None:
             "agmm": lambda i: all_gather_matmul(xs[i % 2], b, config=cfg),
             "armm": lambda i: all_reduce_matmul(xs[i % 2], b, residual=res, norm=norm, config=cfg)[0],
             "mar": lambda i: matmul_all_reduce(xs[i % 2], b, config=cfg),
-            "mrs": lambda i: matmul_reduce_scatter(xs[i % 2], b, config=cfg),
             "cublas": lambda i: torch.mm(xs[i % 2], b, out=c_ref),
         }
         runs = [(op, eng) for op in OPS for eng in ("tile", "auto")] + [("cublas", "-")]

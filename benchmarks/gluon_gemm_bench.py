@@ -287,10 +287,12 @@ POST_VARIANTS = ("128x256", "256x128", "128x128", "128x256r4")
 
 def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
     """Tiles that post (``post=True``, as the producer ops' GEMM): fresh inputs, C poisoned
-    with NaN, both B layouts, ragged rows; after the launch every post flag holds its tile
-    count (dead tiles of a row cut count too); a second stream that waits on each flag
-    (``cuStreamWaitValue32``, as the producer ops' comm stream) and then copies that flag's
-    rows of C reads them whole, with the GEMM on a dispatch counter shared by two grids."""
+    with NaN, both B layouts, ragged rows, the GEMM on a dispatch counter shared by two grids
+    (the second on another stream, as the give-back grid): after the launch every post flag
+    holds its tile count; then, launched again behind a reader stream that waits on each
+    row chunk's flags (``cuStreamWaitValue32``, as the producer ops' comm stream) and copies
+    that chunk's rows of C at once, the rows it read are whole. A short count fails, never
+    hangs: the reader's waits are released once the GEMM has ended and the counts are read."""
     import torch
 
     from overlap import flags as _flags
@@ -300,6 +302,7 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     side, give = torch.cuda.Stream(), torch.cuda.Stream()
+    cur = torch.cuda.current_stream()
     for name, fields in variants.items():
         cfg = GluonGemmConfig(**fields)
         m, n, k = 1000, 1000, 768
@@ -309,30 +312,47 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
         table = _table(segs, n, cfg.block_m, cfg.block_n)
         posts = table[:, P.COL_POST].long()
         want = torch.bincount(posts[posts >= 0], minlength=64)
+        chunk_flags = [[f for f in torch.nonzero(want).flatten().tolist() if f // 16 == i] for i in range(4)]
+
+        def gemm(a: Any, b: Any, c: Any, flags: Any) -> None:
+            counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+            give.wait_stream(cur)
+            launch_gluon_gemm(a, b, c, table, grid=max(1, sms // 2), flags=flags, counter=counter, config=cfg,
+                              post=True)
+            with torch.cuda.stream(give):  # the give-back grid on the same table and counter
+                launch_gluon_gemm(a, b, c, table, grid=8, flags=flags, counter=counter, config=cfg, post=True)
+            cur.wait_stream(give)
+
         for lay in ("nk", "kn"):
             for it in range(3):
                 a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, lay)
                 c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 flags = torch.zeros(64, dtype=torch.int32, device="cuda")
-                counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-                out = torch.full_like(c, float("nan"))
-                torch.cuda.synchronize()
-                # the reader first: it waits on each flag for its count, then copies those rows
-                with torch.cuda.stream(side):
-                    for f in torch.nonzero(want).flatten().tolist():
-                        _flags.stream_wait_value(side, flags, f, int(want[f]))
-                    for lo, hi in zip(bounds, bounds[1:]):
-                        out[lo:hi].copy_(c[lo:hi])
-                launch_gluon_gemm(a, b, c, table, grid=max(1, sms // 2), flags=flags, counter=counter,
-                                  config=cfg, post=True)
-                with torch.cuda.stream(give):  # the give-back grid on the same table and counter
-                    launch_gluon_gemm(a, b, c, table, grid=8, flags=flags, counter=counter, config=cfg, post=True)
+                gemm(a, b, c, flags)
                 torch.cuda.synchronize()
                 got = flags.long().cpu()
                 assert torch.equal(got, want.cpu()), f"posts {name} {lay} call {it}: flags {got.tolist()}"
                 _close(c, a, b, slice(None), f"posts {name} {lay} call {it}")
-                _close(out, a, b, slice(None), f"posts {name} {lay} call {it}: rows read after their flag")
+                # again, behind the reader: chunk by chunk, its flags' counts then its rows
+                c.fill_(float("nan"))
+                flags.zero_()
+                out = torch.full_like(c, float("nan"))
+                torch.cuda.synchronize()
+                with torch.cuda.stream(side):
+                    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                        for f in chunk_flags[i]:
+                            _flags.stream_wait_value(side, flags, f, int(want[f]))
+                        out[lo:hi].copy_(c[lo:hi])
+                gemm(a, b, c, flags)
+                cur.synchronize()  # the GEMM's grids ended (they wait on nothing)
+                got = flags.long().cpu()
+                if not torch.equal(got, want.cpu()):
+                    flags.copy_(want.to(flags))  # release the reader's waits, then fail
+                    torch.cuda.synchronize()
+                    raise AssertionError(f"posts {name} {lay} call {it} behind the reader: flags {got.tolist()}")
+                torch.cuda.synchronize()
+                _close(out, a, b, slice(None), f"posts {name} {lay} call {it}: rows read after their flags")
         # a row cut (a row bucket's plan): the table made for 512 rows, this call's 300; the
         # tiles past row 300 store nothing and still count
         span, cap = 512, 300

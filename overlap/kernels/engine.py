@@ -320,9 +320,12 @@ def _record(problem: tuple, label: str, why: str) -> None:
     _observe.record_engine(problem[:4] + (kind,), label, why)
 
 
-def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
+def engine_plan(a: Any, b: Any, c: Any, table: Any, *, tile_only: str | None = None, **kw: Any) -> Any:
     """``TileGemmPlan(a, b, c, table, **kw)``, or an ``EnginePlan`` over it where the Gluon
-    GEMM can run the call and ``OVERLAP_GEMM_ENGINE`` allows it (see the module's doc)."""
+    GEMM can run the call and ``OVERLAP_GEMM_ENGINE`` allows it (see the module's doc).
+    ``tile_only``: why this call must run the tile GEMM whatever the engine setting (a
+    kernel of the op shares the GEMM's SMs and counts on the tile GEMM's registers and
+    shared memory leaving it room: ``OverlapConfig.reduce_shared``)."""
     tile = TileGemmPlan(a, b, c, table, **kw)
     mode = engine_mode()
     cfg = kw.get("config") or GemmConfig()
@@ -331,8 +334,8 @@ def engine_plan(a: Any, b: Any, c: Any, table: Any, **kw: Any) -> Any:
     problem = (c0.shape[0], _ns(b), a.shape[1], str(a.dtype).removeprefix("torch."), tile.b_kn, cfg.block_m,
                cfg.block_n, table.shape[0], kw.get("a2") is not None, bool(kw.get("wait")), kw.get("activation"),
                bool(kw.get("post")))
-    if mode == "tile":
-        _record(problem, "tile", f"{ENGINE_ENV}=tile")
+    if mode == "tile" or tile_only:
+        _record(problem, "tile", tile_only or f"{ENGINE_ENV}=tile")
         return tile
     why = unavailable(a.device, a.dtype) or misfit(b, **kw)
     if why is not None:
@@ -469,6 +472,7 @@ class EnginePlan:
         self._tables: dict[tuple, Any] = {self.tile_shape: table}  # tile -> its table (the op's, or its halves)
         self.gluon: GluonGemmConfig | None = None  # the pick; None: the tile GEMM
         self.decided = False
+        self.followable = False  # decided by a measurement, a kept pick or the forced engine
         self.b_kn = tile.b_kn
         self._gplans: dict[tuple, Any] = {}  # (config, flags, err, counter) -> GluonGemmPlan
         self.engine = "undecided"
@@ -558,12 +562,17 @@ class EnginePlan:
         return (t.data_ptr(), tuple(t.shape), str(t.device), self.tile_shape, (cfg.block_m, cfg.block_n), self.n)
 
     def _has_table(self, cfg: GluonGemmConfig) -> bool:
-        """Whether ``cfg``'s table is at hand without building it (inside a capture too)."""
-        if (cfg.block_m, cfg.block_n) in self._tables:
+        """Whether ``cfg``'s table is at hand without building it (inside a capture too); one
+        another plan of this op table built is taken now (held by this plan from then on)."""
+        key = (cfg.block_m, cfg.block_n)
+        if key in self._tables:
             return True
         with _lock:
             got = _derived.get(self._derived_key(cfg))
-        return got is not None and got[0] is self.table
+            if got is None or got[0] is not self.table:
+                return False
+            self._tables[key] = got[1]
+        return True
 
     def _table_for(self, cfg: GluonGemmConfig) -> Any:
         """The table ``cfg`` runs: the op's, or (a config of half its tile) its column or
@@ -607,14 +616,15 @@ class EnginePlan:
         chain's fc2 (``ops/chain.py``). False (nothing changed) where this plan is decided,
         ``other`` is not, the GEMMs differ, or ``other``'s pick is no candidate here or its
         table cannot be built (inside a capture)."""
-        if self.decided or not other.decided or other.problem[:9] != self.problem[:9]:
+        if self.decided or not other.followable or self.forced != other.forced \
+                or other.problem[:9] != self.problem[:9]:
             return False
         g = next((g for g in self.configs if self.label(g) == other.engine), None)
         if g is None and other.engine != "tile":
             return False
-        if g is not None and _capturing() and not self._has_table(g):
-            return False
-        if g is not None:
+        if g is not None and not self._has_table(g):
+            if _capturing():
+                return False
             self._table_for(g)
         self.gluon, self.decided, self.engine = g, True, self.label(g)
         self.why = f"as the same GEMM's other plan: {other.why}"
@@ -632,20 +642,20 @@ class EnginePlan:
             label, why = known
             self.gluon = next((g for g in self.configs if self.label(g) == label), None)
         elif _capturing():
-            # no measuring inside a capture: the tile GEMM, undecided for the next plan (a
-            # pick measured before stays the problem's in the report)
+            # no measuring inside a capture: the tile GEMM, undecided for the next plan; not a
+            # pick another plan may follow (``follow``)
             self.decided, self.engine = True, "tile"
             self.why = ("first launch inside a CUDA graph capture: not measured" if known is None else
-                        f"inside a CUDA graph capture, where the table of the pick ({known[0]}) cannot be built")
-            if known is None:
-                _record(self.problem, "tile", self.why)
+                        f"inside a CUDA graph capture, where the table of the pick measured before "
+                        f"({known[0]}) cannot be built")
+            _record(self.problem, "tile", self.why)
             return
         else:
             self.gluon, why = self._measure(ops, c, grid, rows)
             _keep(key, self.label(self.gluon), why, c.device, tuple(self.label(g) for g in self.configs))
-        if self.gluon is not None and not _capturing():
-            self._table_for(self.gluon)  # built now: plans of this op table made in a capture take it
-        self.decided = True
+        if self.gluon is not None and not self._has_table(self.gluon):
+            self._table_for(self.gluon)  # built now (not in a capture: checked above), for plans made in one
+        self.decided = self.followable = True
         self.engine = self.label(self.gluon)
         self.why = why
         _record(self.problem, self.engine, why)

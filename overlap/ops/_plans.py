@@ -73,15 +73,16 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     of the op plan's, for a grid over some of its rows), the flag, error and counter
     tensors and the GEMM engine asked for (``OVERLAP_GEMM_ENGINE``); made on first use: a
     ``TileGemmPlan``, or where the Gluon GEMM can run the call an ``engine.EnginePlan``
-    (same methods; it picks its engine at its first launch, ``overlap.kernels.engine``).
+    (same methods; it picks its engine at its first launch, ``overlap.kernels.engine``;
+    ``tile_only="why"``: the tile GEMM whatever the setting, for that reason).
     The op plan fixes everything else (shapes, table, config, rank); with ``clip`` (a plan
     of a row bucket) not A's rows, which each launch gives (``launch(rows=)``)."""
-    from ..kernels.engine import engine_mode
+    from ..kernels.engine import engine_mode, experimental
 
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
     key = (a.dtype, b_strides, timeout_ns, table.data_ptr(), table.shape[0], flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
-           kw.get("sig_stride"), kw.get("clip") or None, engine_mode())
+           kw.get("sig_stride"), kw.get("clip") or None, engine_mode(), kw.get("tile_only"), experimental())
     gp = plans.get(key)
     if gp is None:
         from ..kernels.engine import engine_plan

@@ -101,6 +101,11 @@ def _two_shot_layout(world: int, rank: int, m: int, chunks: int) -> _TwoShot:
                     tuple(tuple(split_rows(r, chunks, _ar.CHUNK_ALIGN)) for r in rows), chunks, stride)
 
 
+SHARED_SMS = ("reduce_shared: the reduce kernel's programs share the GEMM's SMs, which the tile GEMM leaves room "
+              "on and the Gluon GEMM does not")
+"""Why a GEMM beside a reduce kernel on its SMs stays on the tile GEMM (``engine_plan``'s ``tile_only``)."""
+
+
 def shared_reduce_shape(k: int) -> ReduceShape:
     """The reduce kernel's block shape when its programs share SMs with the GEMM's
     (``OverlapConfig.reduce_shared``): 4 warps over 4096 elements (2 rows of 2048
@@ -226,7 +231,7 @@ def _fused_p2p(rt: Runtime, x: torch.Tensor, b: torch.Tensor, residual: torch.Te
             rt.fork(cur, ns)
     gp = gemm_plan(p.launches, y, b, c, p.table, flags=ready.flags, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
-                   groups=p.groups)
+                   groups=p.groups, tile_only=SHARED_SMS if p.reduce_shared else None)
     descs = gp.operands(y, b)
     # a one-program gate on the first chunk's ready flag before the grid: while a peer's
     # rows are late the GEMM holds no SM (the reduce kernel's programs do, on theirs)
@@ -365,7 +370,7 @@ def _fused_two_shot(rt: Runtime, p: _Plan, x: torch.Tensor, b: torch.Tensor, res
             rt.fork(cur, ns)  # the give-back grid reads B' too
     gp = gemm_plan(p.launches, h, b, c, p.table, a2=ag, flags=sf.local, err=err.word, timeout_ns=timeout_ns,
                    counter=counter, rank=rank, config=p.gemm, wait=True, norm_epi=fold, split=p.split,
-                   sig_stride=two.stride, groups=p.groups)
+                   sig_stride=two.stride, groups=p.groups, tile_only=SHARED_SMS if p.reduce_shared else None)
     descs = gp.operands(h, b, ag)
     rowstat = stats_all if fold else None
     gp.launch(descs, c, epoch=epoch, grid=p.grid, rowstat=rowstat, colvec=vec, sig=sig)

@@ -234,7 +234,7 @@ def _fused_p2p(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual:
     is made before the call's epoch is taken and its first work queued: a failure there
     leaves nothing for the peers to see."""
     from ..kernels.add_norm import ReducePlan
-    from .all_reduce_p2p import shared_reduce_shape
+    from .all_reduce_p2p import SHARED_SMS, shared_reduce_shape
 
     m, k = a.shape
     n = b.shape[1]
@@ -277,7 +277,8 @@ def _fused_p2p(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual:
             world=world, programs=p.programs, residual=residual, flag_stride=lay.stride, timeout_ns=timeout_ns,
             sig=True, own=True, shape=shared_reduce_shape(n) if p.shared else None)
     gp = gemm_plan(p.launches, a, b, c, p.table, flags=words.flags, err=err.word, timeout_ns=1,
-                   counter=words.counters, rank=rank, config=p.gemm, post=True, groups=p.groups)
+                   counter=words.counters, rank=rank, config=p.gemm, post=True, groups=p.groups,
+                   tile_only=SHARED_SMS if p.shared else None)
     descs = gp.operands(a, b)
     sig = call_sig(op, (m, k, n, dtype_code(a.dtype), int(residual is not None), chunks))
     # the epoch last, just before the first work is queued (``run_p2p`` takes it back

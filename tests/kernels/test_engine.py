@@ -390,12 +390,13 @@ def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.M
     gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
     assert gp2.engine == "gluon pp128x128x64 s5 halves" and fake_gluon[-1]["table"] is fake_gluon[0]["table"]
     # a plan of another op table (equal, not the same tensor) cannot build its halves in a
-    # capture: the tile GEMM, and the report keeps the measured pick
+    # capture: the tile GEMM, and the report says so, naming the pick measured before
     x["table"] = x["table"].clone()
     gp2 = plan()
     gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
     assert gp2.engine == "tile" and fake_gluon[-1].get("tile") and "cannot be built" in gp2.why
-    assert list(_engines().values()) == [("gluon pp128x128x64 s5 halves", "measured")]
+    (eng, why), = _engines().values()
+    assert eng == "tile" and "(gluon pp128x128x64 s5 halves) cannot be built" in why, why
     # the 128x256 config, known, runs inside a capture on the op's own table
     monkeypatch.setattr(engine, "_capturing", lambda: False)
     pick[0] = cands[0]
@@ -740,3 +741,36 @@ def test_a_plan_may_follow_another_plans_pick(fake_gluon: list, monkeypatch: pyt
     assert follower.why.startswith("as the same GEMM's other plan: measured")
     kinds = {k[4]: v[0] for k, v in _engines().items()}
     assert kinds == {"waits": lead.engine, "alone": lead.engine}, kinds
+    # not a lead decided inside a capture (the tile GEMM, unmeasured), nor across forced and not
+    monkeypatch.setattr(engine, "_measured", {})
+    monkeypatch.setattr(engine, "_capturing", lambda: True)
+    lead = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    lead.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
+    lead.tile.operands = lambda a, b, a2=None: ("descs", a, b, a2)
+    lead.launch(lead.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert lead.decided and lead.engine == "tile" and not lead.followable
+    follower = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **alone_kw)
+    assert not follower.follow(lead)
+    monkeypatch.setattr(engine, "_capturing", lambda: False)
+    monkeypatch.setenv(engine.ENGINE_ENV, "gluon")
+    forced = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **alone_kw)
+    lead = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **{**x["kw"], "counter": torch.zeros(4, dtype=torch.int32)})
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    auto_lead = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    auto_lead.launch(auto_lead.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert auto_lead.followable and not forced.follow(auto_lead)  # a forced plan does not follow a measured one
+    lead.launch(lead.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=77, rows=(512, 512))
+    assert forced.follow(lead) and forced.engine == "gluon 128x256x64 s3"
+
+
+def test_tile_only_whatever_the_setting(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tile_only="why"`` (a reduce kernel sharing the GEMM's SMs): the tile GEMM's plan,
+    forced Gluon or not, the reason in the report."""
+    for mode in ("gluon", "auto"):
+        monkeypatch.setenv(engine.ENGINE_ENV, mode)
+        observe.reset_report()
+        x = _call()
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], tile_only="beside a reduce kernel", **x["kw"])
+        assert type(gp) is TileGemmPlan
+        assert list(_engines().values()) == [("tile", "beside a reduce kernel")]
+        assert isinstance(engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"]), engine.EnginePlan)

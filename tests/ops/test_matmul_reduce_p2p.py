@@ -364,12 +364,16 @@ def test_p2p_producer_ops() -> None:
     from overlap.kernels.tile_gemm import GemmConfig
     from overlap.ops import OverlapConfig
     from overlap.ops import matmul_reduce as mr
+    from overlap.ops.all_reduce_p2p import SHARED_SMS
 
     world = _World(2)
     rts = [_PeerRt(world, r) for r in range(2)]
     m, n, k = 600, 32, 32
     calls, before = 0, dict(mr.stats)
-    with _patched(world):
+    only: list = []
+    real_plan = mrp.gemm_plan
+    with _patched(world), mock.patch.object(mrp, "gemm_plan", lambda *a_, **kw: (only.append(
+            kw.get("tile_only")), real_plan(*a_, **kw))[1]):
         for op, chunks, layout, with_res, shared in (
                 ("matmul_reduce_scatter", 3, "wt", False, False), ("matmul_reduce_scatter", 1, "kn", False, True),
                 ("matmul_all_reduce", 3, "wt", True, False), ("matmul_all_reduce", 2, "kn", False, True)):
@@ -403,6 +407,9 @@ def test_p2p_producer_ops() -> None:
                     assert [int(sf.local[lay.own_flag(c)]) for c in range(len(rows))] == [e] * len(rows)
                     assert [int(sf.local[lay.recv_flag(1 - r, c)]) for c in range(len(rows))] == [e] * len(rows)
                 calls += 2
+                # the reduce programs beside the GEMM's count on the tile GEMM's room: never Gluon
+                assert set(only) == {SHARED_SMS if shared else None}, (shared, only)
+                del only[:]
     assert mr.stats["p2p"] - before["p2p"] == calls and mr.stats["fused"] - before["fused"] == calls, mr.stats
 
 

@@ -129,11 +129,16 @@ def test_p2p_all_reduce_op() -> None:
                 res = torch.randn(m, k, generator=g).half() if with_res else None
                 rt.recv("all_reduce_matmul", (1, m, k), torch.float16)[0].copy_(peer)
                 before = len(rt.pushes)
-                gates = []
+                gates, only = [], []
+                real_plan = arp.gemm_plan
                 with mock.patch.object(gate_mod, "launch_gate",
-                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))):
+                                       lambda *a_, **kw: (gates.append(a_[1:3]), real_gate(*a_, **kw))), \
+                        mock.patch.object(arp, "gemm_plan",
+                                          lambda *a_, **kw: (only.append(kw.get("tile_only")), real_plan(*a_, **kw))[1]):
                     c, h = arp._fused_p2p(rt, x, b, res, norm, cfg)
                 assert gates == [(0, ar._plan(rt, m, n, k, cfg, "p2p").reduce_programs)], gates
+                # the reduce programs beside the GEMM's count on the tile GEMM's room: never Gluon
+                assert only == [arp.SHARED_SMS if give_back == "shared" else None], only
                 pushes = rt.pushes[before:]
                 assert [(src - x.data_ptr(), nb) for _, src, nb, _, _ in pushes] == \
                     [(0, 128 * k * 2), (128 * k * 2, 128 * k * 2), (256 * k * 2, 44 * k * 2)], pushes
