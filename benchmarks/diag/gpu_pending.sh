@@ -2,10 +2,14 @@
 # What has been built and tested on the CPU but not yet run on a GPU, checked and timed on one
 # GPU in one job:
 #   bash benchmarks/diag/gpu_pending.sh OUT_DIR [STEP_PREFIX ...]
-# (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`;
-# all of it takes more than 10 minutes on an H200 host: where one command is bounded by that,
-# run it in parts, e.g. `nodes_unit check_ host_nodes1 host_driver`, then `host_graph host_nodes4
-# launch planned_gluon`, then `gluon_`)
+# (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
+# All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
+# run it in parts, most telling first:
+#   1. nodes_unit check_ host_nodes1 host_driver2
+#   2. host_graph3 host_nodes4 launch planned_gluon gluon_chain
+#   3. gluon_wide_tests                      (builds every Gluon kernel variant: the longest)
+#   4. gluon_wide_bench gluon_producer gluon_planned_x
+#   5. gluon_chain_graph gluon_ops_bench
 # The three ways a plan graph copies its activations in and outputs out (OVERLAP_PLAN_GRAPH_COPIES):
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
