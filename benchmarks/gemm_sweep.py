@@ -32,7 +32,11 @@ engine runs it (``engine_cands_ms``, with the tile GEMM's ``tile_wait_ms``; the 
 figures are what waiting on flags costs when nothing is late (their kernels, with waits,
 are built at their first use; the Gluon configs the engine measures are built in the pool too, waiting). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
-(``gluon_ms``, ``gluon_wait_ms``). With
+(``gluon_ms``, ``gluon_wait_ms``). ``--posts`` adds ``post_ms``: the GEMM as the producer ops run it (the same row chunks, each
+tile posting to its chunk's flag, waiting on none) on the engine the ops pick (with
+``OVERLAP_GLUON_EXPERIMENTAL=1`` the Gluon GEMM's posts are among the candidates), and
+``alone_best_vs_cublas``, the faster of it and ``tile_ms`` (the producer ops' tuner picks
+between the flattened tile GEMM and the per-tile one). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
 which shapes were left out.
 
@@ -166,6 +170,11 @@ def summarize(rows: list[dict[str, Any]], target_geo: float = 0.97, target_min: 
                          "fastest_wait_geomean": round(math.exp(sum(map(math.log, bw)) / len(bw)), 4),
                          "missed": [[label(r), r["wait_engine"], r["engine_best"], r["engine_pick_vs_best"]]
                                     for r in eng if r["engine_pick_vs_best"] < 1 / (1 + MARGIN)]}
+    for kind in ("post", "alone_best"):
+        v = [r[f"{kind}_vs_cublas"] for r in ok if r.get(f"{kind}_vs_cublas")]
+        if v:
+            gl_[kind] = {"geomean": round(math.exp(sum(map(math.log, v)) / len(v)), 4), "min": round(min(v), 4),
+                         "shapes": len(v)}
     es = [r["wait_engine_s"] for r in ok if r.get("wait_engine_s") is not None]
     if es:
         gl_["engine_first_launch_s"] = {"median": round(statistics.median(es), 3), "max": round(max(es), 3)}
@@ -220,6 +229,12 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], context: dict[
                   *[f"Gluon GEMM {what} (its fastest config per shape): geo-mean "
                     f"{summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x."
                     for kind, what in (("gluon", "alone"), ("gluon_wait", "waiting")) if summary.get(kind)],
+                  *[f"{what}: geo-mean {summary[kind]['geomean']:.3f}x cuBLAS, min {summary[kind]['min']:.3f}x "
+                    f"({summary[kind]['shapes']} shapes)."
+                    for kind, what in (("post", "The GEMM as the producer ops run it (tiles that post), on the "
+                                                "engine"),
+                                       ("alone_best", "The faster of that and the tile GEMM alone"))
+                    if summary.get(kind)],
                   f"Tuning a new shape: median {summary['tune_s_median']} s, max {summary['tune_s_max']} s "
                   "(kernels already compiled)."]
     return "\n".join(lines) + "\n"
@@ -367,7 +382,25 @@ def wait_table(m: int, n: int, cfg: Any, device: Any, chunks: int | None = None)
     return table_tensor(build_tile_table(segs, n, cfg.block_m, cfg.block_n), device)
 
 
-def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, gluon: bool = False) -> dict[str, Any]:
+def post_table(m: int, n: int, cfg: Any, device: Any, chunks: int | None = None) -> Any:
+    """``wait_table``'s row chunks as a producer's table: each tile posts to its chunk's flag
+    (index = chunk) once stored, and waits on none."""
+    import numpy as np
+
+    from overlap import protocol as P
+    from overlap.policies import Segment, build_tile_table, row_chunk_segments, table_tensor
+
+    chunks = min(chunks or wait_chunks(m), WAIT_CHUNKS)
+    _sizes, segs = row_chunk_segments(m, chunks, 128)
+    posting = [Segment(a_src=g.a_src, a_row=g.a_row, c_row=g.c_row, rows=g.rows) for g in segs]
+    table = build_tile_table(posting, n, cfg.block_m, cfg.block_n, array=True)
+    table[:, P.COL_POST] = np.repeat(np.arange(len(posting)), [-(-g.rows // cfg.block_m) * -(-n // cfg.block_n)
+                                                               for g in posting])
+    return table_tensor(table, device)
+
+
+def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, gluon: bool = False,
+              posts: bool = False) -> dict[str, Any]:
     """One shape: tune, then time cuBLAS, the tile GEMM alone and waiting, and (``gluon``)
     each config of the Gluon GEMM (``benchmarks/gluon_gemm_bench.VARIANTS``) alone and on
     the same kind of waiting table, in interleaved rounds."""
@@ -420,6 +453,20 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
             cc = torch.empty(m, n, device=dev, dtype=dtype)
             timers[f"cand {ep.label(gcfg)}"] = GraphTimer(
                 lambda gcfg=gcfg, cc=cc: ep._launch_gluon(gcfg, a, b, None, cc, 1, sms, None, flags, err, None))
+    # the GEMM as the producer ops run it (``posts``): the per-tile table of all_reduce_matmul's
+    # row chunks, each tile posting to its chunk's flag (scratch flags: the counts are never
+    # read here), on the engine (with OVERLAP_GLUON_EXPERIMENTAL=1 the Gluon GEMM's posts are
+    # among its candidates)
+    pp = None
+    if posts:
+        ptab = post_table(m, n, wcfg, dev)
+        pflags = torch.zeros(WAIT_CHUNKS, dtype=torch.int32, device=dev)
+        c_p = torch.empty(m, n, device=dev, dtype=dtype)
+        pp = engine_plan(a, b, c_p, ptab, flags=pflags, err=err, timeout_ns=1, config=wcfg, post=True,
+                         counter=torch.zeros(4, dtype=torch.int32, device=dev))
+        pp.launch(pp.operands(a, b), c_p, epoch=1, grid=sms)
+        torch.cuda.synchronize()
+        timers["post"] = GraphTimer(lambda: pp.launch(pp.operands(a, b), c_p, epoch=1, grid=sms))
     g_runs = _gluon_runs(a, b, m, n, flags, err, sms) if gluon else {}
     for kk, (fn, _out) in g_runs.items():
         timers[kk] = GraphTimer(fn)
@@ -443,6 +490,18 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
     cb, tl_ = statistics.median(times["cublas"]), statistics.median(times["tile"])
     wt, twt = statistics.median(times["wait"]), statistics.median(times["tile_wait"])
     extra = _gluon_fields(g_runs, times, cb, ref) if gluon else {}
+    if pp is not None:
+        # (the dispatch counter and the post flags from the timed replays: zeroed, then the
+        # result recomputed into a NaN-poisoned C)
+        pp.counter.zero_()
+        c_p.fill_(float("nan"))
+        pp.launch(pp.operands(a, b), c_p, epoch=1, grid=sms)
+        torch.cuda.synchronize()
+        pm = statistics.median(times["post"])
+        extra.update({"post_ms": round(pm, 5), "post_vs_cublas": round(cb / pm, 4),
+                      "post_engine": getattr(pp, "engine", "tile"), "post_engine_why": getattr(pp, "why", None),
+                      "post_rel_err_vs_cublas": ((c_p.float() - ref).norm() / ref.norm()).item(),
+                      "alone_best_vs_cublas": round(cb / min(tl_, pm), 4)})
     if int(err[0]) != 0:
         raise RuntimeError(f"gluon: a wait failed on flags already set: error word {err.tolist()}")
     cands = {"tile": twt, **{kk[5:]: statistics.median(v) for kk, v in times.items() if kk.startswith("cand ")}}
@@ -540,6 +599,10 @@ def main() -> None:
     ap.add_argument("--wait-chunks", type=int, default=0,
                     help="chunks of the wait_ms table (0: all_reduce_matmul's own policy; 4 was the fixed count "
                          "before)")
+    ap.add_argument("--posts", action="store_true",
+                    help="also post_ms: the GEMM as the producer ops run it (tiles that post per row chunk) on the "
+                         "engine (OVERLAP_GLUON_EXPERIMENTAL=1: the Gluon GEMM's posts among its candidates), and "
+                         "alone_best: the faster of it and tile_ms")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")
     ap.add_argument("--engine-eager", action="store_true",
@@ -614,7 +677,7 @@ def main() -> None:
                   flush=True)
             break
         try:
-            r = run_shape(row, args.rounds, sms, flatten, args.gluon)
+            r = run_shape(row, args.rounds, sms, flatten, args.gluon, args.posts)
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
             r = {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             torch.cuda.synchronize()

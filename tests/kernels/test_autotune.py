@@ -393,6 +393,28 @@ def test_sweep_writes_json_and_table(tmp_path) -> None:
     assert "consumer ops run it" in md and "min 0.800x" in md and "Gluon picked on 1 shapes" in md
     assert summary["gluon"]["geomean"] == 0.95 and summary["gluon_wait"]["min"] == 0.9
     assert "Gluon GEMM alone (its fastest config per shape): geo-mean 0.950x" in md and "waiting" in md
+    # the posting column (--posts): its rows only
+    rows[0].update(post_vs_cublas=0.96, alone_best_vs_cublas=1.0)
+    summary = write_results(str(tmp_path), {"gpu": "Fake", "commit": "abc"}, rows, {"not_run": []})
+    assert summary["post"] == {"geomean": 0.96, "min": 0.96, "shapes": 1}
+    assert summary["alone_best"] == {"geomean": 1.0, "min": 1.0, "shapes": 1}
+    md = (tmp_path / "gemm_sweep.md").read_text()
+    assert "producer ops run it (tiles that post), on the engine: geo-mean 0.960x cuBLAS" in md
+    assert "The faster of that and the tile GEMM alone: geo-mean 1.000x" in md
+
+
+def test_sweep_post_table_is_the_wait_tables_tiles_posting() -> None:
+    """``post_ms``'s table: ``wait_table``'s tiles in its order, each posting to the flag its
+    chunk's tiles wait on there, and waiting on none."""
+    from benchmarks.gemm_sweep import post_table, wait_table
+    from overlap import protocol as P
+    from overlap.kernels.tile_gemm import GemmConfig
+
+    for cfg in (GemmConfig(block_m=128, block_n=256), GemmConfig(block_m=64, block_n=128)):
+        for m in (512, 4096, 5000, 8192):
+            post, wait = post_table(m, 1000, cfg, "cpu"), wait_table(m, 1000, cfg, "cpu")
+            assert torch.equal(post[:, :P.COL_WAIT], wait[:, :P.COL_WAIT]), (cfg, m)
+            assert torch.equal(post[:, P.COL_POST], wait[:, P.COL_WAIT]) and bool((post[:, P.COL_WAIT] < 0).all())
 
 
 def test_sweep_wait_table_chunks_rows_by_flag() -> None:
