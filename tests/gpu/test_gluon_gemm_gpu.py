@@ -97,6 +97,10 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     from overlap import observe
     from overlap.kernels import engine
 
+    monkeypatch.delenv(engine.EXPERIMENTAL_ENV, raising=False)
+    monkeypatch.delenv("OVERLAP_GEMM_CACHE", raising=False)
+    for name, value in (("_measured", {}), ("_picks", {}), ("_derived", engine.OrderedDict())):
+        monkeypatch.setattr(engine, name, value)  # (a pick kept by another mode's case is not this one's)
     halves = mode in ("halves", "row_halves", "wide", "regs")
     monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else mode)
     if mode in ("wide", "regs"):

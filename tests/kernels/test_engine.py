@@ -37,6 +37,16 @@ def _call(m: int = 512, n: int = 512, k: int = 256, cfg: GemmConfig = CFG, count
     return dict(a=a, a2=a2, b=w.t(), c=c, table=table, kw=kw)
 
 
+@pytest.fixture(autouse=True)
+def _clean_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No setting or kept pick of the environment or of another test reaches these."""
+    for v in (engine.EXPERIMENTAL_ENV, "OVERLAP_GEMM_CACHE"):
+        monkeypatch.delenv(v, raising=False)
+    for name, value in (("_measured", {}), ("_picks", {}), ("_disk", {}), ("_disk_loaded", [False])):
+        monkeypatch.setattr(engine, name, value)
+    monkeypatch.setattr(engine, "_derived", engine.OrderedDict())
+
+
 @pytest.fixture
 def fake_gluon(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     """Gluon 'available' on this CPU; its launches recorded, not run."""
