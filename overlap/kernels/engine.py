@@ -16,7 +16,8 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   (``HALF_CONFIGS``, ``split_columns`` / ``split_rows``: each tile's flag, multiple and row
   cut kept, twice the tiles); with ``OVERLAP_GLUON_EXPERIMENTAL=1`` a table of 128-row tiles may
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
-  tiled again, its flag, multiple and row cut kept);
+  tiled again, its flag, multiple and row cut kept), and 128x256 / 256x128 tables may also
+  run on 4 stages with C stored from registers (``REGS_CONFIGS``);
 - or (with ``OVERLAP_GLUON_EXPERIMENTAL=1``) tiles that post and do not wait (a producer's),
   on the plain kernel of the table's own tile (``_post_configs``: halves and retiled tables
   would post per piece);
@@ -107,8 +108,9 @@ EXPERIMENTAL_ENV = "OVERLAP_GLUON_EXPERIMENTAL"
 
 def experimental() -> bool:
     """``OVERLAP_GLUON_EXPERIMENTAL`` is 1 (or on, true, yes): the Gluon GEMM's parts not yet
-    checked on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``) and the
-    posts of a producer's tiles (``_post_configs``)."""
+    checked on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``), 128x256 and
+    256x128 on 4 stages with C stored from registers (``REGS_CONFIGS``) and the posts of a
+    producer's tiles (``_post_configs``)."""
     return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 

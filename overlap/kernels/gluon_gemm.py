@@ -89,7 +89,8 @@ class GluonGemmConfig:
     stages: int = 3
     """Ring slots (A and B tiles each). 128x256x64 at 16 bits: 48 KiB a slot, plus 64 KiB
     for the C tile the TMA store reads: 3 slots take 208 KiB of an SM's 227; 4 do not fit
-    (refused here) unless block_k is 32."""
+    (refused here) unless block_k is 32 or C is stored from registers (``tma_epilogue=False``:
+    no C tile in shared memory, 4 slots take 192 KiB)."""
     loader_regs: int = 48
     """Registers per thread of the loader warp (its spin loop and error record are scalar)."""
     pingpong: bool = False
