@@ -62,6 +62,7 @@ def test_graph_memcpy_nodes_repointed_per_launch() -> None:
     assert g is not None, "this torch cannot keep a graph after its capture"
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
+        static @ w  # (cuBLAS's handle and workspace made before the capture, which cannot)
         g.capture_begin(capture_error_mode="thread_local")
         _graph_nodes.capture_copy(static, ph, s)
         out = static @ w

@@ -1,0 +1,113 @@
+"""Which of the Gluon GEMM's experimental parts (tiles that post, C from registers, the
+192-column tile) runs to the end on this GPU, each case alone in a process of its own under a
+time bound, so a kernel that never ends names itself instead of stopping the run:
+
+    python benchmarks/diag/gluon_post_diag.py [--cases post_static,regs,...] [--bound 40]
+
+Each case launches the kernel on fresh inputs (C poisoned with NaN) and checks C against
+torch and every post flag against its tile count; it prints ``CASE name: ok ...``, the
+assertion that failed, or ``CASE name: HUNG`` where its process outlived the bound. Then,
+with ``--ptx``, the posting kernel's build here: its barriers and atomics in PTX order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+CASES = ("plain", "post_static", "post_dyn", "post_two", "post_cut", "regs", "regs_post", "wide", "wide_dyn")
+
+
+def _run_case(name: str) -> str:
+    import torch
+
+    from benchmarks.gluon_gemm_bench import VARIANTS, _b, _close, _table
+    from overlap import protocol as P
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.policies import Segment
+
+    variant = {"regs": "128x256r4", "regs_post": "128x256r4", "wide": "128x192", "wide_dyn": "128x192"}
+    cfg = GluonGemmConfig(**VARIANTS[variant.get(name, "128x256")])
+    post = name.startswith("post") or name.endswith("_post")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = 1000, 1000, 768
+    bounds = [0, 256, 512, 768, m]
+    segs = [Segment(a_src=0, a_row=lo, c_row=lo, rows=hi - lo, post_base=16 * i if post else -1)
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    rows = None
+    if name == "post_cut":
+        m, segs, rows = 300, [Segment(a_src=0, a_row=0, c_row=0, rows=512, post_base=0)], (300, 512)
+    table = _table(segs, n, cfg.block_m, cfg.block_n)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, "nk")
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+    kw: dict[str, Any] = dict(config=cfg, post=post, rows=rows)
+    if post:
+        kw["flags"] = flags
+    dyn = name in ("post_dyn", "post_two", "wide_dyn")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda") if dyn else None
+    launch_gluon_gemm(a, b, c, table, grid=max(1, sms // 2) if name == "post_two" else sms, counter=counter, **kw)
+    if name == "post_two":
+        give = torch.cuda.Stream()
+        give.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(give):
+            launch_gluon_gemm(a, b, c, table, grid=8, counter=counter, **kw)
+        torch.cuda.current_stream().wait_stream(give)
+    torch.cuda.synchronize()
+    err = _close(c, a, b, slice(None), name)
+    said = f"max error {err:.2e}"
+    if post:
+        posts = table[:, P.COL_POST].long()
+        want = torch.bincount(posts[posts >= 0], minlength=64).cpu()
+        got = flags.long().cpu()
+        assert torch.equal(got, want), f"{name}: flags {got.tolist()} want {want.tolist()}"
+        said += f", {int(want.sum())} posts counted"
+    return said
+
+
+def _ptx() -> None:
+    from tests.kernels.test_gluon_gemm import sm90
+
+    for what, kw in (("posting kernel", dict(has_wait=False, post=True, dynamic=True, clip=True)),
+                     ("plain kernel", dict(has_wait=False, dynamic=True, clip=True))):
+        ptx = sm90(**kw).asm["ptx"]
+        lines = [(i, ln.strip()) for i, ln in enumerate(ptx.splitlines())
+                 if re.search(r"\b(bar|barrier)\.|\bred\.|\batom\.|mbarrier\.arrive\b", ln)]
+        print(f"PTX {what}: {len(lines)} barrier / atomic lines")
+        for i, ln in lines:
+            print(f"  {i:6d}  {ln}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--bound", type=float, default=40.0, help="seconds a case's process may take")
+    ap.add_argument("--ptx", action="store_true")
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # (one case, in its own process)
+    args = ap.parse_args()
+    if args.case:
+        print(f"CASE {args.case}: ok, {_run_case(args.case)}", flush=True)
+        return
+    for name in args.cases.split(","):
+        if name not in CASES:
+            sys.exit(f"unknown case {name!r}; cases: {', '.join(CASES)}")
+        try:
+            r = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
+                               timeout=args.bound)
+            said = [ln for ln in r.stdout.splitlines() if ln.startswith("CASE")]
+            print(said[-1] if said else f"CASE {name}: rc={r.returncode} {r.stderr.strip()[-600:]}", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"CASE {name}: HUNG (no end in {args.bound:.0f} s)", flush=True)
+    if args.ptx:
+        _ptx()
+
+
+if __name__ == "__main__":
+    main()
