@@ -15,18 +15,20 @@ to the graph (``_state.capture_sink``), freed with it. Every later call of the s
     key -> CallPlan -> agree (counted) -> order -> copy moving inputs -> replay
         -> clone outputs -> order end -> error report -> outputs
 
-Each copy and clone is one driver copy (``_dtod``, about 5 us of host time on an H200
-host). With ``OVERLAP_PLAN_GRAPH_COPIES=graph`` the graph makes them (``kernels.relay``):
+By default (``OVERLAP_PLAN_GRAPH_COPIES=nodes``) the copies in and out are memcpy nodes of
+the graph, pointed at each call's tensors before its launch (``_graph_nodes``); driver
+copies of a graph so captured (where an update is refused) go into its placeholders
+(``statics``) and out of its output placeholders (``out``), which its nodes read and fill.
+Where the driver or torch cannot keep and update a graph, and with
+``OVERLAP_PLAN_GRAPH_COPIES=driver``, each copy and clone is one driver copy (``_dtod``,
+about 5 us of host time on an H200 host). With ``OVERLAP_PLAN_GRAPH_COPIES=graph`` the
+graph makes them (``kernels.relay``):
 the call posts the addresses of its moving inputs and of its new outputs into its slot in
 a ring of pinned host memory, the graph's first kernels copy the inputs in from there and
 its last ones the outputs out (an input that is not contiguous or aligned is copied by the
 host, its slot address 0; outputs of another form than a tensor or a pair are cloned).
 That saved host time (all_gather_matmul 36.7 us a call against 45.0) and cost GPU time
 (some 7-15 us a call: four to six more kernels in the graph), so it is not the default.
-With ``OVERLAP_PLAN_GRAPH_COPIES=nodes`` the copies are memcpy nodes of the graph, pointed
-at each call's tensors before its launch (``_graph_nodes``); driver copies of a graph so
-captured go into its placeholders (``statics``) and out of its output placeholders
-(``out``), which its nodes read and fill.
 
 A replay is ordered like an eager call (``DeviceOrder`` under its lock: after the previous
 call, whatever its stream), reports a timeout as the op's config says, and returns new
@@ -568,24 +570,31 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
 
 COPIES: str | None = None
 """How plan graphs captured from now on copy their activations in and their outputs out:
-``driver`` (a driver copy per activation and output per call), ``graph`` (kernels of the
-graph, from addresses the host leaves in pinned slots: ``kernels.relay``) or ``nodes``
-(memcpy nodes of the graph, re-pointed per call: ``_graph_nodes``); None: as
-``OVERLAP_PLAN_GRAPH_COPIES`` says (``driver`` where unset), read at each capture."""
+``nodes`` (memcpy nodes of the graph, re-pointed per call: ``_graph_nodes``; driver copies
+where the driver or torch cannot keep and update a graph), ``driver`` (a driver copy per
+activation and output per call) or ``graph`` (kernels of the graph, from addresses the host
+leaves in pinned slots: ``kernels.relay``); None: as ``OVERLAP_PLAN_GRAPH_COPIES`` says
+(``DEFAULT_COPIES`` where unset), read at each capture."""
+
+DEFAULT_COPIES = "nodes"
+"""Measured on an H200 (world size 1, 512 x 1024 x 1024, 300 calls, one process): memcpy nodes
+took 32-36 us a call of ``all_gather_matmul`` against 51.5 with driver copies, and less on
+each of the six ops (docs/experiments.md, 2026-12-05)."""
 
 _COPIES = ("driver", "graph", "nodes")
 
 
 def copies() -> str:
-    """``COPIES``, or ``OVERLAP_PLAN_GRAPH_COPIES`` (another value: warned, ``driver``)."""
+    """``COPIES``, or ``OVERLAP_PLAN_GRAPH_COPIES`` (unset: ``DEFAULT_COPIES``; another value:
+    warned, ``DEFAULT_COPIES``)."""
     if COPIES is not None:
         return COPIES
-    raw = os.environ.get("OVERLAP_PLAN_GRAPH_COPIES", "driver").strip().lower() or "driver"
+    raw = os.environ.get("OVERLAP_PLAN_GRAPH_COPIES", "").strip().lower() or DEFAULT_COPIES
     if raw in _COPIES:
         return raw
-    _state.warn_once(f"plan-graph-copies-{raw}", f"OVERLAP_PLAN_GRAPH_COPIES={raw!r}: expected driver, graph or "
-                     "nodes; plan graphs copy with the driver")
-    return "driver"
+    _state.warn_once(f"plan-graph-copies-{raw}", f"OVERLAP_PLAN_GRAPH_COPIES={raw!r}: expected nodes, driver or "
+                     f"graph; plan graphs copy as the default ({DEFAULT_COPIES})")
+    return DEFAULT_COPIES
 
 
 def _retire_relay(holder: list, relay: Any, device: Any) -> None:

@@ -606,5 +606,5 @@ def test_report_with_plan_graphs_and_a_setting_it_warns_about(monkeypatch: pytes
         t.start()
         t.join(timeout=30)
     assert got, "report() did not return (a lock taken twice)"
-    assert got[0].plan_graphs["copies"] == "driver" and got[0].plan_graphs["refused"] == 1
+    assert got[0].plan_graphs["copies"] == "nodes" and got[0].plan_graphs["refused"] == 1
     observe.reset_report()

@@ -277,11 +277,11 @@ def _not_found(noded) -> None:  # noqa: ANN001
     assert noded.drv.launches == 0 and _graphs.stats["noded"] == 0
 
 
-@pytest.mark.parametrize("value, want", [("nodes", True), ("driver", False), (None, False), ("graph", False)])
+@pytest.mark.parametrize("value, want", [("nodes", True), ("driver", False), (None, True), ("graph", False)])
 def test_nodes_only_where_asked_and_usable(noded, monkeypatch, value, want) -> None:  # noqa: ANN001
-    """Memcpy nodes only with ``OVERLAP_PLAN_GRAPH_COPIES=nodes`` and a driver that has the
-    graph calls (none here: the real driver of a machine without a GPU); else a graph
-    without copies of its own, its statics read by its body."""
+    """Memcpy nodes with ``OVERLAP_PLAN_GRAPH_COPIES=nodes`` or unset (the default) and a
+    driver that has the graph calls (none here: the real driver of a machine without a GPU);
+    else a graph without copies of its own, its statics read by its body."""
     if value is None:
         monkeypatch.delenv("OVERLAP_PLAN_GRAPH_COPIES")
     elif value == "graph":  # (no relay on the CPU: the graph is as with driver copies)

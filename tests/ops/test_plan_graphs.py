@@ -719,7 +719,7 @@ def test_a_replay_that_raises_after_its_post_fails_the_graph(relayed) -> None:  
 
 def test_graph_copies_are_asked_for(fake, monkeypatch) -> None:  # noqa: ANN001
     """The graph's own copies only with ``OVERLAP_PLAN_GRAPH_COPIES=graph`` (read at each
-    capture); unset or ``driver``: a driver copy per call; another value: warned, driver."""
+    capture); unset (nodes, none here), ``driver`` or another value (warned): none."""
     made: list = []
     monkeypatch.setattr(_graphs, "_relay_ok", lambda dev: True)
     monkeypatch.setattr(_graphs, "_make_relay", lambda dev, cols: made.append(_Relay(dev, cols)) or made[-1])
