@@ -146,6 +146,9 @@ def main() -> None:
                          "driver copy each per call, kernels of the graph (overlap.kernels.relay), or memcpy "
                          "nodes of the graph re-pointed per call; default: as the environment says")
     ap.add_argument("--graph-copies", action="store_true", help="the same as --copies graph")
+    ap.add_argument("--alternate", action="store_true",
+                    help="the ops' activations alternate between two tensors call by call (no call finds its "
+                         "activations where the last call's were: what a plan graph's memcpy nodes update)")
     args = ap.parse_args()
     if args.graph_copies or args.copies:
         from overlap.ops import _graphs
@@ -210,19 +213,31 @@ def main() -> None:
     w_next = rnd(N // R, K) / K ** 0.5                         # [N/R, K]: the next column layer's
     w1, w2 = rnd(4 * K, K) / K ** 0.5, rnd(K, 4 * K) / (4 * K) ** 0.5
 
+    flip = [0]
+    twins: dict[int, torch.Tensor] = {}
+
+    def act(t: torch.Tensor) -> torch.Tensor:
+        """An activation: ``t`` itself, or with ``--alternate`` it and a copy of it by turns."""
+        if not args.alternate:
+            return t
+        flip[0] ^= 1
+        return t if flip[0] else twins.setdefault(id(t), t.clone())
+
     def op_rows(suffix: str) -> None:
         with torch.no_grad():
-            row("all_gather_matmul" + suffix, lambda: all_gather_matmul(a_shard, w.t(), group=group, config=cfg))
+            row("all_gather_matmul" + suffix,
+                lambda: all_gather_matmul(act(a_shard), w.t(), group=group, config=cfg))
             row("all_reduce_matmul + layernorm" + suffix,
-                lambda: all_reduce_matmul(x, w.t(), group=group, residual=res, norm=norm, config=cfg))
+                lambda: all_reduce_matmul(act(x), w.t(), group=group, residual=res, norm=norm, config=cfg))
             row("matmul_reduce_scatter" + suffix,
-                lambda: matmul_reduce_scatter(a_k, w_k.t(), group=group, config=cfg))
-            row("matmul_all_reduce" + suffix, lambda: matmul_all_reduce(a_k, w_k.t(), group=group, config=cfg))
+                lambda: matmul_reduce_scatter(act(a_k), w_k.t(), group=group, config=cfg))
+            row("matmul_all_reduce" + suffix,
+                lambda: matmul_all_reduce(act(a_k), w_k.t(), group=group, config=cfg))
             row("matmul_all_reduce_matmul + layernorm" + suffix,
-                lambda: matmul_all_reduce_matmul(a_k, w_proj.t(), w_next.t(), group=group, residual=res, norm=norm,
-                                                 config=cfg))
+                lambda: matmul_all_reduce_matmul(act(a_k), w_proj.t(), w_next.t(), group=group, residual=res,
+                                                 norm=norm, config=cfg))
             if gpu and not suffix:
-                row("mlp_chain", lambda: overlap.mlp_chain(a, w1.t(), w2.t()))
+                row("mlp_chain", lambda: overlap.mlp_chain(act(a), w1.t(), w2.t()))
 
     op_rows("")  # the default: plan graphs where the host sets the pace (OVERLAP_PLAN_GRAPHS=auto)
     if gpu and not args.no_graph_rows:
@@ -276,7 +291,7 @@ def main() -> None:
                            "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
                            "call_plans": dict(_calls.stats), "plan_graphs": dict(_graphs.stats),
                            "plan_graphs_setting": os.environ.get("OVERLAP_PLAN_GRAPHS", "auto"),
-                           "plan_graph_copies": _graphs.copies()}, "rows": rows}
+                           "plan_graph_copies": _graphs.copies(), "alternate": args.alternate}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:

@@ -18,8 +18,10 @@ after its capture (torch's ``keep_graph``) so that those nodes can be found. A c
 - launches the executable graph itself (``cuGraphLaunch``, on the caller's stream: what
   torch's replay does for a graph without random numbers, as an op's body is).
 
-Every launch is preceded by the update of every node, so no launch reads an earlier call's
-tensors. Where the driver refuses an update (``CUDA_ERROR_INVALID_VALUE``: memory it does
+Before every launch every node points at the call's own tensor: it is updated unless the
+last successful update already pointed it at that address (a loop's caching allocator
+often hands the same blocks back call after call; the node then copies what lies there
+when the launch runs, in stream order), so no launch reads an earlier call's tensors. Where the driver refuses an update (``CUDA_ERROR_INVALID_VALUE``: memory it does
 not take for the node), every node is pointed back at its placeholder, and the graph's
 calls copy with the driver from then on: into the placeholders, out of them; where even
 that is refused, the graph is dropped and the call runs the op's fused body. Neither
@@ -104,7 +106,7 @@ class Nodes:
     """The executable graph, its context, and per moving input and per output its memcpy
     node with the parameters a call changes (see the module docstring)."""
 
-    __slots__ = ("exec", "ctx", "ins", "outs", "pair", "setp", "launch", "check", "first")
+    __slots__ = ("exec", "ctx", "ins", "outs", "pair", "setp", "launch", "check", "first", "at")
 
     def __init__(self, ex: int, ctx: int, ins: list, outs: list, pair: bool, d: Any) -> None:
         self.exec, self.ctx, self.pair = ex, ctx, pair
@@ -118,6 +120,10 @@ class Nodes:
         self.first = [(node, type(prm).from_buffer_copy(prm)) for _i, node, prm, *_r in self.ins] + \
             [(node, type(prm).from_buffer_copy(prm)) for node, prm, *_r in self.outs]
         """Each node's parameters as captured (its placeholder): ``restore``."""
+        self.at = [0] * (len(self.ins) + len(self.outs))
+        """Per node (inputs, then outputs), the address the executable graph's node was last
+        pointed at by a successful update (0: unknown, or its placeholder): a call whose
+        tensor sits at that address makes no update (the node already copies it)."""
 
     def __repr__(self) -> str:
         return f"memcpy nodes: {len(self.ins)} in, {len(self.outs)} out"
@@ -127,25 +133,34 @@ class Nodes:
         the stream ``raw``; the new outputs (a tensor, a pair, or None where the graph's
         outputs are cloned by the caller). ``NodeUpdateError`` before the launch where the
         driver refused an update; ``RuntimeError`` naming the call for another failure."""
-        setp, ex, ctx = self.setp, self.exec, self.ctx
+        setp, ex, ctx, at = self.setp, self.exec, self.ctx, self.at
+        k = 0
         for i, node, prm, ref, ph, ph_ptr, shape, dtype in self.ins:
             x = args[i]
             if x.dtype is dtype and x.shape == shape and x.is_contiguous():
-                prm.srcDevice = x.data_ptr()
+                ptr = x.data_ptr()
             else:  # (a broadcast or strided activation: into the placeholder the node read at its capture)
                 ph.copy_(x)
-                prm.srcDevice = ph_ptr
-            code = setp(ex, node, ref, ctx)
-            if code:
-                self._failed(code)
+                ptr = ph_ptr
+            if ptr != at[k]:
+                prm.srcDevice, at[k] = ptr, 0
+                code = setp(ex, node, ref, ctx)
+                if code:
+                    self._failed(code)
+                at[k] = ptr
+            k += 1
         news = []
         empty = torch.empty_like
         for node, prm, ref, proto in self.outs:
             t = empty(proto)
-            prm.dstDevice = t.data_ptr()
-            code = setp(ex, node, ref, ctx)
-            if code:
-                self._failed(code)
+            ptr = t.data_ptr()
+            if ptr != at[k]:
+                prm.dstDevice, at[k] = ptr, 0
+                code = setp(ex, node, ref, ctx)
+                if code:
+                    self._failed(code)
+                at[k] = ptr
+            k += 1
             news.append(t)
         code = self.launch(ex, raw)
         if code:
@@ -163,6 +178,7 @@ class Nodes:
         """Every node pointed back at its placeholder (as captured); False where an update
         failed."""
         ok = True
+        self.at[:] = [0] * len(self.at)  # (pointed back, or unknown after a failed update)
         for node, prm in self.first:
             ok = not self.setp(self.exec, node, ctypes.byref(prm), self.ctx) and ok
         return ok

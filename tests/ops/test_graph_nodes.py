@@ -158,6 +158,32 @@ def test_nodes_follow_each_call(noded) -> None:  # noqa: ANN001
     assert _graphs.stats["noded"] == _graphs.stats["replayed"] == 7  # (and the capturing call's)
 
 
+def test_a_node_already_at_the_calls_address_is_not_updated(noded) -> None:  # noqa: ANN001
+    """An activation at the address its node was last pointed at (a loop's allocator handing
+    the same block back) makes no update: the node reads what lies there at the launch, so
+    new values in place are read; a tensor elsewhere is updated to; once the nodes are
+    pointed back at their placeholders (``restore``) every node is updated again."""
+    body, b = _Body(), torch.randn(8, 4)
+    g = _graphed(noded, body, b)
+    (_, n_a, *_r), (_, n_r, *_s) = g.nodes.ins
+    n_out = g.nodes.outs[0][0]
+    a = torch.randn(6, 8)
+    _call(noded, body, a, b, torch.randn(6, 4))
+    for _ in range(3):
+        a.copy_(torch.randn(6, 8))  # new values, same address
+        r = torch.randn(6, 4)  # (allocated while the last one lives: another address)
+        del noded.drv.updates[:]
+        got = _call(noded, body, a, b, r)
+        torch.testing.assert_close(got, torch.addmm(r, a, b))
+        assert [u[0] for u in noded.drv.updates] == [n_r, n_out], noded.drv.updates
+    assert g.nodes.restore()
+    a.copy_(torch.randn(6, 8))
+    del noded.drv.updates[:]
+    got = _call(noded, body, a, b, r)
+    torch.testing.assert_close(got, torch.addmm(r, a, b))
+    assert [u[0] for u in noded.drv.updates] == [n_a, n_r, n_out], noded.drv.updates
+
+
 def test_a_failed_update_falls_back_to_driver_copies(noded) -> None:  # noqa: ANN001
     """A node the driver will not update: the nodes are pointed back at their placeholders
     (warned once), and that call and every later one copy into the placeholders and clone
