@@ -45,6 +45,7 @@ __all__ = ["all_gather_matmul", "all_reduce_matmul", "mlp_chain", "matmul_reduce
 _ag_impl = _ag.all_gather_matmul
 _ar_impl = _ar.all_reduce_matmul
 _chain_impl = _chain._mlp_chain  # with the test hooks, which the custom op's schema carries
+_chain_eager = _chain.mlp_chain  # (a planned call first: its call plan, its plan graph)
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
@@ -349,7 +350,7 @@ def mlp_chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *, activation
         return _mlp_chain_op(x, w1, w2, activation, config_id(config), sync, False, 0)
     if (x.requires_grad or w1.requires_grad or w2.requires_grad) and _grad_enabled():
         raise _no_backward("mlp_chain")
-    return _chain_impl(x, w1, w2, activation=activation, config=config, sync=sync)
+    return _chain_eager(x, w1, w2, activation=activation, config=config, sync=sync)
 
 
 

@@ -517,3 +517,20 @@ def test_the_index_marks_a_plan_used_by_its_own_key_object() -> None:
         assert _calls.index_lookup(ikey, None, None) == (rt, cp, kept[1], "nccl")
     finally:
         _calls._index.pop(ikey, None)
+
+
+def test_public_mlp_chain_takes_its_planned_path(monkeypatch) -> None:  # noqa: ANN001
+    """``overlap.mlp_chain`` called eagerly tries the chain's call plan first (its plan graph
+    where the host sets the pace), as the group ops' public functions do; a call the plan
+    declines goes on to the full path."""
+    import overlap
+    from overlap.ops import chain
+
+    x, w1, w2 = torch.randn(4, 8), torch.randn(8, 16), torch.randn(16, 8)
+    seen: list = []
+    marker = torch.full((4, 8), 7.0)
+    monkeypatch.setattr(chain, "_planned", lambda *a: seen.append(a) or marker)
+    assert overlap.mlp_chain(x, w1, w2, activation=None) is marker
+    assert seen and seen[0][0] is x and seen[0][3] is None
+    monkeypatch.setattr(chain, "_planned", lambda *a: None)
+    torch.testing.assert_close(overlap.mlp_chain(x, w1, w2, activation=None), x @ w1 @ w2)
