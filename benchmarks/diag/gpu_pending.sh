@@ -5,24 +5,27 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. nodes_unit check_ host_nodes1 host_driver2
-#   2. host_graph3 host_nodes4 launch planned_gluon gluon_chain
-#   3. gluon_wide_tests                      (builds every Gluon kernel variant: the longest)
-#   4. gluon_wide_bench gluon_producer gluon_planned_x
-#   5. gluon_chain_graph gluon_ops_bench
-#   6. sweep_x                               (the 48-shape sweep, about 8 minutes)
+#   1. post_diag nodes_unit host_ launch     (post_diag: which experimental Gluon part hangs)
+#   2. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks left out: it hung)
+#   3. gluon_producer gluon_planned_x gluon_ops_bench   (only once post_diag shows posts end)
+#   4. sweep_x                               (the 48-shape sweep, about 8 minutes)
+# (check_, planned_gluon, gluon_chain and gluon_chain_graph passed at 5b10c0b on Triton 3.6;
+# the test of posts hung there: benchmarks/results/2026-12-05_1xH200_5b10c0b/.)
 # The three ways a plan graph copies its activations in and outputs out (OVERLAP_PLAN_GRAPH_COPIES):
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
 # 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
-#    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/;
+#    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/, then the default
+#    with --alternate (every node updated every call) in OUT_DIR/host_alt/;
 # 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call);
 # The Gluon GEMM:
 # 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound;
 # 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
 #    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
-# 7. the Gluon GEMM's GPU tests, the 192-column tile and posts among them (its kernel alone, waiting, by
+# 7. post_diag: each experimental Gluon part alone in a bounded process (benchmarks/diag/
+#    gluon_post_diag.py); the Gluon GEMM's GPU tests but the posts' (they hung at 5b10c0b), the
+#    192-column tile and C from registers among them (its kernel alone, waiting, by
 #    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
 #    timing 128x256, ping-pong 128x128, 128x192 and 128x256 on 4 stages with C from registers on
 #    its eleven shapes against cuBLAS;
@@ -55,6 +58,7 @@ step() {  # step NAME SECONDS CMD...
     echo "rc=$?" >> "$out/$name.log"
     tail -n 1 "$out/$name.log" | sed "s/^/$name /"
 }
+step post_diag 200 python benchmarks/diag/gluon_post_diag.py --ptx --bound 20
 step nodes_unit 120 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_driver_gpu.py
 for kind in nodes driver graph; do
     step "check_$kind" 300 python tests/gpu/plan_graphs_check.py --copies "$kind"
@@ -67,13 +71,17 @@ for kind in nodes driver graph nodes; do
     step "host_$kind$n" 300 python benchmarks/host_overhead.py --copies "$kind" --calls 300 --no-graph-rows \
         --only "$ops" --out "$out/host_$kind$n"
 done
+# (each call's activations where the last call's were not: every memcpy node updated per call)
+step host_alt 300 python benchmarks/host_overhead.py --alternate --calls 300 --no-graph-rows --only "$ops" \
+    --out "$out/host_alt"
 step launch 300 python benchmarks/diag/plan_graph_launch.py --out "$out/launch"
 step planned_gluon 300 python tests/gpu/planned_check.py --engine gluon
 step gluon_chain 300 python tests/gpu/chain_check.py --engine gluon
 step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --rounds 3 --max-seconds 200 \
     --out "$out/chain_graph"
-step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
-step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
+step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py \
+    -k "not posts"
+step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" --no-posts \
     --variants 128x256,pp128x128,128x192,128x256r4 --rounds 3 --max-seconds 300
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
