@@ -147,8 +147,9 @@ def main() -> None:
                          "nodes of the graph re-pointed per call; default: as the environment says")
     ap.add_argument("--graph-copies", action="store_true", help="the same as --copies graph")
     ap.add_argument("--alternate", action="store_true",
-                    help="the ops' activations alternate between two tensors call by call (no call finds its "
-                         "activations where the last call's were: what a plan graph's memcpy nodes update)")
+                    help="the ops' first activation alternates between two tensors call by call (no call finds it "
+                         "where the last call's was: its memcpy node is updated every call; a residual and the "
+                         "outputs, dropped per call, may still come back to the same address)")
     args = ap.parse_args()
     if args.graph_copies or args.copies:
         from overlap.ops import _graphs
@@ -221,7 +222,12 @@ def main() -> None:
         if not args.alternate:
             return t
         flip[0] ^= 1
-        return t if flip[0] else twins.setdefault(id(t), t.clone())
+        if flip[0]:
+            return t
+        twin = twins.get(id(t))
+        if twin is None:
+            twin = twins[id(t)] = t.clone()
+        return twin
 
     def op_rows(suffix: str) -> None:
         with torch.no_grad():

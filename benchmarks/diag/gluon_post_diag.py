@@ -53,13 +53,14 @@ def _run_case(name: str) -> str:
         kw["flags"] = flags
     dyn = name in ("post_dyn", "post_two", "wide_dyn")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda") if dyn else None
+    give = torch.cuda.Stream()
+    give.wait_stream(torch.cuda.current_stream())  # (before the first grid: the two run at once)
     launch_gluon_gemm(a, b, c, table, grid=max(1, sms // 2) if name == "post_two" else sms, counter=counter, **kw)
     if name == "post_two":
-        give = torch.cuda.Stream()
-        give.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(give):
             launch_gluon_gemm(a, b, c, table, grid=8, counter=counter, **kw)
         torch.cuda.current_stream().wait_stream(give)
+    print(f"CASE {name}: launched", flush=True)  # (built and queued: a bound passed after this is a hang)
     torch.cuda.synchronize()
     err = _close(c, a, b, slice(None), name)
     said = f"max error {err:.2e}"
@@ -103,8 +104,10 @@ def main() -> None:
                                timeout=args.bound)
             said = [ln for ln in r.stdout.splitlines() if ln.startswith("CASE")]
             print(said[-1] if said else f"CASE {name}: rc={r.returncode} {r.stderr.strip()[-600:]}", flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"CASE {name}: HUNG (no end in {args.bound:.0f} s)", flush=True)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            when = "after its launch" if "launched" in out else "before its launch (a slow build?)"
+            print(f"CASE {name}: HUNG {when} (no end in {args.bound:.0f} s)", flush=True)
     if args.ptx:
         _ptx()
 

@@ -17,7 +17,7 @@
 #    and the chain, new inputs every call, earlier outputs unchanged, moved weights, two streams;
 # 3. host_overhead.py for the ops, nodes / driver / graph / nodes (the first kind again last, so
 #    a drift of the machine over the run shows), each in OUT_DIR/host_<kind><n>/, then the default
-#    with --alternate (every node updated every call) in OUT_DIR/host_alt/;
+#    with --alternate (the first activation's node updated every call) in OUT_DIR/host_alt/;
 # 4. plan_graph_launch.py (each step of a replayed call, each kind's whole call);
 # The Gluon GEMM:
 # 5. planned_check.py --engine gluon: the bound bodies with the Gluon GEMM's launches bound;
@@ -71,7 +71,7 @@ for kind in nodes driver graph nodes; do
     step "host_$kind$n" 300 python benchmarks/host_overhead.py --copies "$kind" --calls 300 --no-graph-rows \
         --only "$ops" --out "$out/host_$kind$n"
 done
-# (each call's activations where the last call's were not: every memcpy node updated per call)
+# (no call's first activation where the last call's was: its memcpy node updated per call)
 step host_alt 300 python benchmarks/host_overhead.py --alternate --calls 300 --no-graph-rows --only "$ops" \
     --out "$out/host_alt"
 step launch 300 python benchmarks/diag/plan_graph_launch.py --out "$out/launch"

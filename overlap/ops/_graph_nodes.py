@@ -21,8 +21,9 @@ after its capture (torch's ``keep_graph``) so that those nodes can be found. A c
 Before every launch every node points at the call's own tensor: it is updated unless the
 last successful update already pointed it at that address (a loop's caching allocator
 often hands the same blocks back call after call; the node then copies what lies there
-when the launch runs, in stream order), so no launch reads an earlier call's tensors. Where the driver refuses an update (``CUDA_ERROR_INVALID_VALUE``: memory it does
-not take for the node), every node is pointed back at its placeholder, and the graph's
+when the launch runs, in stream order), so no launch reads an earlier call's tensors.
+Where the driver refuses an update (``CUDA_ERROR_INVALID_VALUE``: memory it does not take
+for the node), every node is pointed back at its placeholder, and the graph's
 calls copy with the driver from then on: into the placeholders, out of them; where even
 that is refused, the graph is dropped and the call runs the op's fused body. Neither
 raises on one rank alone after the agreement point. Another error code (the context's

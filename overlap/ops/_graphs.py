@@ -579,7 +579,7 @@ leaves in pinned slots: ``kernels.relay``); None: as ``OVERLAP_PLAN_GRAPH_COPIES
 DEFAULT_COPIES = "nodes"
 """Measured on an H200 (world size 1, 512 x 1024 x 1024, 300 calls, one process): memcpy nodes
 took 32-36 us a call of ``all_gather_matmul`` against 51.5 with driver copies, and less on
-each of the six ops (docs/experiments.md, 2026-12-05)."""
+each of the five group ops (docs/experiments.md, 2026-12-05)."""
 
 _COPIES = ("driver", "graph", "nodes")
 
