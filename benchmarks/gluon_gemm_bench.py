@@ -540,7 +540,7 @@ def main() -> None:
     context = run_context()
     context.update({"gluon": gluon_gemm.AVAILABLE, "gluon_reason": gluon_gemm.REASON, "rounds": args.rounds,
                     "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP,
-                    "variants": VARIANTS})
+                    "variants": VARIANTS, "posts_checked": not args.no_posts})
     if args.commit:
         context["checkout_commit"], context["commit"] = context.get("commit"), args.commit
     doc: dict[str, Any] = {"context": context, "checks": [], "check_failed": {}, "rows": [], "not_run": []}
