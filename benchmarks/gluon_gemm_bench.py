@@ -285,15 +285,19 @@ POST_VARIANTS = ("128x256", "256x128", "128x128", "128x256r4")
 """The plain kernel's configs, whose tiles may post (a producer op's: ``post=True``)."""
 
 
-def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS,
+                trace: Any = None) -> None:
     """Tiles that post (``post=True``, as the producer ops' GEMM): fresh inputs, C poisoned
     with NaN, both B layouts, ragged rows, the GEMM on a dispatch counter shared by two grids
     (the second on another stream, as the give-back grid): after the launch every post flag
     holds its tile count; then, launched again behind a reader stream that waits on each
     row chunk's flags (``cuStreamWaitValue32``, as the producer ops' comm stream) and copies
     that chunk's rows of C at once, the rows it read are whole. A short count fails, never
-    hangs: the reader's waits are released once the GEMM has ended and the counts are read."""
+    hangs: the reader's waits are released once the GEMM has ended and the counts are read.
+    ``trace(stage)``, where given, is called before each stage (a hang then names its stage)."""
     import torch
+
+    trace = trace or (lambda stage: None)
 
     from overlap import flags as _flags
     from overlap import protocol as P
@@ -312,7 +316,9 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
         table = _table(segs, n, cfg.block_m, cfg.block_n)
         posts = table[:, P.COL_POST].long()
         want = torch.bincount(posts[posts >= 0], minlength=64)
-        chunk_flags = [[f for f in torch.nonzero(want).flatten().tolist() if f // 16 == i] for i in range(4)]
+        # (host ints: nothing is read from the GPU while the reader's stream is current and waits)
+        counts = want.tolist()
+        chunk_flags = [[f for f, n_f in enumerate(counts) if n_f and f // 16 == i] for i in range(4)]
 
         def gemm(a: Any, b: Any, c: Any, flags: Any) -> None:
             counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -329,6 +335,7 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
                 b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, lay)
                 c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+                trace(f"{name} {lay} call {it}: two grids")
                 gemm(a, b, c, flags)
                 torch.cuda.synchronize()
                 got = flags.long().cpu()
@@ -339,13 +346,16 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
                 flags.zero_()
                 out = torch.full_like(c, float("nan"))
                 torch.cuda.synchronize()
+                trace(f"{name} {lay} call {it}: the reader's waits queued")
                 with torch.cuda.stream(side):
                     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
                         for f in chunk_flags[i]:
-                            _flags.stream_wait_value(side, flags, f, int(want[f]))
+                            _flags.stream_wait_value(side, flags, f, counts[f])
                         out[lo:hi].copy_(c[lo:hi])
+                trace(f"{name} {lay} call {it}: two grids behind the reader")
                 gemm(a, b, c, flags)
                 cur.synchronize()  # the GEMM's grids ended (they wait on nothing)
+                trace(f"{name} {lay} call {it}: the grids ended, the reader released")
                 got = flags.long().cpu()
                 if not torch.equal(got, want.cpu()):
                     flags.copy_(want.to(flags))  # release the reader's waits, then fail
@@ -363,6 +373,7 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
         b = _b(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5, "nk")
         c = torch.full((cap, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+        trace(f"{name}: a row cut")
         launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, config=cfg, post=True, rows=(cap, span))
         torch.cuda.synchronize()
         assert torch.equal(flags.long().cpu(), want.cpu()), f"posts {name} row cut: flags {flags.tolist()}"

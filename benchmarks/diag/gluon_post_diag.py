@@ -21,17 +21,66 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-CASES = ("plain", "post_static", "post_dyn", "post_two", "post_cut", "regs", "regs_post", "wide", "wide_dyn")
+CASES = ("plain", "post_static", "post_dyn", "post_two", "post_cut", "regs", "regs_post", "wide", "wide_dyn",
+         # check_posts (the test of posts) on one variant, each stage named as it starts
+         "check_posts_128x256", "check_posts_256x128", "check_posts_128x128", "check_posts_128x256r4",
+         # a reader stream's wait (cuStreamWaitValue32) queued before anything sets its flag, then
+         # work queued behind it and beside it, one step at a time
+         "reader_steps")
+
+
+def _reader_steps(name: str) -> str:
+    import torch
+
+    from overlap import flags as _flags
+
+    def at(stage: str) -> None:
+        print(f"CASE {name}: at {stage}", flush=True)
+
+    flags = torch.zeros(4, dtype=torch.int32, device="cuda")
+    c = torch.randn(1000, 1000, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(c)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    at("a wait queued on the side stream")
+    _flags.stream_wait_value(side, flags, 0, 1)
+    at("a second wait queued on it")
+    _flags.stream_wait_value(side, flags, 1, 1)
+    at("a device-to-device copy queued behind the waits")
+    with torch.cuda.stream(side):
+        out.copy_(c)
+    at("a kernel queued behind the waits")
+    with torch.cuda.stream(side):
+        out.mul_(2)
+    at("a kernel on the current stream")
+    c.add_(1)
+    at("a fresh tensor on the current stream")
+    d = torch.zeros(7, 9, device="cuda")
+    at("the flags set from the current stream")
+    flags.fill_(1)
+    at("the device synchronized")
+    torch.cuda.synchronize()
+    # the side stream's copy ran once its waits were released: after c += 1 (doubling is exact)
+    assert torch.equal(out, c * 2), "the side stream's copy did not wait for its flags"
+    assert int(d.abs().sum()) == 0
+    return "every step queued and ended, the side stream's work after its flags"
 
 
 def _run_case(name: str) -> str:
     import torch
 
-    from benchmarks.gluon_gemm_bench import VARIANTS, _b, _close, _table
+    from benchmarks.gluon_gemm_bench import VARIANTS, _b, _close, _table, check_posts
     from overlap import protocol as P
     from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
     from overlap.policies import Segment
 
+    if name == "reader_steps":
+        return _reader_steps(name)
+    if name.startswith("check_posts_"):
+        log: list[str] = []
+        v = name[len("check_posts_"):]
+        check_posts(log, {v: VARIANTS[v]}, trace=lambda stage: print(f"CASE {name}: at {stage}", flush=True))
+        return log[-1]
     variant = {"regs": "128x256r4", "regs_post": "128x256r4", "wide": "128x192", "wide_dyn": "128x192"}
     cfg = GluonGemmConfig(**VARIANTS[variant.get(name, "128x256")])
     post = name.startswith("post") or name.endswith("_post")
@@ -94,20 +143,33 @@ def main() -> None:
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # (one case, in its own process)
     args = ap.parse_args()
     if args.case:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(max(1.0, args.bound - 5), exit=True)  # (a hang's Python stack)
         print(f"CASE {args.case}: ok, {_run_case(args.case)}", flush=True)
         return
     for name in args.cases.split(","):
         if name not in CASES:
             sys.exit(f"unknown case {name!r}; cases: {', '.join(CASES)}")
-        try:
-            r = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
-                               timeout=args.bound)
-            said = [ln for ln in r.stdout.splitlines() if ln.startswith("CASE")]
-            print(said[-1] if said else f"CASE {name}: rc={r.returncode} {r.stderr.strip()[-600:]}", flush=True)
+        try:  # (the case's process dumps its Python stack and exits 5 s before its bound)
+            r = subprocess.run([sys.executable, __file__, "--case", name, "--bound", str(args.bound)],
+                               capture_output=True, text=True, timeout=args.bound + 10)
+            out, err, stack = r.stdout, r.stderr, "Timeout (" in r.stderr
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            when = "after its launch" if "launched" in out else "before its launch (a slow build?)"
+            err, stack = "", True
+        ok = [ln for ln in out.splitlines() if ln.startswith(f"CASE {name}: ok")]
+        if ok:
+            print(ok[-1], flush=True)
+        elif stack:
+            at = [ln.split(": at ", 1)[1] for ln in out.splitlines() if ": at " in ln]
+            when = (f"at {at[-1]}" if at else "after its launch" if "launched" in out
+                    else "before its launch (a slow build?)")
             print(f"CASE {name}: HUNG {when} (no end in {args.bound:.0f} s)", flush=True)
+            for ln in [ln for ln in err.splitlines() if ln.strip().startswith("File ")][:6]:
+                print(f"    {ln.strip()}", flush=True)  # (innermost first)
+        else:
+            print(f"CASE {name}: rc={r.returncode} {err.strip()[-600:]}", flush=True)
     if args.ptx:
         _ptx()
 
