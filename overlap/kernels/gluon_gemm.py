@@ -40,7 +40,8 @@ warps through a two-slot queue in shared memory, and ends with an end mark per M
 warpgroup.
 
 With ``post`` (the plain kernel: a producer op's tiles, which wait on nothing) the MMA
-warps store each tile's C by masked stores, then, after a barrier of their threads, one
+warps store each tile's C through their C tile in shared memory by coalesced masked stores
+(from registers where the config keeps no C tile), then, after a barrier of their threads, one
 thread adds 1 to the tile's post flag with release semantics (``tile_gemm``'s posts; a dead
 tile counts too).
 
@@ -424,6 +425,25 @@ if AVAILABLE:
         gl.store(ptrs, out, mask=mask)
 
     @gluon.jit
+    def _staged(out, c_smem, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+        """``out`` into C's rows ``c_row`` .. + ``c_rows`` through shared memory: the MMA layout
+        into ``c_smem``, a barrier of the partition, then rows of 8 adjacent elements per thread
+        (16-byte stores, a warp's on adjacent columns) by masked stores of the generic proxy, so
+        a later release publishes them as ``_masked``'s. The caller's barrier before its post
+        also keeps the next tile's ``c_smem.store`` behind every thread's loads."""
+        c_smem.store(out)
+        _c.thread_barrier()
+        TPW_N: gl.constexpr = BLOCK_N // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
+        tile = c_smem.load(layout)
+        offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
+        ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
+        gl.store(ptrs, tile, mask=mask)
+
+    @gluon.jit
     def _store(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACTIVATION: gl.constexpr):
         """Activation, then the tile into C."""
@@ -483,8 +503,12 @@ if AVAILABLE:
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             if POST:
                 if c_rows > 0:
-                    _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N, stride_cm,
-                            BLOCK_M, BLOCK_N)
+                    if TMA_C:  # (a C tile in shared memory: coalesced stores through it)
+                        _staged(_activate(acc, c_ptr, ACTIVATION), c_smem, c_ptr, c_row, c_rows, off_n, N, stride_cm,
+                                BLOCK_M, BLOCK_N, num_warps)
+                    else:
+                        _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N,
+                                stride_cm, BLOCK_M, BLOCK_N)
                 p_idx = gl.load(row + _COL_POST)
                 _c.thread_barrier()
                 if p_idx >= 0:
@@ -500,7 +524,7 @@ if AVAILABLE:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
             else:
                 t += num_progs
-        if TMA_C:
+        if TMA_C and not POST:
             _c.tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=_PER_CALL)
@@ -515,7 +539,7 @@ if AVAILABLE:
         gl.static_assert(not (POST and HAS_WAIT), "a tile posts or waits here, not both")
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        if TMA_C and not POST:
+        if TMA_C:  # (a TMA store's C tile; with POST, the tile's stores staged through it)
             c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
         else:  # (C by masked stores: a token buffer, never written)
             c_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))

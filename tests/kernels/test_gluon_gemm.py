@@ -73,8 +73,10 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
          has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False,
-         post: bool = False, stages: int = 0, tma_c: bool = True) -> Any:
-    """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas)."""
+         post: bool = False, stages: int = 0, tma_c: bool = True, aligned: bool = False) -> Any:
+    """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas). ``aligned``:
+    C's pointer, its row stride, N and K marked divisible by 16, as a launch specializes them
+    on such operands (what lets stores be 16 bytes wide)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -98,13 +100,15 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
                 WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, num_warps=cfg.num_warps)
-    sig, consts = {}, {}
-    for nm in fn.arg_names:
+    sig, consts, attrs = {}, {}, {}
+    for i, nm in enumerate(fn.arg_names):
         if nm in meta:
             sig[nm], consts[nm] = "constexpr", meta[nm]
         else:
             sig[nm] = mangle_type(vals.get(nm, 7))
-    return triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+        if aligned and nm in ("c_ptr", "stride_cm", "N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=cfg.num_warps, maxnreg=168))
 
 
@@ -126,6 +130,11 @@ def _regions(k: Any) -> tuple[str, ...]:
     while f"partition{len(cuts) - 1}(" in ir:
         cuts.append(ir.index(f"partition{len(cuts) - 1}(", cuts[-1]))
     return tuple(ir[a:b] for a, b in zip(cuts, cuts[1:] + [len(ir)]))
+
+
+def _barriers(region: str) -> int:
+    """Barriers of a partition's threads in its TTGIR (``gpu.barrier`` in Triton 3.6)."""
+    return region.count("ttg.barrier") + region.count("gpu.barrier")
 
 
 def test_sm90_only_the_loader_waits_and_loads() -> None:
@@ -453,19 +462,35 @@ def gg_launchers() -> dict:
 
 
 def test_sm90_posts_after_a_barrier_of_the_mma_warps() -> None:
-    """``POST`` (a producer's tiles): the MMA partition stores C by masked stores (no TMA store
-    there), then a barrier of its 256 threads, then one thread's release add at GPU scope on
-    the tile's post flag; the loader waits on nothing. Without posts no release add at all."""
-    k = _build(has_wait=False, post=True, dynamic=True, clip=True)
+    """``POST`` (a producer's tiles): the MMA partition stores C by masked stores of the
+    generic proxy (no TMA store there), staged through its C tile in shared memory (a
+    barrier between), 16 bytes a store on aligned operands; then a barrier of its 256
+    threads, then one thread's release add at GPU scope on the tile's post flag; the loader
+    waits on nothing. Without a C tile in shared memory (``tma_epilogue=False``) the stores
+    go from registers, one barrier. Without posts no release add at all."""
+    k = _build(has_wait=False, post=True, dynamic=True, clip=True, aligned=True)
     mma, loader = _regions(k)
     assert "atomic_rmw add, release, gpu" in mma and "atomic_rmw add, release" not in loader
-    assert "async_tma_copy_local_to_global" not in mma and mma.count("ttg.barrier") == 1
+    assert "async_tma_copy_local_to_global" not in mma and _barriers(mma) == 2
+    staged = [ln for ln in mma.splitlines() if "ttg.local_load" in ln and "tensor<128x256xbf16" in ln]
+    assert len(staged) == 1, staged  # (the C tile read back from shared memory)
     assert "atomic_rmw add, acquire" not in loader and "globaltimer" not in loader
     ptx = k.asm["ptx"]
-    post = ptx.index("red.global.gpu.release.add.u32")
-    assert "bar.sync \t0, 256" in ptx[max(0, post - 400):post], "no barrier of the MMA warps before the post"
+    # (Triton 3.9 posts with red, 3.6 with atom; the same release add)
+    post = re.search(r"(red|atom)\.global\.gpu\.release\.add\.u32", ptx).start()
+    before = ptx[:post]
+    assert before.rfind("bar.sync \t0, 256") > before.rfind("st.global"), "no barrier of the MMA warps between " \
+        "their last store and the post"
+    stores = re.findall(r"st\.global\.[\w.]+", ptx)
+    assert stores and set(stores) == {"st.global.v4.b32"}, sorted(set(stores))  # (16-byte stores only)
+    regs = _build(has_wait=False, post=True, dynamic=True, clip=True, aligned=True, tma_c=False, stages=4)
+    mma_r = _regions(regs)[0]
+    assert _barriers(mma_r) == 1 and "tensor<128x256xbf16" not in \
+        "".join(ln for ln in mma_r.splitlines() if "ttg.local_load" in ln)
+    assert re.search(r"(red|atom)\.global\.gpu\.release\.add\.u32", regs.asm["ptx"])
+    assert "st.global.v4.b32" not in regs.asm["ptx"]  # (from the MMA layout: 4 bytes a store at most)
     plain = _build(has_wait=False, dynamic=True, clip=True)
-    assert "atomic_rmw add, release" not in plain.asm["ttgir"] and "ttg.barrier" not in _regions(plain)[0]
+    assert "atomic_rmw add, release" not in plain.asm["ttgir"] and _barriers(_regions(plain)[0]) == 0
     assert "async_tma_copy_local_to_global" in _regions(plain)[0]
 
 
