@@ -46,6 +46,8 @@ why Gluon cannot run it).
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import statistics
@@ -456,6 +458,10 @@ class EnginePlan:
                  forced: bool) -> None:
         self.tile = tile
         self.table = table
+        # the table on the host, read now (a plan is made before its call queues anything that
+        # waits): a measurement or a derived table later reads no GPU tensor from a stream that
+        # may be queued behind a wait (with CUDA's lazy loading such a read can block for good)
+        self._table_cpu = None if _capturing() else table.cpu()
         self.flags = kw.get("flags")
         self.err = kw.get("err")
         self.counter = kw.get("counter")
@@ -559,6 +565,13 @@ class EnginePlan:
             return _label(cfg)
         return _label(cfg, "retiled" if cfg.wide else "halves")
 
+    def _host_table(self) -> Any:
+        """The op's table on the host (read when the plan was made; here where it was made
+        inside a capture)."""
+        if self._table_cpu is None:
+            self._table_cpu = self.table.cpu()
+        return self._table_cpu
+
     def _derived_key(self, cfg: GluonGemmConfig) -> tuple:
         t = self.table
         return (t.data_ptr(), tuple(t.shape), str(t.device), self.tile_shape, (cfg.block_m, cfg.block_n), self.n)
@@ -604,7 +617,10 @@ class EnginePlan:
         if _capturing():
             raise RuntimeError("a table derived from the op's (halves, 192 columns) is built outside a CUDA graph "
                                "capture")
-        t = self._tables[key] = split(self.table.cpu()).to(self.table.device)
+        host, dev = split(self._host_table()), self.table.device
+        # (on a stream of its own, as _measure's words: nothing here waits on the op's streams)
+        with _timing(dev).context() if dev.type == "cuda" else contextlib.nullcontext():
+            t = self._tables[key] = host.to(dev)
         with _lock:
             _derived[dk] = (self.table, t)
             while len(_derived) > _DERIVED_CAP:
@@ -673,21 +689,26 @@ class EnginePlan:
         if _capturing():  # (``_decide`` never comes here inside a capture; nor may anyone else)
             raise RuntimeError("gluon engine: no measuring inside a CUDA graph capture")
         dev = c.device
-        tab = self.table.cpu()
+        tab = self._host_table()
+        # a stream of its own, ordered after nothing of the op's (timing needs no right data;
+        # the op's streams may hold work that waits on its peers, or on work not yet queued):
+        # the scratch words are made there too, so nothing here waits on the op's streams
+        timing = _timing(dev)
         flags = err = counter = None
-        if self.post:  # (the posts count into scratch flags: the op's own are never touched)
-            flags = torch.zeros_like(self.flags)
-        if self.wait:
-            flags = torch.zeros(self.flags.shape, dtype=self.flags.dtype)  # (on the host: set per tile below)
-            err = torch.zeros_like(self.err)
-            w, mult = tab[:, _p.COL_WAIT].long(), tab[:, _p.COL_WAIT_MULT].long()
-            for i in range(tab.shape[0]):  # epoch 1: flag w at its waiters' largest multiple
-                if w[i] >= 0:
-                    flags[int(w[i])] = max(int(flags[int(w[i])]), int(mult[i]))
-            flags = flags.to(dev)
-        if self.counter is not None:
-            counter = torch.zeros_like(self.counter)
-        c_s = torch.empty_like(c)
+        with timing.context():
+            if self.post:  # (the posts count into scratch flags: the op's own are never touched)
+                flags = torch.zeros_like(self.flags)
+            if self.wait:
+                flags = torch.zeros(self.flags.shape, dtype=self.flags.dtype)  # (on the host: set per tile below)
+                err = torch.zeros_like(self.err)
+                w, mult = tab[:, _p.COL_WAIT].long(), tab[:, _p.COL_WAIT_MULT].long()
+                for i in range(tab.shape[0]):  # epoch 1: flag w at its waiters' largest multiple
+                    if w[i] >= 0:
+                        flags[int(w[i])] = max(int(flags[int(w[i])]), int(mult[i]))
+                flags = flags.to(dev)
+            if self.counter is not None:
+                counter = torch.zeros_like(self.counter)
+            c_s = torch.empty_like(c)
         a, b, a2 = ops.a, ops.b, ops.a2
         tile_plan = TileGemmPlan.__new__(TileGemmPlan)
         tile_plan.__dict__.update(self.tile.__dict__)
@@ -710,9 +731,6 @@ class EnginePlan:
 
         cands: list[tuple[str, Any, GluonGemmConfig | None]] = [("tile", run_tile, None)]
         cands += [(self.label(g), run_gluon(g), g) for g in self.configs]
-        # a stream of its own, ordered after nothing of the op's (timing needs no right data;
-        # the op's streams may hold work that waits on its peers)
-        timing = _timing(dev)
         failed: list[str] = []
         scratch = {id(t) for t in (flags, err, counter) if t is not None}
         try:

@@ -619,6 +619,44 @@ def test_measure_falls_back_to_eager_rounds_when_a_capture_fails(fake_gluon: lis
     assert all(k[1] == id(x["kw"]["flags"]) for k in gp._gplans)
 
 
+def test_measure_reads_nothing_from_the_callers_stream(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first launch measures, and the caller's stream may by then hold a wait released
+    only by work not yet queued (a gate, a stream wait): with CUDA's lazy loading a read, or
+    a kernel's first launch, queued behind it blocks the host for good. So the op's table is
+    read to the host when the plan is made, and the scratch words and C made on the
+    measurement's own stream (inside its context)."""
+    import contextlib
+
+    gp, x = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: 1.0)
+    depth = [0]
+
+    @contextlib.contextmanager
+    def own_stream() -> Any:
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(FakeTiming, "context", lambda self: own_stream())
+    outside: list[str] = []
+    for name in ("zeros_like", "empty_like", "zeros"):
+        real = getattr(torch, name)
+
+        def made(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            if not depth[0]:
+                outside.append(_name)
+            return _real(*a, **k)
+        monkeypatch.setattr(torch, name, made)
+
+    def no_read(self: Any, *a: Any, **k: Any) -> Any:
+        raise AssertionError("a tensor read to the host at the launch")
+    monkeypatch.setattr(torch.Tensor, "cpu", no_read)
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(512, 512))
+    assert gp.decided and gp.why.startswith("measured (graphs"), gp.why
+    assert not outside, outside
+
+
 def test_a_failed_measurement_leaves_no_state_and_none_runs_in_a_capture(fake_gluon: list,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The timing fails: the launch raises, the plan stays undecided with no scratch plans
