@@ -5,12 +5,15 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. post_diag nodes_unit host_ launch     (post_diag: which experimental Gluon part hangs)
-#   2. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks left out: it hung)
-#   3. gluon_producer gluon_planned_x gluon_ops_bench   (only once post_diag shows posts end)
-#   4. sweep_x                               (the 48-shape sweep, about 8 minutes)
-# (check_, planned_gluon, gluon_chain and gluon_chain_graph passed at 5b10c0b on Triton 3.6;
-# the test of posts hung there: benchmarks/results/2026-12-05_1xH200_5b10c0b/.)
+#   1. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
+#                                             the posts staged through shared memory)
+#   2. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
+#   3. post_diag nodes_unit check_ host_ launch
+# (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
+# posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
+# the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
+# gluon_ops_bench passed or ran at 2000b13 on an H100: 2026-12-05_1xH100_2000b13/; check_,
+# planned_gluon, gluon_chain and gluon_chain_graph at 5b10c0b.)
 # The three ways a plan graph copies its activations in and outputs out (OVERLAP_PLAN_GRAPH_COPIES):
 # 1. the memcpy-node machinery alone (tests/gpu/test_driver_gpu.py, its host times printed);
 # 2. plan_graphs_check.py with each kind of copies (nodes, driver, graph): the five group ops
@@ -24,7 +27,8 @@
 # 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
 #    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
 # 7. post_diag: each experimental Gluon part alone in a bounded process (benchmarks/diag/
-#    gluon_post_diag.py); the Gluon GEMM's GPU tests but the posts' (they hung at 5b10c0b), the
+#    gluon_post_diag.py, `check_posts` per variant and a stream wait's `reader_steps` among
+#    them); the Gluon GEMM's GPU tests, the posts', the
 #    192-column tile and C from registers among them (its kernel alone, waiting, by
 #    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
 #    timing 128x256, ping-pong 128x128, 128x192 and 128x256 on 4 stages with C from registers on
@@ -79,9 +83,8 @@ step planned_gluon 300 python tests/gpu/planned_check.py --engine gluon
 step gluon_chain 300 python tests/gpu/chain_check.py --engine gluon
 step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --rounds 3 --max-seconds 200 \
     --out "$out/chain_graph"
-step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py \
-    -k "not posts"
-step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" --no-posts \
+step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
+step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
     --variants 128x256,pp128x128,128x192,128x256r4 --rounds 3 --max-seconds 300
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
