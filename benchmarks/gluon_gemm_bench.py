@@ -358,7 +358,8 @@ def check_posts(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS,
                 trace(f"{name} {lay} call {it}: the grids ended, the reader released")
                 got = flags.long().cpu()
                 if not torch.equal(got, want.cpu()):
-                    flags.copy_(want.to(flags))  # release the reader's waits, then fail
+                    # release the reader's waits (a copy from the host: no kernel while it waits), then fail
+                    flags.copy_(torch.tensor(counts, dtype=torch.int32))
                     torch.cuda.synchronize()
                     raise AssertionError(f"posts {name} {lay} call {it} behind the reader: flags {got.tolist()}")
                 torch.cuda.synchronize()

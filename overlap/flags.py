@@ -350,9 +350,8 @@ def stream_wait_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, 
     ``(int32)(flags[idx] - value) >= 0`` (``wrap32``; no SM).
 
     Queue the work that sets the flag first. Until the wait is released, a host read of a
-    GPU tensor queued on ``stream`` never returns, and (with CUDA's lazy module loading)
-    neither may a kernel's first launch in the process on any stream: docs/design.md,
-    "Order of queuing"."""
+    GPU tensor queued on ``stream`` does not return, nor (with CUDA's lazy module loading) a
+    kernel's first launch in the process queued on it: docs/design.md, "Order of queuing"."""
     drv = _cuda_driver()
     if not drv:
         raise RuntimeError("stream_wait_value needs cuda-bindings: pip install 'overlap[cu13]' (or [cu12])")

@@ -25,8 +25,10 @@ CASES = ("plain", "post_static", "post_dyn", "post_two", "post_cut", "regs", "re
          # check_posts (the test of posts) on one variant, each stage named as it starts
          "check_posts_128x256", "check_posts_256x128", "check_posts_128x128", "check_posts_128x256r4",
          # a reader stream's wait (cuStreamWaitValue32) queued before anything sets its flag, then
-         # work queued behind it and beside it, one step at a time
+         # work queued beside it and behind it, one step at a time (not run by default: under
+         # CUDA's lazy loading a kernel's first launch behind the wait blocks for good)
          "reader_steps")
+DEFAULT_CASES = tuple(c for c in CASES if c != "reader_steps")
 
 
 def _reader_steps(name: str) -> str:
@@ -49,11 +51,11 @@ def _reader_steps(name: str) -> str:
     at("a device-to-device copy queued behind the waits")
     with torch.cuda.stream(side):
         out.copy_(c)
-    at("a kernel queued behind the waits")
+    at("a kernel's first launch, on the current stream (not the waiting one)")
+    c.add_(1)
+    at("a kernel's first launch, queued behind the waits")
     with torch.cuda.stream(side):
         out.mul_(2)
-    at("a kernel on the current stream")
-    c.add_(1)
     at("a fresh tensor on the current stream")
     d = torch.zeros(7, 9, device="cuda")
     at("the flags set from the current stream")
@@ -137,7 +139,7 @@ def _ptx() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}")
     ap.add_argument("--bound", type=float, default=40.0, help="seconds a case's process may take")
     ap.add_argument("--ptx", action="store_true")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)  # (one case, in its own process)

@@ -8,7 +8,7 @@
 #   1. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
 #   2. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
-#   3. post_diag nodes_unit check_ host_ launch
+#   3. post_diag reader_steps nodes_unit check_ host_ launch
 # (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
 # posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
 # the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
@@ -27,8 +27,9 @@
 # 6. chain_check.py --engine gluon: mlp_chain's fc2 forced onto the Gluon GEMM; chain_graph.py at
 #    two row counts: the chain (fc2 on the engine it measured) against torch and stream sync;
 # 7. post_diag: each experimental Gluon part alone in a bounded process (benchmarks/diag/
-#    gluon_post_diag.py, `check_posts` per variant and a stream wait's `reader_steps` among
-#    them); the Gluon GEMM's GPU tests, the posts', the
+#    gluon_post_diag.py, `check_posts` per variant among them), then reader_steps (what a
+#    stream wait's flag not yet set blocks: a kernel's first launch on another stream, on the
+#    waiting one); the Gluon GEMM's GPU tests, the posts', the
 #    192-column tile and C from registers among them (its kernel alone, waiting, by
 #    the dispatch counter; the engine plan on a table retiled to it), then gluon_gemm_bench.py
 #    timing 128x256, ping-pong 128x128, 128x192 and 128x256 on 4 stages with C from registers on
@@ -62,7 +63,8 @@ step() {  # step NAME SECONDS CMD...
     echo "rc=$?" >> "$out/$name.log"
     tail -n 1 "$out/$name.log" | sed "s/^/$name /"
 }
-step post_diag 200 python benchmarks/diag/gluon_post_diag.py --ptx --bound 20
+step post_diag 400 python benchmarks/diag/gluon_post_diag.py --ptx --bound 20
+step reader_steps 60 python benchmarks/diag/gluon_post_diag.py --cases reader_steps --bound 20
 step nodes_unit 120 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_driver_gpu.py
 for kind in nodes driver graph; do
     step "check_$kind" 300 python tests/gpu/plan_graphs_check.py --copies "$kind"

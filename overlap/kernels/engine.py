@@ -46,8 +46,6 @@ why Gluon cannot run it).
 
 from __future__ import annotations
 
-import contextlib
-
 import json
 import os
 import statistics
@@ -458,9 +456,9 @@ class EnginePlan:
                  forced: bool) -> None:
         self.tile = tile
         self.table = table
-        # the table on the host, read now (a plan is made before its call queues anything that
-        # waits): a measurement or a derived table later reads no GPU tensor from a stream that
-        # may be queued behind a wait (with CUDA's lazy loading such a read can block for good)
+        # the table on the host, read now, when the plan is made, not at its first launch: by
+        # then the caller's stream may hold the call's gate or stream wait, and a read queued
+        # behind it waits for it (for good, were its release not queued yet)
         self._table_cpu = None if _capturing() else table.cpu()
         self.flags = kw.get("flags")
         self.err = kw.get("err")
@@ -618,9 +616,19 @@ class EnginePlan:
             raise RuntimeError("a table derived from the op's (halves, 192 columns) is built outside a CUDA graph "
                                "capture")
         host, dev = split(self._host_table()), self.table.device
-        # (on a stream of its own, as _measure's words: nothing here waits on the op's streams)
-        with _timing(dev).context() if dev.type == "cuda" else contextlib.nullcontext():
-            t = self._tables[key] = host.to(dev)
+        if dev.type == "cuda":
+            import torch
+
+            cur = torch.cuda.current_stream(dev)
+            # copied on the measurement's stream, as its words (nothing here waits on the op's
+            # streams, which may hold a gate): landed when ``to`` returns; then freed only
+            # after what the caller's stream has queued until the free (its launches read it)
+            with _timing(dev).context():
+                t = host.to(dev)
+            t.record_stream(cur)
+        else:
+            t = host.to(dev)
+        self._tables[key] = t
         with _lock:
             _derived[dk] = (self.table, t)
             while len(_derived) > _DERIVED_CAP:
@@ -827,12 +835,20 @@ def eager_times(runs: dict[str, Any], timing: Any, *, rounds: int = EAGER_ROUNDS
 
 
 class _CudaTiming:
-    """The engine's measurement on a CUDA stream of its own (``graph_times``' ``timing``)."""
+    """The engine's measurement on a CUDA stream of its own (``graph_times``' ``timing``):
+    one per device and thread, kept, so its scratch C and words come from one cache."""
+
+    _streams: dict[tuple, Any] = {}
 
     def __init__(self, device: Any) -> None:
         import torch
 
-        self.stream = torch.cuda.Stream(device)
+        dev = torch.device(device)
+        key = (dev.index if dev.index is not None else torch.cuda.current_device(), threading.get_ident())
+        s = _CudaTiming._streams.get(key)
+        if s is None:
+            s = _CudaTiming._streams[key] = torch.cuda.Stream(dev)
+        self.stream = s
 
     def context(self) -> Any:
         import torch

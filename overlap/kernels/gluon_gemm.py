@@ -432,6 +432,8 @@ if AVAILABLE:
         (16-byte stores, a warp's on adjacent columns) by masked stores of the generic proxy, so
         a later release publishes them as ``_masked``'s. The caller's barrier before its post
         also keeps the next tile's ``c_smem.store`` behind every thread's loads."""
+        gl.static_assert(BLOCK_N == 128 or BLOCK_N == 256, "staged stores: a warp's row of 8-element "
+                         "pieces is 128 or 256 columns")
         c_smem.store(out)
         _c.thread_barrier()
         TPW_N: gl.constexpr = BLOCK_N // 8
