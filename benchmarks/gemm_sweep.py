@@ -33,8 +33,8 @@ figures are what waiting on flags costs when nothing is late (their kernels, wit
 are built at their first use; the Gluon configs the engine measures are built in the pool too, waiting). ``--gluon`` adds the Gluon GEMM (``overlap.kernels.gluon_gemm``): each of
 its configs alone and on the same kind of waiting table, the fastest of each kept
 (``gluon_ms``, ``gluon_wait_ms``). ``--posts`` adds ``post_ms``: the GEMM as the producer ops run it (the same row chunks, each
-tile posting to its chunk's flag, waiting on none) on the engine the ops pick (with
-``OVERLAP_GLUON_EXPERIMENTAL=1`` the Gluon GEMM's posts are among the candidates), and
+tile posting to its chunk's flag, waiting on none) on the engine the ops pick (the Gluon
+GEMM's posts among the candidates), and
 ``alone_best_vs_cublas``, the faster of it and ``tile_ms`` (the producer ops' tuner picks
 between the flattened tile GEMM and the per-tile one). With
 ``--max-seconds`` no new shape is started once that much time has passed; the JSON says
@@ -456,8 +456,7 @@ def run_shape(row: dict[str, Any], rounds: int, sms: int, flatten: bool = True, 
                 lambda gcfg=gcfg, cc=cc: ep._launch_gluon(gcfg, a, b, None, cc, 1, sms, None, flags, err, None))
     # the GEMM as the producer ops run it (``posts``): the per-tile table of all_reduce_matmul's
     # row chunks, each tile posting to its chunk's flag (scratch flags: the counts are never
-    # read here), on the engine (with OVERLAP_GLUON_EXPERIMENTAL=1 the Gluon GEMM's posts are
-    # among its candidates)
+    # read here), on the engine (the Gluon GEMM's posts among its candidates)
     pp = None
     if posts:
         ptab = post_table(m, n, wcfg, dev)
@@ -604,7 +603,7 @@ def main() -> None:
                          "before)")
     ap.add_argument("--posts", action="store_true",
                     help="also post_ms: the GEMM as the producer ops run it (tiles that post per row chunk) on the "
-                         "engine (OVERLAP_GLUON_EXPERIMENTAL=1: the Gluon GEMM's posts among its candidates), and "
+                         "engine (the Gluon GEMM's posts among its candidates), and "
                          "alone_best: the faster of it and tile_ms")
     ap.add_argument("--no-flatten", action="store_true",
                     help="leave the flattened configs (GemmConfig.flatten) out of the tuner's shortlists")

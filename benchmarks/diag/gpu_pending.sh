@@ -37,8 +37,9 @@
 # 8. with OVERLAP_GLUON_EXPERIMENTAL=1: the producer ops and the block boundary with the Gluon
 #    GEMM forced (its tiles' posts: producer_check.py at world size 1, planned_check.py), and
 #    engine_ops_bench.py, auto (the 192-column tile and posts among the candidates) against tile;
-# 9. the 48-shape GEMM sweep with them (wait_ms on the engine; post_ms: the producer ops' GEMM on
-#    the engine; alone_best), new shapes started for 480 s.
+# 9. the 48-shape GEMM sweep as users get it (the engine's default candidates, the posts among
+#    them; wait_ms on the engine; post_ms: the producer ops' GEMM on the engine; alone_best),
+#    new shapes started for 480 s.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -92,5 +93,5 @@ step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=glu
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \
     --out "$out/engine_ops"
-step sweep_x 590 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/gemm_sweep.py --out "$out/sweep_x" --posts \
+step sweep_x 590 python benchmarks/gemm_sweep.py --out "$out/sweep_x" --posts \
     --max-seconds 480

@@ -18,9 +18,9 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
   tiled again, its flag, multiple and row cut kept), and 128x256 / 256x128 tables may also
   run on 4 stages with C stored from registers (``REGS_CONFIGS``);
-- or (with ``OVERLAP_GLUON_EXPERIMENTAL=1``) tiles that post and do not wait (a producer's),
-  on the plain kernel of the table's own tile (``_post_configs``: halves and retiled tables
-  would post per piece);
+- or tiles that post and do not wait (a producer's), on the plain kernel of the table's own
+  tile (``_post_configs``: halves and retiled tables would post per piece; C staged through
+  shared memory, checked and timed on a GPU: docs/experiments.md, 2026-12-05);
 - bf16 / fp16 on an sm_90 GPU, a Triton whose Gluon it knows (``_gluon_compat``);
 
 and not: posts from tiles that wait, split tiles, a folded norm, several weights, TileSync,
@@ -93,7 +93,8 @@ REGS_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
 """Configs of the table's own tile whose C goes out by masked stores from registers, leaving
 the C tile's shared memory to a fourth ring slot (``GluonGemmConfig.tma_epilogue``), measured
 where ``OVERLAP_GLUON_EXPERIMENTAL=1``: more loads in flight for a long K (at 2048 x 8192 x
-14784 cuBLAS ran at 794 TFLOP/s, the best candidate at 711)."""
+14784 cuBLAS ran at 794 TFLOP/s, the best candidate at 711). Checked on a GPU, and the
+slowest variant on 10 of ``gluon_gemm_bench``'s 11 shapes (its stores 4 bytes wide)."""
 WIDE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
     (128, 256): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
     (128, 128): (GluonGemmConfig(block_m=128, block_n=192, stages=4),),
@@ -102,15 +103,17 @@ WIDE_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
 128-row tiles retiled to 192 columns (``retile_columns``: each row block's flag, multiple
 and row cut kept) where ``OVERLAP_GLUON_EXPERIMENTAL=1``. Where 256 columns leave a partial wave,
 192 may fill one (N = 1536, M = 2048: 96 tiles of 128x256 on 132 SMs, 128 of 128x192).
-Off by default until a GPU has checked the kernel and timed it (docs/experiments.md)."""
+Checked on a GPU; the fastest alone on 4 of ``gluon_gemm_bench``'s 11 shapes, but the
+48-shape sweep with it among the candidates waited at 0.971x cuBLAS against 0.972x without
+(docs/experiments.md, 2026-12-05): off by default, a candidate more to time at every first
+launch for no gain measured yet."""
 EXPERIMENTAL_ENV = "OVERLAP_GLUON_EXPERIMENTAL"
 
 
 def experimental() -> bool:
-    """``OVERLAP_GLUON_EXPERIMENTAL`` is 1 (or on, true, yes): the Gluon GEMM's parts not yet
-    checked on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``), 128x256 and
-    256x128 on 4 stages with C stored from registers (``REGS_CONFIGS``) and the posts of a
-    producer's tiles (``_post_configs``)."""
+    """``OVERLAP_GLUON_EXPERIMENTAL`` is 1 (or on, true, yes): the Gluon GEMM's parts that
+    measured no faster on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``),
+    128x256 and 256x128 on 4 stages with C stored from registers (``REGS_CONFIGS``)."""
     return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
@@ -280,7 +283,6 @@ def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False
     """What of a ``TileGemmPlan``'s arguments the Gluon GEMM lacks, or None (it runs them)."""
     why = [what for what, on in (
         ("several weights", isinstance(b, (list, tuple))), ("posts from tiles that wait", post and wait),
-        (f"posts (not yet checked on a GPU: {EXPERIMENTAL_ENV}=1)", post and not wait and not experimental()),
         ("TileSync waits (k_wait)", k_wait), ("a folded norm", norm_epi), ("split tiles", split is not None),
         ("signature words (peer-copy transport)", sig_stride is not None),
         ("a flattened GEMM (GemmConfig.flatten)", config.flatten or groups is not None),
@@ -368,8 +370,7 @@ def _env(device: Any) -> dict[str, Any]:
            "timing": TIMING}
     if experimental():  # (picks measured without the experimental candidates keep their key)
         env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
-                               "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()},
-                               "posts": True}
+                               "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()}}
     return env
 
 

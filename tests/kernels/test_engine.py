@@ -710,16 +710,16 @@ def _producer(n: int = 768, cfg: GemmConfig = CFG) -> dict:
 
 def test_posts_run_on_the_plain_kernel_and_measure_on_scratch_flags(fake_gluon: list,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GEMM whose tiles post (a producer op's) may run, with ``OVERLAP_GLUON_EXPERIMENTAL=1``
-    only, on the Gluon GEMM's plain kernel of its tile only (no ping-pong, halves or retiled table: a post counts tiles); forced, it
+    """A GEMM whose tiles post (a producer op's) may run, with ``OVERLAP_GLUON_EXPERIMENTAL``
+    set or not, on the Gluon GEMM's plain kernel of its tile only (no ping-pong, halves or
+    retiled table: a post counts tiles); forced, it
     launches with the op's flags, no error word and ``post``; measured, every candidate's
     posts go to scratch flags, never the op's; posts from tiles that also wait, or on a tile
     only ping-pong has, stay on the tile GEMM."""
     x = _producer()
-    monkeypatch.delenv(engine.EXPERIMENTAL_ENV, raising=False)
-    assert "OVERLAP_GLUON_EXPERIMENTAL=1" in engine.misfit(x["b"], **x["kw"])
-    monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
-    assert engine.misfit(x["b"], **x["kw"]) is None
+    for setting in ("", "1"):
+        monkeypatch.setenv(engine.EXPERIMENTAL_ENV, setting)
+        assert engine.misfit(x["b"], **x["kw"]) is None
     assert "posts from tiles that wait" in engine.misfit(x["b"], **{**x["kw"], "wait": True})
     assert "posts on a 64x256 tile" in engine.misfit(x["b"], **{**x["kw"], "config": GemmConfig(block_m=64,
                                                                                                  block_n=256)})
