@@ -1,13 +1,16 @@
-"""Which of the Gluon GEMM's experimental parts (tiles that post, C from registers, the
-192-column tile) runs to the end on this GPU, each case alone in a process of its own under a
-time bound, so a kernel that never ends names itself instead of stopping the run:
+"""Which of the Gluon GEMM's parts (tiles that post, C from registers, the 192-column tile,
+the test of posts per variant) runs to the end on this GPU, each case alone in a process of
+its own under a time bound, so a kernel that never ends names itself instead of stopping
+the run:
 
     python benchmarks/diag/gluon_post_diag.py [--cases post_static,regs,...] [--bound 40]
 
 Each case launches the kernel on fresh inputs (C poisoned with NaN) and checks C against
 torch and every post flag against its tile count; it prints ``CASE name: ok ...``, the
-assertion that failed, or ``CASE name: HUNG`` where its process outlived the bound. Then,
-with ``--ptx``, the posting kernel's build here: its barriers and atomics in PTX order.
+assertion that failed, or ``CASE name: HUNG at <stage>`` with the Python stack where its
+process outlived the bound. ``reader_steps`` (asked for by name only): work queued beside
+and behind a stream wait whose flag is not yet set, one step at a time. Then, with
+``--ptx``, the posting kernel's build here: its barriers and atomics in PTX order.
 """
 
 from __future__ import annotations
