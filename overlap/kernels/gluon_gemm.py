@@ -428,22 +428,17 @@ if AVAILABLE:
     def _staged(out, c_smem, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
         """``out`` into C's rows ``c_row`` .. + ``c_rows`` through shared memory: the MMA layout
-        into ``c_smem``, a barrier of the partition, then rows of 8 adjacent elements per thread
-        (16-byte stores, a warp's on adjacent columns) by masked stores of the generic proxy, so
-        a later release publishes them as ``_masked``'s. The caller's barrier before its post
-        also keeps the next tile's ``c_smem.store`` behind every thread's loads."""
+        into ``c_smem``, a barrier of the partition, then ``_masked`` from a layout of 8 adjacent
+        elements per thread (16-byte stores, a warp's on adjacent columns). The caller's
+        barrier before its post also keeps the next tile's ``c_smem.store`` behind every
+        thread's loads."""
         gl.static_assert(BLOCK_N == 128 or BLOCK_N == 256, "staged stores: a warp's row of 8-element "
                          "pieces is 128 or 256 columns")
         c_smem.store(out)
         _c.thread_barrier()
         TPW_N: gl.constexpr = BLOCK_N // 8
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
-        tile = c_smem.load(layout)
-        offs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        mask = gl.expand_dims(offs < c_rows, 1) & gl.expand_dims(cols < N, 0)
-        ptrs = c_ptr + gl.expand_dims((c_row + offs).to(gl.int64) * stride_cm, 1) + gl.expand_dims(cols, 0)
-        gl.store(ptrs, tile, mask=mask)
+        _masked(c_smem.load(layout), layout, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
 
     @gluon.jit
     def _store(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm,
