@@ -57,7 +57,7 @@ class _Driver:
     def __init__(self) -> None:
         self.exec_params: dict[int, Memcpy3D] = {}
         self.updates: list[tuple[int, int, int]] = []
-        self.fail = lambda k: False  # f(index of the update in ``updates``): it fails
+        self.fail = lambda node: False  # f(the node being updated): the update fails
         self.launches = 0
         self.next_node = 100
         self.find = True
@@ -91,7 +91,7 @@ class _Driver:
         assert ctx == 4242 and node in self.exec_params
         p = Memcpy3D.from_buffer_copy(ref._obj)
         self.updates.append((node, p.srcDevice, p.dstDevice))
-        if self.fail(len(self.updates) - 1):
+        if self.fail(node):
             return 1  # CUDA_ERROR_INVALID_VALUE: the node keeps its parameters
         self.exec_params[node] = p
         return 0
@@ -114,6 +114,17 @@ def noded(fake, monkeypatch):  # noqa: ANN001, ANN201, F811
     monkeypatch.setenv("OVERLAP_PLAN_GRAPH_COPIES", "nodes")
     fake.drv = drv
     return fake
+
+
+def _once(node: int):  # noqa: ANN202
+    """A ``_Driver.fail`` refusing the first update of ``node`` only."""
+    left = [True]
+
+    def fail(n: int) -> bool:
+        hit, left[0] = left[0] and n == node, left[0] and n != node
+        return hit
+
+    return fail
 
 
 def _graphed(f, body, b):  # noqa: ANN001, ANN202
@@ -196,7 +207,9 @@ def test_a_failed_update_falls_back_to_driver_copies(noded) -> None:  # noqa: AN
     phs = {node: ph_ptr for _i, node, _p, _r, _ph, ph_ptr, *_s in g.nodes.ins}
     out_node, out_ph = g.nodes.outs[0][0], g.out.data_ptr()
     del noded.drv.updates[:]
-    noded.drv.fail = lambda k: k == 1  # the call's second update
+    g.nodes.at[:] = [0] * len(g.nodes.at)  # (every node updated: none left at a freed tensor's address)
+    r_node = g.nodes.ins[1][1]
+    noded.drv.fail = _once(r_node)  # the call's second update (the restore's taken)
     _state._warned.discard("plan-graph-nodes-update")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -227,7 +240,7 @@ def test_nodes_neither_updated_nor_restored_run_the_fused_body(noded) -> None:  
     body, b = _Body(), torch.randn(8, 4)
     g = _graphed(noded, body, b)
     launches, fused = noded.drv.launches, body.fused_calls
-    noded.drv.fail = lambda k: True
+    noded.drv.fail = lambda node: True
     _state._warned.discard("plan-graph-nodes-restore")
     a, r = torch.randn(6, 8), torch.randn(6, 4)
     del noded.log[:]
@@ -353,7 +366,9 @@ def test_a_refused_output_update_falls_back_too(noded) -> None:  # noqa: ANN001
     g = _graphed(noded, body, b)
     phs = {node: ph_ptr for _i, node, _p, _r, _ph, ph_ptr, *_s in g.nodes.ins}
     del noded.drv.updates[:]
-    noded.drv.fail = lambda k: k == 2  # the third update of the call: its output's
+    g.nodes.at[:] = [0] * len(g.nodes.at)  # (every node updated: none left at a freed tensor's address)
+    out_node = g.nodes.outs[0][0]
+    noded.drv.fail = _once(out_node)  # the call's last update, its output's (the restore's taken)
     _state._warned.discard("plan-graph-nodes-update")
     a, r = torch.randn(6, 8), torch.randn(6, 4)
     with warnings.catch_warnings():
