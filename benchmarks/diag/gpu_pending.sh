@@ -5,10 +5,12 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
+#   1. gluon_ahead                           (the loader working ahead: its GPU tests, then it
+#                                             timed against the same configs without it)
+#   2. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
-#   2. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
-#   3. post_diag reader_steps nodes_unit check_ host_ launch
+#   3. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
+#   4. post_diag reader_steps nodes_unit check_ host_ launch
 # (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
 # posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
 # the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
@@ -40,6 +42,10 @@
 # 9. the 48-shape GEMM sweep as users get it (the engine's default candidates, the posts among
 #    them; wait_ms on the engine; post_ms: the producer ops' GEMM on the engine; alone_best),
 #    new shapes started for 480 s.
+# 10. GluonGemmConfig.loader_ahead (not yet run on a GPU): the Gluon GPU tests of tiles that
+#    wait (its `+` variants among them, static and by the dispatch counter, and the engine plan
+#    forced onto it with row cuts, the give-back grid, a flag never set, a graph), then
+#    gluon_gemm_bench.py timing 128x256, 256x128 and ping-pong 128x128 with and without it.
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -89,6 +95,10 @@ step gluon_chain_graph 300 python benchmarks/chain_graph.py --rows 512,2048 --ro
 step gluon_wide_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py
 step gluon_wide_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_wide" \
     --variants 128x256,pp128x128,128x192,128x256r4 --rounds 3 --max-seconds 300
+step gluon_ahead_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py \
+    -k "tiles_wait or dispatch_counter or ahead"
+step gluon_ahead_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_ahead" --no-posts \
+    --variants 128x256,128x256+,256x128,256x128+,pp128x128,pp128x128+ --rounds 3 --max-seconds 300
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \

@@ -99,6 +99,13 @@ class GluonGemmConfig:
     its tile's epilogue while the other's K loop keeps the tensor cores busy. A turn barrier
     passes the ring from one to the other once a warpgroup has taken its tile's last slot,
     so each waits only on ring phases that its predecessor has seen complete."""
+    loader_ahead: bool = False
+    """The loader warp works ahead at tile boundaries: with static tiles it reads the next
+    tile's table row while it issues the current tile's loads (the row's latency off the
+    ring's refill), and it does not wait again on a flag it passed for its last tile (the
+    same flag and multiple: flags only grow within a launch), skipping that tile's poll,
+    error-word read and proxy fence. Off until checked and timed on a GPU
+    (``benchmarks/gluon_gemm_bench.py``'s ``+`` variants)."""
     tma_epilogue: bool = True
     """C through shared memory and a TMA store (whole tiles). False (the plain kernel only):
     every tile's C by masked stores from the MMA warps' registers, and no C tile in shared
@@ -256,6 +263,15 @@ if AVAILABLE:
         return ok
 
     @gluon.jit
+    def _row_fields(table_ptr, t):
+        """What the loader reads of table row ``t``: A row, A source, column tile, C row,
+        C rows, wait flag, wait multiple (one 32-byte row: the loads go out together)."""
+        row = table_ptr + t * _TABLE_COLS
+        return (gl.load(row + _COL_A_ROW), gl.load(row + _COL_A_SRC), gl.load(row + _COL_N_TILE),
+                gl.load(row + _COL_C_ROW), gl.load(row + _COL_C_ROWS), gl.load(row + _COL_WAIT),
+                gl.load(row + _COL_WAIT_MULT))
+
+    @gluon.jit
     def _put_tile(tq, tq_ready, tq_empty, j, t):
         """Loader side of the tile queue (``DYNAMIC``): the program's j-th tile index ``t``
         into queue slot j % 2, once the MMA side has taken what that slot held before."""
@@ -278,7 +294,8 @@ if AVAILABLE:
                 b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank, timeout_ns, rows_cap,
                 rows_span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
-                DYNAMIC: gl.constexpr, CLIP: gl.constexpr, WIDE: gl.constexpr, CONSUMERS: gl.constexpr):
+                DYNAMIC: gl.constexpr, CLIP: gl.constexpr, WIDE: gl.constexpr, CONSUMERS: gl.constexpr,
+                AHEAD: gl.constexpr):
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
         ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
         each tile from the dispatch counter and passes its index to the MMA side through the
@@ -286,39 +303,57 @@ if AVAILABLE:
         whose C rows the call's row blocks cut away (a dead tile) neither waits nor loads.
         With ``WIDE`` (a 192-column tile) B comes as two TMA tiles a step: its first 128
         columns through ``b_desc`` into ``b_bufs``, the last 64 through ``b1_desc`` into
-        ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads)."""
+        ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads). ``AHEAD``
+        (``GluonGemmConfig.loader_ahead``): static tiles' rows read a tile ahead, and no second
+        wait on the flag and multiple of the last wait passed."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
         cnt = 0
         j = 0
+        passed_idx = -1  # (AHEAD) the flag and multiple of the last wait passed; -1: none yet
+        passed_mult = 0
         if DYNAMIC:
             t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:
             t = pid
+        if AHEAD and not DYNAMIC:  # (pid < num_tiles: a launch has at most a program per tile)
+            nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(table_ptr, t)
         while t < num_tiles:
             if DYNAMIC:
                 _put_tile(tq, tq_ready, tq_empty, j, t)
-            row = table_ptr + t * _TABLE_COLS
-            a_row = gl.load(row + _COL_A_ROW)
-            a_src = gl.load(row + _COL_A_SRC)
-            off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
+            if AHEAD and not DYNAMIC:
+                a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = (nx_a_row, nx_a_src, nx_n_tile, nx_c_row,
+                                                                      nx_c_rows, nx_w_idx, nx_w_mult)
+                # the next tile's row, read now and first used a tile from now (the last
+                # program's tile reads its own row again: never past the table)
+                nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
+                    table_ptr, gl.minimum(t + num_progs, num_tiles - 1))
+            else:
+                a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = _row_fields(table_ptr, t)
+            off_n = n_tile * BLOCK_N
             ok = 1
             if CLIP:
-                cut_row, cut_rows = _cut_rows(gl.load(row + _COL_C_ROW), gl.load(row + _COL_C_ROWS), rows_cap,
-                                              rows_span)
+                cut_row, cut_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
                 if cut_rows <= 0:
                     ok = 0
             if HAS_WAIT:
-                w_idx = gl.load(row + _COL_WAIT)
-                w_mult = gl.load(row + _COL_WAIT_MULT)
                 if ok != 0:  # (a dead tile neither waits nor records)
-                    if _warp_any(gl.load(err_ptr + _ERR_CODE, volatile=True) != 0) != 0:
-                        ok = 0
-                    elif w_idx >= 0:
-                        ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank, t,
-                                        timeout_ns)
+                    again = 1
+                    if AHEAD:  # (flags only grow within a launch: a wait passed stays passed)
+                        if (w_idx == passed_idx) & (w_mult == passed_mult):
+                            again = 0
+                    if again != 0:
+                        if _warp_any(gl.load(err_ptr + _ERR_CODE, volatile=True) != 0) != 0:
+                            ok = 0
+                        elif w_idx >= 0:
+                            ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank,
+                                            t, timeout_ns)
+                            if AHEAD:
+                                if ok != 0:
+                                    passed_idx = w_idx
+                                    passed_mult = w_mult
             load = ok != 0
             from_a2 = False
             if HAS_A2:
@@ -531,7 +566,7 @@ if AVAILABLE:
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                           ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
                           WS_LIST: gl.constexpr, CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          AHEAD: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         gl.static_assert(not (POST and HAS_WAIT), "a tile posts or waits here, not both")
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -565,7 +600,7 @@ if AVAILABLE:
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, False, 1)),
+                           HAS_WAIT, DYNAMIC, CLIP, False, 1, AHEAD)),
             ], [1], [LOADER_REGS])
 
 
@@ -637,7 +672,7 @@ if AVAILABLE:
                              STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
                              HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
                              LOADER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, WS_LIST: gl.constexpr,
-                             CLIP: gl.constexpr, num_warps: gl.constexpr):
+                             CLIP: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
         """``gluon_gemm_kernel`` with two MMA warpgroups in ping-pong (``_mma_pp``): the
         default partition is warpgroup 0, a worker partition of 4 warps warpgroup 1."""
         dtype: gl.constexpr = a_desc.dtype
@@ -672,7 +707,7 @@ if AVAILABLE:
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, False, 2)),
+                           HAS_WAIT, DYNAMIC, CLIP, False, 2, AHEAD)),
             ], [4, 1], [MMA_REGS, LOADER_REGS])
 
 
@@ -744,7 +779,7 @@ if AVAILABLE:
                                STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr,
                                HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
                                LOADER_REGS: gl.constexpr, WS_LIST: gl.constexpr, CLIP: gl.constexpr,
-                               num_warps: gl.constexpr):
+                               AHEAD: gl.constexpr, num_warps: gl.constexpr):
         """``gluon_gemm_kernel`` on 192-column tiles (``GluonGemmConfig.wide``): B and C each
         as a 128-column and a 64-column TMA tile (``b_desc``/``b1_desc``, ``c_desc``/``c1_desc``),
         two accumulators in the MMA warpgroups (``_mma_wide``); the loader, the flags, the
@@ -777,7 +812,7 @@ if AVAILABLE:
                 (_loader, (a_desc, a2_desc, b_desc, b1_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, True, 1)),
+                           HAS_WAIT, DYNAMIC, CLIP, True, 1, AHEAD)),
             ], [1], [LOADER_REGS])
 
 
@@ -928,6 +963,7 @@ class GluonGemmPlan:
         if cfg.kind == "plain":
             meta["POST"] = bool(post)
             meta["TMA_C"] = bool(cfg.tma_epilogue)
+        meta["AHEAD"] = bool(cfg.loader_ahead)
         meta["num_warps"] = cfg.num_warps
 
         a2_ = a2 if a2 is not None else a

@@ -82,13 +82,14 @@ def _engine_call(m_span: int, cap: int, n: int, k: int, layout: str, tile: tuple
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["gluon", "auto", "halves", "row_halves", "wide", "regs"])
+@pytest.mark.parametrize("mode", ["gluon", "auto", "halves", "row_halves", "wide", "regs", "ahead"])
 def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The consumer GEMM's plan on the engine ``OVERLAP_GEMM_ENGINE`` gives (forced Gluon, or
     measured; ``halves`` / ``row_halves``: a table of 128x256 / 256x128 tiles run as its
     column / row halves on ping-pong 128x128, the pick set instead of measured; ``wide``: a
     table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_EXPERIMENTAL=1``, set alike;
-    ``regs``: the 128x256 table on 4 stages with C stored from registers, set alike):
+    ``regs``: the 128x256 table on 4 stages with C stored from registers, set alike;
+    ``ahead``: forced, the 128x128 table's config with ``loader_ahead``):
     right with new inputs every call and rows cut per bucket, both B layouts;
     the give-back grid joining by the counter on another stream; a flag never set: code 1
     within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
@@ -102,7 +103,12 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     for name, value in (("_measured", {}), ("_picks", {}), ("_derived", engine.OrderedDict())):
         monkeypatch.setattr(engine, name, value)  # (a pick kept by another mode's case is not this one's)
     halves = mode in ("halves", "row_halves", "wide", "regs")
-    monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else mode)
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto" if halves else ("gluon" if mode == "ahead" else mode))
+    if mode == "ahead":
+        from overlap.kernels.gluon_gemm import GluonGemmConfig
+
+        monkeypatch.setitem(engine.TILE_CONFIGS, (128, 128),
+                            (GluonGemmConfig(block_m=128, block_n=128, stages=4, loader_ahead=True),))
     if mode in ("wide", "regs"):
         monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     if halves:
@@ -155,6 +161,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
             assert int(counter[0]) == n_tiles + min(100, n_tiles) + (min(32, n_tiles) if it % 2 else 0), (
                 int(counter[0]), n_tiles)
         assert gp.engine != "undecided" and (gp.engine.startswith("gluon") or mode == "auto"), gp.engine
+        assert (mode == "ahead") == gp.engine.endswith(" ahead"), gp.engine
         if gp.engine == "tile":
             continue  # (auto picked the tile GEMM: its guarantees are its own tests')
         # a flag never set: bounded, code 1, NaN over the peer's rows, no old value anywhere

@@ -73,7 +73,7 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
          has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False,
-         post: bool = False, stages: int = 0, tma_c: bool = True, aligned: bool = False) -> Any:
+         post: bool = False, stages: int = 0, tma_c: bool = True, aligned: bool = False, ahead: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas). ``aligned``:
     C's pointer, its row stride, N and K marked divisible by 16, as a launch specializes them
     on such operands (what lets stores be 16 bytes wide)."""
@@ -99,7 +99,7 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
-                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, num_warps=cfg.num_warps)
+                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, AHEAD=ahead, num_warps=cfg.num_warps)
     sig, consts, attrs = {}, {}, {}
     for i, nm in enumerate(fn.arg_names):
         if nm in meta:
@@ -221,6 +221,30 @@ def test_sm90_row_cut_and_nan_over_skipped_tiles() -> None:
         assert all("arith.minsi" not in r for r in (*plain_mmas, plain_loader)), pp
         assert "dense<0x7FC0>" in _build(clip=True, **tile).asm["ttgir"], pp
         assert "dense<0x7FC0>" not in _build(has_wait=False, **tile).asm["ttgir"], pp
+
+
+def test_sm90_loader_ahead_reads_the_next_row_and_passes_a_passed_wait() -> None:
+    """``GluonGemmConfig.loader_ahead``: with static tiles the loader reads the next tile's
+    row (clamped to the table's last: a min) before the current tile's loads, and compares
+    each tile's wait with the last one it passed (flag and multiple) before it polls; with a
+    dispatch counter it reads no row ahead but still compares; off, neither (the MMA
+    partitions the same either way)."""
+    for pp in (False, True):
+        tile = dict(block_m=128, block_n=128 if pp else 256, pingpong=pp)
+        *mmas, loader = _regions(_build(ahead=True, **tile))
+        *plain_mmas, plain = _regions(_build(**tile))
+        assert "arith.minsi" in loader and "arith.minsi" not in plain, pp
+        assert loader.count("tt.load") >= plain.count("tt.load") + 4, pp  # (the row read before the loop)
+        assert loader.count("arith.cmpi eq") >= plain.count("arith.cmpi eq") + 2, pp
+        assert loader.count("atomic_rmw add, acquire, sys") == plain.count("atomic_rmw add, acquire, sys"), pp
+        ops = ("tt.load", "warp_group_dot ", "wait_barrier", "arrive_barrier", "async_tma_copy", "scf.if", "arith.")
+        assert [[r.count(o) for o in ops] for r in mmas] == [[r.count(o) for o in ops] for r in plain_mmas], pp
+        *_, dyn = _regions(_build(ahead=True, dynamic=True, **tile))
+        *_, dyn_plain = _regions(_build(dynamic=True, **tile))
+        assert "arith.minsi" not in dyn and dyn.count("tt.load") == dyn_plain.count("tt.load"), pp
+        assert dyn.count("arith.cmpi eq") >= dyn_plain.count("arith.cmpi eq") + 2, pp
+    wide = _regions(_build(ahead=True, block_n=192))[-1]
+    assert "arith.minsi" in wide and "arith.minsi" not in _regions(_build(block_n=192))[-1]
 
 
 def test_plan_launch_passes_plain_descriptors_once_the_raw_launch_is_known() -> None:
