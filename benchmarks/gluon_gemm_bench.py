@@ -55,14 +55,16 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "pp64x256": dict(block_m=64, block_n=256, stages=4, pingpong=True),
     "128x192": dict(block_m=128, block_n=192, stages=4),
     "128x256r4": dict(block_m=128, block_n=256, stages=4, tma_epilogue=False),
-    "128x256+": dict(block_m=128, block_n=256, stages=3, loader_ahead=True),
-    "256x128+": dict(block_m=256, block_n=128, stages=3, loader_ahead=True),
-    "pp128x128+": dict(block_m=128, block_n=128, stages=5, pingpong=True, loader_ahead=True),
+    "128x256+": dict(block_m=128, block_n=256, stages=3, ahead=True),
+    "256x128+": dict(block_m=256, block_n=128, stages=3, ahead=True),
+    "pp128x128+": dict(block_m=128, block_n=128, stages=5, pingpong=True, ahead=True),
 }
 """The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, a
 192-column tile as two accumulators (``GluonGemmConfig.wide``), and (``r4``) C stored from
 registers with a fourth ring slot in the C tile's room (``GluonGemmConfig.tma_epilogue``), and
-(``+``) the loader working ahead at tile boundaries (``GluonGemmConfig.loader_ahead``)."""
+(``+``) the reads at tile boundaries moved off the tiles' path (``GluonGemmConfig.ahead``: the
+loader's next table row read a tile early and no second wait on a flag passed, the MMA warps'
+error-word read in a tile's first K step)."""
 DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192", "128x256+")
 """The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 

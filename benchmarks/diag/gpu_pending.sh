@@ -5,7 +5,7 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. gluon_ahead                           (the loader working ahead: its GPU tests, then it
+#   1. gluon_ahead                           (GluonGemmConfig.ahead: its GPU tests, then it
 #                                             timed against the same configs without it)
 #   2. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
@@ -42,7 +42,7 @@
 # 9. the 48-shape GEMM sweep as users get it (the engine's default candidates, the posts among
 #    them; wait_ms on the engine; post_ms: the producer ops' GEMM on the engine; alone_best),
 #    new shapes started for 480 s.
-# 10. GluonGemmConfig.loader_ahead (not yet run on a GPU): the Gluon GPU tests of tiles that
+# 10. GluonGemmConfig.ahead (not yet run on a GPU): the Gluon GPU tests of tiles that
 #    wait (its `+` variants among them, static and by the dispatch counter, and the engine plan
 #    forced onto it with row cuts, the give-back grid, a flag never set, a graph), then
 #    gluon_gemm_bench.py timing 128x256, 256x128 and ping-pong 128x128 with and without it.

@@ -310,7 +310,7 @@ def picks() -> dict[tuple, tuple[str, str]]:
 
 def _label(cfg: GluonGemmConfig, how: str = "") -> str:
     return (f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
-            f"{'' if cfg.tma_epilogue else ' regs'}{' ahead' if cfg.loader_ahead else ''}{' ' + how if how else ''}")
+            f"{'' if cfg.tma_epilogue else ' regs'}{' ahead' if cfg.ahead else ''}{' ' + how if how else ''}")
 
 
 def _record(problem: tuple, label: str, why: str) -> None:

@@ -99,13 +99,17 @@ class GluonGemmConfig:
     its tile's epilogue while the other's K loop keeps the tensor cores busy. A turn barrier
     passes the ring from one to the other once a warpgroup has taken its tile's last slot,
     so each waits only on ring phases that its predecessor has seen complete."""
-    loader_ahead: bool = False
-    """The loader warp works ahead at tile boundaries: with static tiles it reads the next
-    tile's table row while it issues the current tile's loads (the row's latency off the
-    ring's refill), and it does not wait again on a flag it passed for its last tile (the
-    same flag and multiple: flags only grow within a launch), skipping that tile's poll,
-    error-word read and proxy fence. Off until checked and timed on a GPU
-    (``benchmarks/gluon_gemm_bench.py``'s ``+`` variants)."""
+    ahead: bool = False
+    """Reads at tile boundaries moved off the tiles' path. The loader warp: with static
+    tiles it reads the next tile's table row while it issues the current tile's loads (the
+    row's latency off the ring's refill), and it does not wait again on a flag it passed for
+    its last tile (the same flag and multiple: flags only grow within a launch), skipping
+    that tile's poll, error-word read and proxy fence. The MMA warps (tiles that wait): the
+    error word read during the tile's first K step, behind its first ring wait (the loader
+    records a failed tile's error before it arrives on the tile's slots), not after its last,
+    where the epilogue waited on it. So a tile whose own wait passed stores its (right) values
+    even where another tile failed during its K loop; a failed tile still stores NaN. Off
+    until checked and timed on a GPU (``benchmarks/gluon_gemm_bench.py``'s ``+`` variants)."""
     tma_epilogue: bool = True
     """C through shared memory and a TMA store (whole tiles). False (the plain kernel only):
     every tile's C by masked stores from the MMA warps' registers, and no C tile in shared
@@ -263,6 +267,15 @@ if AVAILABLE:
         return ok
 
     @gluon.jit
+    def _first_step_error(err_ptr, ki, bad):
+        """(``AHEAD``, the MMA warps) the error word read at a tile's first K step, after its
+        first ring wait (a failed tile's error was recorded before the loader arrived on its
+        slots) and its first wgmma's issue; ``bad`` as it was at a later step."""
+        if ki == 0:
+            bad = gl.load(err_ptr + _ERR_CODE, volatile=True)
+        return bad
+
+    @gluon.jit
     def _row_fields(table_ptr, t):
         """What the loader reads of table row ``t``: A row, A source, column tile, C row,
         C rows, wait flag, wait multiple (one 32-byte row: the loads go out together)."""
@@ -304,7 +317,7 @@ if AVAILABLE:
         With ``WIDE`` (a 192-column tile) B comes as two TMA tiles a step: its first 128
         columns through ``b_desc`` into ``b_bufs``, the last 64 through ``b1_desc`` into
         ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads). ``AHEAD``
-        (``GluonGemmConfig.loader_ahead``): static tiles' rows read a tile ahead, and no second
+        (``GluonGemmConfig.ahead``): static tiles' rows read a tile ahead, and no second
         wait on the flag and multiple of the last wait passed."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
@@ -391,19 +404,24 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
                   stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                  ACTIVATION: gl.constexpr):
+                  ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad):
         """Activation and the C store of one tile: a whole tile through shared memory and one
         TMA store (clipped at N; the buffer's previous store must have read it first), a
         ragged one (``c_rows`` < BLOCK_M) by masked stores. After a failed wait anywhere
         (this tile's included: its slots were never loaded) NaN over the tile instead, masked
         to C's rows and columns (``tile_gemm._poison``): a call that returns before its error
         is raised returns NaN where it may have had no data, never C's old values. A dead
-        tile (``c_rows`` <= 0: a row cut) stores nothing."""
+        tile (``c_rows`` <= 0: a row cut) stores nothing. ``AHEAD``: the error word as the
+        caller read it during the tile's first K step (``bad``), not read here."""
         # (constexpr branches spelled out: Triton 3.6's Gluon front end emitted the NaN store of
         # a flag that stayed a Python int, and its build of that failed)
         if c_rows > 0:
             if HAS_WAIT:
-                if gl.load(err_ptr + _ERR_CODE, volatile=True) != 0:
+                if AHEAD:
+                    failed = bad
+                else:
+                    failed = gl.load(err_ptr + _ERR_CODE, volatile=True)
+                if failed != 0:
                     _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
                 else:
                     _store(acc, acc_layout, c_smem, c_desc, c_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
@@ -415,12 +433,16 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue_regs(acc, acc_layout: gl.constexpr, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                       ACTIVATION: gl.constexpr):
+                       ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad):
         """``_epilogue`` by masked stores from registers, whole tiles too (no C tile in shared
         memory: ``GluonGemmConfig.tma_epilogue=False``); NaN after a failed wait as there."""
         if c_rows > 0:
             if HAS_WAIT:
-                if gl.load(err_ptr + _ERR_CODE, volatile=True) != 0:
+                if AHEAD:
+                    failed = bad
+                else:
+                    failed = gl.load(err_ptr + _ERR_CODE, volatile=True)
+                if failed != 0:
                     _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
                 else:
                     _masked(_activate(acc, c_ptr, ACTIVATION), acc_layout, c_ptr, c_row, c_rows, off_n, N,
@@ -493,7 +515,8 @@ if AVAILABLE:
              err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-             CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr, num_warps: gl.constexpr):
+             CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr, AHEAD: gl.constexpr,
+             num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
         flight, then the epilogue. With ``POST`` (a producer's tiles) each tile's C is stored
         by masked stores, and once every thread of the partition has stored (a barrier of its
@@ -519,6 +542,7 @@ if AVAILABLE:
                 c_row, c_rows = _cut_rows(c_row, c_rows, rows_cap, rows_span)
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            bad = 0
             for ki in range(k_tiles):
                 s = cnt % STAGES
                 mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
@@ -527,6 +551,8 @@ if AVAILABLE:
                 else:
                     b_op = b_bufs.index(s).permute((1, 0))
                 acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
+                if AHEAD and HAS_WAIT:
+                    bad = _first_step_error(err_ptr, ki, bad)
                 acc = _c.warpgroup_mma_wait(1, deps=(acc,))
                 # the MMA of the step before is done: its slot goes back to the loader
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -547,10 +573,10 @@ if AVAILABLE:
                     gl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
             elif TMA_C:
                 _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
             else:
                 _epilogue_regs(acc, acc_layout, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
-                               BLOCK_N, HAS_WAIT, ACTIVATION)
+                               BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
@@ -596,7 +622,8 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
                         flags_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
-                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, TMA_C, num_warps)),
+                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, TMA_C, AHEAD,
+                        num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
@@ -609,7 +636,7 @@ if AVAILABLE:
                 err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                 B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-                CLIP: gl.constexpr, WG: gl.constexpr):
+                CLIP: gl.constexpr, WG: gl.constexpr, AHEAD: gl.constexpr):
         """One of the two ping-pong MMA warpgroups: the program's tiles WG, WG + 2, ...
 
         Its n-th tile is the program's tile j = 2n + WG, whose K steps are ring uses
@@ -642,6 +669,7 @@ if AVAILABLE:
             # passes on a fresh barrier), warpgroup 1 for phase n of its own
             mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            bad = 0
             for ki in range(k_tiles):
                 s = cnt % STAGES
                 mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
@@ -650,6 +678,8 @@ if AVAILABLE:
                 else:
                     b_op = b_bufs.index(s).permute((1, 0))
                 acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
+                if AHEAD and HAS_WAIT:
+                    bad = _first_step_error(err_ptr, ki, bad)
                 acc = _c.warpgroup_mma_wait(1, deps=(acc,))
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
                 cnt += 1
@@ -657,7 +687,7 @@ if AVAILABLE:
             acc = _c.warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc, acc_layout, c_buf, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION)
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
             n += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, 2 * n + WG, 4)
@@ -700,10 +730,10 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
                            table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
-                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 0)),
+                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 0, AHEAD)),
                 (_mma_pp, (a_bufs, b_bufs, ready, empty, turn, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr,
                            table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
-                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 1)),
+                           BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, 1, AHEAD)),
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
@@ -716,7 +746,7 @@ if AVAILABLE:
                   c_ptr, table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                   B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-                  CLIP: gl.constexpr, num_warps: gl.constexpr):
+                  CLIP: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
         """``_mma`` of a 192-column tile: two accumulators (the tile's first 128 columns and
         its last 64), two wgmmas a K step on the same A slot (both in flight until the next
         step's issue: the wait leaves the two just issued), two epilogues."""
@@ -743,6 +773,7 @@ if AVAILABLE:
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             acc0 = gl.zeros((BLOCK_M, 128), dtype=gl.float32, layout=l0)
             acc1 = gl.zeros((BLOCK_M, BN1), dtype=gl.float32, layout=l1)
+            bad = 0
             for ki in range(k_tiles):
                 s = cnt % STAGES
                 mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
@@ -754,6 +785,8 @@ if AVAILABLE:
                     b1 = b1_bufs.index(s).permute((1, 0))
                 acc0 = _c.warpgroup_mma(a_bufs.index(s), b0, acc0, is_async=True)
                 acc1 = _c.warpgroup_mma(a_bufs.index(s), b1, acc1, is_async=True)
+                if AHEAD and HAS_WAIT:
+                    bad = _first_step_error(err_ptr, ki, bad)
                 acc0, acc1 = _c.warpgroup_mma_wait(2, deps=(acc0, acc1))
                 # both MMAs of the step before are done: its slot goes back to the loader
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -761,10 +794,10 @@ if AVAILABLE:
             acc0, acc1 = _c.warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc0, l0, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, 128, HAS_WAIT, ACTIVATION)
+                      BLOCK_M, 128, HAS_WAIT, ACTIVATION, AHEAD, bad)
             if off_n + 128 < N:  # (the last 64 columns of the last column tile may lie past N)
                 _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
-                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION)
+                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION, AHEAD, bad)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
@@ -808,7 +841,7 @@ if AVAILABLE:
                 (_mma_wide, (a_bufs, b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c1_smem, c_desc,
                              c1_desc, c_ptr, table_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP,
-                             num_warps)),
+                             AHEAD, num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, b1_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
@@ -963,7 +996,7 @@ class GluonGemmPlan:
         if cfg.kind == "plain":
             meta["POST"] = bool(post)
             meta["TMA_C"] = bool(cfg.tma_epilogue)
-        meta["AHEAD"] = bool(cfg.loader_ahead)
+        meta["AHEAD"] = bool(cfg.ahead)
         meta["num_warps"] = cfg.num_warps
 
         a2_ = a2 if a2 is not None else a

@@ -89,7 +89,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
     column / row halves on ping-pong 128x128, the pick set instead of measured; ``wide``: a
     table of 128x256 tiles retiled to 192 columns, ``OVERLAP_GLUON_EXPERIMENTAL=1``, set alike;
     ``regs``: the 128x256 table on 4 stages with C stored from registers, set alike;
-    ``ahead``: forced, the 128x128 table's config with ``loader_ahead``):
+    ``ahead``: forced, the 128x128 table's config with ``ahead``):
     right with new inputs every call and rows cut per bucket, both B layouts;
     the give-back grid joining by the counter on another stream; a flag never set: code 1
     within the bound and NaN, never old values, where tiles were skipped; a CUDA graph of
@@ -108,7 +108,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
         from overlap.kernels.gluon_gemm import GluonGemmConfig
 
         monkeypatch.setitem(engine.TILE_CONFIGS, (128, 128),
-                            (GluonGemmConfig(block_m=128, block_n=128, stages=4, loader_ahead=True),))
+                            (GluonGemmConfig(block_m=128, block_n=128, stages=4, ahead=True),))
     if mode in ("wide", "regs"):
         monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     if halves:
