@@ -317,8 +317,10 @@ if AVAILABLE:
         With ``WIDE`` (a 192-column tile) B comes as two TMA tiles a step: its first 128
         columns through ``b_desc`` into ``b_bufs``, the last 64 through ``b1_desc`` into
         ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads). ``AHEAD``
-        (``GluonGemmConfig.ahead``): static tiles' rows read a tile ahead, and no second
-        wait on the flag and multiple of the last wait passed."""
+        (``GluonGemmConfig.ahead``): each tile's row read a tile ahead (static tiles: at the
+        tile before's start; by the counter: the next tile taken at the current one's first
+        K step and its row read at its third, so neither the take nor the row's read sits at
+        the boundary), and no second wait on the flag and multiple of the last wait passed."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -331,18 +333,23 @@ if AVAILABLE:
             t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
         else:
             t = pid
-        if AHEAD and not DYNAMIC:  # (pid < num_tiles: a launch has at most a program per tile)
-            nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(table_ptr, t)
+        if AHEAD:  # (a row index past the table, a counter's last take, is clamped: never read past it)
+            nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
+                table_ptr, gl.minimum(t, num_tiles - 1))
+            row_at = gl.minimum(k_tiles - 1, 2)  # (by the counter: the K step that reads the next row)
         while t < num_tiles:
             if DYNAMIC:
                 _put_tile(tq, tq_ready, tq_empty, j, t)
-            if AHEAD and not DYNAMIC:
+            if AHEAD:
                 a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = (nx_a_row, nx_a_src, nx_n_tile, nx_c_row,
                                                                       nx_c_rows, nx_w_idx, nx_w_mult)
-                # the next tile's row, read now and first used a tile from now (the last
-                # program's tile reads its own row again: never past the table)
-                nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
-                    table_ptr, gl.minimum(t + num_progs, num_tiles - 1))
+                if DYNAMIC:
+                    t_next = t  # (taken at the K loop's first step)
+                else:
+                    # the next tile's row, read now and first used a tile from now
+                    t_next = t + num_progs
+                    nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
+                        table_ptr, gl.minimum(t_next, num_tiles - 1))
             else:
                 a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = _row_fields(table_ptr, t)
             off_n = n_tile * BLOCK_N
@@ -391,9 +398,22 @@ if AVAILABLE:
                     if WIDE:
                         _c.tma_load(b1_desc, [off_n + 128, off_k], bar, b1_bufs.index(s), pred=load)
                 mbarrier.arrive(bar, count=1, pred=not load)
+                if AHEAD and DYNAMIC:
+                    if ki == 0:
+                        t_next = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+                    if ki == row_at:
+                        nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
+                            table_ptr, gl.minimum(t_next, num_tiles - 1))
                 cnt += 1
             j += 1
-            if DYNAMIC:
+            if AHEAD:
+                if DYNAMIC:
+                    if k_tiles == 0:  # (no K step took it)
+                        t_next = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+                        nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
+                            table_ptr, gl.minimum(t_next, num_tiles - 1))
+                t = t_next
+            elif DYNAMIC:
                 t = gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
             else:
                 t += num_progs

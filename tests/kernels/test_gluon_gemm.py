@@ -233,12 +233,21 @@ def _error_read_at(region: str) -> str:
     return "after the loop" if seq[:at].count("warp_group_dot_wait") >= 2 else f"elsewhere: {seq}"
 
 
+def _taken_in_the_k_loop(loader: str) -> bool:
+    """The loader takes a tile from the dispatch counter inside its K loop (before the loop
+    body's end), not only after it."""
+    seq = [m.group(0) for m in re.finditer(r"scf\.for|scf\.yield|atomic_rmw add, relaxed, gpu", loader)]
+    body = seq[seq.index("scf.for"):]
+    return "atomic_rmw add, relaxed, gpu" in body[:body.index("scf.yield")]
+
+
 def test_sm90_ahead_reads_the_next_row_and_passes_a_passed_wait() -> None:
     """``GluonGemmConfig.ahead``: with static tiles the loader reads the next tile's row
     (clamped to the table's last: a min) before the current tile's loads, and compares each
     tile's wait with the last one it passed (flag and multiple) before it polls; with a
-    dispatch counter it reads no row ahead but still compares; the MMA warps read the error
-    word in the tile's first K step, not after the loop. Off, none of it."""
+    dispatch counter it takes the next tile inside the current one's K loop and reads its
+    row there (clamped); the MMA warps read the error word in the tile's first K step, not
+    after the loop. Off, none of it."""
     for pp in (False, True):
         tile = dict(block_m=128, block_n=128 if pp else 256, pingpong=pp)
         *mmas, loader = _regions(_build(ahead=True, **tile))
@@ -251,7 +260,10 @@ def test_sm90_ahead_reads_the_next_row_and_passes_a_passed_wait() -> None:
         assert [_error_read_at(r) for r in plain_mmas] == ["after the loop"] * len(mmas), pp
         *_, dyn = _regions(_build(ahead=True, dynamic=True, **tile))
         *_, dyn_plain = _regions(_build(dynamic=True, **tile))
-        assert "arith.minsi" not in dyn and dyn.count("tt.load") == dyn_plain.count("tt.load"), pp
+        assert "arith.minsi" in dyn and "arith.minsi" not in dyn_plain, pp
+        take = "atomic_rmw add, relaxed, gpu"
+        assert dyn.count(take) == dyn_plain.count(take) + 1, pp  # (and one after a loop of no K step)
+        assert _taken_in_the_k_loop(dyn) and not _taken_in_the_k_loop(dyn_plain), pp
         assert dyn.count("arith.cmpi eq") >= dyn_plain.count("arith.cmpi eq") + 2, pp
     wide_mma, wide = _regions(_build(ahead=True, block_n=192))
     plain_wide_mma, plain_wide = _regions(_build(block_n=192))
