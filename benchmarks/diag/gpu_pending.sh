@@ -45,7 +45,11 @@
 # 10. GluonGemmConfig.ahead (not yet run on a GPU): the Gluon GPU tests of tiles that
 #    wait (its `+` variants among them, static and by the dispatch counter, and the engine plan
 #    forced onto it with row cuts, the give-back grid, a flag never set, a graph), then
-#    gluon_gemm_bench.py timing 128x256, 256x128 and ping-pong 128x128 with and without it.
+#    gluon_gemm_bench.py timing 128x256, 256x128 and ping-pong 128x128 with and without it;
+#    then the engine with OVERLAP_GLUON_AHEAD=1 (every candidate with it): engine_ops_bench.py
+#    (the ops at world size 1, by the dispatch counter) and the 48-shape sweep, each to set
+#    beside the same run without it (gluon_ops_bench without the experimental parts: run
+#    engine_ops_bench.py alone; sweep_x).
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -99,6 +103,9 @@ step gluon_ahead_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tes
     -k "tiles_wait or dispatch_counter or ahead"
 step gluon_ahead_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_ahead" --no-posts \
     --variants 128x256,128x256+,256x128,256x128+,pp128x128,pp128x128+ --rounds 3 --max-seconds 300
+step gluon_ahead_ops 300 env OVERLAP_GLUON_AHEAD=1 python benchmarks/engine_ops_bench.py --out "$out/engine_ops_ahead"
+step gluon_ahead_sweep 590 env OVERLAP_GLUON_AHEAD=1 python benchmarks/gemm_sweep.py --out "$out/sweep_ahead" \
+    --posts --max-seconds 480
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \

@@ -18,6 +18,8 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
   tiled again, its flag, multiple and row cut kept), and 128x256 / 256x128 tables may also
   run on 4 stages with C stored from registers (``REGS_CONFIGS``);
+- with ``OVERLAP_GLUON_AHEAD=1``, each of those configs with ``GluonGemmConfig.ahead`` in its
+  place (not yet checked on a GPU: off by default);
 - or tiles that post and do not wait (a producer's), on the plain kernel of the table's own
   tile (``_post_configs``: halves and retiled tables would post per piece; C staged through
   shared memory, checked and timed on a GPU: docs/experiments.md, 2026-12-05);
@@ -51,6 +53,7 @@ import os
 import statistics
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from .. import protocol as _p
@@ -59,7 +62,7 @@ from .gluon_gemm import GluonGemmConfig
 from .tile_gemm import ACTIVATIONS, GemmConfig, TileGemmPlan, interpreting
 
 __all__ = ["ENGINE_ENV", "ENGINES", "engine_mode", "unavailable", "misfit", "gluon_configs", "split_columns",
-           "split_rows", "retile_columns", "experimental", "EXPERIMENTAL_ENV",
+           "split_rows", "retile_columns", "experimental", "EXPERIMENTAL_ENV", "ahead", "AHEAD_ENV",
            "engine_plan",
            "EnginePlan", "picks"]
 
@@ -108,6 +111,21 @@ Checked on a GPU; the fastest alone on 4 of ``gluon_gemm_bench``'s 11 shapes, bu
 (docs/experiments.md, 2026-12-05): off by default, a candidate more to time at every first
 launch for no gain measured yet."""
 EXPERIMENTAL_ENV = "OVERLAP_GLUON_EXPERIMENTAL"
+
+
+AHEAD_ENV = "OVERLAP_GLUON_AHEAD"
+
+
+def ahead() -> bool:
+    """``OVERLAP_GLUON_AHEAD`` is 1 (or on, true, yes): every Gluon candidate runs with
+    ``GluonGemmConfig.ahead`` (the reads at tile boundaries moved off the tiles' path), in
+    place of the same config without it; not yet checked and timed on a GPU, so off by
+    default (``benchmarks/diag/gpu_pending.sh``'s ``gluon_ahead`` steps)."""
+    return os.environ.get(AHEAD_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+
+
+def _with_ahead(cfgs: tuple[GluonGemmConfig, ...]) -> tuple[GluonGemmConfig, ...]:
+    return tuple(replace(g, ahead=True) for g in cfgs) if ahead() else cfgs
 
 
 def experimental() -> bool:
@@ -173,7 +191,7 @@ def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     if not TILE_CONFIGS.get(tile):
         return ()
     more = REGS_CONFIGS.get(tile, ()) + WIDE_CONFIGS.get(tile, ()) if experimental() else ()
-    return TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + more
+    return _with_ahead(TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + more)
 
 
 def split_columns(table: Any, n: int, block_n: int) -> Any:
@@ -299,7 +317,8 @@ def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False
 def _post_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The configs that run a table of ``config``'s tile whose tiles post: the plain
     kernel's of that very tile (halves and retiled tables would count a post per piece)."""
-    return tuple(g for g in TILE_CONFIGS.get((config.block_m, config.block_n), ()) if g.kind == "plain")
+    own = TILE_CONFIGS.get((config.block_m, config.block_n), ())
+    return _with_ahead(tuple(g for g in own if g.kind == "plain"))
 
 
 def picks() -> dict[tuple, tuple[str, str]]:
@@ -368,6 +387,8 @@ def _env(device: Any) -> dict[str, Any]:
     env = {**device_env(device), "gluon": [_label(g) for v in TILE_CONFIGS.values() for g in v],
            "halves": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in HALF_CONFIGS.items()}, "margin": MARGIN,
            "timing": TIMING}
+    if ahead():  # (likewise: the key of picks measured without it unchanged)
+        env["ahead"] = True
     if experimental():  # (picks measured without the experimental candidates keep their key)
         env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
                                "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()}}

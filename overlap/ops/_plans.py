@@ -77,12 +77,13 @@ def gemm_plan(plans: dict, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ta
     ``tile_only="why"``: the tile GEMM whatever the setting, for that reason).
     The op plan fixes everything else (shapes, table, config, rank); with ``clip`` (a plan
     of a row bucket) not A's rows, which each launch gives (``launch(rows=)``)."""
-    from ..kernels.engine import engine_mode, experimental
+    from ..kernels.engine import ahead, engine_mode, experimental
 
     b_strides = tuple(x.stride() for x in b) if isinstance(b, list) else b.stride()
     key = (a.dtype, b_strides, timeout_ns, table.data_ptr(), table.shape[0], flags.data_ptr(), err.data_ptr(),
            counter.data_ptr() if counter is not None else 0, bool(kw.get("norm_epi")), kw.get("split"),
-           kw.get("sig_stride"), kw.get("clip") or None, engine_mode(), kw.get("tile_only"), experimental())
+           kw.get("sig_stride"), kw.get("clip") or None, engine_mode(), kw.get("tile_only"), experimental(),
+           ahead())
     gp = plans.get(key)
     if gp is None:
         from ..kernels.engine import engine_plan

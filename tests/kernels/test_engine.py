@@ -40,7 +40,7 @@ def _call(m: int = 512, n: int = 512, k: int = 256, cfg: GemmConfig = CFG, count
 @pytest.fixture(autouse=True)
 def _clean_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """No setting or kept pick of the environment or of another test reaches these."""
-    for v in (engine.EXPERIMENTAL_ENV, "OVERLAP_GEMM_CACHE"):
+    for v in (engine.EXPERIMENTAL_ENV, engine.AHEAD_ENV, "OVERLAP_GEMM_CACHE"):
         monkeypatch.delenv(v, raising=False)
     for name, value in (("_measured", {}), ("_picks", {}), ("_disk", {}), ("_disk_loaded", [False])):
         monkeypatch.setattr(engine, name, value)
@@ -362,6 +362,36 @@ def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.M
     gp.tile.launch = lambda descs, c, **kw: fake_gluon.append({"tile": True, **kw})
     gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=7, grid=77, rows=(512, 512))
     assert measured == [1, 1] and gp.engine == "tile"
+
+
+def test_ahead_configs_only_where_asked(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``OVERLAP_GLUON_AHEAD=1`` every Gluon candidate (a waiting table's, a posting
+    one's) is the same config with ``ahead`` on, in its place, named so in the report and
+    in the kept picks' key; a pick kept without it is measured again."""
+    from overlap.kernels import autotune
+
+    monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
+    plain, posts = engine.gluon_configs(CFG), engine._post_configs(CFG)
+    assert plain and posts and not any(c.ahead for c in plain + posts) and "ahead" not in engine._env("cpu")
+    monkeypatch.setenv(engine.AHEAD_ENV, "1")
+    cands = engine.gluon_configs(CFG)
+    assert cands == tuple(replace(c, ahead=True) for c in plain)
+    assert engine._post_configs(CFG) == tuple(replace(c, ahead=True) for c in posts)
+    assert engine._env("cpu")["ahead"] is True and engine._label(cands[0]) == "gluon 128x256x64 s3 ahead"
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    measured: list[int] = []
+    monkeypatch.setattr(engine.EnginePlan, "_measure",
+                        lambda self, ops, c, grid, rows: (measured.append(1), (self.configs[0], "measured"))[1])
+    x = _call(m=1024, n=640)
+    for it, env in enumerate(("1", "", "1")):  # (a pick without it, then with it again: measured each time)
+        monkeypatch.setenv(engine.AHEAD_ENV, env)
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=3 + it, grid=77, rows=(512, 512))
+        assert fake_gluon[-1]["config"].ahead == bool(env) and gp.engine.endswith(" ahead") == bool(env)
+    assert measured == [1, 1, 1]
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])  # kept: not measured again
+    gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=7, grid=77, rows=(512, 512))
+    assert measured == [1, 1, 1] and fake_gluon[-1]["config"].ahead
 
 
 def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
