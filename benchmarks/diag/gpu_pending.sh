@@ -5,8 +5,9 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. gluon_ahead                           (GluonGemmConfig.ahead: its GPU tests, then it
-#                                             timed against the same configs without it)
+#   1. gluon_ahead_tests gluon_ahead_bench gluon_ahead_ops   (GluonGemmConfig.ahead: its GPU
+#                                             tests, then timed against the same configs without
+#                                             it, alone and in the ops); then gluon_ahead_sweep
 #   2. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
 #   3. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
@@ -47,9 +48,8 @@
 #    forced onto it with row cuts, the give-back grid, a flag never set, a graph), then
 #    gluon_gemm_bench.py timing 128x256, 256x128 and ping-pong 128x128 with and without it;
 #    then the engine with OVERLAP_GLUON_AHEAD=1 (every candidate with it): engine_ops_bench.py
-#    (the ops at world size 1, by the dispatch counter) and the 48-shape sweep, each to set
-#    beside the same run without it (gluon_ops_bench without the experimental parts: run
-#    engine_ops_bench.py alone; sweep_x).
+#    (the ops at world size 1, by the dispatch counter; without it first) and the 48-shape sweep
+#    (to set beside sweep_x's).
 # Every step is bounded (timeout) and logged to OUT_DIR/<step>.log; a failed step does not stop
 # the others. NCCL_NVLS_ENABLE=0 as launch/env.sh sets it.
 set -uo pipefail
@@ -103,7 +103,8 @@ step gluon_ahead_tests 400 python -m pytest -q -s -p no:cacheprovider -m gpu tes
     -k "tiles_wait or dispatch_counter or ahead"
 step gluon_ahead_bench 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_ahead" --no-posts \
     --variants 128x256,128x256+,256x128,256x128+,pp128x128,pp128x128+ --rounds 3 --max-seconds 300
-step gluon_ahead_ops 300 env OVERLAP_GLUON_AHEAD=1 python benchmarks/engine_ops_bench.py --out "$out/engine_ops_ahead"
+step gluon_ahead_ops0 300 python benchmarks/engine_ops_bench.py --out "$out/engine_ops_without"
+step gluon_ahead_ops1 300 env OVERLAP_GLUON_AHEAD=1 python benchmarks/engine_ops_bench.py --out "$out/engine_ops_ahead"
 step gluon_ahead_sweep 590 env OVERLAP_GLUON_AHEAD=1 python benchmarks/gemm_sweep.py --out "$out/sweep_ahead" \
     --posts --max-seconds 480
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
