@@ -209,11 +209,42 @@ def build_multi_tile_table(segments: Sequence[Segment], ns: Sequence[int], block
     return table.tolist()
 
 
-def table_tensor(table: Any, device: Any) -> Any:
-    """A tile table (list of rows or numpy array) as the int32 device tensor the GEMM reads."""
-    import numpy as np
+_host_tables: Any = None
+"""Device tables made by ``table_tensor`` -> their rows on the host (torch's
+``WeakIdKeyDictionary``: keyed by the tensor's identity, an entry lives as long as its device
+tensor); ``host_table``."""
 
-    return upload(np.asarray(table, dtype=np.int32).reshape(-1, P.TABLE_COLS), device)
+
+def table_tensor(table: Any, device: Any) -> Any:
+    """A tile table (list of rows or numpy array) as the int32 device tensor the GEMM reads.
+    Its rows stay on the host too, for ``host_table`` (a table is never written after)."""
+    global _host_tables
+    import numpy as np
+    import torch
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    arr = np.array(table, dtype=np.int32).reshape(-1, P.TABLE_COLS)
+    t = upload(arr, device)
+    if _host_tables is None:
+        _host_tables = WeakIdKeyDictionary()
+    _host_tables[t] = torch.from_numpy(arr)  # (another tensor object: the entry holds no reference to t)
+    return t
+
+
+def host_table(t: Any) -> Any:
+    """The host rows of a device table made by ``table_tensor``, or of a run of its rows (a
+    view ``table[i:j]``), without reading the device (a read there would wait for the stream
+    and everything queued on it); None for any other tensor."""
+    if _host_tables is None or t.dim() != 2:
+        return None
+    base = t._base if t._base is not None else t
+    host = _host_tables.get(base)
+    if host is None or t.dtype != host.dtype or t.stride() != (P.TABLE_COLS, 1):
+        return None
+    first, rem = divmod(t.data_ptr() - base.data_ptr(), P.TABLE_COLS * t.element_size())
+    if rem or first < 0 or first + t.shape[0] > host.shape[0] or t.shape[1] != P.TABLE_COLS:
+        return None
+    return host[first:first + t.shape[0]]
 
 
 def flat_groups(table: Any) -> Any:

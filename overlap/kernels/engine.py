@@ -478,10 +478,15 @@ class EnginePlan:
                  forced: bool) -> None:
         self.tile = tile
         self.table = table
-        # the table on the host, read now, when the plan is made, not at its first launch: by
-        # then the caller's stream may hold the call's gate or stream wait, and a read queued
-        # behind it waits for it (for good, were its release not queued yet)
-        self._table_cpu = None if _capturing() else table.cpu()
+        # the table on the host: the rows ``table_tensor`` kept, or read now, when the plan is
+        # made, not at its first launch: by then the caller's stream may hold the call's gate or
+        # stream wait, and a read queued behind it waits for it (for good, were its release not
+        # queued yet)
+        from ..policies import host_table
+
+        self._table_cpu = host_table(table)
+        if self._table_cpu is None and not _capturing():
+            self._table_cpu = table.cpu()
         self.flags = kw.get("flags")
         self.err = kw.get("err")
         self.counter = kw.get("counter")

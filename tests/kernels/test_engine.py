@@ -394,6 +394,39 @@ def test_ahead_configs_only_where_asked(fake_gluon: list, monkeypatch: pytest.Mo
     assert measured == [1, 1, 1] and fake_gluon[-1]["config"].ahead
 
 
+def test_a_plan_takes_the_tables_host_rows_without_reading_it(fake_gluon: list,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table made by ``table_tensor`` (or a run of its rows) keeps its rows on the host
+    (``policies.host_table``): an engine plan over it, its halves too, reads no table from
+    the device (``Tensor.cpu`` raising shows it); a table made otherwise is read when the
+    plan is made. Views of other shapes than a run of whole rows have none."""
+    from overlap.policies import host_table, table_tensor
+
+    x = _call(m=1024, n=640)
+    rows = x["table"].numpy()
+    made = table_tensor(rows, "cpu")
+    assert torch.equal(host_table(made), x["table"]) and torch.equal(host_table(made[3:7]), x["table"][3:7])
+    for other in (x["table"], made[::2], made[:, :4], made.t(), made.view(-1)):
+        assert host_table(other) is None
+    read: list[int] = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(t: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        if t.dtype == torch.int32 and t.dim() == 2:
+            read.append(t.shape[0])
+        return real_cpu(t, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    monkeypatch.setattr(engine.EnginePlan, "_measure", lambda self, ops, c, grid, rows: (self.configs[-1], "set"))
+    for table, want in ((made[2:], []), (x["table"][2:].clone(), [x["table"].shape[0] - 2])):
+        del read[:]
+        gp = engine.engine_plan(x["a"], x["b"], x["c"], table, **x["kw"])
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=3, grid=77, rows=(512, 512))
+        assert read == want and gp.engine.endswith("halves"), (read, gp.engine)
+        assert torch.equal(fake_gluon[-1]["table"], engine.split_columns(x["table"][2:], 640, 256))
+
+
 def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a 128x256 table the candidates are 128x256 and ping-pong 128x128 on the table's
     column halves; picked, the halves run on the split table (same words, rows and grid) and
