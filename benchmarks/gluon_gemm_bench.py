@@ -58,6 +58,8 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "128x256+": dict(block_m=128, block_n=256, stages=3, ahead=True),
     "256x128+": dict(block_m=256, block_n=128, stages=3, ahead=True),
     "pp128x128+": dict(block_m=128, block_n=128, stages=5, pingpong=True, ahead=True),
+    "128x192+": dict(block_m=128, block_n=192, stages=4, ahead=True),
+    "128x256r4+": dict(block_m=128, block_n=256, stages=4, tma_epilogue=False, ahead=True),
 }
 """The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, a
 192-column tile as two accumulators (``GluonGemmConfig.wide``), and (``r4``) C stored from
@@ -65,7 +67,7 @@ registers with a fourth ring slot in the C tile's room (``GluonGemmConfig.tma_ep
 (``+``) the reads at tile boundaries moved off the tiles' path (``GluonGemmConfig.ahead``: the
 loader's next table row read a tile early and no second wait on a flag passed, the MMA warps'
 error-word read in a tile's first K step)."""
-DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192", "128x256+")
+DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192", "128x256+", "pp128x128+", "128x192+")
 """The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 
 
@@ -162,9 +164,11 @@ def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
             torch.cuda.synchronize()
             assert int(err[0]) == 0, f"set flags: error word {err.tolist()}"
             _close(c, a, b, slice(None), f"set flags {name} call {it}")
-        # set late by another stream, after it wrote the rows (copy engine), chunk by chunk
+        # set late by another stream, after it wrote the rows (copy engine), chunk by chunk; the
+        # last two calls on 4 programs, whose next tiles mostly wait on the flag of the last
+        # (GluonGemmConfig.ahead waits once per such run)
         waited = []
-        for it in range(3):
+        for it, grid in enumerate((sms - 8, sms - 8, sms - 8, 4, 4)):
             epoch += 1
             fresh = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ep = torch.full((chunks,), epoch, dtype=torch.int32, device="cuda")
@@ -179,7 +183,7 @@ def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
                     flags[i:i + 1].copy_(ep[i:i + 1])
             s0.record()
             # SMs left to the side stream's kernels (a grid of every SM spinning would hold them)
-            launch_gluon_gemm(a, b, c, table, grid=sms - 8, flags=flags, err=err, epoch=epoch, config=cfg)
+            launch_gluon_gemm(a, b, c, table, grid=grid, flags=flags, err=err, epoch=epoch, config=cfg)
             s1.record()
             torch.cuda.synchronize()
             assert int(err[0]) == 0, f"late flags: error word {err.tolist()}"
@@ -188,19 +192,27 @@ def check_waits(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
         if not min(waited) > 2.0:
             raise AssertionError(f"late flags {name}: the GEMM took {waited} ms; the flags came after ~4 ms, "
                                  "so its tiles did not wait")
-        # never set: a bounded wait, then the error word
-        epoch += 1
-        flags[:chunks].fill_(epoch)
-        flags[2] = epoch - 1
-        t0 = time.perf_counter()
-        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        launch_gluon_gemm(a, b, c, table, grid=sms, flags=flags, err=err, epoch=epoch, timeout_ns=50_000_000,
-                          config=cfg)
-        torch.cuda.synchronize()
-        secs = time.perf_counter() - t0
-        e = err.tolist()
-        assert e[0] == 1 and e[2] == 2 and e[3] == epoch and e[4] == epoch - 1, f"never set: error word {e}"
-        assert secs < 5.0, f"never set: the kernel took {secs:.2f} s to give up (timeout 50 ms)"
+        # never set: a bounded wait, then the error word; C NaN over the chunk never set and
+        # right or NaN elsewhere (never C's old values: it starts at 7)
+        for grid in (sms, 4):
+            err.zero_()
+            epoch += 1
+            a.normal_()
+            flags[:chunks].fill_(epoch)
+            flags[2] = epoch - 1
+            t0 = time.perf_counter()
+            c = torch.full((m, n), 7.0, device="cuda", dtype=torch.bfloat16)
+            launch_gluon_gemm(a, b, c, table, grid=grid, flags=flags, err=err, epoch=epoch,
+                              timeout_ns=50_000_000, config=cfg)
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - t0
+            e = err.tolist()
+            assert e[0] == 1 and e[2] == 2 and e[3] == epoch and e[4] == epoch - 1, f"never set: error word {e}"
+            assert secs < 5.0, f"never set: the kernel took {secs:.2f} s to give up (timeout 50 ms)"
+            assert torch.isnan(c[2 * rows:3 * rows]).all(), f"never set {name} grid {grid}: numbers without data"
+            want = a.float() @ b.float()
+            ok = torch.isnan(c) | ((c.float() - want).abs() <= 0.05 + 0.02 * want.abs())
+            assert ok.all(), f"never set {name} grid {grid}: neither NaN nor the result (old values?)"
         # two epochs ahead: code 2
         err.zero_()
         epoch += 1

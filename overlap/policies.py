@@ -25,6 +25,7 @@ Policies (cuSync's names, Jangda et al., CGO 2024):
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -210,33 +211,53 @@ def build_multi_tile_table(segments: Sequence[Segment], ns: Sequence[int], block
 
 
 _host_tables: Any = None
-"""Device tables made by ``table_tensor`` -> their rows on the host (torch's
-``WeakIdKeyDictionary``: keyed by the tensor's identity, an entry lives as long as its device
-tensor); ``host_table``."""
+"""Device tables made by ``table_tensor`` (and runs of their rows made by ``table_rows``) ->
+their rows on the host (torch's ``WeakIdKeyDictionary``: keyed by the tensor's identity, an
+entry lives as long as its device tensor); ``host_table``."""
+_host_lock = threading.Lock()
+
+
+def _keep_host(t: Any, rows: Any) -> None:
+    global _host_tables
+    with _host_lock:
+        if _host_tables is None:
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            _host_tables = WeakIdKeyDictionary()
+        _host_tables[t] = rows  # (another tensor object than t: the entry holds no reference to it)
 
 
 def table_tensor(table: Any, device: Any) -> Any:
     """A tile table (list of rows or numpy array) as the int32 device tensor the GEMM reads.
     Its rows stay on the host too, for ``host_table`` (a table is never written after)."""
-    global _host_tables
     import numpy as np
     import torch
-    from torch.utils.weak import WeakIdKeyDictionary
 
     arr = np.array(table, dtype=np.int32).reshape(-1, P.TABLE_COLS)
     t = upload(arr, device)
-    if _host_tables is None:
-        _host_tables = WeakIdKeyDictionary()
-    _host_tables[t] = torch.from_numpy(arr)  # (another tensor object: the entry holds no reference to t)
+    _keep_host(t, torch.from_numpy(arr))
     return t
 
 
+def table_rows(table: Any, start: int, stop: int | None = None) -> Any:
+    """``table[start:stop]``, its host rows kept as ``table_tensor`` keeps a table's (found by
+    ``host_table`` also where the view has no ``_base``: one made in inference mode)."""
+    view = table[start:stop]
+    host = host_table(table)
+    if host is not None:
+        _keep_host(view, host[start:stop])
+    return view
+
+
 def host_table(t: Any) -> Any:
-    """The host rows of a device table made by ``table_tensor``, or of a run of its rows (a
-    view ``table[i:j]``), without reading the device (a read there would wait for the stream
-    and everything queued on it); None for any other tensor."""
+    """The host rows of a device table made by ``table_tensor`` or ``table_rows``, or of a run
+    of its rows (a view ``table[i:j]``), without reading the device (a read there would wait
+    for the stream and everything queued on it); None for any other tensor."""
     if _host_tables is None or t.dim() != 2:
         return None
+    host = _host_tables.get(t)
+    if host is not None:
+        return host
     base = t._base if t._base is not None else t
     host = _host_tables.get(base)
     if host is None or t.dtype != host.dtype or t.stride() != (P.TABLE_COLS, 1):

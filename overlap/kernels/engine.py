@@ -18,8 +18,8 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
   tiled again, its flag, multiple and row cut kept), and 128x256 / 256x128 tables may also
   run on 4 stages with C stored from registers (``REGS_CONFIGS``);
-- with ``OVERLAP_GLUON_AHEAD=1``, each of those configs with ``GluonGemmConfig.ahead`` in its
-  place (not yet checked on a GPU: off by default);
+- with ``OVERLAP_GLUON_AHEAD=1``, each of those configs (and of the posting ones below) with
+  ``GluonGemmConfig.ahead`` in its place (not yet checked on a GPU: off by default);
 - or tiles that post and do not wait (a producer's), on the plain kernel of the table's own
   tile (``_post_configs``: halves and retiled tables would post per piece; C staged through
   shared memory, checked and timed on a GPU: docs/experiments.md, 2026-12-05);

@@ -100,16 +100,19 @@ class GluonGemmConfig:
     passes the ring from one to the other once a warpgroup has taken its tile's last slot,
     so each waits only on ring phases that its predecessor has seen complete."""
     ahead: bool = False
-    """Reads at tile boundaries moved off the tiles' path. The loader warp: with static
-    tiles it reads the next tile's table row while it issues the current tile's loads (the
-    row's latency off the ring's refill), and it does not wait again on a flag it passed for
-    its last tile (the same flag and multiple: flags only grow within a launch), skipping
-    that tile's poll, error-word read and proxy fence. The MMA warps (tiles that wait): the
-    error word read during the tile's first K step, behind its first ring wait (the loader
-    records a failed tile's error before it arrives on the tile's slots), not after its last,
-    where the epilogue waited on it. So a tile whose own wait passed stores its (right) values
-    even where another tile failed during its K loop; a failed tile still stores NaN. Off
-    until checked and timed on a GPU (``benchmarks/gluon_gemm_bench.py``'s ``+`` variants)."""
+    """Reads at tile boundaries moved off the tiles' path. The loader warp reads each tile's
+    table row a tile early (static tiles: while it issues the tile before's loads; by the
+    dispatch counter: it takes the next tile at the current one's first K step and reads
+    its row at step min(K steps - 1, 2)), and it does not wait again on the flag and
+    multiple of the last wait it passed (flags only grow within a launch), skipping that
+    tile's poll, error-word read and proxy fence. The MMA warps (tiles that wait) read the
+    error word during the tile's first K step, behind its first ring wait (the loader
+    records a failed tile's error before it arrives on the tile's slots), not after its
+    last, where the epilogue waited on it. So a tile whose own wait passed stores its
+    (right) values even where another tile failed during its K loop; a failed tile still
+    stores NaN (with K = 0 there is no step to read it in: C is zeros, right without data).
+    Off until checked and timed on a GPU (``benchmarks/gluon_gemm_bench.py``'s ``+``
+    variants)."""
     tma_epilogue: bool = True
     """C through shared memory and a TMA store (whole tiles). False (the plain kernel only):
     every tile's C by masked stores from the MMA warps' registers, and no C tile in shared
@@ -267,12 +270,25 @@ if AVAILABLE:
         return ok
 
     @gluon.jit
-    def _first_step_error(err_ptr, ki, bad):
+    def _partition_error(err_ptr, WARPS: gl.constexpr):
+        """1 in every thread of an MMA partition of ``WARPS`` warps if the error word is set
+        as any of them read it, else 0. Each thread's volatile read is its own: a failure
+        recorded by another program between two warps' reads would send them down different
+        branches of the epilogue, whose stores hold barriers of the partition's threads (the
+        warps that went the other way would leave the rest at a barrier). So the decision is
+        reduced over the partition first (``tile_gemm._cta_any``'s rule)."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        seen = gl.load(err_ptr + _ERR_CODE + gl.zeros([32 * WARPS], gl.int32, layout=layout), volatile=True)
+        return gl.max((seen != 0).to(gl.int32), axis=0)
+
+    @gluon.jit
+    def _first_step_error(err_ptr, ki, bad, WARPS: gl.constexpr):
         """(``AHEAD``, the MMA warps) the error word read at a tile's first K step, after its
         first ring wait (a failed tile's error was recorded before the loader arrived on its
-        slots) and its first wgmma's issue; ``bad`` as it was at a later step."""
+        slots) and its first wgmma's issue (``_partition_error``); ``bad`` as it was at a
+        later step."""
         if ki == 0:
-            bad = gl.load(err_ptr + _ERR_CODE, volatile=True)
+            bad = _partition_error(err_ptr, WARPS)
         return bad
 
     @gluon.jit
@@ -319,8 +335,9 @@ if AVAILABLE:
         ``b1_bufs`` (one ring slot's barrier counts the bytes of all three loads). ``AHEAD``
         (``GluonGemmConfig.ahead``): each tile's row read a tile ahead (static tiles: at the
         tile before's start; by the counter: the next tile taken at the current one's first
-        K step and its row read at its third, so neither the take nor the row's read sits at
-        the boundary), and no second wait on the flag and multiple of the last wait passed."""
+        K step and its row read at step min(K steps - 1, 2), after the loop where there is
+        none, so neither the take nor the row's read sits at the boundary), and no second
+        wait on the flag and multiple of the last wait passed."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -424,15 +441,18 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
                   stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                  ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad):
+                  ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad, WARPS: gl.constexpr):
         """Activation and the C store of one tile: a whole tile through shared memory and one
         TMA store (clipped at N; the buffer's previous store must have read it first), a
-        ragged one (``c_rows`` < BLOCK_M) by masked stores. After a failed wait anywhere
-        (this tile's included: its slots were never loaded) NaN over the tile instead, masked
-        to C's rows and columns (``tile_gemm._poison``): a call that returns before its error
-        is raised returns NaN where it may have had no data, never C's old values. A dead
-        tile (``c_rows`` <= 0: a row cut) stores nothing. ``AHEAD``: the error word as the
-        caller read it during the tile's first K step (``bad``), not read here."""
+        ragged one (``c_rows`` < BLOCK_M) by masked stores. Where the error word is set (by
+        a failed wait anywhere, this tile's included: its slots were never loaded) NaN over
+        the tile instead, masked to C's rows and columns (``tile_gemm._poison``): a call that
+        returns before its error is raised returns NaN where it may have had no data, never
+        C's old values. The word is read here, after the K loop, or (``AHEAD``) as the caller
+        read it during the tile's first K step (``bad``): a failure recorded later by another
+        tile then leaves this one's right values. Either way the partition's threads decide
+        together (``_partition_error``). A dead tile (``c_rows`` <= 0: a row cut) stores
+        nothing."""
         # (constexpr branches spelled out: Triton 3.6's Gluon front end emitted the NaN store of
         # a flag that stayed a Python int, and its build of that failed)
         if c_rows > 0:
@@ -440,7 +460,7 @@ if AVAILABLE:
                 if AHEAD:
                     failed = bad
                 else:
-                    failed = gl.load(err_ptr + _ERR_CODE, volatile=True)
+                    failed = _partition_error(err_ptr, WARPS)
                 if failed != 0:
                     _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
                 else:
@@ -453,7 +473,7 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue_regs(acc, acc_layout: gl.constexpr, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                       ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad):
+                       ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad, WARPS: gl.constexpr):
         """``_epilogue`` by masked stores from registers, whole tiles too (no C tile in shared
         memory: ``GluonGemmConfig.tma_epilogue=False``); NaN after a failed wait as there."""
         if c_rows > 0:
@@ -461,7 +481,7 @@ if AVAILABLE:
                 if AHEAD:
                     failed = bad
                 else:
-                    failed = gl.load(err_ptr + _ERR_CODE, volatile=True)
+                    failed = _partition_error(err_ptr, WARPS)
                 if failed != 0:
                     _poison(c_ptr, acc_layout, c_row, c_rows, off_n, N, stride_cm, BLOCK_M, BLOCK_N)
                 else:
@@ -572,7 +592,7 @@ if AVAILABLE:
                     b_op = b_bufs.index(s).permute((1, 0))
                 acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
                 if AHEAD and HAS_WAIT:
-                    bad = _first_step_error(err_ptr, ki, bad)
+                    bad = _first_step_error(err_ptr, ki, bad, num_warps)
                 acc = _c.warpgroup_mma_wait(1, deps=(acc,))
                 # the MMA of the step before is done: its slot goes back to the loader
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -593,10 +613,10 @@ if AVAILABLE:
                     gl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
             elif TMA_C:
                 _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
+                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             else:
                 _epilogue_regs(acc, acc_layout, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
-                               BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
+                               BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
@@ -699,7 +719,7 @@ if AVAILABLE:
                     b_op = b_bufs.index(s).permute((1, 0))
                 acc = _c.warpgroup_mma(a_bufs.index(s), b_op, acc, is_async=True)
                 if AHEAD and HAS_WAIT:
-                    bad = _first_step_error(err_ptr, ki, bad)
+                    bad = _first_step_error(err_ptr, ki, bad, 4)
                 acc = _c.warpgroup_mma_wait(1, deps=(acc,))
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
                 cnt += 1
@@ -707,7 +727,7 @@ if AVAILABLE:
             acc = _c.warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc, acc_layout, c_buf, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad)
+                      BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, 4)
             n += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, 2 * n + WG, 4)
@@ -806,7 +826,7 @@ if AVAILABLE:
                 acc0 = _c.warpgroup_mma(a_bufs.index(s), b0, acc0, is_async=True)
                 acc1 = _c.warpgroup_mma(a_bufs.index(s), b1, acc1, is_async=True)
                 if AHEAD and HAS_WAIT:
-                    bad = _first_step_error(err_ptr, ki, bad)
+                    bad = _first_step_error(err_ptr, ki, bad, num_warps)
                 acc0, acc1 = _c.warpgroup_mma_wait(2, deps=(acc0, acc1))
                 # both MMAs of the step before are done: its slot goes back to the loader
                 mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
@@ -814,10 +834,10 @@ if AVAILABLE:
             acc0, acc1 = _c.warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
             _epilogue(acc0, l0, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, 128, HAS_WAIT, ACTIVATION, AHEAD, bad)
+                      BLOCK_M, 128, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             if off_n + 128 < N:  # (the last 64 columns of the last column tile may lie past N)
                 _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
-                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION, AHEAD, bad)
+                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)

@@ -42,7 +42,8 @@ from .. import flags as _flags
 from ..observe import gpu_range
 from ..protocol import COL_WAIT, COL_WAIT_MULT
 from ..policies import (AllGatherLayout, all_gather_layout, all_gather_push_layout, build_multi_tile_table,
-                        build_tile_table, flat_groups, split_tail, table_tensor, tail_parts, upload)
+                        build_tile_table, flat_groups, split_tail, table_rows, table_tensor, tail_parts,
+                        upload)
 from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, group_call
 from ._calls import CallPlan, aligned, run_planned
@@ -356,8 +357,8 @@ def _plan(rt: Runtime, ms: int, n: Any, k: int, cfg: OverlapConfig, transport: s
             local = 0
         first_wait = (int(rows[local, COL_WAIT]), int(rows[local, COL_WAIT_MULT])) if local else (0, 1)
         p = _Plan(layout, table, grid, give_back, nccl_ctas, gemm, flag_count, split, 1 + (tail if split else 0),
-                  groups, local=local, first_wait=first_wait, local_table=table[:local] if local else None,
-                  rest_table=table[local:] if local else None)
+                  groups, local=local, first_wait=first_wait, local_table=table_rows(table, 0, local) if local else None,
+                  rest_table=table_rows(table, local) if local else None)
         plans[key] = p
     return p
 

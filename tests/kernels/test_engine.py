@@ -400,7 +400,7 @@ def test_a_plan_takes_the_tables_host_rows_without_reading_it(fake_gluon: list,
     (``policies.host_table``): an engine plan over it, its halves too, reads no table from
     the device (``Tensor.cpu`` raising shows it); a table made otherwise is read when the
     plan is made. Views of other shapes than a run of whole rows have none."""
-    from overlap.policies import host_table, table_tensor
+    from overlap.policies import host_table, table_rows, table_tensor
 
     x = _call(m=1024, n=640)
     rows = x["table"].numpy()
@@ -408,6 +408,10 @@ def test_a_plan_takes_the_tables_host_rows_without_reading_it(fake_gluon: list,
     assert torch.equal(host_table(made), x["table"]) and torch.equal(host_table(made[3:7]), x["table"][3:7])
     for other in (x["table"], made[::2], made[:, :4], made.t(), made.view(-1)):
         assert host_table(other) is None
+    with torch.inference_mode():  # (a view made there has no ``_base``: table_rows keeps its rows)
+        inf = table_tensor(rows, "cpu")
+        assert torch.equal(host_table(table_rows(inf, 2, 5)), x["table"][2:5])
+        assert torch.equal(host_table(table_rows(inf, 4)), x["table"][4:])
     read: list[int] = []
     real_cpu = torch.Tensor.cpu
 

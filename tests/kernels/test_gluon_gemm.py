@@ -273,6 +273,23 @@ def test_sm90_ahead_reads_the_next_row_and_passes_a_passed_wait() -> None:
     assert _error_read_at(regs_mma) == "first step"
 
 
+def test_sm90_the_mma_warps_decide_on_the_error_word_together() -> None:
+    """Each MMA partition reduces its threads' reads of the error word (a max over the
+    partition) before it branches into NaN or the store, whose stores hold the partition's
+    barriers: warps that read it apart cannot go different ways. Plain, ping-pong (each
+    warpgroup its own), 192 columns and C from registers, with and without ``ahead``;
+    without waits there is no read to reduce."""
+    for kw in (dict(), dict(block_m=128, block_n=128, pingpong=True), dict(block_n=192),
+               dict(tma_c=False, stages=4)):
+        for ahead in (False, True):
+            *mmas, _ = _regions(_build(ahead=ahead, **kw))
+            for r in mmas:
+                at = r.index("isVolatile")
+                assert "tt.reduce" in r[at:at + 1500] and "arith.maxsi" in r[at:at + 1500], (kw, ahead)
+    *mmas, _ = _regions(_build(has_wait=False))
+    assert all("isVolatile" not in r for r in mmas)
+
+
 def test_plan_launch_passes_plain_descriptors_once_the_raw_launch_is_known() -> None:
     """A plan's launch before its kernel's C launcher is known passes Gluon descriptors
     (Triton's path compiles and launches with them); after, plain ``HostDesc`` fields the
