@@ -5,9 +5,12 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. gluon_ahead_tests gluon_ahead_bench gluon_ahead_ops   (GluonGemmConfig.ahead: its GPU
-#                                             tests, then timed against the same configs without
-#                                             it, alone and in the ops); then gluon_ahead_sweep
+#   1. gluon_wide_tests gluon_ahead_bench gluon_ahead_ops   (every Gluon GPU test: the MMA
+#                                             warps' error decision reduced over the partition is
+#                                             in every default kernel since 74f7327; then
+#                                             GluonGemmConfig.ahead timed against the same configs
+#                                             without it, alone and in the ops); then
+#                                             gluon_ahead_sweep
 #   2. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
 #   3. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
