@@ -1,6 +1,7 @@
 """The warp-specialized Gluon GEMM (``overlap.kernels.gluon_gemm``) on one GPU: checks, then timings.
 
     python benchmarks/gluon_gemm_bench.py [--out DIR] [--rounds 5] [--max-seconds S] [--checks-only]
+        [--variants A,B] [--shapes MxNxK:layout:dtype,...] [--chunks 4|ops]
 
 Checks (``checks``; each raises on a wrong result):
   * fresh inputs every call, outputs poisoned with NaN first; bf16 and fp16; B as ``w.t()``
@@ -15,9 +16,11 @@ Checks (``checks``; each raises on a wrong result):
 Timings (``timings``), CUDA-graph replays, rounds interleaved, medians: cuBLAS
 (``torch.mm``); the tile GEMM alone (``launch_gemm``, the sweep's tuned config where it
 has one, else 128x256x64 s3 w8 flat) and as the consumer ops run it (the per-tile
-kernel over a table of 4 chunks whose flags are already set: ``wait_ms``); the Gluon GEMM
-alone and waiting on the same table, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest),
-and waiting with tiles from a dispatch counter (``DYNAMIC_VARIANTS``, the counter zeroed per call).
+kernel over a table of 4 chunks whose flags are already set, or ``--chunks ops``: the ops'
+own count, 1 to 4 by M; ``wait_ms``); the Gluon GEMM alone and waiting on a table of its own
+tile over the same chunks, each of ``VARIANTS`` (the row's ``gluon_best`` names the fastest),
+and waiting with tiles from a dispatch counter (``DYNAMIC_VARIANTS``, the counter zeroed per
+call). ``--shapes`` times other shapes than ``SHAPES``.
 
 Writes ``gluon_gemm.json`` (context, checks, rows, summary).
 """
@@ -434,8 +437,36 @@ def _sweep_configs() -> dict[tuple, dict[str, Any]]:
             if r.get("config_fields")}
 
 
+def parse_shapes(text: str) -> list[tuple]:
+    """``--shapes``: "MxNxK:layout:dtype" items, comma-separated (layout nk or kn; dtype
+    bfloat16 or float16), e.g. "512x3584x1792:nk:bfloat16,16384x6144x4096:nk:bfloat16"."""
+    out = []
+    for item in text.split(","):
+        try:
+            mnk, lay, dts = item.strip().split(":")
+            m, n, k = (int(v) for v in mnk.split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not MxNxK:layout:dtype") from None
+        if lay not in ("nk", "kn") or dts not in ("bfloat16", "float16") or min(m, n, k) <= 0:
+            raise SystemExit(f"--shapes: {item!r}: layout nk or kn, dtype bfloat16 or float16, positive sizes")
+        out.append((m, n, k, lay, dts))
+    return out
+
+
+def chunks_for(m: int, how: str) -> int:
+    """Chunk flags of the waiting tables at M rows: a fixed count ("4", the default), or
+    "ops": ``all_reduce_matmul``'s own policy (one per 2048 rows, 1 to 4), as
+    ``gemm_sweep.py``'s ``wait_ms`` (fewer chunks at small M, where each chunk's tiles read
+    all of B again)."""
+    if how == "ops":
+        from overlap.ops.all_reduce import _default_chunks
+
+        return _default_chunks(m)
+    return int(how)
+
+
 def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str, Any]],
-               variants: dict[str, dict[str, Any]] = VARIANTS) -> dict[str, Any]:
+               variants: dict[str, dict[str, Any]] = VARIANTS, chunks: str = "4") -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -456,11 +487,12 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
     alone_cfg = GemmConfig(**fields) if fields else GemmConfig(num_stages=3, flatten=True)
     # the consumer ops' kernel: per tile, no flattening nor tail
     wait_cfg = dataclasses.replace(alone_cfg, flatten=False, tail_block_m=0, tail_block_n=0)
-    chunks = 4
-    rows = m // chunks
-    flags = torch.ones(chunks, dtype=torch.int32, device="cuda")  # epoch 1: already set
+    n_chunks = chunks_for(m, chunks)
+    rows = -(-m // n_chunks)
+    flags = torch.ones(n_chunks, dtype=torch.int32, device="cuda")  # epoch 1: already set
     err = torch.zeros(8, dtype=torch.int32, device="cuda")
-    segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i) for i in range(chunks)]
+    segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=min(rows, m - i * rows), wait_idx=i)
+            for i in range(n_chunks) if i * rows < m]
     outs = {}
 
     def out(name: str) -> Any:
@@ -507,7 +539,8 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
     refd = ref.float()
     rel = {kk: ((outs[kk].float() - refd).norm() / refd.norm()).item() for kk in outs if kk in timers}
     med = {kk: statistics.median(v) for kk, v in times.items()}
-    row: dict[str, Any] = {"m": m, "n": n, "k": k, "b_layout": lay, "dtype": dts, "tuned_in_sweep": bool(fields),
+    row: dict[str, Any] = {"m": m, "n": n, "k": k, "b_layout": lay, "dtype": dts, "wait_chunks": len(segs),
+                           "tuned_in_sweep": bool(fields),
                            "tile_config": _cfg_str(alone_cfg), "tile_wait_config": _cfg_str(wait_cfg),
                            "ms": {kk: round(v, 5) for kk, v in med.items()}, "rel_err_vs_cublas": rel,
                            "errors": errors, "int32_err_word": err.tolist(), "times": times}
@@ -557,7 +590,13 @@ def main() -> None:
     ap.add_argument("--variants", default=None, help="comma-separated names of VARIANTS to check and time")
     ap.add_argument("--no-posts", action="store_true", help="leave out the checks of tiles that post")
     ap.add_argument("--commit", default=None, help="the commit of the code that runs, where the checkout's is not")
+    ap.add_argument("--shapes", default=None, help="the shapes to time instead of SHAPES: MxNxK:layout:dtype,...")
+    ap.add_argument("--chunks", default="4", help="chunk flags of the waiting tables: a count, or 'ops' "
+                    "(all_reduce_matmul's: one per 2048 rows, 1 to 4)")
     args = ap.parse_args()
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+    if args.chunks != "ops" and not (args.chunks.isdigit() and int(args.chunks) >= 1):
+        raise SystemExit(f"--chunks must be a positive count or 'ops', got {args.chunks!r}")
     t_start = time.perf_counter()
     import torch
 
@@ -570,7 +609,7 @@ def main() -> None:
     context = run_context()
     context.update({"gluon": gluon_gemm.AVAILABLE, "gluon_reason": gluon_gemm.REASON, "rounds": args.rounds,
                     "timing": "CUDA-graph replays, rounds interleaved, medians", "tuned_configs_from": SWEEP,
-                    "variants": VARIANTS, "posts_checked": not args.no_posts})
+                    "variants": VARIANTS, "posts_checked": not args.no_posts, "wait_chunks": args.chunks})
     if args.commit:
         context["checkout_commit"], context["commit"] = context.get("commit"), args.commit
     doc: dict[str, Any] = {"context": context, "checks": [], "check_failed": {}, "rows": [], "not_run": []}
@@ -598,14 +637,14 @@ def main() -> None:
     good = {kk: v for kk, v in variants.items() if kk not in doc["check_failed"] and f"waits {kk}:" in checked}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tuned = _sweep_configs()
-    for i, shape in enumerate(SHAPES):
+    for i, shape in enumerate(shapes):
         if args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds:
-            doc["not_run"] = [list(s) for s in SHAPES[i:]]
-            print(f"--max-seconds spent: {len(SHAPES) - i} shapes not run", flush=True)
+            doc["not_run"] = [list(s) for s in shapes[i:]]
+            print(f"--max-seconds spent: {len(shapes) - i} shapes not run", flush=True)
             break
-        r = time_shape(shape, args.rounds, sms, tuned, good)
+        r = time_shape(shape, args.rounds, sms, tuned, good, args.chunks)
         doc["rows"].append(r)
-        print(f"[{i + 1}/{len(SHAPES)}] {shape}: ms {r['ms']} | tile {r.get('tile_vs_cublas')} tile_wait "
+        print(f"[{i + 1}/{len(shapes)}] {shape}: ms {r['ms']} | tile {r.get('tile_vs_cublas')} tile_wait "
               f"{r.get('tile_wait_vs_cublas')} gluon {r.get('gluon_vs_cublas')} ({r.get('gluon_best')}) gluon_wait "
               f"{r.get('gluon_wait_vs_cublas')} | errors {r['errors']} [{time.perf_counter() - t_start:.0f} s]",
               flush=True)

@@ -11,10 +11,12 @@
 #                                             GluonGemmConfig.ahead timed against the same configs
 #                                             without it, alone and in the ops); then
 #                                             gluon_ahead_sweep
-#   2. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
+#   2. gluon_native                          (the sweep's seven worst waiting shapes on each Gluon
+#                                             variant's own table, the ops' chunks)
+#   3. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
-#   3. gluon_wide_tests gluon_wide_bench     (the posting kernel's checks and its test included)
-#   4. post_diag reader_steps nodes_unit check_ host_ launch
+#   4. gluon_wide_bench                      (the posting kernel's checks included)
+#   5. post_diag reader_steps nodes_unit check_ host_ launch
 # (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
 # posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
 # the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
@@ -110,6 +112,14 @@ step gluon_ahead_ops0 300 python benchmarks/engine_ops_bench.py --out "$out/engi
 step gluon_ahead_ops1 300 env OVERLAP_GLUON_AHEAD=1 python benchmarks/engine_ops_bench.py --out "$out/engine_ops_ahead"
 step gluon_ahead_sweep 590 env OVERLAP_GLUON_AHEAD=1 python benchmarks/gemm_sweep.py --out "$out/sweep_ahead" \
     --posts --max-seconds 480
+# the seven shapes that waited under 0.93x in the 48-shape sweep (a0823fb), each Gluon variant on
+# a table of its own tile over the ops' chunks: does a native table close them?
+worst="512x3584x1792:nk:bfloat16,512x4096x1024:kn:bfloat16,2048x12288x4096:kn:bfloat16"
+worst="$worst,4096x10752x3584:nk:bfloat16,8192x3696x8192:nk:float16,16384x6144x4096:nk:bfloat16"
+worst="$worst,1024x6144x768:nk:bfloat16"
+step gluon_native 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_native" --no-posts --chunks ops \
+    --shapes "$worst" --variants 128x256,256x128,128x128,pp128x128,128x192,128x256+,pp128x128+ --rounds 3 \
+    --max-seconds 330
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \
