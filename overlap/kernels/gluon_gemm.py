@@ -441,23 +441,23 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
                   stride_cm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                  ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad, WARPS: gl.constexpr):
+                  ACTIVATION: gl.constexpr, GIVEN: gl.constexpr, bad, WARPS: gl.constexpr):
         """Activation and the C store of one tile: a whole tile through shared memory and one
         TMA store (clipped at N; the buffer's previous store must have read it first), a
         ragged one (``c_rows`` < BLOCK_M) by masked stores. Where the error word is set (by
         a failed wait anywhere, this tile's included: its slots were never loaded) NaN over
         the tile instead, masked to C's rows and columns (``tile_gemm._poison``): a call that
         returns before its error is raised returns NaN where it may have had no data, never
-        C's old values. The word is read here, after the K loop, or (``AHEAD``) as the caller
-        read it during the tile's first K step (``bad``): a failure recorded later by another
-        tile then leaves this one's right values. Either way the partition's threads decide
-        together (``_partition_error``). A dead tile (``c_rows`` <= 0: a row cut) stores
-        nothing."""
+        C's old values. The word is read here, after the K loop, or (``GIVEN``) as the caller
+        read it (``bad``: ``ahead``'s read in the tile's first K step, where a failure recorded
+        later by another tile leaves this one's right values; the 192-column tile's one read
+        for both its parts). Either way the partition's threads decide together
+        (``_partition_error``). A dead tile (``c_rows`` <= 0: a row cut) stores nothing."""
         # (constexpr branches spelled out: Triton 3.6's Gluon front end emitted the NaN store of
         # a flag that stayed a Python int, and its build of that failed)
         if c_rows > 0:
             if HAS_WAIT:
-                if AHEAD:
+                if GIVEN:
                     failed = bad
                 else:
                     failed = _partition_error(err_ptr, WARPS)
@@ -473,12 +473,12 @@ if AVAILABLE:
     @gluon.jit
     def _epilogue_regs(acc, acc_layout: gl.constexpr, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_WAIT: gl.constexpr,
-                       ACTIVATION: gl.constexpr, AHEAD: gl.constexpr, bad, WARPS: gl.constexpr):
+                       ACTIVATION: gl.constexpr, GIVEN: gl.constexpr, bad, WARPS: gl.constexpr):
         """``_epilogue`` by masked stores from registers, whole tiles too (no C tile in shared
         memory: ``GluonGemmConfig.tma_epilogue=False``); NaN after a failed wait as there."""
         if c_rows > 0:
             if HAS_WAIT:
-                if AHEAD:
+                if GIVEN:
                     failed = bad
                 else:
                     failed = _partition_error(err_ptr, WARPS)
@@ -833,11 +833,14 @@ if AVAILABLE:
                 cnt += 1
             acc0, acc1 = _c.warpgroup_mma_wait(0, deps=(acc0, acc1))
             mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            if HAS_WAIT and not AHEAD:  # (one read for both parts: the tile NaN or right whole)
+                if c_rows > 0:
+                    bad = _partition_error(err_ptr, num_warps)
             _epilogue(acc0, l0, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                      BLOCK_M, 128, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
+                      BLOCK_M, 128, HAS_WAIT, ACTIVATION, True, bad, num_warps)
             if off_n + 128 < N:  # (the last 64 columns of the last column tile may lie past N)
                 _epilogue(acc1, l1, c1_smem, c1_desc, c_ptr, err_ptr, c_row, c_rows, off_n + 128, N, stride_cm,
-                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
+                          BLOCK_M, BN1, HAS_WAIT, ACTIVATION, True, bad, num_warps)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)

@@ -288,6 +288,9 @@ def test_sm90_the_mma_warps_decide_on_the_error_word_together() -> None:
                 assert "tt.reduce" in r[at:at + 1500] and "arith.maxsi" in r[at:at + 1500], (kw, ahead)
     *mmas, _ = _regions(_build(has_wait=False))
     assert all("isVolatile" not in r for r in mmas)
+    for ahead in (False, True):  # (the 192-column tile: one read for both its parts, NaN or right whole)
+        wide_mma, _ = _regions(_build(ahead=ahead, block_n=192))
+        assert wide_mma.count("isVolatile") == 1, ahead
 
 
 def test_plan_launch_passes_plain_descriptors_once_the_raw_launch_is_known() -> None:
