@@ -295,6 +295,19 @@ def split_rows(table: Any, block_m: int) -> Any:
     return out[out[:, _p.COL_C_ROWS] > 0].contiguous()
 
 
+def set_flags(table: Any, flags: Any) -> Any:
+    """Host flags like ``flags`` (its shape and dtype) as a launch at epoch 1 finds them all
+    set: each flag a tile of ``table`` (a CPU tensor) waits on at the largest multiple its
+    waiters want, the others 0."""
+    import torch
+
+    w, mult = table[:, _p.COL_WAIT].long(), table[:, _p.COL_WAIT_MULT].long()
+    on = w >= 0
+    out = torch.zeros(flags.shape, dtype=torch.long).reshape(-1)
+    out.scatter_reduce_(0, w[on], mult[on], reduce="amax")
+    return out.reshape(flags.shape).to(flags.dtype)
+
+
 def misfit(b: Any, *, config: GemmConfig, wait: bool = False, post: bool = False, k_wait: int = 0,
            norm_epi: bool = False, split: Any = None, sig_stride: Any = None, groups: Any = None,
            clip: Any = None, start_flag: Any = None, activation: Any = None, **_: Any) -> str | None:
@@ -734,13 +747,8 @@ class EnginePlan:
             if self.post:  # (the posts count into scratch flags: the op's own are never touched)
                 flags = torch.zeros_like(self.flags)
             if self.wait:
-                flags = torch.zeros(self.flags.shape, dtype=self.flags.dtype)  # (on the host: set per tile below)
+                flags = set_flags(tab, self.flags).to(dev)
                 err = torch.zeros_like(self.err)
-                w, mult = tab[:, _p.COL_WAIT].long(), tab[:, _p.COL_WAIT_MULT].long()
-                for i in range(tab.shape[0]):  # epoch 1: flag w at its waiters' largest multiple
-                    if w[i] >= 0:
-                        flags[int(w[i])] = max(int(flags[int(w[i])]), int(mult[i]))
-                flags = flags.to(dev)
             if self.counter is not None:
                 counter = torch.zeros_like(self.counter)
             c_s = torch.empty_like(c)

@@ -431,6 +431,18 @@ def test_a_plan_takes_the_tables_host_rows_without_reading_it(fake_gluon: list,
         assert torch.equal(fake_gluon[-1]["table"], engine.split_columns(x["table"][2:], 640, 256))
 
 
+def test_scratch_flags_at_their_waiters_largest_multiple() -> None:
+    """The engine's measurement launches on flags all set at epoch 1: each flag a tile waits
+    on at the largest multiple of its waiters, flags nobody waits on 0 (``set_flags``)."""
+    segs = [Segment(a_src=0, a_row=0, c_row=0, rows=256),
+            Segment(a_src=1, a_row=0, c_row=256, rows=256, wait_idx=2, wait_mult=3),
+            Segment(a_src=1, a_row=256, c_row=512, rows=128, wait_idx=2, wait_mult=5),
+            Segment(a_src=1, a_row=384, c_row=640, rows=128, wait_idx=0, wait_mult=1)]
+    table = torch.tensor(build_tile_table(segs, 512, 128, 256, 8), dtype=torch.int32)
+    got = engine.set_flags(table, torch.full((5,), 9, dtype=torch.int32))
+    assert got.dtype == torch.int32 and got.tolist() == [1, 0, 5, 0, 0]
+
+
 def test_auto_may_pick_the_column_halves(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a 128x256 table the candidates are 128x256 and ping-pong 128x128 on the table's
     column halves; picked, the halves run on the split table (same words, rows and grid) and
