@@ -610,7 +610,16 @@ def main() -> None:
     ap.add_argument("--engine-eager", action="store_true",
                     help="the engine ranks its candidates by eager rounds (its measurement before graphs), "
                          "to compare the two ways of ranking; use an --out of its own (picks are kept there)")
+    ap.add_argument("--engine-warm-ms", type=float, default=None,
+                    help="the engine's untimed rounds before its timed ones, for about this long "
+                         "(overlap.kernels.engine.WARM_MS; default: the library's)")
     args = ap.parse_args()
+    if args.engine_warm_ms is not None:
+        if args.engine_warm_ms < 0:
+            sys.exit("--engine-warm-ms must be >= 0")
+        from overlap.kernels import engine as _engine
+
+        _engine.WARM_MS = args.engine_warm_ms
     if not 0 <= args.wait_chunks <= WAIT_CHUNKS:
         sys.exit(f"--wait-chunks must be 0 to {WAIT_CHUNKS}")
     FIXED_CHUNKS[0] = args.wait_chunks
@@ -628,6 +637,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gemm_sweep.py times on a CUDA GPU; none is visible here")
     from benchmarks.context import run_context
+    from overlap.kernels import engine as _eng
     from overlap.kernels.autotune import note_failed
     from overlap.kernels.tile_gemm import GemmConfig, warp_specialize_supported
 
@@ -669,6 +679,7 @@ def main() -> None:
     context.update({"sms": sms, "warp_specialize": ws, "flatten": flatten, "rounds": args.rounds,
                     "wait_chunks": args.wait_chunks or "all_reduce_matmul's (1 per 2048 rows, 1-4)",
                     "timing": "CUDA-graph replays",
+                    "engine_warm_ms": _eng.WARM_MS, "engine_ahead": _eng.ahead(),
                     "cmdline": " ".join(sys.argv[1:])})
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []

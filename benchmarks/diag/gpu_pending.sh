@@ -15,8 +15,10 @@
 #                                             variant's own table, the ops' chunks)
 #   3. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
 #                                             the posts staged through shared memory)
-#   4. gluon_wide_bench                      (the posting kernel's checks included)
-#   5. post_diag reader_steps nodes_unit check_ host_ launch
+#   4. sweep_warm                            (the sweep, the engine's picks after a warm-up:
+#                                             engine_pick_vs_best against sweep_x's)
+#   5. gluon_wide_bench                      (the posting kernel's checks included)
+#   6. post_diag reader_steps nodes_unit check_ host_ launch
 # (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
 # posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
 # the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
@@ -120,6 +122,9 @@ worst="$worst,1024x6144x768:nk:bfloat16"
 step gluon_native 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_native" --no-posts --chunks ops \
     --shapes "$worst" --variants 128x256,256x128,128x128,pp128x128,128x192,128x256+,pp128x128+ --rounds 3 \
     --max-seconds 330
+# the engine's picks after a warm-up of about 150 ms (engine.WARM_MS), to set beside sweep_x's
+step sweep_warm 590 python benchmarks/gemm_sweep.py --out "$out/sweep_warm" --posts --max-seconds 480 \
+    --engine-warm-ms 150
 step gluon_producer 300 env OVERLAP_GLUON_EXPERIMENTAL=1 OVERLAP_GEMM_ENGINE=gluon python tests/gpu/producer_check.py
 step gluon_planned_x 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python tests/gpu/planned_check.py --engine gluon
 step gluon_ops_bench 300 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/engine_ops_bench.py \

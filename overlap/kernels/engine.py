@@ -49,6 +49,7 @@ why Gluon cannot run it).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import threading
@@ -402,6 +403,8 @@ def _env(device: Any) -> dict[str, Any]:
            "timing": TIMING}
     if ahead():  # (likewise: the key of picks measured without it unchanged)
         env["ahead"] = True
+    if WARM_MS:
+        env["warm_ms"] = WARM_MS
     if experimental():  # (picks measured without the experimental candidates keep their key)
         env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
                                "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()}}
@@ -823,6 +826,13 @@ GRAPH_MAX_ITERS = 64
 ROUNDS = 5
 """Timed rounds: each replays every candidate's graph once, in an order rotated by one per
 round (``rotated_rounds``), after one untimed round."""
+WARM_MS = 0.0
+"""Untimed rounds before the timed ones, for about this long (at least one round): the GPU's
+clocks move toward where a sustained run holds them. Picks measured right after the GPU
+idled ranked some engines under boost clocks (8192x12288x6144 on an H200: the engine timed
+the Gluon GEMM 0.8% faster than the tile GEMM, the sweep's sustained timing 3.7%;
+docs/experiments.md, 2026-12-05). 0: one round, as before; ``gemm_sweep.py --engine-warm-ms``
+measures what a longer warm-up picks."""
 EAGER_ROUNDS, EAGER_REPS = 3, 3
 """Where a capture fails: rounds of ``EAGER_REPS`` eager launches a candidate (the
 measurement before graphs)."""
@@ -836,23 +846,28 @@ def rotated_rounds(names: list[str], rounds: int) -> list[list[str]]:
 
 
 def graph_times(runs: dict[str, Any], timing: Any, *, rounds: int = ROUNDS, target_ms: float = GRAPH_MS,
-                max_iters: int = GRAPH_MAX_ITERS) -> tuple[dict[str, list[float]], dict[str, int]]:
+                max_iters: int = GRAPH_MAX_ITERS,
+                warm_ms: float | None = None) -> tuple[dict[str, list[float]], dict[str, int]]:
     """ms per launch of each of ``runs`` (name -> a launch, run once already), as the
     candidates run sustained and interleaved: each captured ``iters`` times in one graph
-    (about ``target_ms``, sized by one timed launch), then ``rounds`` + 1 rounds of every
-    graph replayed back to back in rotated order, timed each (the first round untimed).
+    (about ``target_ms``, sized by one timed launch), then the rounds of every graph replayed
+    back to back in rotated order, timed each: untimed ones first (one, or as many as take
+    about ``warm_ms``, default ``WARM_MS``, by the sizing launches' times), then ``rounds``.
     ``timing``: ``time(fn) -> ms``, ``capture(fn, iters) -> replay``, ``timed(calls) -> [ms]``
     (calls queued back to back, one wait at the end). A capture that fails raises (the
     caller times eagerly then). Returns ({name: [ms per launch, a round each]}, {name: iters})."""
-    iters = {nm: max(1, min(max_iters, round(target_ms / max(timing.time(fn), 1e-3)))) for nm, fn in runs.items()}
+    one = {nm: max(timing.time(fn), 1e-3) for nm, fn in runs.items()}
+    iters = {nm: max(1, min(max_iters, round(target_ms / one[nm]))) for nm in runs}
     graphs = {}
     for nm, fn in runs.items():
         graphs[nm] = timing.capture(fn, iters[nm])
-    order = [nm for rnd in rotated_rounds(list(runs), rounds + 1) for nm in rnd]
+    warm_ms = WARM_MS if warm_ms is None else warm_ms
+    warm = max(1, math.ceil(warm_ms / sum(one[nm] * iters[nm] for nm in runs)))
+    order = [nm for rnd in rotated_rounds(list(runs), rounds + warm) for nm in rnd]
     ms = timing.timed([graphs[nm] for nm in order])
     times: dict[str, list[float]] = {nm: [] for nm in runs}
     for i, (nm, t) in enumerate(zip(order, ms)):
-        if i >= len(runs):  # the first round warms
+        if i >= warm * len(runs):  # (the warm rounds: untimed)
             times[nm].append(t / iters[nm])
     return times, iters
 

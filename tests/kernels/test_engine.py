@@ -679,6 +679,12 @@ def test_measure_replays_graphs_rotated_and_takes_medians(fake_gluon: list, monk
     times, iters = engine.graph_times({"tile": lambda: fake_gluon.append({"tile": True})},
                                       FakeTiming(fake_gluon, lambda nm, k: 1.0 if k < 3 else 0.5))
     assert iters == {"tile": 2} and times == {"tile": [0.5] * engine.ROUNDS}, (iters, times)
+    # a warm-up of about 9 ms: rounds of 2 ms (2 launches of the 1 ms the sizing launch took),
+    # so 5 untimed; the launches cost 1 ms up to the 6th replay's (the sizing launch and the
+    # 5 untimed replays' 10), then 0.5
+    t = FakeTiming(fake_gluon, lambda nm, k: 1.0 if k < 11 else 0.5)
+    times, iters = engine.graph_times({"tile": lambda: fake_gluon.append({"tile": True})}, t, warm_ms=9.0)
+    assert len(t.replayed) == 5 + engine.ROUNDS and times == {"tile": [0.5] * engine.ROUNDS}, (t.replayed, times)
     assert engine.pick({"tile": 1.0, "g": 0.995}) == "tile" and engine.pick({"tile": 1.0, "g": 0.98}) == "g"
 
 
