@@ -827,12 +827,11 @@ ROUNDS = 5
 """Timed rounds: each replays every candidate's graph once, in an order rotated by one per
 round (``rotated_rounds``), after one untimed round."""
 WARM_MS = 0.0
-"""Untimed rounds before the timed ones, for about this long (at least one round): the GPU's
-clocks move toward where a sustained run holds them. Picks measured right after the GPU
-idled ranked some engines under boost clocks (8192x12288x6144 on an H200: the engine timed
-the Gluon GEMM 0.8% faster than the tile GEMM, the sweep's sustained timing 3.7%;
-docs/experiments.md, 2026-12-05). 0: one round, as before; ``gemm_sweep.py --engine-warm-ms``
-measures what a longer warm-up picks."""
+"""Untimed rounds before the timed ones, for about this long (at least one round), so the
+timed ones run as a sustained load does (the clocks, a hypothesis): on an H200 the engine
+timed the Gluon GEMM 0.8% faster than the tile GEMM at 8192x12288x6144, the sweep's longer
+timing 3.7% (docs/experiments.md, 2026-12-05). 0: one round, as before; ``gemm_sweep.py
+--engine-warm-ms`` measures what a longer warm-up picks."""
 EAGER_ROUNDS, EAGER_REPS = 3, 3
 """Where a capture fails: rounds of ``EAGER_REPS`` eager launches a candidate (the
 measurement before graphs)."""
