@@ -615,8 +615,8 @@ def main() -> None:
                          "(overlap.kernels.engine.WARM_MS; default: the library's)")
     args = ap.parse_args()
     if args.engine_warm_ms is not None:
-        if args.engine_warm_ms < 0:
-            sys.exit("--engine-warm-ms must be >= 0")
+        if not (math.isfinite(args.engine_warm_ms) and args.engine_warm_ms >= 0):
+            sys.exit("--engine-warm-ms must be a finite number >= 0")
         from overlap.kernels import engine as _engine
 
         _engine.WARM_MS = args.engine_warm_ms

@@ -474,7 +474,7 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
     from overlap.kernels.autotune import GraphTimer, _cfg_str
     from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
     from overlap.kernels.tile_gemm import GemmConfig, launch_gemm, launch_tile_gemm
-    from overlap.policies import Segment
+    from overlap.policies import Segment, row_chunk_segments
 
     m, n, k, lay, dts = shape
     dt = getattr(torch, dts)
@@ -487,12 +487,11 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
     alone_cfg = GemmConfig(**fields) if fields else GemmConfig(num_stages=3, flatten=True)
     # the consumer ops' kernel: per tile, no flattening nor tail
     wait_cfg = dataclasses.replace(alone_cfg, flatten=False, tail_block_m=0, tail_block_n=0)
-    n_chunks = chunks_for(m, chunks)
-    rows = -(-m // n_chunks)
-    flags = torch.ones(n_chunks, dtype=torch.int32, device="cuda")  # epoch 1: already set
+    # the row chunks as all_reduce_matmul cuts them (and gemm_sweep's wait_table): multiples
+    # of 128 rows but the last
+    _sizes, segs = row_chunk_segments(m, chunks_for(m, chunks), 128)
+    flags = torch.ones(len(segs), dtype=torch.int32, device="cuda")  # epoch 1: already set
     err = torch.zeros(8, dtype=torch.int32, device="cuda")
-    segs = [Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=min(rows, m - i * rows), wait_idx=i)
-            for i in range(n_chunks) if i * rows < m]
     outs = {}
 
     def out(name: str) -> Any:

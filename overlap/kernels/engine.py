@@ -825,7 +825,7 @@ GRAPH_MAX_ITERS = 64
 """Most launches in one candidate's graph (a GEMM of a few microseconds)."""
 ROUNDS = 5
 """Timed rounds: each replays every candidate's graph once, in an order rotated by one per
-round (``rotated_rounds``), after one untimed round."""
+round (``rotated_rounds``), after the untimed ones (one, or ``WARM_MS`` of them)."""
 WARM_MS = 0.0
 """Untimed rounds before the timed ones, for about this long (at least one round), so the
 timed ones run as a sustained load does (the clocks, a hypothesis): on an H200 the engine
@@ -861,6 +861,8 @@ def graph_times(runs: dict[str, Any], timing: Any, *, rounds: int = ROUNDS, targ
     for nm, fn in runs.items():
         graphs[nm] = timing.capture(fn, iters[nm])
     warm_ms = WARM_MS if warm_ms is None else warm_ms
+    if not (math.isfinite(warm_ms) and warm_ms >= 0):
+        raise ValueError(f"engine: the warm-up must be a finite, non-negative ms, got {warm_ms!r}")
     warm = max(1, math.ceil(warm_ms / sum(one[nm] * iters[nm] for nm in runs)))
     order = [nm for rnd in rotated_rounds(list(runs), rounds + warm) for nm in rnd]
     ms = timing.timed([graphs[nm] for nm in order])

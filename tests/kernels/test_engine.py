@@ -685,6 +685,15 @@ def test_measure_replays_graphs_rotated_and_takes_medians(fake_gluon: list, monk
     t = FakeTiming(fake_gluon, lambda nm, k: 1.0 if k < 11 else 0.5)
     times, iters = engine.graph_times({"tile": lambda: fake_gluon.append({"tile": True})}, t, warm_ms=9.0)
     assert len(t.replayed) == 5 + engine.ROUNDS and times == {"tile": [0.5] * engine.ROUNDS}, (t.replayed, times)
+    with pytest.raises(ValueError, match="warm-up"):
+        engine.graph_times({"tile": lambda: fake_gluon.append({"tile": True})}, t, warm_ms=float("nan"))
+    # (a pick measured with a warm-up is kept under a key of its own; without one, the key as before)
+    from overlap.kernels import autotune
+
+    monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
+    assert "warm_ms" not in engine._env("cpu")
+    monkeypatch.setattr(engine, "WARM_MS", 150.0)
+    assert engine._env("cpu")["warm_ms"] == 150.0
     assert engine.pick({"tile": 1.0, "g": 0.995}) == "tile" and engine.pick({"tile": 1.0, "g": 0.98}) == "g"
 
 
