@@ -394,6 +394,25 @@ def test_ahead_configs_only_where_asked(fake_gluon: list, monkeypatch: pytest.Mo
     assert measured == [1, 1, 1] and fake_gluon[-1]["config"].ahead
 
 
+def test_an_op_plans_gemm_made_again_where_ahead_changes(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops._plans.gemm_plan`` keeps one GEMM plan per key; turning ``OVERLAP_GLUON_AHEAD``
+    on (or off) makes the next call's plan anew, with the candidates it now has, and the
+    same setting finds the kept one."""
+    from overlap.ops._plans import gemm_plan
+
+    x = _call()
+    kw = dict(x["kw"])
+    plans: dict = {}
+    args = (plans, x["a"], x["b"], x["c"], x["table"])
+    first = gemm_plan(*args, **kw)
+    assert gemm_plan(*args, **kw) is first and not any(g.ahead for g in first.configs)
+    monkeypatch.setenv(engine.AHEAD_ENV, "1")
+    on = gemm_plan(*args, **kw)
+    assert on is not first and on.configs and all(g.ahead for g in on.configs) and gemm_plan(*args, **kw) is on
+    monkeypatch.delenv(engine.AHEAD_ENV)
+    assert gemm_plan(*args, **kw) is first and len(plans) == 2
+
+
 def test_a_plan_takes_the_tables_host_rows_without_reading_it(fake_gluon: list,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A table made by ``table_tensor`` (or a run of its rows) keeps its rows on the host
