@@ -63,14 +63,18 @@ VARIANTS = {  # name: GluonGemmConfig fields
     "pp128x128+": dict(block_m=128, block_n=128, stages=5, pingpong=True, ahead=True),
     "128x192+": dict(block_m=128, block_n=192, stages=4, ahead=True),
     "128x256r4+": dict(block_m=128, block_n=256, stages=4, tma_epilogue=False, ahead=True),
+    "128x256s": dict(block_m=128, block_n=256, stages=3, split_tail=True),
+    "256x128s": dict(block_m=256, block_n=128, stages=3, split_tail=True),
+    "128x128s": dict(block_m=128, block_n=128, stages=4, split_tail=True),
 }
 """The configs checked and timed: both MMA warpgroups on one tile, (``pp``) ping-pong, a
 192-column tile as two accumulators (``GluonGemmConfig.wide``), and (``r4``) C stored from
 registers with a fourth ring slot in the C tile's room (``GluonGemmConfig.tma_epilogue``), and
 (``+``) the reads at tile boundaries moved off the tiles' path (``GluonGemmConfig.ahead``: the
 loader's next table row read a tile early and no second wait on a flag passed, the MMA warps'
-error-word read in a tile's first K step)."""
-DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192", "128x256+", "pp128x128+", "128x192+")
+error-word read in a tile's first K step), and (``s``) the last wave's tiles split along K
+where it is at most half full (``GluonGemmConfig.split_tail``)."""
+DYNAMIC_VARIANTS = ("128x256", "pp128x128", "128x192", "128x256+", "pp128x128+", "128x192+", "128x256s")
 """The configs also checked, and timed waiting, with the dispatch counter (``counter=``)."""
 
 
@@ -302,6 +306,116 @@ def check_dynamic(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS
         log.append(f"dynamic {name}: ragged + two sources, two grids on one counter, late flags: right")
 
 
+def check_split(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) -> None:
+    """(``split_tail`` variants) grids whose last wave is split, each plan launched again and
+    again (its arrival counts set back to 0 by each launch): fresh inputs, NaN-poisoned C,
+    both B layouts, ragged edges; a flag of the tail's chunk never set (code 1, NaN over that
+    chunk, right or NaN elsewhere) and the same plan right on the next call; two grids on one
+    counter (the split the first launch fixed); a row cut whose dead tiles are in the tail."""
+    import torch
+
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, GluonGemmPlan, split_plan
+    from overlap.policies import Segment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    side = torch.cuda.Stream()
+    for name, fields in variants.items():
+        cfg = GluonGemmConfig(**fields)
+        if not cfg.split_tail:
+            continue
+        bm, bn = cfg.block_m, cfg.block_n
+        calls = 0
+        for (m, n, k), grid, lay in (((1000, 1000, 1000), 30, "nk"), ((1000, 1000, 1000), 12, "kn"),
+                                     ((2048, 1536, 4096), sms, "nk"), ((777, 1288, 2056), sms, "kn"),
+                                     ((1024, 4608, 3072), sms, "kn")):
+            table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+            sp = split_plan(table.shape[0], grid, -(-k // cfg.block_k))
+            for dt in (torch.bfloat16, torch.float16):
+                a = torch.randn(m, k, device="cuda", dtype=dt)
+                b = _b(torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5, lay)
+                c = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+                plan = GluonGemmPlan(a, b, c, table, config=cfg)
+                for it in range(3):
+                    a.normal_()
+                    c.fill_(float("nan"))
+                    plan.launch(a, b, c, epoch=0, grid=grid)
+                    torch.cuda.synchronize()
+                    _close(c, a, b, slice(None), f"split {name} {m}x{n}x{k} {lay} {dt} grid {grid} call {it}")
+                    calls += 1
+                assert (plan.split[1] is None) == (sp is None), (plan.split, sp)
+                if sp is not None:
+                    assert int(plan.split[3].abs().sum()) == 0, f"split {name}: counts left {plan.split[3].tolist()}"
+        # a flag never set in the tail's chunk, then the same plan again with it set
+        m, n, k, chunks = 2048, 2048, 1024, 4
+        rows = m // chunks
+        table = _table([Segment(a_src=0, a_row=i * rows, c_row=i * rows, rows=rows, wait_idx=i)
+                        for i in range(chunks)], n, bm, bn)
+        grid = sms - 8
+        assert split_plan(table.shape[0], grid, k // cfg.block_k) is not None, (name, table.shape[0], grid)
+        flags = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+        err = torch.zeros(8, dtype=torch.int32, device="cuda")
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+        c = torch.full((m, n), 7.0, device="cuda", dtype=torch.bfloat16)
+        plan = GluonGemmPlan(a, b, c, table, flags=flags, err=err, timeout_ns=50_000_000, config=cfg)
+        for epoch, never in ((1, None), (2, chunks - 1), (3, None), (4, 0), (5, None)):
+            err.zero_()
+            a.normal_()
+            c.fill_(7.0)
+            flags.fill_(epoch)
+            if never is not None:
+                flags[never] = epoch - 1
+            plan.launch(a, b, c, epoch=epoch, grid=grid)
+            torch.cuda.synchronize()
+            want = a.float() @ b.float()
+            e = err.tolist()
+            if never is None:
+                assert e[0] == 0, f"split {name} epoch {epoch}: error word {e}"
+                _close(c, a, b, slice(None), f"split waits {name} epoch {epoch}")
+            else:
+                assert e[0] == 1 and e[2] == never, f"split {name} never set {never}: error word {e}"
+                assert torch.isnan(c[never * rows:(never + 1) * rows]).all(), f"split {name}: numbers without data"
+                ok = torch.isnan(c) | ((c.float() - want).abs() <= 0.05 + 0.02 * want.abs())
+                assert ok.all(), f"split {name} never set {never}: neither NaN nor the result"
+            if plan.split[1] is not None:
+                assert int(plan.split[3].abs().sum()) == 0, f"split {name}: counts left {plan.split[3].tolist()}"
+        # two grids on one counter, then a row cut whose dead tiles include the tail's
+        m, n, k = 4096, 4096, 1024
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k ** 0.5
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        plan = GluonGemmPlan(a, b, c, table, counter=counter, config=cfg)
+        for it in range(3):
+            a.normal_()
+            c.fill_(float("nan"))
+            counter.zero_()
+            side.wait_stream(torch.cuda.current_stream())
+            plan.launch(a, b, c, epoch=0, grid=sms - 32 - it)
+            with torch.cuda.stream(side):
+                plan.launch(a, b, c, epoch=0, grid=32)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            _close(c, a, b, slice(None), f"split two grids {name} call {it}")
+        span = 1024
+        table = _table([Segment(a_src=0, a_row=0, c_row=0, rows=span)], n, bm, bn)
+        a = torch.randn(span, k, device="cuda", dtype=torch.bfloat16)
+        c = torch.full((span, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        plan = GluonGemmPlan(a, b, c, table, config=cfg, clip=True)
+        assert split_plan(table.shape[0], 120, k // cfg.block_k) is not None, (name, table.shape[0])
+        for cap in (span, 700, 300, span):
+            aa = torch.randn(cap, k, device="cuda", dtype=torch.bfloat16)
+            cc = torch.full((cap, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            plan.launch(aa, b, cc, epoch=0, grid=120, rows=(cap, span))  # (the tail: the last row block's)
+            torch.cuda.synchronize()
+            _close(cc, aa, b, slice(None), f"split row cut {name} {cap} rows")
+            if plan.split[1] is not None:
+                assert int(plan.split[3].abs().sum()) == 0, f"split {name}: counts left {plan.split[3].tolist()}"
+        log.append(f"split {name}: {calls} calls on split grids, a flag never set and the next call, two grids on "
+                   "one counter, a row cut: right")
+
+
 POST_VARIANTS = ("128x256", "256x128", "128x128", "128x256r4")
 """The plain kernel's configs, whose tiles may post (a producer op's: ``post=True``)."""
 
@@ -415,8 +529,10 @@ def checks(variants: dict[str, dict[str, Any]] = VARIANTS, posts: bool = True) -
         try:
             check_plain(log, {name: fields})
             check_waits(log, {name: fields})
-            if name in DYNAMIC_VARIANTS:
+            if name in DYNAMIC_VARIANTS and not fields.get("split_tail"):  # (check_split's own)
                 check_dynamic(log, {name: fields})
+            if fields.get("split_tail"):
+                check_split(log, {name: fields})
             if posts and name in POST_VARIANTS:
                 check_posts(log, {name: fields})
         except Exception as e:  # noqa: BLE001 - recorded; that variant is then not timed
@@ -472,7 +588,7 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
     import torch
 
     from overlap.kernels.autotune import GraphTimer, _cfg_str
-    from overlap.kernels.gluon_gemm import GluonGemmConfig, launch_gluon_gemm
+    from overlap.kernels.gluon_gemm import GluonGemmConfig, GluonGemmPlan
     from overlap.kernels.tile_gemm import GemmConfig, launch_gemm, launch_tile_gemm
     from overlap.policies import Segment, row_chunk_segments
 
@@ -510,18 +626,19 @@ def time_shape(shape: tuple, rounds: int, sms: int, tuned: dict[tuple, dict[str,
         alone_t = _table([Segment(a_src=0, a_row=0, c_row=0, rows=m)], n, bm, bn)
         wait_t = _table(segs, n, bm, bn)
         ca, cw = out(f"gluon_{name}"), out(f"gluon_wait_{name}")
-        fns[f"gluon_{name}"] = (lambda ca=ca, t=alone_t, c=gcfg:
-                                launch_gluon_gemm(a, b, ca, t, grid=sms, config=c))
+        # (a plan per GEMM, as the ops hold one: made once, launched call after call; a split
+        # tail's workspace is the plan's)
+        pa = GluonGemmPlan(a, b, ca, alone_t, config=gcfg)
+        fns[f"gluon_{name}"] = lambda pa=pa, ca=ca: pa.launch(a, b, ca, epoch=1, grid=sms)
         if name in DYNAMIC_VARIANTS:
             cd = out(f"gluon_dynwait_{name}")
             ctr = torch.zeros(1, dtype=torch.int32, device="cuda")
+            pd = GluonGemmPlan(a, b, cd, wait_t, flags=flags, err=err, counter=ctr, config=gcfg)
             # the counter zeroed per call (a memset, as the consumer ops do for the tile GEMM)
-            fns[f"gluon_dynwait_{name}"] = (lambda cd=cd, t=wait_t, c=gcfg, ctr=ctr: (
-                ctr.zero_(), launch_gluon_gemm(a, b, cd, t, grid=sms, flags=flags, err=err, epoch=1, counter=ctr,
-                                               config=c)))
-        fns[f"gluon_wait_{name}"] = (lambda cw=cw, t=wait_t, c=gcfg:
-                                        launch_gluon_gemm(a, b, cw, t, grid=sms, flags=flags, err=err, epoch=1,
-                                                          config=c))
+            fns[f"gluon_dynwait_{name}"] = (lambda pd=pd, cd=cd, ctr=ctr: (
+                ctr.zero_(), pd.launch(a, b, cd, epoch=1, grid=sms)))
+        pw = GluonGemmPlan(a, b, cw, wait_t, flags=flags, err=err, config=gcfg)
+        fns[f"gluon_wait_{name}"] = lambda pw=pw, cw=cw: pw.launch(a, b, cw, epoch=1, grid=sms)
     timers = {}
     errors = {}
     for name, fn in fns.items():

@@ -122,6 +122,17 @@ worst="$worst,1024x6144x768:nk:bfloat16"
 step gluon_native 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_native" --no-posts --chunks ops \
     --shapes "$worst" --variants 128x256,256x128,128x128,pp128x128,128x192,128x256+,pp128x128+ --rounds 3 \
     --max-seconds 330
+# GluonGemmConfig.split_tail: its checks, then timed against the same configs without it on the
+# bench's eleven shapes and on the sweep's shapes under 0.93x on H100 and H200 (ops' chunks)
+step gluon_split_tests 300 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py \
+    -k "split or matches or tiles_wait"
+step gluon_split_bench 330 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_split" --no-posts \
+    --variants 128x256,128x256s,256x128,256x128s,128x128,128x128s,pp128x128 --rounds 3 --max-seconds 280
+slow="$worst,1024x9216x6144:nk:bfloat16,2048x1536x4096:nk:float16,1024x18944x3584:kn:bfloat16"
+slow="$slow,1024x6144x4096:kn:bfloat16,32768x2368x3584:nk:float16,2048x4096x1024:nk:bfloat16"
+step gluon_split_slow 330 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_split_slow" --no-posts \
+    --chunks ops --shapes "$slow" --variants 128x256,128x256s,256x128,256x128s,128x128,128x128s,pp128x128 \
+    --rounds 3 --max-seconds 280
 # the engine's picks after a warm-up of about 150 ms (engine.WARM_MS), to set beside sweep_x's
 step sweep_warm 590 python benchmarks/gemm_sweep.py --out "$out/sweep_warm" --posts --max-seconds 480 \
     --engine-warm-ms 150

@@ -67,7 +67,7 @@ from .. import protocol as _p
 from . import _gluon_compat as _c
 from ._launch import HostDesc
 
-__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "GluonGemmPlan", "launch_gluon_gemm", "descriptors"]
+__all__ = ["AVAILABLE", "REASON", "GluonGemmConfig", "GluonGemmPlan", "launch_gluon_gemm", "descriptors", "split_plan"]
 
 AVAILABLE: bool = _c.AVAILABLE
 REASON: str = _c.REASON
@@ -113,6 +113,18 @@ class GluonGemmConfig:
     stores NaN (with K = 0 there is no step to read it in: C is zeros, right without data).
     Off until checked and timed on a GPU (``benchmarks/gluon_gemm_bench.py``'s ``+``
     variants)."""
+    split_tail: bool = False
+    """The last wave's tiles split along K (the plain kernel, tiles that wait or run alone;
+    not ``ahead``, not posts). Where a launch's tiles leave the last wave of its programs
+    at most half full (R tiles), each of those R tiles runs as 2 or more K slices so that
+    the tail has as many slices as programs (the "data-parallel + split-K" hybrid of
+    Osama et al., Stream-K, PPoPP 2023): every slice stores its fp32 partial to the plan's
+    workspace, then adds 1 to its tile's arrival count (release, after a barrier of the
+    partition's threads); the slice that arrives last (acquire) adds the others' partials
+    to its own and stores the tile (or NaN after a failed wait, as every tile), and sets
+    the count back to 0 for the next launch. No slice waits on another: none can hang. The
+    split is fixed by a plan's first launch (its grid), so launches that join one table by
+    the dispatch counter agree on it (``split_plan``)."""
     tma_epilogue: bool = True
     """C through shared memory and a TMA store (whole tiles). False (the plain kernel only):
     every tile's C by masked stores from the MMA warps' registers, and no C tile in shared
@@ -134,6 +146,9 @@ class GluonGemmConfig:
         if not self.tma_epilogue and self.kind != "plain":
             raise ValueError("GluonGemmConfig.tma_epilogue=False is the plain kernel's (not ping-pong, not 192 "
                              "columns)")
+        if self.split_tail and (self.kind != "plain" or self.ahead):
+            raise ValueError("GluonGemmConfig.split_tail is the plain kernel's (not ping-pong, not 192 columns), "
+                             "without ahead")
         if self.loader_regs % 8 or not 24 <= self.loader_regs <= 256:
             raise ValueError(f"GluonGemmConfig.loader_regs must be a multiple of 8 in [24, 256], got "
                              f"{self.loader_regs}")
@@ -189,10 +204,11 @@ if AVAILABLE:
     _ERR_TIMEOUT = gl.constexpr(_p.ERR_TIMEOUT)
     _ERR_AHEAD = gl.constexpr(_p.ERR_AHEAD)
 
-    _PER_CALL = ["num_tiles", "epoch", "rank", "timeout_ns", "rows_cap", "rows_span"]
+    _PER_CALL = ["num_tiles", "epoch", "rank", "timeout_ns", "rows_cap", "rows_span", "num_units", "split_from",
+                 "split_q", "split_r"]
     """Integers that change from call to call (an epoch of 1, a row count that divides by
     16): not specialized on, so a new value never compiles another kernel (which a CUDA
-    graph capture could not take)."""
+    graph capture could not take); the split's integers (``split_tail``) likewise."""
 
     @gluon.jit
     def _warp_any(x):
@@ -301,6 +317,63 @@ if AVAILABLE:
                 gl.load(row + _COL_WAIT_MULT))
 
     @gluon.jit
+    def _unit(u, split_from, q, r, k_tiles):
+        """Work unit ``u`` of a split launch (``split_tail``): units below ``split_from`` are
+        whole tiles (tile u, K steps 0 .. k_tiles); the rest are K slices of the tail tiles
+        split_from, split_from + 1, ...: the first ``r`` of them in q + 1 slices, the others
+        in q. Returns (tile, first K step, end K step, tail index, slices of the tile, its
+        first slice's unit - split_from, the slice's index)."""
+        tile = u
+        k0 = 0
+        k1 = k_tiles
+        i = -1
+        n = 1
+        base = 0
+        s = 0
+        if u >= split_from:
+            v = u - split_from
+            big = r * (q + 1)
+            if v < big:
+                i = v // (q + 1)
+                n = q + 1
+                base = i * (q + 1)
+            else:
+                i = r + (v - big) // q
+                n = q
+                base = big + (i - r) * q
+            s = v - base
+            tile = split_from + i
+            k0 = s * k_tiles // n
+            k1 = (s + 1) * k_tiles // n
+        return tile, k0, k1, i, n, base, s
+
+    @gluon.jit
+    def _fixup(acc, acc_layout: gl.constexpr, ws_ptr, sk_ptr, i, n, base, s, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+        """A K slice's end (``split_tail``): its fp32 partial into workspace slot base + s,
+        a barrier of the partition's threads, then one thread's acq_rel add of 1 to tail
+        tile i's arrival count. The slice that arrives last returns the sum of every slice's
+        partial and 1 (and sets the count back to 0); the others return ``acc`` and 0. Each
+        thread reads and writes only its own elements' places; the partials of other
+        programs are read past L1 (``.cg``), after the acquire and a barrier."""
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        idx = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
+        elems: gl.constexpr = BLOCK_M * BLOCK_N
+        gl.store(ws_ptr + (base + s).to(gl.int64) * elems + idx, acc)
+        _c.thread_barrier()
+        old = gl.atomic_add(sk_ptr + i, 1, sem="acq_rel", scope="gpu")
+        _c.thread_barrier()
+        last = 0
+        if old == n - 1:
+            last = 1
+            for o in range(n):
+                if o != s:
+                    acc += gl.load(ws_ptr + (base + o).to(gl.int64) * elems + idx, cache_modifier=".cg")
+            gl.store(sk_ptr + i, 0)
+        return acc, last
+
+    @gluon.jit
     def _put_tile(tq, tq_ready, tq_empty, j, t):
         """Loader side of the tile queue (``DYNAMIC``): the program's j-th tile index ``t``
         into queue slot j % 2, once the MMA side has taken what that slot held before."""
@@ -324,7 +397,7 @@ if AVAILABLE:
                 rows_span, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                 DYNAMIC: gl.constexpr, CLIP: gl.constexpr, WIDE: gl.constexpr, CONSUMERS: gl.constexpr,
-                AHEAD: gl.constexpr):
+                AHEAD: gl.constexpr, num_units, split_from, split_q, split_r, SPLIT: gl.constexpr):
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
         ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
         each tile from the dispatch counter and passes its index to the MMA side through the
@@ -337,7 +410,9 @@ if AVAILABLE:
         tile before's start; by the counter: the next tile taken at the current one's first
         K step and its row read at step min(K steps - 1, 2), after the loop where there is
         none, so neither the take nor the row's read sits at the boundary), and no second
-        wait on the flag and multiple of the last wait passed."""
+        wait on the flag and multiple of the last wait passed. ``SPLIT`` (``split_tail``):
+        ``num_units`` work units, each a tile or a K slice of one (``_unit``), the unit's
+        index passed through the tile queue."""
         pid = gl.program_id(0)
         num_progs = gl.num_programs(0)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -354,9 +429,14 @@ if AVAILABLE:
             nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
                 table_ptr, gl.minimum(t, num_tiles - 1))
             row_at = gl.minimum(k_tiles - 1, 2)  # (by the counter: the K step that reads the next row)
-        while t < num_tiles:
+        while t < num_units:
             if DYNAMIC:
                 _put_tile(tq, tq_ready, tq_empty, j, t)
+            tt = t  # (the tile of unit t; its K steps k0 .. k1)
+            k0 = 0
+            k1 = k_tiles
+            if SPLIT:
+                tt, k0, k1, _i, _n, _b, _s = _unit(t, split_from, split_q, split_r, k_tiles)
             if AHEAD:
                 a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = (nx_a_row, nx_a_src, nx_n_tile, nx_c_row,
                                                                       nx_c_rows, nx_w_idx, nx_w_mult)
@@ -368,7 +448,7 @@ if AVAILABLE:
                     nx_a_row, nx_a_src, nx_n_tile, nx_c_row, nx_c_rows, nx_w_idx, nx_w_mult = _row_fields(
                         table_ptr, gl.minimum(t_next, num_tiles - 1))
             else:
-                a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = _row_fields(table_ptr, t)
+                a_row, a_src, n_tile, c_row, c_rows, w_idx, w_mult = _row_fields(table_ptr, tt)
             off_n = n_tile * BLOCK_N
             ok = 1
             if CLIP:
@@ -386,7 +466,7 @@ if AVAILABLE:
                             ok = 0
                         elif w_idx >= 0:
                             ok = _wait_flag(flags_ptr, err_ptr, w_idx, epoch * w_mult, (epoch + 2) * w_mult, rank,
-                                            t, timeout_ns)
+                                            tt, timeout_ns)
                             if AHEAD:
                                 if ok != 0:
                                     passed_idx = w_idx
@@ -395,7 +475,7 @@ if AVAILABLE:
             from_a2 = False
             if HAS_A2:
                 from_a2 = a_src != 0
-            for ki in range(k_tiles):
+            for ki in range(k0, k1):
                 s = cnt % STAGES
                 ph = (cnt // STAGES) & 1
                 # a slot is free once the MMA warps released it (phase 1 passes at start)
@@ -436,7 +516,7 @@ if AVAILABLE:
                 t += num_progs
         if DYNAMIC:
             for e in gl.static_range(CONSUMERS):
-                _put_tile(tq, tq_ready, tq_empty, j + e, num_tiles)
+                _put_tile(tq, tq_ready, tq_empty, j + e, num_units)
 
     @gluon.jit
     def _epilogue(acc, acc_layout: gl.constexpr, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N,
@@ -552,17 +632,20 @@ if AVAILABLE:
 
     @gluon.jit
     def _mma(a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr, flags_ptr,
-             err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span,
+             err_ptr, ws_ptr, sk_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, num_units, split_from,
+             split_q, split_r,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
              B_KN: gl.constexpr, HAS_WAIT: gl.constexpr, ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr,
-             CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr, AHEAD: gl.constexpr,
+             CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr, AHEAD: gl.constexpr, SPLIT: gl.constexpr,
              num_warps: gl.constexpr):
         """The MMA warpgroups (the default partition): the K loop on wgmma with one MMA in
         flight, then the epilogue. With ``POST`` (a producer's tiles) each tile's C is stored
         by masked stores, and once every thread of the partition has stored (a barrier of its
         threads) one thread adds 1 to the tile's post flag with release semantics at GPU
         scope: whoever acquires the count sees the tile (``tile_gemm``'s posts). A dead tile
-        (a row cut) stores nothing and still counts: the flag's waiters expect every tile."""
+        (a row cut) stores nothing and still counts: the flag's waiters expect every tile.
+        ``SPLIT`` (``split_tail``): a K slice of a tail tile ends in ``_fixup``; only the last
+        slice to arrive runs the tile's epilogue (a dead tile's slices skip both)."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         pid = gl.program_id(0)
@@ -574,8 +657,13 @@ if AVAILABLE:
             t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
         else:
             t = pid
-        while t < num_tiles:
-            row = table_ptr + t * _TABLE_COLS
+        while t < num_units:
+            tt = t  # (the tile of unit t; its K steps k0 .. k1)
+            k0 = 0
+            k1 = k_tiles
+            if SPLIT:
+                tt, k0, k1, sp_i, sp_n, sp_base, sp_s = _unit(t, split_from, split_q, split_r, k_tiles)
+            row = table_ptr + tt * _TABLE_COLS
             c_row = gl.load(row + _COL_C_ROW)
             c_rows = gl.load(row + _COL_C_ROWS)
             if CLIP:
@@ -583,7 +671,7 @@ if AVAILABLE:
             off_n = gl.load(row + _COL_N_TILE) * BLOCK_N
             acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
             bad = 0
-            for ki in range(k_tiles):
+            for ki in range(k0, k1):
                 s = cnt % STAGES
                 mbarrier.wait(ready.index(s), (cnt // STAGES) & 1)
                 if B_KN:
@@ -595,10 +683,18 @@ if AVAILABLE:
                     bad = _first_step_error(err_ptr, ki, bad, num_warps)
                 acc = _c.warpgroup_mma_wait(1, deps=(acc,))
                 # the MMA of the step before is done: its slot goes back to the loader
-                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > 0)
+                mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=ki > k0)
                 cnt += 1
             acc = _c.warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k_tiles > 0)
+            mbarrier.arrive(empty.index((cnt + STAGES - 1) % STAGES), count=1, pred=k1 > k0)
+            last = 1
+            if SPLIT:
+                if tt >= split_from:
+                    if c_rows > 0:
+                        acc, last = _fixup(acc, acc_layout, ws_ptr, sk_ptr, sp_i, sp_n, sp_base, sp_s, BLOCK_M,
+                                           BLOCK_N)
+                    else:
+                        last = 0
             if POST:
                 if c_rows > 0:
                     if TMA_C:  # (a C tile in shared memory: coalesced stores through it)
@@ -612,11 +708,13 @@ if AVAILABLE:
                 if p_idx >= 0:
                     gl.atomic_add(flags_ptr + p_idx, 1, sem="release", scope="gpu")
             elif TMA_C:
-                _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
-                          BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
+                if last != 0:
+                    _epilogue(acc, acc_layout, c_smem, c_desc, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm,
+                              BLOCK_M, BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             else:
-                _epilogue_regs(acc, acc_layout, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
-                               BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
+                if last != 0:
+                    _epilogue_regs(acc, acc_layout, c_ptr, err_ptr, c_row, c_rows, off_n, N, stride_cm, BLOCK_M,
+                                   BLOCK_N, HAS_WAIT, ACTIVATION, AHEAD, bad, num_warps)
             j += 1
             if DYNAMIC:
                 t = _take_tile(tq, tq_ready, tq_empty, j, num_warps)
@@ -627,14 +725,16 @@ if AVAILABLE:
 
     @gluon.jit(do_not_specialize=_PER_CALL)
     def gluon_gemm_kernel(a_desc, a2_desc, b_desc, c_desc, c_ptr, table_ptr, flags_ptr, err_ptr, counter_ptr,
-                          N, K, num_tiles, epoch, rank, timeout_ns, stride_cm, rows_cap, rows_span,
+                          ws_ptr, sk_ptr, N, K, num_tiles, epoch, rank, timeout_ns, stride_cm, rows_cap, rows_span,
+                          num_units, split_from, split_q, split_r,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, B_KN: gl.constexpr, HAS_A2: gl.constexpr, HAS_WAIT: gl.constexpr,
                           ACTIVATION: gl.constexpr, DYNAMIC: gl.constexpr, LOADER_REGS: gl.constexpr,
                           WS_LIST: gl.constexpr, CLIP: gl.constexpr, POST: gl.constexpr, TMA_C: gl.constexpr,
-                          AHEAD: gl.constexpr, num_warps: gl.constexpr):
+                          AHEAD: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = a_desc.dtype
         gl.static_assert(not (POST and HAS_WAIT), "a tile posts or waits here, not both")
+        gl.static_assert(not (SPLIT and (POST or AHEAD)), "split tails neither post nor read ahead")
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         if TMA_C:  # (a TMA store's C tile; with POST, the tile's stores staged through it)
@@ -661,13 +761,14 @@ if AVAILABLE:
         if WS_LIST:
             gl.warp_specialize([
                 (_mma, (a_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, c_smem, c_desc, c_ptr, table_ptr,
-                        flags_ptr, err_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, BLOCK_M, BLOCK_N,
-                        BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION, DYNAMIC, CLIP, POST, TMA_C, AHEAD,
-                        num_warps)),
+                        flags_ptr, err_ptr, ws_ptr, sk_ptr, N, K, num_tiles, stride_cm, rows_cap, rows_span, num_units,
+                        split_from, split_q, split_r, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_WAIT, ACTIVATION,
+                        DYNAMIC, CLIP, POST, TMA_C, AHEAD, SPLIT, num_warps)),
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, False, 1, AHEAD)),
+                           HAS_WAIT, DYNAMIC, CLIP, False, 1, AHEAD, num_units, split_from, split_q, split_r,
+                           SPLIT)),
             ], [1], [LOADER_REGS])
 
 
@@ -777,7 +878,7 @@ if AVAILABLE:
                 (_loader, (a_desc, a2_desc, b_desc, b_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, False, 2, AHEAD)),
+                           HAS_WAIT, DYNAMIC, CLIP, False, 2, AHEAD, num_tiles, num_tiles, 1, 0, False)),
             ], [4, 1], [MMA_REGS, LOADER_REGS])
 
 
@@ -888,7 +989,7 @@ if AVAILABLE:
                 (_loader, (a_desc, a2_desc, b_desc, b1_desc, table_ptr, flags_ptr, err_ptr, counter_ptr, a_bufs,
                            b_bufs, b1_bufs, ready, empty, tq, tq_ready, tq_empty, K, num_tiles, epoch, rank,
                            timeout_ns, rows_cap, rows_span, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_KN, HAS_A2,
-                           HAS_WAIT, DYNAMIC, CLIP, True, 1, AHEAD)),
+                           HAS_WAIT, DYNAMIC, CLIP, True, 1, AHEAD, num_tiles, num_tiles, 1, 0, False)),
             ], [1], [LOADER_REGS])
 
 
@@ -979,9 +1080,38 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
         raise RuntimeError(f"gluon_gemm: {REASON}")
     if grid < 1:
         raise ValueError(f"gluon_gemm: grid must be >= 1, got {grid}")
+    if config is not None and config.split_tail and counter is not None:
+        raise ValueError("gluon_gemm: a split tail (split_tail) on a dispatch counter runs through one "
+                         "GluonGemmPlan for every launch that shares the counter (its first launch fixes the "
+                         "split); launch_gluon_gemm makes a plan per launch")
     plan = GluonGemmPlan(a, b, c, table, a2=a2, flags=flags, err=err, rank=rank, timeout_ns=timeout_ns,
                          activation=activation, counter=counter, config=config, clip=rows is not None, post=post)
     plan.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
+
+
+SPLIT_MIN_STEPS = 4
+"""K steps a slice of a split tail tile takes at least (``split_plan``)."""
+
+
+def split_plan(num_tiles: int, grid: int, k_tiles: int) -> tuple[int, int, int, int] | None:
+    """How ``GluonGemmConfig.split_tail`` splits ``num_tiles`` tiles of ``k_tiles`` K steps on
+    ``grid`` programs: ``(split_from, q, r, num_units)``, the tiles from ``split_from`` on
+    (the last wave's R) each in q or (the first r of them) q + 1 K slices, R * q + r =
+    ``grid`` units in the tail; None where nothing is split: the last wave is full or more
+    than half full (q < 2), or K is too short for slices of ``SPLIT_MIN_STEPS`` steps."""
+    if num_tiles <= 0 or grid <= 0 or k_tiles <= 0:
+        return None
+    tail = num_tiles % grid if num_tiles > grid else num_tiles
+    if tail == 0:
+        return None
+    q = grid // tail
+    r = grid % tail
+    if k_tiles // SPLIT_MIN_STEPS < q + (r > 0):
+        q, r = k_tiles // SPLIT_MIN_STEPS, 0
+    if q < 2:
+        return None
+    start = num_tiles - tail
+    return start, q, r, start + tail * q + r
 
 
 class GluonGemmPlan:
@@ -1036,10 +1166,14 @@ class GluonGemmPlan:
         if cfg.pingpong:
             meta["MMA_REGS"] = 232
         meta.update(WS_LIST=_c.WS_LIST_FORM, CLIP=bool(clip))
+        if cfg.split_tail and post:
+            raise ValueError("gluon_gemm: a split tail (split_tail) does not post")
         if cfg.kind == "plain":
             meta["POST"] = bool(post)
             meta["TMA_C"] = bool(cfg.tma_epilogue)
         meta["AHEAD"] = bool(cfg.ahead)
+        if cfg.kind == "plain":
+            meta["SPLIT"] = bool(cfg.split_tail)
         meta["num_warps"] = cfg.num_warps
 
         a2_ = a2 if a2 is not None else a
@@ -1057,6 +1191,10 @@ class GluonGemmPlan:
         self.tail = (int(rank), int(timeout_ns), c.stride(0))
         own = (table, self.flags, self.err, self.counter)
         self.own_aligned = not any(t.data_ptr() % 16 for t in own)
+        self.k_tiles = -(-a.shape[1] // cfg.block_k)
+        self.split: tuple | None = None
+        """(``split_tail``) the split fixed at the first launch: (grid, split_plan's tuple or
+        None, workspace, arrival counts)."""
 
     def _rows_free(self, t: torch.Tensor) -> tuple:
         return (tuple(t.shape)[1:] if self.clip else tuple(t.shape), tuple(t.stride()))
@@ -1105,9 +1243,39 @@ class GluonGemmPlan:
     def _args(self, descs: tuple, c: torch.Tensor, epoch: int, grid: int, rows: Any) -> tuple[int, tuple]:
         """(programs, the kernel's arguments) of a launch with these descriptors."""
         cap, span = rows if rows is not None else (1, 1)
-        nprog = max(1, min(int(grid), self.table.shape[0]))
-        return nprog, (*descs, c, self.table, self.flags, self.err, self.counter, *self.head, int(epoch), *self.tail,
-                       int(cap), int(span))
+        if self.cfg.kind != "plain":
+            nprog = max(1, min(int(grid), self.table.shape[0]))
+            return nprog, (*descs, c, self.table, self.flags, self.err, self.counter, *self.head, int(epoch),
+                           *self.tail, int(cap), int(span))
+        ws, sk, units, start, q, r = self._split_args(int(grid))
+        nprog = max(1, min(int(grid), units))
+        return nprog, (*descs, c, self.table, self.flags, self.err, self.counter, ws, sk, *self.head, int(epoch),
+                       *self.tail, int(cap), int(span), units, start, q, r)
+
+    def _split_args(self, grid: int) -> tuple:
+        """(workspace, arrival counts, units, split_from, q, r) of a launch of the plain
+        kernel: the split of the plan's first launch (``split_plan`` for its grid), kept for
+        the plan's life, so every launch of it (a give-back grid joining by the counter too)
+        cuts the tiles alike; the table's tiles whole where there is none."""
+        n = self.table.shape[0]
+        if not self.cfg.split_tail:
+            return self.table, self.table, n, n, 1, 0
+        if self.split is None:
+            sp = split_plan(n, grid, self.k_tiles)
+            if sp is None:
+                self.split = (grid, None, self.table, self.table)
+            else:
+                start, q, r, units = sp
+                dev = self.table.device
+                ws = torch.empty((units - start) * self.cfg.block_m * self.cfg.block_n, dtype=torch.float32,
+                                 device=dev)
+                sk = torch.zeros(n - start, dtype=torch.int32, device=dev)
+                self.split = (grid, sp, ws, sk)
+        _g, sp, ws, sk = self.split
+        if sp is None:
+            return self.table, self.table, n, n, 1, 0
+        start, q, r, units = sp
+        return ws, sk, units, start, q, r
 
     def bind(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, a2: torch.Tensor | None = None,
              epoch: int, grid: int, rows: tuple[int, int] | None = None) -> Any:

@@ -52,6 +52,20 @@ def test_gluon_gemm_dispatch_counter() -> None:
 
 
 @pytest.mark.gpu
+def test_gluon_gemm_split_tail() -> None:
+    """The last wave's tiles split along K (``split_tail``): plans launched again and again
+    on split grids, a flag never set in the tail's chunk and the next call, two grids on one
+    counter, a row cut."""
+    _need_gluon()
+    from benchmarks.gluon_gemm_bench import VARIANTS, check_split
+
+    split = {kk: v for kk, v in VARIANTS.items() if v.get("split_tail")}
+    log: list[str] = []
+    check_split(log, split)
+    assert len(split) >= 3 and len(log) == len(split), log
+
+
+@pytest.mark.gpu
 def test_gluon_gemm_posts() -> None:
     """Tiles that post (the producer ops' GEMM): flags at their tile counts, rows read after
     their flag whole, two grids on one counter, dead tiles of a row cut counted."""

@@ -73,7 +73,8 @@ def test_launch_refuses_bad_operands_before_any_work() -> None:
 @functools.lru_cache(maxsize=None)
 def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: bool = True,
          has_a2: bool = False, pingpong: bool = False, dynamic: bool = False, clip: bool = False,
-         post: bool = False, stages: int = 0, tma_c: bool = True, aligned: bool = False, ahead: bool = False) -> Any:
+         post: bool = False, stages: int = 0, tma_c: bool = True, aligned: bool = False, ahead: bool = False,
+         split: bool = False) -> Any:
     """``gluon_gemm_kernel`` compiled for sm_90 on the CPU (Triton's own ptxas). ``aligned``:
     C's pointer, its row stride, N and K marked divisible by 16, as a launch specializes them
     on such operands (what lets stores be 16 bytes wide)."""
@@ -96,10 +97,12 @@ def sm90(block_m: int = 128, block_n: int = 256, b_kn: bool = False, has_wait: b
     assert len(descs) == len(names)
     i32 = torch.empty(8, dtype=torch.int32)
     fn = {"pp": gg.gluon_gemm_pp_kernel, "wide": gg.gluon_gemm_wide_kernel, "plain": gg.gluon_gemm_kernel}[cfg.kind]
-    vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32)
+    vals = dict(zip(names, descs), c_ptr=c, table_ptr=i32, flags_ptr=i32, err_ptr=i32, counter_ptr=i32,
+                ws_ptr=torch.empty(8, dtype=torch.float32), sk_ptr=i32)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=cfg.stages, B_KN=b_kn, HAS_A2=has_a2,
                 HAS_WAIT=has_wait, ACTIVATION=0, DYNAMIC=dynamic, LOADER_REGS=cfg.loader_regs, MMA_REGS=232,
-                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, AHEAD=ahead, num_warps=cfg.num_warps)
+                WS_LIST=compat.WS_LIST_FORM, CLIP=clip, POST=post, TMA_C=tma_c, AHEAD=ahead, SPLIT=split,
+                num_warps=cfg.num_warps)
     sig, consts, attrs = {}, {}, {}
     for i, nm in enumerate(fn.arg_names):
         if nm in meta:
@@ -600,3 +603,68 @@ def test_sm90_register_epilogue_leaves_room_for_a_fourth_slot() -> None:
     for bad in (dict(block_m=128, block_n=128, pingpong=True, stages=5), dict(block_n=192, stages=4)):
         with pytest.raises(ValueError, match="tma_epilogue"):
             GluonGemmConfig(tma_epilogue=False, **bad)
+
+
+def test_split_plan_fills_the_last_wave() -> None:
+    """``split_plan``: the last wave's tiles in q or q + 1 K slices, as many as programs;
+    nothing split where the wave is full or more than half full or K too short."""
+    from overlap.kernels.gluon_gemm import SPLIT_MIN_STEPS, split_plan
+
+    assert split_plan(288, 132, 96) == (264, 5, 12, 264 + 24 * 5 + 12)  # 1024x9216 of 128x256: 2.2 waves
+    assert split_plan(48, 132, 64) == (0, 2, 36, 132)  # one partial wave: 36 tiles in 3, 12 in 2
+    assert split_plan(32, 30, 16) == (30, 4, 0, 38)  # q capped by K: 16 steps, 4 a slice
+    for none in ((264, 132, 96), (100, 132, 96), (32, 12, 16), (48, 132, 7), (0, 132, 8), (5, 0, 8)):
+        assert split_plan(*none) is None, none
+    for tiles in range(1, 400, 7):
+        for grid in (8, 77, 132):
+            for k_tiles in (4, 9, 64):
+                sp = split_plan(tiles, grid, k_tiles)
+                if sp is None:
+                    continue
+                start, q, r, units = sp
+                tail = tiles - start
+                assert start % grid == 0 and 0 < tail <= grid // 2 and q >= 2 and 0 <= r < tail
+                assert units - start == tail * q + r <= grid
+                assert k_tiles // (q + (r > 0)) >= SPLIT_MIN_STEPS
+
+
+def test_split_tail_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="split_tail"):
+        GluonGemmConfig(block_m=128, block_n=128, stages=5, pingpong=True, split_tail=True)
+    with pytest.raises(ValueError, match="split_tail"):
+        GluonGemmConfig(split_tail=True, ahead=True)
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels.gluon_gemm import launch_gluon_gemm
+
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    b = torch.zeros(128, 256, dtype=torch.bfloat16)
+    c = torch.zeros(256, 256, dtype=torch.bfloat16)
+    tab = torch.zeros(2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one GluonGemmPlan"):
+        launch_gluon_gemm(a, b, c, tab, grid=1, counter=torch.zeros(1, dtype=torch.int32),
+                          config=GluonGemmConfig(split_tail=True))
+    with pytest.raises(ValueError, match="does not post"):
+        from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+        GluonGemmPlan(a, b, c, tab, flags=torch.zeros(4, dtype=torch.int32), post=True,
+                      config=GluonGemmConfig(split_tail=True))
+
+
+def test_sm90_split_tail_slices_meet_in_the_workspace() -> None:
+    """``split_tail``: the MMA warps store a slice's partial, then (after a barrier of their
+    threads) one acq_rel add to the tile's arrival count, and the last slice reads the others'
+    partials past L1; the loader's K loop starts at the slice's first step. Without it none
+    of that is in the kernel."""
+    k = _build(split=True)
+    mma, loader = _regions(k)
+    ptx = k.asm["ptx"]
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1, "one arrival add"
+    assert "ld.global.cg" in ptx
+    at = mma.index("acq_rel")
+    assert _barriers(mma[:at][-3000:]) >= 1, "a barrier of the MMA warps before the arrival"
+    assert "acq_rel" not in loader
+    for kw in (dict(), dict(dynamic=True)):
+        plain = _build(**kw).asm["ptx"]
+        assert "acq_rel" not in plain and "ld.global.cg" not in plain, kw
+    assert "acq_rel" in _build(split=True, dynamic=True).asm["ptx"]
