@@ -348,6 +348,11 @@ if AVAILABLE:
         return tile, k0, k1, i, n, base, s
 
     @gluon.jit
+    def _fence_gpu():
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
     def _fixup(acc, acc_layout: gl.constexpr, ws_ptr, sk_ptr, i, n, base, s, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr):
         """A K slice's end (``split_tail``): its fp32 partial into workspace slot base + s,
@@ -361,9 +366,11 @@ if AVAILABLE:
         idx = gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
         elems: gl.constexpr = BLOCK_M * BLOCK_N
         gl.store(ws_ptr + (base + s).to(gl.int64) * elems + idx, acc)
+        _fence_gpu()  # (every thread's stores ordered before the barrier and the add, as CUTLASS's split-K)
         _c.thread_barrier()
         old = gl.atomic_add(sk_ptr + i, 1, sem="acq_rel", scope="gpu")
         _c.thread_barrier()
+        _fence_gpu()
         last = 0
         if old == n - 1:
             last = 1
@@ -1192,6 +1199,10 @@ class GluonGemmPlan:
         own = (table, self.flags, self.err, self.counter)
         self.own_aligned = not any(t.data_ptr() % 16 for t in own)
         self.k_tiles = -(-a.shape[1] // cfg.block_k)
+        # the workspace argument where nothing is split: fp32 as the split's own, since the
+        # kernel is compiled for the pointer's type and launched again by the key above for
+        # another plan of the same key whose tail is split
+        self.no_ws = torch.empty(1, dtype=torch.float32, device=table.device)
         self.split: tuple | None = None
         """(``split_tail``) the split fixed at the first launch: (grid, split_plan's tuple or
         None, workspace, arrival counts)."""
@@ -1259,11 +1270,11 @@ class GluonGemmPlan:
         cuts the tiles alike; the table's tiles whole where there is none."""
         n = self.table.shape[0]
         if not self.cfg.split_tail:
-            return self.table, self.table, n, n, 1, 0
+            return self.no_ws, self.table, n, n, 1, 0
         if self.split is None:
             sp = split_plan(n, grid, self.k_tiles)
             if sp is None:
-                self.split = (grid, None, self.table, self.table)
+                self.split = (grid, None, self.no_ws, self.table)
             else:
                 start, q, r, units = sp
                 dev = self.table.device
@@ -1273,7 +1284,7 @@ class GluonGemmPlan:
                 self.split = (grid, sp, ws, sk)
         _g, sp, ws, sk = self.split
         if sp is None:
-            return self.table, self.table, n, n, 1, 0
+            return ws, sk, n, n, 1, 0
         start, q, r, units = sp
         return ws, sk, units, start, q, r
 

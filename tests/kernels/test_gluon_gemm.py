@@ -661,10 +661,50 @@ def test_sm90_split_tail_slices_meet_in_the_workspace() -> None:
     ptx = k.asm["ptx"]
     assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)) == 1, "one arrival add"
     assert "ld.global.cg" in ptx
-    at = mma.index("acq_rel")
+    at = mma.index("tt.atomic_rmw")
+    assert "acq_rel" in mma[at:at + 200]
     assert _barriers(mma[:at][-3000:]) >= 1, "a barrier of the MMA warps before the arrival"
+    assert "fence.acq_rel.gpu" in mma[:at][-3000:], "every thread's fence before it"
     assert "acq_rel" not in loader
     for kw in (dict(), dict(dynamic=True)):
         plain = _build(**kw).asm["ptx"]
         assert "acq_rel" not in plain and "ld.global.cg" not in plain, kw
     assert "acq_rel" in _build(split=True, dynamic=True).asm["ptx"]
+
+
+def test_plan_workspace_argument_is_fp32_split_or_not() -> None:
+    """The workspace pointer is fp32 in every launch of the plain kernel, split or not: the
+    kernel is compiled for the pointer's type, and plans of one key share the compiled
+    kernel (a first launch without a split compiled an int32 workspace, which a later
+    split plan of the same key then stored its partials through, truncated). The split,
+    fixed by a plan's first launch, is the same for later grids; no split: the table's
+    tiles whole."""
+    if not compat.AVAILABLE:
+        pytest.skip(compat.REASON)
+    from overlap.kernels.gluon_gemm import GluonGemmPlan
+
+    a = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    w = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    c = torch.zeros(1024, 1024, dtype=torch.bfloat16)
+    tab = torch.zeros(32, 8, dtype=torch.int32)  # 8 x 4 tiles of 128x256
+    for split, grid, want in ((False, 30, None), (True, 9, None), (True, 30, (30, 4, 0, 38))):
+        plan = GluonGemmPlan(a, w.t(), c, tab, config=GluonGemmConfig(split_tail=split))
+        got: list = []
+
+        class Prepared:
+            raw = None
+
+            def launch(self, nprog, args, aligned=()) -> None:  # noqa: ANN001
+                got.append((nprog, args))
+
+        plan.prepared = Prepared()
+        for g in (grid, 100, 5):
+            plan.launch(a, w.t(), c, epoch=1, grid=g)
+        for (nprog, args), g in zip(got, (grid, 100, 5)):
+            ws, sk, units, start, q, r = args[9], args[10], *args[-4:]
+            assert ws.dtype == torch.float32 and sk.dtype == torch.int32, (split, ws.dtype, sk.dtype)
+            if want is None:
+                assert (units, start, q, r) == (32, 32, 1, 0) and nprog == min(g, 32)
+            else:
+                assert (start, q, r, units) == want and nprog == min(g, 38), (split, g, args[-4:])
+                assert ws.numel() == 8 * 128 * 256 and sk.numel() == 2 and not sk.any()
