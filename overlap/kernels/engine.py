@@ -17,7 +17,9 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   cut kept, twice the tiles); with ``OVERLAP_GLUON_EXPERIMENTAL=1`` a table of 128-row tiles may
   also run at 192 columns (``WIDE_CONFIGS``, ``retile_columns``: each row block's columns
   tiled again, its flag, multiple and row cut kept), and 128x256 / 256x128 tables may also
-  run on 4 stages with C stored from registers (``REGS_CONFIGS``);
+  run on 4 stages with C stored from registers (``REGS_CONFIGS``), and a table of its own
+  tile with the last wave split along K where the launch's grid leaves it at most half
+  full (``SPLIT_CONFIGS``, ``GluonGemmConfig.split_tail``);
 - with ``OVERLAP_GLUON_AHEAD=1``, each of those configs (and of the posting ones below) with
   ``GluonGemmConfig.ahead`` in its place (not yet checked on a GPU: off by default);
 - or tiles that post and do not wait (a producer's), on the plain kernel of the table's own
@@ -111,6 +113,15 @@ Checked on a GPU; the fastest alone on 4 of ``gluon_gemm_bench``'s 11 shapes, bu
 48-shape sweep with it among the candidates waited at 0.971x cuBLAS against 0.972x without
 (docs/experiments.md, 2026-12-05): off by default, a candidate more to time at every first
 launch for no gain measured yet."""
+SPLIT_CONFIGS: dict[tuple[int, int], tuple[GluonGemmConfig, ...]] = {
+    (128, 256): (GluonGemmConfig(block_m=128, block_n=256, stages=3, split_tail=True),),
+    (256, 128): (GluonGemmConfig(block_m=256, block_n=128, stages=3, split_tail=True),),
+    (128, 128): (GluonGemmConfig(block_m=128, block_n=128, stages=4, split_tail=True),),
+}
+"""Configs of the table's own tile whose last wave is split along K where it is at most half
+full (``GluonGemmConfig.split_tail``), measured where ``OVERLAP_GLUON_EXPERIMENTAL=1`` and
+the launch's grid splits the table (``gluon_gemm.split_plan``; elsewhere the config is its
+unsplit twin, not measured twice)."""
 EXPERIMENTAL_ENV = "OVERLAP_GLUON_EXPERIMENTAL"
 
 
@@ -126,13 +137,15 @@ def ahead() -> bool:
 
 
 def _with_ahead(cfgs: tuple[GluonGemmConfig, ...]) -> tuple[GluonGemmConfig, ...]:
-    return tuple(replace(g, ahead=True) for g in cfgs) if ahead() else cfgs
+    # (a split tail does not read ahead: it stays as it is)
+    return tuple(g if g.split_tail else replace(g, ahead=True) for g in cfgs) if ahead() else cfgs
 
 
 def experimental() -> bool:
     """``OVERLAP_GLUON_EXPERIMENTAL`` is 1 (or on, true, yes): the Gluon GEMM's parts that
     measured no faster on a GPU are candidates too: the 192-column tile (``WIDE_CONFIGS``),
-    128x256 and 256x128 on 4 stages with C stored from registers (``REGS_CONFIGS``)."""
+    128x256 and 256x128 on 4 stages with C stored from registers (``REGS_CONFIGS``); and the
+    last wave split along K (``SPLIT_CONFIGS``), not yet timed in the ops."""
     return os.environ.get(EXPERIMENTAL_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 
@@ -187,11 +200,13 @@ def gluon_configs(config: GemmConfig) -> tuple[GluonGemmConfig, ...]:
     """The Gluon configs for a table of ``config``'s tile (none for another tile): those of
     the tile itself first, then those that run its halves (``HALF_CONFIGS``), then (with
     ``OVERLAP_GLUON_EXPERIMENTAL=1``) those of its own tile storing C from registers
-    (``REGS_CONFIGS``) and those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
+    (``REGS_CONFIGS``), those of its own tile with the last wave split along K
+    (``SPLIT_CONFIGS``) and those of its rows retiled to 192 columns (``WIDE_CONFIGS``)."""
     tile = (config.block_m, config.block_n)
     if not TILE_CONFIGS.get(tile):
         return ()
-    more = REGS_CONFIGS.get(tile, ()) + WIDE_CONFIGS.get(tile, ()) if experimental() else ()
+    more = REGS_CONFIGS.get(tile, ()) + SPLIT_CONFIGS.get(tile, ()) + WIDE_CONFIGS.get(tile, ()) \
+        if experimental() else ()
     return _with_ahead(TILE_CONFIGS[tile] + HALF_CONFIGS.get(tile, ()) + more)
 
 
@@ -343,7 +358,8 @@ def picks() -> dict[tuple, tuple[str, str]]:
 
 def _label(cfg: GluonGemmConfig, how: str = "") -> str:
     return (f"gluon {'pp' if cfg.pingpong else ''}{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.stages}"
-            f"{'' if cfg.tma_epilogue else ' regs'}{' ahead' if cfg.ahead else ''}{' ' + how if how else ''}")
+            f"{'' if cfg.tma_epilogue else ' regs'}{' ahead' if cfg.ahead else ''}{' split' if cfg.split_tail else ''}"
+            f"{' ' + how if how else ''}")
 
 
 def _record(problem: tuple, label: str, why: str) -> None:
@@ -407,7 +423,8 @@ def _env(device: Any) -> dict[str, Any]:
         env["warm_ms"] = WARM_MS
     if experimental():  # (picks measured without the experimental candidates keep their key)
         env["experimental"] = {"wide": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in WIDE_CONFIGS.items()},
-                               "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()}}
+                               "regs": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in REGS_CONFIGS.items()},
+                               "split": {f"{m}x{n}": [_label(g) for g in v] for (m, n), v in SPLIT_CONFIGS.items()}}
     return env
 
 
@@ -729,6 +746,13 @@ class EnginePlan:
         self.why = why
         _record(self.problem, self.engine, why)
 
+    def timed_configs(self, grid: int, k: int) -> tuple[GluonGemmConfig, ...]:
+        """The Gluon candidates a launch on ``grid`` programs at reduction ``k`` times: a split
+        tail's config only where that grid splits its table (``gluon_gemm.split_plan``;
+        elsewhere it is its unsplit twin, not timed twice)."""
+        return tuple(g for g in self.configs if not g.split_tail
+                     or _gg.split_plan(self._table_for(g).shape[0], int(grid), -(-int(k) // g.block_k)) is not None)
+
     def _measure(self, ops: _Operands, c: Any, grid: int, rows: Any) -> tuple[GluonGemmConfig | None, str]:
         """Time the tile GEMM and each Gluon config on this call's operands and grid, every
         flag set, on scratch words and C (the op's own are untouched), on a stream of its own:
@@ -776,7 +800,7 @@ class EnginePlan:
             return f
 
         cands: list[tuple[str, Any, GluonGemmConfig | None]] = [("tile", run_tile, None)]
-        cands += [(self.label(g), run_gluon(g), g) for g in self.configs]
+        cands += [(self.label(g), run_gluon(g), g) for g in self.timed_configs(grid, a.shape[1])]
         failed: list[str] = []
         scratch = {id(t) for t in (flags, err, counter) if t is not None}
         try:

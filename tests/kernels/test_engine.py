@@ -327,7 +327,7 @@ def test_wide_candidate_only_where_asked(fake_gluon: list, monkeypatch: pytest.M
     monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
     assert engine._env("cpu")["experimental"]["wide"]["128x256"] == ["gluon 128x192x64 s4"]
     cands = engine.gluon_configs(CFG)
-    assert [c.block_n for c in cands] == [256, 128, 256, 192] and cands[-1].wide
+    assert [c.block_n for c in cands] == [256, 128, 256, 256, 192] and cands[-1].wide and cands[3].split_tail
     assert not cands[2].tma_epilogue and cands[2].stages == 4 and engine._label(cands[2]) == "gluon 128x256x64 s4 regs"
     assert [c.block_n for c in engine.gluon_configs(GemmConfig(block_m=128, block_n=128))][-1] == 192
     assert not any(c.wide for c in engine.gluon_configs(GemmConfig(block_m=256, block_n=128)))
@@ -935,3 +935,34 @@ def test_tile_only_whatever_the_setting(fake_gluon: list, monkeypatch: pytest.Mo
         assert type(gp) is TileGemmPlan
         assert list(_engines().values()) == [("tile", "beside a reduce kernel")]
         assert isinstance(engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"]), engine.EnginePlan)
+
+
+def test_split_candidates_only_where_asked_and_split(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split-tail configs are candidates with ``OVERLAP_GLUON_EXPERIMENTAL=1`` only (in the
+    kept picks' key then), never swapped for ``ahead`` ones, named "split"; a launch times one
+    only where its grid splits the table."""
+    from overlap.kernels import autotune
+
+    monkeypatch.setattr(autotune, "device_env", lambda device: {"gpu": "test"})
+    monkeypatch.delenv(engine.EXPERIMENTAL_ENV, raising=False)
+    assert not any(c.split_tail for c in engine.gluon_configs(CFG))
+    monkeypatch.setenv(engine.EXPERIMENTAL_ENV, "1")
+    assert engine._env("cpu")["experimental"]["split"]["128x256"] == ["gluon 128x256x64 s3 split"]
+    for tile in ((128, 256), (256, 128), (128, 128)):
+        got = [c for c in engine.gluon_configs(GemmConfig(block_m=tile[0], block_n=tile[1])) if c.split_tail]
+        assert [(c.block_m, c.block_n) for c in got] == [tile], tile
+    monkeypatch.setenv(engine.AHEAD_ENV, "1")
+    cands = engine.gluon_configs(CFG)
+    assert [engine._label(c) for c in cands if c.split_tail] == ["gluon 128x256x64 s3 split"]
+    assert all(c.ahead for c in cands if not c.split_tail)
+    monkeypatch.delenv(engine.AHEAD_ENV)
+    monkeypatch.setenv(engine.ENGINE_ENV, "auto")
+    x = _call(m=2048, n=1024)  # (a table of 2 x 1024 rows of 128x256 tiles: 16 x 4)
+    gp = engine.engine_plan(x["a"], x["b"], x["c"], x["table"], **x["kw"])
+    n_tiles = x["table"].shape[0]
+    assert n_tiles == 64
+    # 64 tiles on 60 programs: a last wave of 4, split; on 64 or 40 (24 of 40: over half) none
+    for grid, k, split in ((60, 1024, True), (64, 1024, False), (40, 1024, False), (60, 128, False)):
+        timed = gp.timed_configs(grid, k)
+        assert any(c.split_tail for c in timed) == split, (grid, k)
+        assert [c for c in timed if not c.split_tail] == [c for c in gp.configs if not c.split_tail]
