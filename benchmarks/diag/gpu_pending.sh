@@ -5,20 +5,18 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. gluon_wide_tests gluon_ahead_bench gluon_ahead_ops   (every Gluon GPU test: the MMA
-#                                             warps' error decision reduced over the partition is
-#                                             in every default kernel since 74f7327; then
-#                                             GluonGemmConfig.ahead timed against the same configs
-#                                             without it, alone and in the ops); then
-#                                             gluon_ahead_sweep
-#   2. gluon_native                          (the sweep's seven worst waiting shapes on each Gluon
-#                                             variant's own table, the ops' chunks)
-#   3. sweep_x                               (the 48-shape sweep, about 3-8 minutes: post_ms with
-#                                             the posts staged through shared memory)
-#   4. sweep_warm                            (the sweep, the engine's picks after a warm-up:
-#                                             engine_pick_vs_best against sweep_x's)
-#   5. gluon_wide_bench                      (the posting kernel's checks included)
-#   6. post_diag reader_steps nodes_unit check_ host_ launch
+#   1. gluon_split_tests gluon_split_slow    (GluonGemmConfig.split_tail, not yet run on a GPU
+#                                             since its workspace fix: its checks, the Gluon tests
+#                                             of plain and waiting tiles with its variants among
+#                                             them; then timed against the same configs without
+#                                             it on the shapes with a partial last wave); then
+#                                             gluon_split_bench, and the sweep with
+#                                             OVERLAP_GLUON_EXPERIMENTAL=1 (sweep_split)
+#   2. sweep_x                               (the 48-shape sweep, about 1-8 minutes)
+#   3. gluon_wide_bench                      (the posting kernel's checks included)
+#   4. post_diag reader_steps nodes_unit check_ host_ launch
+# (ran on an H100 at d42acfd: every Gluon GPU test, gluon_ahead_*, gluon_native, sweep_warm,
+# sweep_x: benchmarks/results/2026-12-05_1xH100_d42acfd/; ahead and the warm-up gave nothing.)
 # (post_diag, nodes_unit, host_, launch, the Gluon tests but posts, gluon_wide_bench without
 # posts and sweep_x ran at a0823fb on an H200: benchmarks/results/2026-12-05_1xH200_a0823fb/;
 # the test of posts, post_diag's posting cases, gluon_producer, gluon_planned_x and
@@ -133,6 +131,8 @@ slow="$slow,1024x6144x4096:kn:bfloat16,32768x2368x3584:nk:float16,2048x4096x1024
 step gluon_split_slow 330 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_split_slow" --no-posts \
     --chunks ops --shapes "$slow" --variants 128x256,128x256s,256x128,256x128s,128x128,128x128s,pp128x128 \
     --rounds 3 --max-seconds 280
+step sweep_split 590 env OVERLAP_GLUON_EXPERIMENTAL=1 python benchmarks/gemm_sweep.py --out "$out/sweep_split" \
+    --posts --max-seconds 480
 # the engine's picks after a warm-up of about 150 ms (engine.WARM_MS), to set beside sweep_x's
 step sweep_warm 590 python benchmarks/gemm_sweep.py --out "$out/sweep_warm" --posts --max-seconds 480 \
     --engine-warm-ms 150
