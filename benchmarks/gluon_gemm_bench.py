@@ -404,7 +404,7 @@ def check_split(log: list[str], variants: dict[str, dict[str, Any]] = VARIANTS) 
         c = torch.full((span, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         plan = GluonGemmPlan(a, b, c, table, config=cfg, clip=True)
         assert split_plan(table.shape[0], 120, k // cfg.block_k) is not None, (name, table.shape[0])
-        for cap in (span, 700, 300, span):
+        for cap in (span, 700, 1000, 300, span):  # (1000: the tail's tiles cut, not dead)
             aa = torch.randn(cap, k, device="cuda", dtype=torch.bfloat16)
             cc = torch.full((cap, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             plan.launch(aa, b, cc, epoch=0, grid=120, rows=(cap, span))  # (the tail: the last row block's)

@@ -46,7 +46,8 @@ thread adds 1 to the tile's post flag with release semantics (``tile_gemm``'s po
 tile counts too).
 
 Not here (the ``triton.language`` kernel has them): posts from tiles that also wait, posts
-on the ping-pong and 192-column kernels, split tiles, several weights, the folded norm,
+on the ping-pong and 192-column kernels, split tiles (the table's kind: ``split_tail`` is this
+kernel's own), several weights, the folded norm,
 signature words, A-row cuts, TileSync. The ops run it where their call needs none of these
 and it measured faster (``overlap.kernels.engine``; ``GluonGemmPlan`` is the form they
 launch); the tile GEMM runs everything else.
@@ -117,7 +118,8 @@ class GluonGemmConfig:
     """The last wave's tiles split along K (the plain kernel, tiles that wait or run alone;
     not ``ahead``, not posts). Where a launch's tiles leave the last wave of its programs
     at most half full (R tiles), each of those R tiles runs as 2 or more K slices so that
-    the tail has as many slices as programs (the "data-parallel + split-K" hybrid of
+    the tail has as many slices as programs, or fewer where K allows no more slices of 4 steps
+    (the "data-parallel + split-K" hybrid of
     Osama et al., Stream-K, PPoPP 2023): every slice stores its fp32 partial to the plan's
     workspace, then adds 1 to its tile's arrival count (release, after a barrier of the
     partition's threads); the slice that arrives last (acquire) adds the others' partials
@@ -391,7 +393,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _take_tile(tq, tq_ready, tq_empty, j, WARPS: gl.constexpr):
-        """MMA side of the tile queue: the program's j-th tile index (``num_tiles``: none left)."""
+        """MMA side of the tile queue: the program's j-th tile (or unit) index (the loader's end
+        mark, ``num_units``: none left)."""
         q = j % 2
         mbarrier.wait(tq_ready.index(q), (j // 2) & 1)
         t = gl.max(tq.index(q).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
@@ -408,7 +411,7 @@ if AVAILABLE:
         """The loader warp: per tile, the flag wait, then the K steps' TMA loads into the
         ring (a failed tile arrives on its slots without loading). With ``DYNAMIC`` it takes
         each tile from the dispatch counter and passes its index to the MMA side through the
-        tile queue, then one end mark (``num_tiles``) per MMA consumer. With ``CLIP`` a tile
+        tile queue, then one end mark (``num_units``) per MMA consumer. With ``CLIP`` a tile
         whose C rows the call's row blocks cut away (a dead tile) neither waits nor loads.
         With ``WIDE`` (a 192-column tile) B comes as two TMA tiles a step: its first 128
         columns through ``b_desc`` into ``b_bufs``, the last 64 through ``b1_desc`` into
@@ -1096,6 +1099,11 @@ def launch_gluon_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: 
     plan.launch(a, b, c, a2=a2, epoch=epoch, grid=grid, rows=rows)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA one) is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 SPLIT_MIN_STEPS = 4
 """K steps a slice of a split tail tile takes at least (``split_plan``)."""
 
@@ -1103,8 +1111,9 @@ SPLIT_MIN_STEPS = 4
 def split_plan(num_tiles: int, grid: int, k_tiles: int) -> tuple[int, int, int, int] | None:
     """How ``GluonGemmConfig.split_tail`` splits ``num_tiles`` tiles of ``k_tiles`` K steps on
     ``grid`` programs: ``(split_from, q, r, num_units)``, the tiles from ``split_from`` on
-    (the last wave's R) each in q or (the first r of them) q + 1 K slices, R * q + r =
-    ``grid`` units in the tail; None where nothing is split: the last wave is full or more
+    (the last wave's R) each in q or (the first r of them) q + 1 K slices, R * q + r units in
+    the tail: ``grid``, or fewer where K caps q (slices of ``SPLIT_MIN_STEPS`` steps at
+    least; r is then 0); None where nothing is split: the last wave is full or more
     than half full (q < 2), or K is too short for slices of ``SPLIT_MIN_STEPS`` steps."""
     if num_tiles <= 0 or grid <= 0 or k_tiles <= 0:
         return None
@@ -1126,7 +1135,8 @@ class GluonGemmPlan:
     launches call after call (``overlap.kernels.engine``): per launch only the operands'
     storage (their shapes and strides as the plan's; A's and C's row counts free with
     ``clip``), the epoch, the grid and the row cut change, and the kernel is launched
-    through a prepared launch (no per-call argument binding by Triton)."""
+    through a prepared launch (no per-call argument binding by Triton). A ``split_tail``
+    config's split is the first launch's (its grid); a later grid does not change it."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, table: torch.Tensor, *,
                  a2: torch.Tensor | None = None, flags: torch.Tensor | None = None, err: torch.Tensor | None = None,
@@ -1265,14 +1275,24 @@ class GluonGemmPlan:
 
     def _split_args(self, grid: int) -> tuple:
         """(workspace, arrival counts, units, split_from, q, r) of a launch of the plain
-        kernel: the split of the plan's first launch (``split_plan`` for its grid), kept for
-        the plan's life, so every launch of it (a give-back grid joining by the counter too)
-        cuts the tiles alike; the table's tiles whole where there is none."""
+        kernel: the split of the plan's first launch (``split_plan`` for its grid; none where
+        that launch is captured in a CUDA graph), kept for the plan's life, so every launch of
+        it (a give-back grid joining by the counter too, another grid later) cuts the tiles
+        alike; the table's tiles whole where there is none. The workspace takes up to grid x
+        BLOCK_M x BLOCK_N fp32 (16.5 MiB at 128x256 on 132 SMs) for the plan's life. The
+        arrival counts are set back to 0 by each tile's last slice, not per call: a launch
+        that runs only some of a tile's slices (a dispatch counter not zeroed before it)
+        would leave them off for the launches after."""
         n = self.table.shape[0]
         if not self.cfg.split_tail:
             return self.no_ws, self.table, n, n, 1, 0
         if self.split is None:
             sp = split_plan(n, grid, self.k_tiles)
+            if sp is not None and _capturing(self.table.device):
+                # (a first launch inside a capture: its counts' zeroing would only be recorded, not
+                # run, and an eager launch before the graph's first replay would read them unset;
+                # such a plan stays unsplit for good)
+                sp = None
             if sp is None:
                 self.split = (grid, None, self.no_ws, self.table)
             else:
