@@ -21,7 +21,7 @@ The Gluon GEMM (``overlap.kernels.gluon_gemm``) runs a call that has
   tile with the last wave split along K where the launch's grid leaves it at most half
   full (``SPLIT_CONFIGS``, ``GluonGemmConfig.split_tail``);
 - with ``OVERLAP_GLUON_AHEAD=1``, each of those configs (and of the posting ones below) with
-  ``GluonGemmConfig.ahead`` in its place (not yet checked on a GPU: off by default);
+  ``GluonGemmConfig.ahead`` in its place (checked on an H100, no faster: off by default);
 - or tiles that post and do not wait (a producer's), on the plain kernel of the table's own
   tile (``_post_configs``: halves and retiled tables would post per piece; C staged through
   shared memory, checked and timed on a GPU: docs/experiments.md, 2026-12-05);
@@ -131,8 +131,8 @@ AHEAD_ENV = "OVERLAP_GLUON_AHEAD"
 def ahead() -> bool:
     """``OVERLAP_GLUON_AHEAD`` is 1 (or on, true, yes): every Gluon candidate runs with
     ``GluonGemmConfig.ahead`` (the reads at tile boundaries moved off the tiles' path), in
-    place of the same config without it; not yet checked and timed on a GPU, so off by
-    default (``benchmarks/diag/gpu_pending.sh``'s ``gluon_ahead`` steps)."""
+    place of the same config without it; its GPU tests pass, but it timed no faster on an
+    H100 (docs/experiments.md, 2026-12-05), so off by default."""
     return os.environ.get(AHEAD_ENV, "").strip().lower() in ("1", "on", "true", "yes")
 
 

@@ -112,8 +112,8 @@ class GluonGemmConfig:
     last, where the epilogue waited on it. So a tile whose own wait passed stores its
     (right) values even where another tile failed during its K loop; a failed tile still
     stores NaN (with K = 0 there is no step to read it in: C is zeros, right without data).
-    Off until checked and timed on a GPU (``benchmarks/gluon_gemm_bench.py``'s ``+``
-    variants)."""
+    Off by default: checked on an H100, and no faster there than without it
+    (``benchmarks/gluon_gemm_bench.py``'s ``+`` variants; docs/experiments.md, 2026-12-05)."""
     split_tail: bool = False
     """The last wave's tiles split along K (the plain kernel, tiles that wait or run alone;
     not ``ahead``, not posts). Where a launch's tiles leave the last wave of its programs
@@ -1212,7 +1212,7 @@ class GluonGemmPlan:
         # the workspace argument where nothing is split: fp32 as the split's own, since the
         # kernel is compiled for the pointer's type and launched again by the key above for
         # another plan of the same key whose tail is split
-        self.no_ws = torch.empty(1, dtype=torch.float32, device=table.device)
+        self.no_ws = torch.empty(1, dtype=torch.float32, device=table.device) if cfg.kind == "plain" else None
         self.split: tuple | None = None
         """(``split_tail``) the split fixed at the first launch: (grid, split_plan's tuple or
         None, workspace, arrival counts)."""

@@ -672,6 +672,12 @@ def test_sm90_split_tail_slices_meet_in_the_workspace() -> None:
     assert "acq_rel" in _build(split=True, dynamic=True).asm["ptx"]
 
 
+def _split_operands() -> tuple:
+    """A, B (= w.t()), C of 1024 x 1024 x 1024 and a table of its 32 tiles of 128x256."""
+    a, w, c = (torch.zeros(1024, 1024, dtype=torch.bfloat16) for _ in range(3))
+    return a, w.t(), c, torch.zeros(32, 8, dtype=torch.int32)
+
+
 def test_plan_workspace_argument_is_fp32_split_or_not() -> None:
     """The workspace pointer is fp32 in every launch of the plain kernel, split or not: the
     kernel is compiled for the pointer's type, and plans of one key share the compiled
@@ -683,12 +689,9 @@ def test_plan_workspace_argument_is_fp32_split_or_not() -> None:
         pytest.skip(compat.REASON)
     from overlap.kernels.gluon_gemm import GluonGemmPlan
 
-    a = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    w = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    c = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    tab = torch.zeros(32, 8, dtype=torch.int32)  # 8 x 4 tiles of 128x256
+    a, b, c, tab = _split_operands()
     for split, grid, want in ((False, 30, None), (True, 9, None), (True, 30, (30, 4, 0, 38))):
-        plan = GluonGemmPlan(a, w.t(), c, tab, config=GluonGemmConfig(split_tail=split))
+        plan = GluonGemmPlan(a, b, c, tab, config=GluonGemmConfig(split_tail=split))
         got: list = []
 
         class Prepared:
@@ -699,7 +702,7 @@ def test_plan_workspace_argument_is_fp32_split_or_not() -> None:
 
         plan.prepared = Prepared()
         for g in (grid, 100, 5):
-            plan.launch(a, w.t(), c, epoch=1, grid=g)
+            plan.launch(a, b, c, epoch=1, grid=g)
         for (nprog, args), g in zip(got, (grid, 100, 5)):
             ws, sk, units, start, q, r = args[9], args[10], *args[-4:]
             assert ws.dtype == torch.float32 and sk.dtype == torch.int32, (split, ws.dtype, sk.dtype)
@@ -719,12 +722,9 @@ def test_plan_first_launch_in_a_capture_splits_nothing(monkeypatch: pytest.Monke
     from overlap.kernels import gluon_gemm as gg
     from overlap.kernels.gluon_gemm import GluonGemmPlan
 
-    a = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    w = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    c = torch.zeros(1024, 1024, dtype=torch.bfloat16)
-    tab = torch.zeros(32, 8, dtype=torch.int32)
+    a, b, c, tab = _split_operands()
     for capturing, want in ((True, None), (False, (30, 4, 0, 38))):
-        plan = GluonGemmPlan(a, w.t(), c, tab, config=GluonGemmConfig(split_tail=True))
+        plan = GluonGemmPlan(a, b, c, tab, config=GluonGemmConfig(split_tail=True))
         monkeypatch.setattr(gg, "_capturing", lambda device: capturing)
         got = plan._split_args(30)
         assert plan.split[1] == want, (capturing, plan.split[1])
