@@ -38,7 +38,11 @@ C; the posts of a producer's tiles go to scratch flags too) on the tile GEMM and
 run sustained: each captured in a CUDA graph of about ``GRAPH_MS`` of launches on a stream
 of its own, the graphs replayed back to back, rotated, over ``ROUNDS`` rounds, medians
 (eager rounds where a capture fails); the Gluon GEMM runs only where it was ``MARGIN`` (1%)
-faster. The pick is kept
+faster. Before it is timed, each Gluon config's C from its first launch is checked against
+the tile GEMM's C from the same launch (``c_differs``; C prefilled with NaN, so a tile left
+unwritten shows): a config whose C differs is no candidate, with a warning and the reason in
+the report (a guard on the call's own operands, not a proof; it holds one more C-sized
+buffer while the measurement runs). The pick is kept
 per problem for the process (``picks()``) and, with ``OVERLAP_GEMM_CACHE`` set, in a file
 beside the GEMM tuner's (``cache_path()``), keyed like the tuner's by the GPU, the versions
 and the problem. A first launch inside a capture runs the tile GEMM (no measuring in a
@@ -806,17 +810,27 @@ class EnginePlan:
         try:
             with timing.context():
                 live = []
+                ref = None
                 for name, fn, g in cands:
                     try:
+                        c_s.fill_(float("nan"))  # (what a launch leaves unwritten stays NaN)
                         fn()  # compiles where new
                         timing.sync()
                         if err is not None and int(err[0]) != 0:
                             raise RuntimeError(f"error word {err.tolist()} with every flag set")
+                        if g is None:
+                            ref = c_s.clone()
+                        else:
+                            bad = c_differs(c_s, ref)
+                            if bad is not None:
+                                _warn_wrong(self.problem, name, bad)
+                                raise RuntimeError(f"its C is not the tile GEMM's: {bad}")
                         live.append((name, fn, g))
                     except Exception as e:  # noqa: BLE001 - a config this GPU or Triton refuses: not a candidate
                         if g is None:
                             raise
-                        failed.append(f"{name} failed ({type(e).__name__}: {str(e)[:120]})")
+                        failed.append(f"{name} failed ({type(e).__name__}: {str(e)[:160]})")
+                del ref
                 runs = {name: fn for name, fn, _g in live}
                 try:
                     times, iters = graph_times(runs, timing)
@@ -833,6 +847,69 @@ class EnginePlan:
         why = f"measured ({how}) " + ", ".join(f"{nm} {ms:.3f}" for nm, ms in sorted(med.items(), key=lambda kv: kv[1]))
         why += " ms" + ("; " + "; ".join(failed) if failed else "")
         return next((g for name, _f, g in live if name == best), None), why
+
+
+CHECK_RTOL = 2.0 ** -6
+"""``c_differs``: an element differs where it is off by more than this fraction of the tile
+GEMM's value (2 to 4 bf16 ulps; the two sum K in another order, in fp32, and round once) ..."""
+CHECK_ATOL = 2.0 ** -10
+"""... plus this fraction of the root mean square of the tile GEMM's C (sums that cancel
+to near zero)."""
+_CHECK_CHUNK = 1 << 22
+"""Elements of C compared at a time (the fp32 copies a comparison makes stay this small)."""
+_wrong_warned: set = set()
+
+
+def c_differs(out: Any, ref: Any) -> str | None:
+    """Where a candidate's C ``out`` is not the tile GEMM's ``ref`` (the same launch, both on
+    C prefilled with NaN): None, or how many elements differ and the first of them. One is
+    finite and the other not (a tile one of them left unwritten, or wrote where the other
+    did not), or both finite and further apart than ``CHECK_RTOL`` of the tile GEMM's value
+    plus ``CHECK_ATOL`` of its C's root mean square. Read in chunks of rows; the host waits
+    for each (a measurement's, once per GEMM problem)."""
+    import torch
+
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"shape {tuple(out.shape)}, the tile GEMM's {tuple(ref.shape)}"
+    m, n = ref.shape
+    step = max(1, _CHECK_CHUNK // max(1, n))
+    ss, cnt = 0.0, 0
+    for i in range(0, m, step):
+        r = ref[i:i + step].float()
+        fin = torch.isfinite(r)
+        ss += float(torch.where(fin, r * r, torch.zeros_like(r)).sum())
+        cnt += int(fin.sum())
+    rms = math.sqrt(ss / cnt) if cnt else 0.0
+    nbad, first = 0, None
+    for i in range(0, m, step):
+        r, o = ref[i:i + step].float(), out[i:i + step].float()
+        fr, fo = torch.isfinite(r), torch.isfinite(o)
+        far = (o - r).abs() > CHECK_RTOL * r.abs() + CHECK_ATOL * rms
+        bad = (fr != fo) | (fr & fo & far)
+        k = int(bad.sum())
+        if k and first is None:
+            j = int(bad.flatten().nonzero()[0])
+            first = (i + j // n, j % n, float(o.flatten()[j]), float(r.flatten()[j]))
+        nbad += k
+    if not nbad:
+        return None
+    row, col, got, want = first
+    return (f"{nbad} of {m * n} elements differ (the first at row {row}, column {col}: {got:.6g}, the tile "
+            f"GEMM's {want:.6g})")
+
+
+def _warn_wrong(problem: tuple, name: str, bad: str) -> None:
+    """Once per problem and config: a Gluon config whose C differs is a defect to report."""
+    import warnings
+
+    key = (problem, name)
+    with _lock:
+        if key in _wrong_warned:
+            return
+        _wrong_warned.add(key)
+    warnings.warn(f"overlap: the Gluon GEMM config {name} computed another C than the tile GEMM on the GEMM "
+                  f"problem {problem} ({bad}); it is not used for that GEMM (the tile GEMM or another config "
+                  "runs). Please report this with overlap.report()", RuntimeWarning, stacklevel=3)
 
 
 def pick(med: dict[str, float]) -> str:

@@ -966,3 +966,106 @@ def test_split_candidates_only_where_asked_and_split(fake_gluon: list, monkeypat
         timed = gp.timed_configs(grid, k)
         assert any(c.split_tail for c in timed) == split, (grid, k)
         assert [c for c in timed if not c.split_tail] == [c for c in gp.configs if not c.split_tail]
+
+
+def test_c_differs_finds_wrong_and_unwritten_elements_not_rounding() -> None:
+    """The check of a candidate's C: equal, a rounding apart (each element one bf16 ulp off,
+    a sum near zero off by a little of C's scale) and both NaN where neither wrote: none
+    differs. One element off by 3 (its value -8.5: a tolerance of about 0.17), one left NaN,
+    or one written where the tile GEMM left NaN: named with its row, column and values."""
+    g = torch.Generator().manual_seed(3)
+    ref = (torch.randn(300, 96, generator=g) * 40).bfloat16()
+    ref[-20:] = float("nan")  # (rows the launch's row cut left unwritten)
+    assert float(ref[17, 3]) == -8.5
+    assert engine.c_differs(ref.clone(), ref) is None
+    ulp = ref.float() * (1 + 2.0 ** -7)  # (bf16 keeps 8 bits: about one ulp up)
+    assert engine.c_differs(ulp.bfloat16(), ref) is None
+    near = ref.clone()
+    near[5, 7] = 0.0
+    near2 = near.clone()
+    near2[5, 7] = 0.02  # (a sum that cancels: off by 0.05% of C's rms of about 40)
+    assert engine.c_differs(near2, near) is None
+    for row, col, value in ((17, 3, float(ref[17, 3]) + 3.0), (250, 95, float("nan")), (290, 0, 1.0)):
+        bad = ref.clone()
+        bad[row, col] = value
+        got = engine.c_differs(bad, ref)
+        assert got is not None and got.startswith(f"1 of {300 * 96} elements differ (the first at row {row}, "
+                                                  f"column {col}: "), got
+    assert "shape" in engine.c_differs(ref[:10], ref)
+    monkeypatch_chunk = engine._CHECK_CHUNK
+    try:  # (read in chunks of rows: the first element named is the first row's)
+        engine._CHECK_CHUNK = 96 * 7
+        bad = ref.clone()
+        bad[100, 1] = bad[200, 2] = 1e4
+        assert engine.c_differs(bad, ref).startswith("2 of 28800 elements differ (the first at row 100, column 1")
+    finally:
+        engine._CHECK_CHUNK = monkeypatch_chunk
+
+
+def test_a_config_whose_c_differs_is_no_candidate(fake_gluon: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launch of the measurement writes C (the tile GEMM: the product; the 128x256 config:
+    the product with one tile wrong; the halves: the product one ulp off): the 128x256
+    config, fastest, is not picked and not timed; the halves are; a warning names it, once
+    per problem, and the report's why says what differed. Then the halves leave one tile
+    unwritten: C is NaN there (prefilled before each candidate's launch), so they are no
+    candidate either, though the launch before theirs left the right values there."""
+    base = {"tile": 0.5, NAMES[1]: 0.3, NAMES[2]: 0.45}
+    gp, x = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: base[nm])
+    want = (x["a"].float().repeat(2, 1) @ x["b"].float())
+
+    def tile_launch(descs: Any, c: Any, **kw: Any) -> None:
+        fake_gluon.append({"tile": True, "c": c, **kw})
+        c.copy_(want)
+    gp.tile.launch = tile_launch
+
+    class WritingPlan:
+        def __init__(self, a: Any, b: Any, c: Any, table: Any, **kw: Any) -> None:
+            self.made = dict(table=table, **kw)
+
+        def launch(self, a: Any, b: Any, c: Any, **kw: Any) -> None:
+            fake_gluon.append(dict(self.made, a=a, b=b, c=c, **kw))
+            if self.made["config"].block_n == 256:
+                c.copy_(want)
+                c[128:256, 256:512] *= 0.5  # (one tile with half its K)
+            else:
+                c.copy_(want.half().float() * (1 + 2.0 ** -11))
+    monkeypatch.setattr(engine._gg, "GluonGemmPlan", WritingPlan)
+    with pytest.warns(RuntimeWarning, match="gluon 128x256x64 s3 computed another C than the tile GEMM"):
+        gp.launch(gp.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(1024, 1024))
+    t, = FakeTiming.made
+    assert gp.engine == NAMES[2], gp.why
+    assert NAMES[1] not in t.captured and set(t.captured) == {"tile", NAMES[2]}
+    import re
+
+    # (the tile's elements near zero are within the tolerance halved too)
+    got = re.search(f"{NAMES[1]} failed \\(RuntimeError: its C is not the tile GEMM's: ([0-9]+) of {1024 * 768} "
+                    "elements differ \\(the first at row 128, column 256: ", gp.why)
+    assert got is not None and 0.98 * 128 * 256 < int(got.group(1)) <= 128 * 256, gp.why
+    # another plan of the problem measures again (no kept pick here): no second warning
+    import warnings
+
+    gp2, x2 = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: base[nm])
+    gp2.tile.launch = tile_launch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gp2.launch(gp2.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(1024, 1024))
+    assert gp2.engine == NAMES[2]
+    # the halves, fastest now, leave one tile unwritten (it keeps what C held before: NaN,
+    # where the 128x256 config's launch before it wrote the right values)
+    base = {"tile": 0.5, NAMES[1]: 0.45, NAMES[2]: 0.3}
+
+    class Unwritten(WritingPlan):
+        def launch(self, a: Any, b: Any, c: Any, **kw: Any) -> None:
+            fake_gluon.append(dict(self.made, a=a, b=b, c=c, **kw))
+            keep = c[:128, :128].clone()
+            c.copy_(want)
+            if self.made["config"].block_n == 128:
+                c[:128, :128] = keep
+    monkeypatch.setattr(engine._gg, "GluonGemmPlan", Unwritten)
+    gp3, x3 = _measuring_plan(fake_gluon, monkeypatch, lambda nm, k: base[nm])
+    gp3.tile.launch = tile_launch
+    with pytest.warns(RuntimeWarning, match="halves computed another C"):
+        gp3.launch(gp3.operands(x["a"], x["b"], x["a2"]), x["c"], epoch=1, grid=100, rows=(1024, 1024))
+    assert gp3.engine == NAMES[1], gp3.why
+    assert f"{NAMES[2]} failed (RuntimeError: its C is not the tile GEMM's: {128 * 128} of " in gp3.why, gp3.why
+    assert "(the first at row 0, column 0: nan, the tile GEMM's " in gp3.why, gp3.why
