@@ -123,7 +123,7 @@ step gluon_native 400 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_na
 # GluonGemmConfig.split_tail: its checks, then timed against the same configs without it on the
 # bench's eleven shapes and on the sweep's shapes under 0.93x on H100 and H200 (ops' chunks)
 step gluon_split_tests 300 python -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_gluon_gemm_gpu.py \
-    -k "split or matches or tiles_wait"
+    -k "split or matches or tiles_wait or guarantees"
 step gluon_split_bench 330 python benchmarks/gluon_gemm_bench.py --out "$out/gluon_split" --no-posts \
     --variants 128x256,128x256s,256x128,256x128s,128x128,128x128s,pp128x128 --rounds 3 --max-seconds 280
 slow="$worst,1024x9216x6144:nk:bfloat16,2048x1536x4096:nk:float16,1024x18944x3584:kn:bfloat16"

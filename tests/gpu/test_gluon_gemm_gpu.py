@@ -175,6 +175,7 @@ def test_engine_plan_keeps_the_guarantees(mode: str, monkeypatch: pytest.MonkeyP
             assert int(counter[0]) == n_tiles + min(100, n_tiles) + (min(32, n_tiles) if it % 2 else 0), (
                 int(counter[0]), n_tiles)
         assert gp.engine != "undecided" and (gp.engine.startswith("gluon") or mode == "auto"), gp.engine
+        assert "not the tile GEMM's" not in gp.why, gp.why  # (measured: each config's C checked first)
         assert (mode == "ahead") == gp.engine.endswith(" ahead"), gp.engine
         if gp.engine == "tile":
             continue  # (auto picked the tile GEMM: its guarantees are its own tests')
