@@ -5,8 +5,8 @@
 # (with prefixes, only the steps whose names start with one: e.g. `nodes_unit check_nodes host_`).
 # All of it takes more than 10 minutes on an H200 host; where one command is bounded by that,
 # run it in parts, most telling first:
-#   1. gluon_split_tests gluon_split_slow    (GluonGemmConfig.split_tail, not yet run on a GPU
-#                                             since its workspace fix: its checks, the Gluon tests
+#   1. gluon_split_tests gluon_split_slow    (GluonGemmConfig.split_tail, passed on an H100
+#                                             at 647fcbc: its checks, the Gluon tests
 #                                             of plain and waiting tiles with its variants among
 #                                             them; then timed against the same configs without
 #                                             it on the shapes with a partial last wave); then
