@@ -11,13 +11,21 @@ the host-side checks and agreement plus the plain collective and matmul, in fp32
 
 Per row, rank 0 writes (``DIR/host_overhead.json``)::
 
-    {"context": {...}, "rows": [{"op", "host_us_p50", "host_us_p99", "gpu_us"}]}
+    {"context": {...}, "rows": [{"op", "host_us_p50", "host_us_p99", "gpu_us", "idle_us_p50", "x_mm"}]}
 
 host_us: wall time to queue one call, each call timed alone (``--calls`` calls after a
 warm-up), the slowest rank's median and 99th percentile. The shapes are small
 (M x N x K = 512 x 1024 x 1024, bf16: about 10 us of GPU work; 64 x 128 x 128 in fp32 on
 the CPU), so the host sets the pace and a call returns as soon as it is queued. gpu_us: GPU time per call with the host far
 ahead (the calls queued behind a sleep kernel, timed from its end); None on the CPU.
+
+The rows of a phase are timed in ``--rounds`` interleaved rounds (each round: a few untimed
+calls, then ``calls / rounds`` timed ones, row after row), so a host that speeds up or slows
+down during the run moves every row alike and ``x_mm`` (the row's p50 over torch.mm's, from
+the same rounds) compares like with like. Back to back, a call whose GPU work outlasts its
+host work ends up waiting for room in the launch queue: its time is then the GPU's, not the
+host's. So each row also times calls queued onto an idle GPU (``idle_us_p50``: a
+synchronize before each, outside the timed span): the host's cost alone.
 Layers time forward + backward (``y.backward(dy)``) of one layer, beside torch's
 ``nn.Linear`` of the same shape (M x N x K, not sharded: a layer's ops at one rank). The context's
 ``call_plans`` counts the ops' call plans made and the calls run from one
@@ -55,21 +63,40 @@ def _slowest(v: float, group: Any) -> float:
     return float(t.item())
 
 
-def host_times(fn: Callable[[], Any], calls: int, dev: torch.device, barrier: Callable[[], None]) -> list[float]:
-    """Microseconds to queue each of ``calls`` calls of ``fn`` (after a warm-up)."""
-    for _ in range(10):
+def host_times(fn: Callable[[], Any], calls: int, dev: torch.device, barrier: Callable[[], None],
+               warm: int = 10, idle: bool = False) -> list[float]:
+    """Microseconds to queue each of ``calls`` calls of ``fn`` (after ``warm`` untimed ones),
+    back to back, or with ``idle`` each onto an idle GPU (a synchronize before it, untimed)."""
+    for _ in range(warm):
         fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
+    sync(dev)
     barrier()
     out = []
     for _ in range(calls):
+        if idle:
+            sync(dev)
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e6)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    sync(dev)
     return out
+
+
+def interleaved(rows: list[tuple[str, Callable[[], Any], bool]], calls: int, rounds: int, dev: torch.device,
+                barrier: Callable[[], None]) -> dict[str, tuple[list[float], list[float]]]:
+    """Per row (name, function, whether autograd is on while it runs), its back-to-back and
+    its idle-GPU call times (``host_times``), from ``rounds`` rounds that each time every row
+    in turn (``calls`` in all per row and way)."""
+    per = [calls // rounds + (1 if r < calls % rounds else 0) for r in range(rounds)]
+    got: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, _fn, _g in rows}
+    for r, n in enumerate(per):
+        for name, fn, grad in rows:
+            b2b, idle = got[name]
+            with torch.set_grad_enabled(grad):
+                b2b += host_times(fn, n, dev, barrier, warm=10 if r == 0 else 3)
+                idle += host_times(fn, n, dev, barrier, warm=1, idle=True)
+    return got
 
 
 def profile_calls(fn: Callable[[], Any], calls: int, dev: torch.device) -> str:
@@ -132,6 +159,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for host_overhead.json")
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds the calls of each row are spread over (every row timed once per round)")
     ap.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"), default=None,
                     help="default 512 1024 1024 on a GPU, 64 128 128 on the CPU (where the arithmetic "
                          "of the GPU's shape would outweigh the host work it is to show)")
@@ -182,20 +211,35 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     profiles: list[tuple[str, str]] = []
+    pending: list[tuple[str, Callable[[], Any], bool]] = []
+    mm_p50: list[float] = []
 
     def row(name: str, fn: Callable[[], Any]) -> None:
-        if only and name not in only:
-            return
-        ts = host_times(fn, args.calls, dev, barrier)
-        p50 = _slowest(statistics.median(ts), group)
-        p99 = _slowest(sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))], group)
-        g = gpu_us(fn, p50, dev, barrier)
-        r = {"op": name, "host_us_p50": round(p50, 1), "host_us_p99": round(p99, 1), "gpu_us": g}
-        rows.append(r)
-        if ctx.rank == 0:
-            print(json.dumps(r), flush=True)
-        if args.profile:
-            profiles.append((name, profile_calls(fn, args.profile, dev)))
+        """A row of the phase being gathered (timed by ``flush``, autograd on or off as now)."""
+        if not only or name in only:
+            pending.append((name, fn, torch.is_grad_enabled()))
+
+    def flush() -> None:
+        """Time the gathered rows in interleaved rounds, then each one's GPU time (and profile)."""
+        got = interleaved(pending, args.calls, max(1, min(args.rounds, args.calls)), dev, barrier)
+        for name, fn, grad in pending:
+            ts, idle = got[name]
+            p50 = _slowest(statistics.median(ts), group)
+            p99 = _slowest(sorted(ts)[min(len(ts) - 1, int(0.99 * len(ts)))], group)
+            if name == "torch.mm":
+                mm_p50[:] = [p50]
+            with torch.set_grad_enabled(grad):
+                g = gpu_us(fn, p50, dev, barrier)
+            r = {"op": name, "host_us_p50": round(p50, 1), "host_us_p99": round(p99, 1), "gpu_us": g,
+                 "idle_us_p50": round(_slowest(statistics.median(idle), group), 1),
+                 "x_mm": round(p50 / mm_p50[0], 2) if mm_p50 else None}
+            rows.append(r)
+            if ctx.rank == 0:
+                print(json.dumps(r), flush=True)
+            if args.profile:
+                with torch.set_grad_enabled(grad):
+                    profiles.append((name, profile_calls(fn, args.profile, dev)))
+        pending.clear()
 
     # torch's own, the yardsticks
     a, w = rnd(M, K), rnd(N, K) / K ** 0.5
@@ -246,19 +290,6 @@ def main() -> None:
                 row("mlp_chain", lambda: overlap.mlp_chain(act(a), w1.t(), w2.t()))
 
     op_rows("")  # the default: plan graphs where the host sets the pace (OVERLAP_PLAN_GRAPHS=auto)
-    if gpu and not args.no_graph_rows:
-        from overlap.ops import _calls
-
-        # the same calls from their bound bodies, no plan graph (the plans made again)
-        setting = os.environ.get("OVERLAP_PLAN_GRAPHS")
-        os.environ["OVERLAP_PLAN_GRAPHS"] = "off"
-        _calls.clear_call_plans()
-        op_rows(" (no plan graph)")
-        if setting is None:
-            os.environ.pop("OVERLAP_PLAN_GRAPHS")
-        else:
-            os.environ["OVERLAP_PLAN_GRAPHS"] = setting
-        _calls.clear_call_plans()
 
     # the layers, forward + backward; torch's own nn.Linear first, the yardstick of a layer
     lin = torch.nn.Linear(K, N, device=dev, dtype=dt)
@@ -288,6 +319,24 @@ def main() -> None:
     row("ColumnParallelLinear fwd+bwd", fb_col)
     row("RowParallelLinear fwd+bwd", fb_row)
     row("NormColumnParallelLinear fwd+bwd", fb_ncol)
+    flush()  # the yardsticks, the ops and the layers in the same rounds
+
+    if gpu and not args.no_graph_rows:
+        from overlap.ops import _calls
+
+        # the same calls from their bound bodies, no plan graph (the plans made again), timed
+        # in rounds of their own (the setting is read per call)
+        setting = os.environ.get("OVERLAP_PLAN_GRAPHS")
+        os.environ["OVERLAP_PLAN_GRAPHS"] = "off"
+        _calls.clear_call_plans()
+        op_rows(" (no plan graph)")
+        mm_p50.clear()  # (no torch.mm in these rounds: no x_mm)
+        flush()
+        if setting is None:
+            os.environ.pop("OVERLAP_PLAN_GRAPHS")
+        else:
+            os.environ["OVERLAP_PLAN_GRAPHS"] = setting
+        _calls.clear_call_plans()
 
     if ctx.rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -297,7 +346,8 @@ def main() -> None:
                            "path": "fused (nccl x2)" if gpu else "reference (no GPU)",
                            "call_plans": dict(_calls.stats), "plan_graphs": dict(_graphs.stats),
                            "plan_graphs_setting": os.environ.get("OVERLAP_PLAN_GRAPHS", "auto"),
-                           "plan_graph_copies": _graphs.copies(), "alternate": args.alternate}, "rows": rows}
+                           "plan_graph_copies": _graphs.copies(), "alternate": args.alternate,
+                           "rounds": args.rounds}, "rows": rows}
         with open(os.path.join(args.out, "host_overhead.json"), "w") as fh:
             json.dump(out, fh, indent=1)
         if profiles:
@@ -305,11 +355,15 @@ def main() -> None:
                 for name, text in profiles:
                     fh.write(f"===== {name}: {args.profile} calls =====\n{text}\n")
         mm = next((r["host_us_p50"] for r in rows if r["op"] == "torch.mm"), None)
-        print(f"{'op':40s} {'p50 us':>8s} {'p99 us':>8s} {'gpu us':>8s} {'p50/mm':>7s}")
+        mm_idle = next((r["idle_us_p50"] for r in rows if r["op"] == "torch.mm"), None)
+        print(f"{'op':40s} {'p50 us':>8s} {'p99 us':>8s} {'gpu us':>8s} {'p50/mm':>7s} {'idle us':>8s} "
+              f"{'idle/mm':>7s}")
         for r in rows:
             ratio = f"{r['host_us_p50'] / mm:.1f}x" if mm else ""
+            iratio = f"{r['idle_us_p50'] / mm_idle:.1f}x" if mm_idle else ""
             print(f"{r['op']:40s} {r['host_us_p50']:8.1f} {r['host_us_p99']:8.1f} "
-                  f"{r['gpu_us'] if r['gpu_us'] is not None else '-':>8} {ratio:>7s}")
+                  f"{r['gpu_us'] if r['gpu_us'] is not None else '-':>8} {ratio:>7s} {r['idle_us_p50']:8.1f} "
+                  f"{iratio:>7s}")
     dist.shutdown()
 
 
