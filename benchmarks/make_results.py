@@ -12,7 +12,9 @@ run of fewer shapes. Tables come from ``benchmarks.suite.report`` (the same code
 writes each run's ``results.md``); the README block is a short table per op from the
 latest full runs of the machine kind with the most runs. Then the one-GPU benchmarks, each
 from its newest JSON by date: the tile GEMM against cuBLAS (``gemm_sweep.json``, written by
-``benchmarks/gemm_sweep.py``) and the MLP chain eager and as a CUDA graph
+``benchmarks/gemm_sweep.py``), the shapes under the GEMM's per-shape target with what was
+measured about each (the newest sweep per GPU and ``benchmarks/gluon_gemm_bench.py``'s rows
+of that GPU, ``gemm_gaps_md``), and the MLP chain eager and as a CUDA graph
 (``chain_graph.json``, ``benchmarks/chain_graph.py``).
 
 The README block sits between ``<!-- results:start -->`` and ``<!-- results:end -->``.
@@ -280,12 +282,174 @@ def chain_graph_md(found: tuple[dict, str]) -> list[str]:
     return lines + [report.md_table(head, [[str(v) for v in row] for row in body]), ""]
 
 
+def _newest_per_gpu(results_dir: str, pattern: str) -> list[tuple[dict, str]]:
+    """The newest JSON matching ``pattern`` per GPU name (its context's ``gpu``), newest
+    first, each with its folder relative to ``results_dir``."""
+    best: dict[str, tuple[str, dict, str]] = {}
+    for path in glob.glob(os.path.join(results_dir, "**", pattern), recursive=True):
+        with open(path) as f:
+            doc = json.load(f)
+        c = doc.get("context", {})
+        if not doc.get("rows"):
+            continue
+        date, gpu = str(c.get("date", "")), str(c.get("gpu"))
+        if gpu not in best or date > best[gpu][0]:
+            best[gpu] = (date, doc, os.path.relpath(os.path.dirname(path), results_dir).replace(os.sep, "/"))
+    return [(doc, folder) for _d, doc, folder in sorted(best.values(), key=lambda v: v[0], reverse=True)]
+
+
+def _shape(r: dict) -> tuple:
+    return (r["m"], r["n"], r["k"], r["b_layout"], r["dtype"])
+
+
+def _tile_of(text: str) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) of a config as the sweep names it ("gluon pp128x128x64 s5",
+    "128x256x64 s4 w8 flat g8")."""
+    for tok in (text or "").replace("pp", "").split():
+        parts = tok.split("x")
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            return int(parts[0]), int(parts[1])
+    return None
+
+
+def _waves(m: int, n: int, tile: tuple[int, int] | None, sms: int) -> tuple[int, float, float] | None:
+    """Tiles, waves on ``sms`` SMs and the last wave's fill of an M x N C in ``tile``."""
+    if tile is None:
+        return None
+    tiles = -(-m // tile[0]) * -(-n // tile[1])
+    return tiles, tiles / sms, ((tiles % sms) or sms) / sms
+
+
+def _wave_reason(w: tuple[int, float, float] | None) -> str | None:
+    if w is None:
+        return None
+    _tiles, waves, fill = w
+    if waves <= 1 and fill < 0.8:
+        return f"one wave {fill:.0%} full"
+    if waves > 1 and fill <= 0.5:
+        return f"last wave {fill:.0%} full"
+    return None
+
+
+def _bench_best(rows: list[dict]) -> dict[tuple, dict]:
+    """Per shape, from ``benchmarks/gluon_gemm_bench.py`` rows: cuBLAS and the fastest Gluon
+    variant alone and waiting on set flags (static tiles), in ms."""
+    out = {}
+    for r in rows:
+        ms = r.get("ms", {})
+        alone = [v for k, v in ms.items() if k.startswith("gluon_") and not k.startswith(("gluon_wait", "gluon_dyn"))]
+        wait = [v for k, v in ms.items() if k.startswith("gluon_wait")]
+        if ms.get("cublas") and alone and wait:
+            out[_shape(r)] = {"cublas": ms["cublas"], "alone": min(alone), "wait": min(wait)}
+    return out
+
+
+GAP_LIMIT = 0.93
+"""A shape is listed in the gaps' table where the GEMM waiting or alone is under this."""
+
+
+def gemm_gaps_md(results_dir: str) -> list[str]:
+    """The shapes under the GEMM's per-shape target, each with what was measured about it
+    and the reasons those measurements give (``benchmarks/gemm_sweep.py`` per GPU, with
+    ``benchmarks/gluon_gemm_bench.py``'s rows of the same shapes)."""
+    sweeps = _newest_per_gpu(results_dir, "gemm_sweep.json")
+    if not sweeps or not any("wait_vs_cublas" in r for r in sweeps[0][0]["rows"]):
+        return []
+    (doc, folder), others = sweeps[0], sweeps[1:]
+    gpu = doc["context"].get("gpu")
+    sms = int(doc["context"].get("sms") or 132)
+    other = [({_shape(r): r for r in d["rows"]}, d["context"].get("gpu")) for d, _f in others]
+    bench: dict[tuple, dict] = {}
+    bench_from = []
+    # the bench rows of the sweep's GPU, newest last (they win); other GPUs' are not mixed in
+    found = []
+    for path in glob.glob(os.path.join(results_dir, "**", "gluon_*.json"), recursive=True):
+        with open(path) as f:
+            b = json.load(f)
+        if b.get("rows") and b.get("context", {}).get("gpu") == gpu:
+            found.append((str(b["context"].get("date", "")), path, b))
+    for _date, path, b in sorted(found):
+        got = _bench_best(b["rows"])
+        if got:
+            bench.update(got)
+            bench_from.append(os.path.relpath(path, results_dir).replace(os.sep, "/"))
+
+    def under(r: dict) -> bool:
+        return (r.get("wait_vs_cublas") or 1) < GAP_LIMIT or r["speed_vs_cublas"] < GAP_LIMIT
+
+    keys = [_shape(r) for r in doc["rows"] if under(r) or any(under(o[_shape(r)]) for o, _g in other
+                                                                if _shape(r) in o)]
+    rows = {_shape(r): r for r in doc["rows"]}
+    head = ["M x N x K", "B", "dtype", "layer", "cuBLAS us", "waiting", "alone", "tiles, waves: waiting / alone",
+            "K steps", "pick / fastest", "Gluon alone / waiting (bench)", "reasons measured"]
+    body, counts = [], {}
+    for key in sorted(keys, key=lambda k: rows[k].get("wait_vs_cublas") or 1):
+        r = rows[key]
+        m, n, k = key[:3]
+        w, a = r.get("wait_vs_cublas") or 0.0, r["speed_vs_cublas"]
+        also_w = [o[key].get("wait_vs_cublas") for o, _g in other if key in o and o[key].get("wait_vs_cublas")]
+        also_a = [o[key]["speed_vs_cublas"] for o, _g in other if key in o]
+        wait_cfg = r.get("wait_engine") if str(r.get("wait_engine", "")).startswith("gluon") else r.get("wait_config")
+        ww, wa = _waves(m, n, _tile_of(wait_cfg), sms), _waves(m, n, _tile_of(r.get("config")), sms)
+        pick = r.get("engine_pick_vs_best")
+        bb = bench.get(key)
+        why: list[tuple[str, str]] = []  # (the reason's kind, what was measured)
+        if r["cublas_ms"] < 0.03:
+            why.append(("small", f"small: cuBLAS {r['cublas_ms'] * 1e3:.0f} us"))
+        for side, wv in (("waiting", ww), ("alone", wa)):
+            text = _wave_reason(wv)
+            if text:
+                why.append(("waves", f"{side}: {text}"))
+        if k <= 1024:
+            why.append(("short K", f"short K ({k // 64} steps)"))
+        if pick is not None and pick < 0.97:
+            why.append(("engine pick", f"engine pick {pick:.2f} of the fastest"))
+        if bb:
+            cost = (bb["wait"] - bb["alone"]) * 1e3
+            if cost > 0.03 * bb["alone"] * 1e3:
+                why.append(("waiting costs", f"waiting costs {cost:.1f} us ({cost / (bb['alone'] * 1e3):.0%})"))
+            if bb["cublas"] / bb["alone"] < GAP_LIMIT:
+                why.append(("kernel alone", f"the Gluon kernel alone {bb['cublas'] / bb['alone']:.2f}"))
+        spread = [abs(v - w) for v in also_w] + [abs(v - a) for v in also_a]
+        if spread and max(spread) > 0.05:
+            why.append(("runs differ", f"runs differ by up to {max(spread):.2f}"))
+        for kind in {kind for kind, _t in why}:
+            counts[kind] = counts.get(kind, 0) + 1
+        body.append([f"{m} x {n} x {k}", key[3], key[4], f"{r['model']} {r['layer']} {r['tp']}",
+                     f"{r['cublas_ms'] * 1e3:.0f}", f"{w:.3f}" + "".join(f" / {v:.3f}" for v in also_w),
+                     f"{a:.3f}" + "".join(f" / {v:.3f}" for v in also_a),
+                     " / ".join(f"{wv[0]}, {wv[1]:.2f}" if wv else "-" for wv in (ww, wa)), str(k // 64),
+                     f"{pick:.3f}" if pick is not None else "-",
+                     f"{bb['cublas'] / bb['alone']:.3f} / {bb['cublas'] / bb['wait']:.3f}" if bb else "-",
+                     "; ".join(t for _k, t in why) or "none of these (not taken apart)"])
+    cols = " / ".join([str(gpu)] + [str(g) for _o, g in other])
+    lines = ["## Where the GEMM misses its targets, shape by shape", "",
+             f"The shapes whose GEMM waiting (the consumer ops' GEMM) or alone (the flattened tile GEMM) is "
+             f"under {GAP_LIMIT}x cuBLAS in the newest sweep of any GPU: `results/{folder}/gemm_sweep.json`"
+             + "".join(f", `results/{f}/gemm_sweep.json`" for _d, f in others)
+             + f". Waiting and alone: x cuBLAS ({cols}); tiles and waves on {sms} SMs of the waiting pick's "
+             f"tile and of the alone config's; pick / fastest: the engine's pick over the fastest of its candidates, each timed in "
+             f"the sweep; *bench*: `benchmarks/gluon_gemm_bench.py`'s fastest Gluon variant alone and "
+             f"waiting on set flags, the newest row of the shape on the {gpu}"
+             + (f" ({', '.join(f'`results/{b}`' for b in bench_from)})" if bench_from else "")
+             + ". Reasons: *small*, cuBLAS under 30 us, where the launch, the tile's flag read before its "
+             "first load and an epilogue not overlapped are a fixed cost; *one wave* / *last wave* (waves), "
+             "the SMs idle in a wave; *short K*, 16 K steps or fewer, the epilogue's share large; *waiting "
+             "costs*, the bench's fastest waiting over its fastest alone; *kernel alone*, the bench's fastest Gluon variant alone under the limit; *engine pick*, the pick slower than "
+             "another candidate; *runs differ*, the same shape on two GPUs or runs apart by more than 0.05.", "",
+             "Shapes per reason: " + ", ".join(f"{t} {c}" for t, c in sorted(counts.items(), key=lambda v: (-v[1], v[0])))
+             + ". What would close each, and what was tried, is in `docs/tuning.md` (the GEMM's gaps).", ""]
+    return lines + [report.md_table(head, body), ""]
+
+
 def one_gpu_md(results_dir: str) -> list[str]:
     out: list[str] = []
     for name, fn in (("gemm_sweep.json", gemm_sweep_md), ("chain_graph.json", chain_graph_md)):
         found = _latest(results_dir, name)
         if found is not None:
             out += fn(found)
+        if name == "gemm_sweep.json":
+            out += gemm_gaps_md(results_dir)
     return out
 
 
