@@ -33,14 +33,19 @@ When a signature gets a graph (``OVERLAP_PLAN_GRAPHS``, read when a body is made
   longer hides);
 - ``always``: every signature with a bound body; ``off``: none.
 
-A graph is replayed only while the fixed inputs are the tensors it captured (their data
-pointers compared per call; their values may change in place, as an optimizer changes
-weights). A call with other fixed inputs runs the bound body, and the graph is retired
-(freed by a later capture once an event behind its last replay has completed: no wait);
-the signature is captured again once its fixed inputs have stayed put for
-``CAPTURE_AT`` calls, at most ``MAX_CAPTURES`` times; then never again. A capture that
-fails (an op whose body cannot be captured) runs the call as before, and the signature is
-never captured again. At most ``MAX_GRAPHS`` graphs live at once per process.
+A graph is replayed only for the fixed inputs it captured (their data pointers compared
+per call; their values may change in place, as an optimizer changes weights). A model's
+layers of one shape share a signature, each with its own weights: a signature keeps a
+graph per set of fixed inputs, up to ``PER_SIGNATURE``: the one of the last call and the
+others parked until their inputs come back. A set of fixed inputs is captured once it has
+come in ``CAPTURE_AT`` calls; until then, and where the signature's graphs are all taken
+(one parked but not replayed in ``STALE_CALLS`` calls of the signature makes room: it is
+retired, freed by a later capture once an event behind its last replay has completed, no
+wait), its calls run the bound body. After ``MAX_CAPTURES`` captures the signature is
+taken as having fixed inputs that move every call: never captured again, its graphs
+dropped. A capture that fails (an op whose body cannot be captured) runs the call as
+before, and the signature is never captured again. At most ``MAX_GRAPHS`` graphs live at
+once per process.
 
 Every rank decides alike: the count is of planned calls of a signature that every rank
 makes (agreed shapes, the same setting). While profiling (``overlap.observe`` or torch's
@@ -86,7 +91,16 @@ CAPTURE_AT = 3
 """The planned call of a signature (with its fixed inputs unmoved) that captures it: the
 first calls compile, tune and bind; the graph is made once they are done."""
 
-MAX_CAPTURES = 3
+PER_SIGNATURE = 32
+"""Graphs one signature keeps at once, one per set of fixed inputs (a model's layers of one
+shape share a signature, each with its own weights): the one last replayed and those
+parked for their fixed inputs' next call."""
+
+STALE_CALLS = 4 * PER_SIGNATURE
+"""A parked graph not replayed in this many calls of its signature may make room for
+another set of fixed inputs."""
+
+MAX_CAPTURES = 4 * PER_SIGNATURE
 """Captures of one signature before its fixed inputs are taken as moving every call."""
 
 MAX_GRAPHS = 64
@@ -261,14 +275,23 @@ def _reap(device: Any = None) -> None:
 
 
 class GraphState:
-    """Per bound body: the count towards a capture, the pointers it was counted at, the
-    captures made, and the graph (None, or a ``PlanGraph``; ``off`` True once the
-    signature is never captured again)."""
+    """Per bound body: the counts towards a capture per set of fixed inputs' pointers, the
+    captures made, the graph of the last replayed call (None, or a ``PlanGraph``), the
+    graphs parked for other fixed inputs (pointers -> (graph, the signature's call count at
+    its last replay)), the signature's calls, and ``off`` (True once the signature is never
+    captured again)."""
 
-    __slots__ = ("count", "ptrs", "captures", "graph", "off")
+    __slots__ = ("counts", "captures", "graph", "parked", "calls", "off")
 
     def __init__(self, want: bool) -> None:
-        self.count, self.ptrs, self.captures, self.graph, self.off = 0, None, 0, None, not want
+        self.counts: dict[tuple, int] = {}
+        self.captures, self.graph, self.off, self.calls = 0, None, not want, 0
+        self.parked: OrderedDict[tuple, tuple[PlanGraph, int]] = OrderedDict()
+
+    @property
+    def count(self) -> int:
+        """The count towards a capture of the pointers counted last."""
+        return next(reversed(self.counts.values()), 0)
 
 
 def state_for(body: Any) -> GraphState | None:
@@ -294,9 +317,19 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
     # it still counts towards the capture, made at the next call not profiled
     profiling = _observe._enabled or torch.autograd.profiler._is_profiler_enabled
     with rt.order.lock:  # (an RLock: decided with no other thread's call of this device in between)
+        st.calls += 1
         g = st.graph
         if g is not None and g.graph is None:  # dropped by ``drop_graphs``
             st.graph = g = None
+        if g is not None and g.ptrs != ptrs:
+            # another set of fixed inputs (another layer's weights): this graph is parked
+            # for its own inputs' next call, that set's graph taken if one is parked
+            st.parked[g.ptrs] = (g, st.calls - 1)
+            st.graph = g = None
+        if g is None and st.parked:
+            hit = st.parked.pop(ptrs, None)
+            if hit is not None and hit[0].graph is not None:
+                st.graph = g = hit[0]
         if g is not None and g.relay is not None:
             bad = g.relay.failed()
             if bad:  # (before the agreement point: a raise here is the call's refusal)
@@ -305,9 +338,6 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
                 raise RuntimeError(f"{cp.op}: the plan graph's call {bad} did not make its copies (its slot was "
                                    "not written for it, or its replay failed); its outputs are not valid. The "
                                    "signature now runs without a plan graph")
-        if g is not None and g.ptrs != ptrs:
-            _drop(st, wait=False)  # fixed inputs moved: counted again from here
-            g = None
         if g is not None and profiling:
             return NO
         if g is not None and g.relay is not None:
@@ -316,20 +346,27 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
         if g is None:
             if st.off:
                 return NO
-            if ptrs != st.ptrs:
-                st.ptrs, st.count = ptrs, 0
-            st.count += 1
-            if st.count < CAPTURE_AT or profiling:
+            counts = st.counts
+            n = counts.pop(ptrs, 0) + 1
+            if len(counts) >= MAX_CAPTURES:  # (pointers that never came back)
+                counts.clear()
+            counts[ptrs] = n
+            if n < CAPTURE_AT or profiling:
                 return NO
             if st.captures >= MAX_CAPTURES:
                 st.off = True
+                _drop_parked(st)
+                return NO
+            if len(st.parked) >= PER_SIGNATURE and not _unpark_stale(st):
+                counts[ptrs] = 0  # the signature's graphs all in use: tried again after CAPTURE_AT more calls
                 return NO
             _reap()
             with _glock:
                 full = len(live) >= MAX_GRAPHS
             if full:
-                st.count = 0  # tried again after CAPTURE_AT more calls
+                counts[ptrs] = 0  # tried again after CAPTURE_AT more calls
                 return NO
+            del counts[ptrs]
             st.captures += 1
             g = _capture(rt, cp.op, body, args, ptrs)
             if g is None:
@@ -344,14 +381,36 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
 
 
 def _drop(st: GraphState, wait: bool = True) -> None:
+    """Drop the signature's graphs: its current one and those parked."""
+    _drop_parked(st, wait)
     if st.graph is not None:
-        st.graph.drop(wait)
-        with _glock:
-            live.discard(st.graph)
+        _drop_one(st.graph, wait)
         st.graph = None
-        stats["dropped"] += 1
         if not wait:
             _reap()  # what earlier drops retired and has ended
+
+
+def _drop_one(g: PlanGraph, wait: bool) -> None:
+    g.drop(wait)
+    with _glock:
+        live.discard(g)
+    stats["dropped"] += 1
+
+
+def _drop_parked(st: GraphState, wait: bool = False) -> None:
+    while st.parked:
+        _drop_one(st.parked.popitem(last=False)[1][0], wait)
+
+
+def _unpark_stale(st: GraphState) -> bool:
+    """Drop the parked graph replayed longest ago if that was over ``STALE_CALLS`` calls of
+    the signature ago (its fixed inputs gone, or a rare layer); True where one was."""
+    ptrs, (g, last) = min(st.parked.items(), key=lambda kv: kv[1][1])
+    if st.calls - last <= STALE_CALLS:
+        return False
+    del st.parked[ptrs]
+    _drop_one(g, wait=False)
+    return True
 
 
 def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph | None:

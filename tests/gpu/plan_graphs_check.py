@@ -5,8 +5,8 @@ Per op (the five with bound bodies, bf16): ten calls with new inputs every call 
 torch (a stale read fails), the signature captured once and replayed from its third
 planned call, every earlier output unchanged after the later calls; the weight changed in
 place (read by the next replay); a new weight tensor (that call runs the bound body, the
-graph is dropped and captured again on the new weight); calls alternating between two
-streams; a user's CUDA graph captured at the graphed signature (the full path) replayed
+graph is parked and the new weight captured); calls alternating between two streams; two
+layers' weights in turn (each replays a graph of its own); a user's CUDA graph captured at the graphed signature (the full path) replayed
 with new inputs. Then the host time per call of all_gather_matmul at 512 x 1024 x 1024,
 graphed and not. ``--copies graph|driver|nodes`` (default ``graph``): how the graphs copy
 their activations in and outputs out (``_graphs.copies``: kernels of their own,
@@ -121,7 +121,7 @@ def main() -> None:
             w.mul_(-0.5)
             got, want = fn(rnd(M, K), w, w2)
             assert rel(got, want) < TOL, (op, "weight changed in place", rel(got, want))
-            # a new weight tensor: that call runs the bound body; captured again after CAPTURE_AT calls
+            # a new weight tensor: that call runs the bound body; captured after CAPTURE_AT calls
             w = rnd(N, K)
             b0, cap1 = _calls.stats["bound"], _graphs.stats["captured"]
             for it in range(_graphs.CAPTURE_AT + 2):
@@ -130,6 +130,17 @@ def main() -> None:
             assert _calls.stats["bound"] - b0 == _graphs.CAPTURE_AT - 1, (op, "bound after a move", _calls.stats)
             assert _graphs.stats["captured"] - cap1 == 1, (op, "captured again", _graphs.stats)
             two_streams(op, lambda: fn(rnd(M, K), w, w2))
+            # two layers of this shape, each with its own weight, called in turn: each keeps a
+            # graph of its own (the second captured once its weight came in CAPTURE_AT calls)
+            wb = rnd(N, K)
+            b1, cap2, rep1 = _calls.stats["bound"], _graphs.stats["captured"], _graphs.stats["replayed"]
+            for it in range(2 * (_graphs.CAPTURE_AT + 2)):
+                got, want = fn(rnd(M, K), w if it % 2 == 0 else wb, w2)
+                assert rel(got, want) < TOL, (op, "layers in turn", it, rel(got, want))
+            assert _graphs.stats["captured"] - cap2 == 1, (op, "a graph per layer", _graphs.stats)
+            assert _calls.stats["bound"] - b1 == _graphs.CAPTURE_AT - 1, (op, "layers in turn: bound", _calls.stats)
+            assert _graphs.stats["replayed"] - rep1 == 2 * (_graphs.CAPTURE_AT + 2) - (_graphs.CAPTURE_AT - 1), \
+                (op, "layers in turn: replayed", _graphs.stats)
             done += 1
             print(f"ok {op}: {_graphs.stats}", flush=True)
         # mlp_chain: new inputs every call, earlier outputs kept, a weight changed in place and moved

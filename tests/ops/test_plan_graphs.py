@@ -204,42 +204,76 @@ def test_a_replay_in_the_order_of_a_call(fake) -> None:  # noqa: ANN001
     assert fake.log == ["agreed", "recorded", "begin", "end"], fake.log
 
 
-def test_moved_weight_runs_as_before_then_captured_again_then_never(fake, monkeypatch) -> None:  # noqa: ANN001
-    """Another weight tensor than the captured one: that call runs as before (``NO``) and
-    the graph is dropped; the new weight, unmoved for ``CAPTURE_AT`` calls, is captured
-    again; after ``MAX_CAPTURES`` captures the signature is never captured again."""
+def test_each_layers_weights_keep_a_graph_of_their_own(fake) -> None:  # noqa: ANN001
+    """Layers of one shape share a signature, each with its own weight: each weight, once it
+    has come in ``CAPTURE_AT`` calls, gets a graph of its own, kept while the others run;
+    every call replays the graph of its own weight (new rows every call: a graph of
+    another layer's weight, or a stale read, fails the check)."""
     body = _Body()
-    b = torch.randn(8, 4)
-    for _ in range(_graphs.CAPTURE_AT):
-        _call(fake, body, torch.randn(6, 8), b)
-    first = body.gstate.graph
-    first_graph = first.graph
-    _graphs._retired.clear()
-    for cap in range(2, _graphs.MAX_CAPTURES + 1):
-        b = torch.randn(8, 4)  # a new weight tensor
-        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
-        assert body.gstate.graph is None
-        for _ in range(_graphs.CAPTURE_AT - 2):
-            assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
+    ws = [torch.randn(8, 4) for _ in range(3)]
+    for step in range(_graphs.CAPTURE_AT + 3):
+        for layer, w in enumerate(ws):
+            a = torch.randn(6, 8)
+            got = _call(fake, body, a, w)
+            if step < _graphs.CAPTURE_AT - 1:
+                assert got is _graphs.NO, (step, layer)
+            else:
+                torch.testing.assert_close(got, a @ w)
+    assert body.fused_calls == 3 and _graphs.stats["captured"] == 3 and _graphs.stats["dropped"] == 0
+    assert _graphs.stats["replayed"] == 3 * 4 and len(body.gstate.parked) == 2
+    ws[1].mul_(2)  # a weight changed in place (an optimizer step): read in place by its graph
+    for w in ws:
         a = torch.randn(6, 8)
-        torch.testing.assert_close(_call(fake, body, a, b), a @ b)  # captured again, on this weight
-        assert body.fused_calls == cap
-    assert first.graph is None and _graphs.stats["dropped"] == _graphs.MAX_CAPTURES - 1
-    # a moved weight waits for nothing: the old graph is retired, freed by a later capture
-    # once its last replay has ended
-    assert fake.cuda.syncs == 0 and first_graph.resets == 1 and not _graphs._retired
-    last = body.gstate.graph.graph
-    monkeypatch.setattr(_Event, "done", False)  # its last replay still runs
-    b = torch.randn(8, 4)
-    for _ in range(3 * _graphs.CAPTURE_AT):
-        assert _call(fake, body, torch.randn(6, 8), b) is _graphs.NO
-    assert body.gstate.off and body.fused_calls == _graphs.MAX_CAPTURES
-    assert len(_graphs._retired) == 1 and last.resets == 0  # retired, not freed under a running replay
-    _graphs._reap()
-    assert last.resets == 0
+        torch.testing.assert_close(_call(fake, body, a, w), a @ w)
+    assert body.fused_calls == 3
+
+
+def test_moving_weights_make_room_then_are_never_captured(fake, monkeypatch) -> None:  # noqa: ANN001
+    """Weights that do not come back: the signature's graphs fill up (a new weight then
+    runs as before), a graph not replayed in ``STALE_CALLS`` calls makes room (retired, no
+    wait), and after ``MAX_CAPTURES`` captures the signature is never captured again, its
+    graphs retired, not freed under a replay that still runs."""
+    monkeypatch.setattr(_graphs, "PER_SIGNATURE", 3)
+    monkeypatch.setattr(_graphs, "STALE_CALLS", 9)
+    monkeypatch.setattr(_graphs, "MAX_CAPTURES", 5)
+    body = _Body()
+    kept = []  # (every weight kept alive: no address comes back)
+
+    def weight() -> torch.Tensor:
+        kept.append(torch.randn(8, 4))
+        return kept[-1]
+
+    def calls(w: torch.Tensor, n: int) -> list:
+        out = []
+        for _ in range(n):
+            a = torch.randn(6, 8)
+            got = _call(fake, body, a, w)
+            if got is not _graphs.NO:
+                torch.testing.assert_close(got, a @ w)
+            out.append(got is not _graphs.NO)
+        return out
+
+    _graphs._retired.clear()
+    for _ in range(3):  # calls 1-9: three weights, three graphs: the signature's all
+        assert calls(weight(), _graphs.CAPTURE_AT)[-1]
+    assert len(body.gstate.parked) == 2 and body.fused_calls == 3
+    w = weight()  # calls 10-12: its count is reached, but the oldest parked graph (call 3) is not stale
+    assert calls(w, _graphs.CAPTURE_AT) == [False] * _graphs.CAPTURE_AT
+    assert body.fused_calls == 3 and _graphs.stats["dropped"] == 0
+    # calls 13-15: counted again; at 15 the graph last replayed at call 3 is stale: it makes room
+    assert calls(w, _graphs.CAPTURE_AT) == [False] * (_graphs.CAPTURE_AT - 1) + [True]
+    assert body.fused_calls == 4 and _graphs.stats["dropped"] == 1 and fake.cuda.syncs == 0
+    assert calls(weight(), _graphs.CAPTURE_AT)[-1] and body.fused_calls == 5  # calls 16-18 (call 6's made room)
+    assert _graphs.stats["dropped"] == 2
+    st = body.gstate
+    graphs = [g.graph for g in [st.graph] + [v[0] for v in st.parked.values()]]
+    monkeypatch.setattr(_Event, "done", False)  # their last replays still run
+    assert not any(calls(weight(), 3 * _graphs.CAPTURE_AT))  # a sixth capture: the signature is off
+    assert st.off and body.fused_calls == 5 and not st.parked and st.graph is None
+    assert len(graphs) == 3 and all(g.resets == 0 for g in graphs)  # retired, not freed under a running replay
     monkeypatch.setattr(_Event, "done", True)
     _graphs._reap()
-    assert last.resets == 1 and not _graphs._retired
+    assert all(g.resets == 1 for g in graphs) and not _graphs._retired
 
 
 def test_a_capture_that_fails_runs_the_call_and_is_not_tried_again(fake) -> None:  # noqa: ANN001
