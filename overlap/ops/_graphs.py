@@ -45,7 +45,7 @@ wait), its calls run the bound body. After ``MAX_CAPTURES`` captures the signatu
 taken as having fixed inputs that move every call: never captured again, its graphs
 dropped. A capture that fails (an op whose body cannot be captured) runs the call as
 before, and the signature is never captured again. At most ``MAX_GRAPHS`` graphs live at
-once per process.
+once per process, holding at most ``graph_mb()`` MiB per device (``OVERLAP_PLAN_GRAPH_MB``).
 
 Every rank decides alike: the count is of planned calls of a signature that every rank
 makes (agreed shapes, the same setting). While profiling (``overlap.observe`` or torch's
@@ -81,7 +81,7 @@ from ._plans import report_eager
 from ._runtime import check_agreed
 
 __all__ = ["PlanGraph", "replay_or_capture", "drop_graphs", "mode", "AUTO_FLOPS", "CAPTURE_AT", "MAX_CAPTURES",
-           "MAX_GRAPHS", "NO", "stats", "live"]
+           "MAX_GRAPHS", "PER_SIGNATURE", "STALE_CALLS", "GRAPH_MB", "graph_mb", "NO", "stats", "live"]
 
 AUTO_FLOPS = 2 ** 35
 """``auto``: a signature whose GEMMs take at most this many flops (about 34 GFLOP, some
@@ -105,6 +105,30 @@ MAX_CAPTURES = 4 * PER_SIGNATURE
 
 MAX_GRAPHS = 64
 """Plan graphs alive at once in the process (each holds its buffers in a pool of its own)."""
+
+GRAPH_MB = 2048
+"""Memory the plan graphs of one device may hold, in MiB (``OVERLAP_PLAN_GRAPH_MB``, read
+at each capture; each graph's share measured at its capture: the device's reserved memory
+it added and its static inputs): past it, a signature is not captured."""
+
+
+def graph_mb() -> float:
+    """``OVERLAP_PLAN_GRAPH_MB`` (a number of MiB), else ``GRAPH_MB``; another value raises."""
+    raw = os.environ.get("OVERLAP_PLAN_GRAPH_MB", "").strip()
+    if not raw:
+        return GRAPH_MB
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"OVERLAP_PLAN_GRAPH_MB={raw!r}: expected a number of MiB, 0 or more")
+    return mb
+
+
+def _reserved(dev: Any) -> int:
+    fn = getattr(_cuda, "memory_reserved", None)
+    return int(fn(dev)) if fn is not None else 0
 
 _cuda: Any = torch.cuda
 """What the graphs are made with (``torch.cuda``; a stand-in in the CPU tests)."""
@@ -172,7 +196,7 @@ class PlanGraph:
 
     __slots__ = ("graph", "statics", "moving", "out", "ptrs", "keep", "streams", "last", "device", "index",
                  "clone", "owner", "copiers", "replay", "relay", "rin", "rout", "holder", "fin", "nodes", "held",
-                 "__weakref__")
+                 "bytes", "__weakref__")
 
     def __init__(self, graph: Any, statics: list, moving: tuple[int, ...], out: Any, ptrs: tuple,
                  keep: list, stream: Any, device: Any, owner: int, relay: Any = None,
@@ -181,6 +205,8 @@ class PlanGraph:
             graph, statics, moving, out, ptrs, keep
         self.owner = owner
         """``id`` of the runtime whose communicators the graph captured."""
+        self.bytes = 0
+        """The device memory the graph holds, as measured at its capture (``GRAPH_MB``)."""
         self.streams = {id(stream)}
         """The streams its static inputs were used on (each recorded on them: their memory
         is not reused before a replay there has ended; a runtime keeps one ``Stream``
@@ -362,7 +388,8 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
                 return NO
             _reap()
             with _glock:
-                full = len(live) >= MAX_GRAPHS
+                held = sum(g.bytes for g in live if g.device == rt.device)
+                full = len(live) >= MAX_GRAPHS or held >= graph_mb() * (1 << 20)
             if full:
                 counts[ptrs] = 0  # tried again after CAPTURE_AT more calls
                 return NO
@@ -421,6 +448,7 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
     moving = body.moving
     dev = rt.device
     statics = list(args)
+    before = _reserved(dev)
     with rt.order.lock, _cuda.device(dev):
         cur = rt.current_stream()
         with _state.capture_sink() as keep:
@@ -508,8 +536,13 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
             statics = [phs.get(i, x) for i, x in enumerate(statics)]
             if obufs:
                 out = obufs[0][1] if len(obufs) == 1 else (obufs[0][1], obufs[1][1])
-        return PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout),
-                         nodes, inner)
+        pg = PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout),
+                       nodes, inner)
+        # its share of the device's memory: the pool's segments (and any new ones under the
+        # static inputs), and the static inputs and placeholders themselves
+        mine = [statics[i] for i in moving if isinstance(statics[i], torch.Tensor)] + list(inner)
+        pg.bytes = max(0, _reserved(dev) - before) + sum(t.numel() * t.element_size() for t in mine)
+        return pg
 
 
 COPIES: str | None = None

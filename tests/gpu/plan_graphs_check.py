@@ -6,7 +6,8 @@ torch (a stale read fails), the signature captured once and replayed from its th
 planned call, every earlier output unchanged after the later calls; the weight changed in
 place (read by the next replay); a new weight tensor (that call runs the bound body, the
 graph is parked and the new weight captured); calls alternating between two streams; two
-layers' weights in turn (each replays a graph of its own); a user's CUDA graph captured at the graphed signature (the full path) replayed
+layers' weights in turn (each replays a graph of its own; every graph's memory measured);
+a user's CUDA graph captured at the graphed signature (the full path) replayed
 with new inputs. Then the host time per call of all_gather_matmul at 512 x 1024 x 1024,
 graphed and not. ``--copies graph|driver|nodes`` (default ``graph``): how the graphs copy
 their activations in and outputs out (``_graphs.copies``: kernels of their own,
@@ -142,7 +143,9 @@ def main() -> None:
             assert _graphs.stats["replayed"] - rep1 == 2 * (_graphs.CAPTURE_AT + 2) - (_graphs.CAPTURE_AT - 1), \
                 (op, "layers in turn: replayed", _graphs.stats)
             done += 1
-            print(f"ok {op}: {_graphs.stats}", flush=True)
+            sizes = [g.bytes for g in list(_graphs.live)]  # each graph's memory, measured at its capture
+            assert sizes and all(b > 0 for b in sizes), (op, "graph bytes", sizes)
+            print(f"ok {op}: {_graphs.stats}, graphs hold {sum(sizes) / 2**20:.1f} MiB", flush=True)
         # mlp_chain: new inputs every call, earlier outputs kept, a weight changed in place and moved
         def chain(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             mid = torch.nn.functional.gelu(x.float() @ w1.float()).to(DT)

@@ -387,6 +387,39 @@ def test_at_most_max_graphs_alive(fake, monkeypatch) -> None:  # noqa: ANN001
     assert second.fused_calls == 1 and second.gstate.graph is not None
 
 
+def test_graphs_within_their_memory_budget(fake, monkeypatch) -> None:  # noqa: ANN001
+    """Each graph's memory is measured at its capture (the reserved memory it added, its
+    static inputs); past ``OVERLAP_PLAN_GRAPH_MB`` of a device's graphs no signature is
+    captured (its calls run as before); once a graph is gone there is room again."""
+    monkeypatch.setattr(_graphs, "live", _graphs.weakref.WeakSet())
+    reserved = [0]
+    monkeypatch.setattr(fake.cuda, "memory_reserved", lambda dev: reserved[0], raising=False)
+
+    class Pooled(_Body):
+        def fused(self, *args):  # noqa: ANN001, ANN002, ANN201
+            reserved[0] += 10 << 20  # what the capture's pool reserves
+            return super().fused(*args)
+
+    monkeypatch.setenv("OVERLAP_PLAN_GRAPH_MB", "15")
+    body = Pooled()
+    ws = [torch.randn(8, 4) for _ in range(3)]
+    for w in ws:
+        for _ in range(_graphs.CAPTURE_AT):
+            a = torch.randn(6, 8)
+            got = _call(fake, body, a, w)
+    assert body.fused_calls == 2 and got is _graphs.NO  # 10 MiB held: a second; 20 MiB: no third
+    held = [g.bytes for g in _graphs.live]
+    assert sorted(held) == [(10 << 20) + 6 * 8 * 4] * 2, held  # the pool and the static rows
+    _graphs._drop(body.gstate)
+    for _ in range(_graphs.CAPTURE_AT):
+        a = torch.randn(6, 8)
+        got = _call(fake, body, a, ws[2])
+    torch.testing.assert_close(got, a @ ws[2])
+    monkeypatch.setenv("OVERLAP_PLAN_GRAPH_MB", "lots")
+    with pytest.raises(ValueError, match="OVERLAP_PLAN_GRAPH_MB='lots'"):
+        _graphs.graph_mb()
+
+
 def test_dropped_with_the_plans_and_before_the_communicators(fake, monkeypatch) -> None:  # noqa: ANN001
     """``drop_graphs`` frees a runtime's plan graphs after a device synchronize and turns
     their signatures off; ``reset_runtimes`` does it before it closes the runtime (whose
