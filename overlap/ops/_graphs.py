@@ -113,7 +113,9 @@ it added and its static inputs): past it, a signature is not captured."""
 
 
 def graph_mb() -> float:
-    """``OVERLAP_PLAN_GRAPH_MB`` (a number of MiB), else ``GRAPH_MB``; another value raises."""
+    """``OVERLAP_PLAN_GRAPH_MB`` (a number of MiB), else ``GRAPH_MB``; another value is
+    warned once and ``GRAPH_MB`` taken (read at a capture, after the call's agreement
+    point: it must not raise on one rank)."""
     raw = os.environ.get("OVERLAP_PLAN_GRAPH_MB", "").strip()
     if not raw:
         return GRAPH_MB
@@ -122,7 +124,9 @@ def graph_mb() -> float:
     except ValueError:
         mb = -1.0
     if not mb >= 0:
-        raise ValueError(f"OVERLAP_PLAN_GRAPH_MB={raw!r}: expected a number of MiB, 0 or more")
+        _state.warn_once(f"plan-graph-mb-{raw}", f"OVERLAP_PLAN_GRAPH_MB={raw!r}: expected a number of MiB, 0 or "
+                         f"more; plan graphs take the default ({GRAPH_MB})")
+        return GRAPH_MB
     return mb
 
 
@@ -307,17 +311,18 @@ class GraphState:
     its last replay)), the signature's calls, and ``off`` (True once the signature is never
     captured again)."""
 
-    __slots__ = ("counts", "captures", "graph", "parked", "calls", "off")
+    __slots__ = ("counts", "counted", "captures", "graph", "parked", "calls", "off")
 
     def __init__(self, want: bool) -> None:
         self.counts: dict[tuple, int] = {}
+        self.counted: tuple | None = None
         self.captures, self.graph, self.off, self.calls = 0, None, not want, 0
         self.parked: OrderedDict[tuple, tuple[PlanGraph, int]] = OrderedDict()
 
     @property
     def count(self) -> int:
-        """The count towards a capture of the pointers counted last."""
-        return next(reversed(self.counts.values()), 0)
+        """The count towards a capture of the pointers counted last (0 once captured)."""
+        return self.counts.get(self.counted, 0)
 
 
 def state_for(body: Any) -> GraphState | None:
@@ -377,6 +382,7 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
             if len(counts) >= MAX_CAPTURES:  # (pointers that never came back)
                 counts.clear()
             counts[ptrs] = n
+            st.counted = ptrs
             if n < CAPTURE_AT or profiling:
                 return NO
             if st.captures >= MAX_CAPTURES:
@@ -398,6 +404,7 @@ def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
             g = _capture(rt, cp.op, body, args, ptrs)
             if g is None:
                 st.off = True
+                _drop(st, wait=False)  # (its other weights' graphs too: never replayed again)
                 stats["refused"] += 1
                 return NO
             st.graph = g
@@ -536,12 +543,16 @@ def _capture(rt: Any, op: str, body: Any, args: tuple, ptrs: tuple) -> PlanGraph
             statics = [phs.get(i, x) for i, x in enumerate(statics)]
             if obufs:
                 out = obufs[0][1] if len(obufs) == 1 else (obufs[0][1], obufs[1][1])
+        # the fixed inputs (weights) are the caller's: read in place by a replay whose call
+        # holds them at the pointers captured, not held in the graph's statics (a parked
+        # graph's statics keep no old model's weights alive)
+        statics = [x if i in moving else None for i, x in enumerate(statics)]
         pg = PlanGraph(graph, statics, moving, out, ptrs, keep, cur, dev, id(rt), relay, tuple(rin), tuple(rout),
                        nodes, inner)
-        # its share of the device's memory: the pool's segments (and any new ones under the
-        # static inputs), and the static inputs and placeholders themselves
+        # its share of the device's memory: the reserved memory its capture added (its pool,
+        # any new segment under its static inputs), at least its static inputs and placeholders
         mine = [statics[i] for i in moving if isinstance(statics[i], torch.Tensor)] + list(inner)
-        pg.bytes = max(0, _reserved(dev) - before) + sum(t.numel() * t.element_size() for t in mine)
+        pg.bytes = max(_reserved(dev) - before, sum(t.numel() * t.element_size() for t in mine))
         return pg
 
 
