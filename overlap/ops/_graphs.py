@@ -44,8 +44,10 @@ retired, freed by a later capture once an event behind its last replay has compl
 wait), its calls run the bound body. After ``MAX_CAPTURES`` captures the signature is
 taken as having fixed inputs that move every call: never captured again, its graphs
 dropped. A capture that fails (an op whose body cannot be captured) runs the call as
-before, and the signature is never captured again. At most ``MAX_GRAPHS`` graphs live at
-once per process, holding at most ``graph_mb()`` MiB per device (``OVERLAP_PLAN_GRAPH_MB``).
+before, and the signature is never captured again (its other graphs dropped). At most
+``MAX_GRAPHS`` graphs live at
+once per process, and none is captured on a device whose graphs hold ``graph_mb()`` MiB or
+more as measured at their captures (``OVERLAP_PLAN_GRAPH_MB``).
 
 Every rank decides alike: the count is of planned calls of a signature that every rank
 makes (agreed shapes, the same setting). While profiling (``overlap.observe`` or torch's
@@ -109,7 +111,7 @@ MAX_GRAPHS = 64
 GRAPH_MB = 2048
 """Memory the plan graphs of one device may hold, in MiB (``OVERLAP_PLAN_GRAPH_MB``, read
 at each capture; each graph's share measured at its capture: the device's reserved memory
-it added and its static inputs): past it, a signature is not captured."""
+it added, at least its static inputs): once they hold that much, no signature is captured."""
 
 
 def graph_mb() -> float:
