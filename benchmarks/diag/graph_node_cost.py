@@ -55,6 +55,10 @@ def main() -> None:
     dtod, memset, write, wait = _driver.memcpy_dtod(), _driver.memset_d32(), _driver.write_value32(), \
         _driver.wait_value32()
     side = [torch.cuda.Stream() for _ in range(2)]
+    from overlap.flags import ErrorWord
+    from overlap.kernels.gate import launch_gate
+
+    err = ErrorWord(dev)
 
     def kernels(n: int) -> None:
         for _ in range(n):
@@ -83,6 +87,33 @@ def main() -> None:
                 assert wait(raw, addr, 1, 0) == 0
         return f
 
+    def writes(n: int) -> Callable[[], None]:
+        def f() -> None:
+            raw = torch.cuda.current_stream().cuda_stream
+            for i in range(n):
+                assert write(raw, words.data_ptr() + 4 * (40 + i), 1, 0) == 0
+        return f
+
+    def waits(n: int) -> Callable[[], None]:
+        def f() -> None:  # a word set before the capture: met at once
+            raw = torch.cuda.current_stream().cuda_stream
+            for i in range(n):
+                assert wait(raw, words.data_ptr() + 4 * 63, 0, 0) == 0
+        return f
+
+    def word_memsets(n: int) -> Callable[[], None]:
+        def f() -> None:  # a flag post as a memset of one word
+            raw = torch.cuda.current_stream().cuda_stream
+            for i in range(n):
+                assert memset(words.data_ptr() + 4 * (40 + i), 1, 1, raw) == 0
+        return f
+
+    def gates(n: int) -> Callable[[], None]:
+        def f() -> None:  # the library's bounded one-warp wait, on a word already set
+            for _ in range(n):
+                launch_gate(words, 63, 0, 1 << 30, err.word, rank=0, timeout_ns=10 ** 9)
+        return f
+
     def kernel_copies(n: int) -> Callable[[], None]:
         def f() -> None:
             for i in range(n):
@@ -104,6 +135,7 @@ def main() -> None:
         return f
 
     cases: dict[str, Callable[[], None]] = {
+        "(warm-up: 8 kernels)": lambda: kernels(8),
         "1 kernel": lambda: kernels(1),
         "8 kernels": lambda: kernels(8),
         "16 kernels": lambda: kernels(16),
@@ -116,6 +148,10 @@ def main() -> None:
         "8 kernels + 2 memset": lambda: (kernels(8), memsets(2)()),
         "8 kernels + 1 write/wait pair": lambda: (kernels(8), memops(1)()),
         "8 kernels + 2 write/wait pairs": lambda: (kernels(8), memops(2)()),
+        "8 kernels + 2 writes": lambda: (kernels(8), writes(2)()),
+        "8 kernels + 2 waits": lambda: (kernels(8), waits(2)()),
+        "8 kernels + 2 one-word memsets": lambda: (kernels(8), word_memsets(2)()),
+        "8 kernels + 2 gate kernels": lambda: (kernels(8), gates(2)()),
         "8 kernels, fork to 1 side stream": lambda: (kernels(4), fork(1)(), kernels(2)),
         "8 kernels, fork to 2 side streams": lambda: (kernels(4), fork(2)(), kernels(0)),
         "8 kernels + 2 memcpy on a side stream": lambda: (kernels(6), fork(1, memcpys(2))()),

@@ -86,6 +86,7 @@ def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
                                                            rt.order.end(cur), rt.order.lock.release()),
         "current device": lambda: _graphs._get_device(),
         **({"nodes pointed at the call's tensors, graph launched": lambda: g.nodes.call(args, raw),
+            "graph launched alone (no node update)": lambda: g.nodes.launch(g.nodes.exec, raw),
             "new outputs alone": lambda: [torch.empty_like(t[3]) for t in g.nodes.outs]}
            if g.nodes is not None else
            {"copies in": lambda: [g.copiers[i](args[i], raw) for i in g.moving if args[i] is not None],
@@ -105,10 +106,32 @@ def steps(name: str, fn: Callable[[], Any], g: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _memset_posts() -> None:
+    """Flag posts queued while a graph is captured become one-word memsets (memset nodes,
+    where the write-value node is a stream memory operation)."""
+    from overlap import _driver, flags
+    from overlap.ops._state import capturing
+
+    real, memset = flags.stream_write_value, _driver.memset_d32()
+
+    def post(stream: Any, fl: torch.Tensor, idx: int, value: int) -> None:
+        if not capturing():
+            return real(stream, fl, idx, value)
+        code = memset(fl.data_ptr() + 4 * idx, value & 0xFFFFFFFF, 1, stream.cuda_stream)
+        if code:
+            _driver.check(code, "cuMemsetD32Async")
+
+    flags.stream_write_value = post
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--posts", choices=("write", "memset"), default="write",
+                    help="memset: a flag post made while capturing is a one-word memset (an experiment)")
     args = ap.parse_args()
+    if args.posts == "memset":
+        _memset_posts()
 
     from benchmarks.context import run_context
     from overlap import dist
@@ -188,7 +211,7 @@ def main() -> None:
         print(f"{r['what']:55s} " + (f"{r['host_us']:8.1f} us" if r["host_us"] is not None else ""), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "plan_graph_launch.json"), "w") as fh:
-        json.dump({"context": {**run_context(1), "shape": [M, N, K], "dtype": "bfloat16",
+        json.dump({"context": {**run_context(1), "shape": [M, N, K], "dtype": "bfloat16", "posts": args.posts,
                                "plan_graphs": dict(_graphs.stats), "call_plans": dict(_calls.stats)},
                    "rows": rows}, fh, indent=1)
     dist.shutdown()
