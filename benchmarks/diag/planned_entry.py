@@ -1,10 +1,10 @@
 """The Python cost of a planned call's entry, up to its plan graph's replay, on the CPU.
 
-    python benchmarks/diag/planned_entry.py [agmm|armm+ln]     # the second: a cProfile too
+    python benchmarks/diag/planned_entry.py [agmm|armm+ln|mmarmm+ln]     # the second: a cProfile too
     REPO=/path/to/another/tree python benchmarks/diag/planned_entry.py
 
-``all_gather_matmul`` and ``all_reduce_matmul`` (+ residual, LayerNorm) at 512 x 1024 x
-1024, bf16, from the public function down to ``_graphs._replay`` (replaced here by a
+``all_gather_matmul``, ``all_reduce_matmul`` and ``matmul_all_reduce_matmul`` (+ residual,
+LayerNorm) at 512 x 1024 x 1024, bf16, from the public function down to ``_graphs._replay`` (replaced here by a
 function that returns at once): the group's call step, the call plans' index, the
 alignment and autograd checks, the graph's pick. Runs on a CPU (one gloo rank): CPU
 tensors are made to say they are on CUDA (``torch.Tensor.is_cuda``, for this process),
@@ -30,7 +30,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.Tensor.is_cuda = property(lambda self: True)  # the planned path's first look
     from overlap.ops import Norm, OverlapConfig, _calls, _graphs
-    from overlap.ops import all_gather as ag, all_reduce as ar
+    from overlap.ops import all_gather as ag, all_reduce as ar, boundary as bd
 
     _graphs._replay = lambda rt, cp, body, pg, args: "out"
 
@@ -57,8 +57,11 @@ def main() -> None:
     setup(ag, "all_gather_matmul", lambda cfg: ag._call_key(a, b, False, cfg, "nccl", False, None), (a, b), (0,))
     setup(ar, "all_reduce_matmul", lambda cfg: ar._call_key(x, b, res, norm, cfg, "nccl", False, None),
           (x, b, res, norm), (0, 2))
+    b2 = torch.randn(1024, 1024, dtype=dt).t()
+    setup(bd, bd.OP, lambda cfg: bd._call_key(a, b, b2, res, norm, cfg, False, None), (a, b, b2, res, norm), (0, 3))
     cases = {"agmm": lambda: ag.all_gather_matmul(a, b),
-             "armm+ln": lambda: ar.all_reduce_matmul(x, b, residual=res, norm=norm)}
+             "armm+ln": lambda: ar.all_reduce_matmul(x, b, residual=res, norm=norm),
+             "mmarmm+ln": lambda: bd.matmul_all_reduce_matmul(a, b, b2, residual=res, norm=norm)}
     for name, fn in cases.items():
         assert fn() == "out", f"{name}: the call did not reach its replay"
         n = 20000

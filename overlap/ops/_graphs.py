@@ -339,13 +339,17 @@ def state_for(body: Any) -> GraphState | None:
     return st
 
 
-def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple) -> Any:
+def replay_or_capture(rt: Any, cp: Any, body: Any, args: tuple, ptrs: tuple | None = None) -> Any:
     """The call run from the signature's graph (replayed, or captured now and replayed),
-    or ``NO``: the caller runs it as before. Counts the call towards a capture."""
+    or ``NO``: the caller runs it as before. Counts the call towards a capture. ``ptrs``:
+    the data pointers of every input the graph reads in place (its fixed inputs, read by
+    the caller already; an op gives them in one order on every call), else read here
+    (``_fixed_ptrs``)."""
     st = state_for(body)
     if st is None or st.off:
         return NO
-    ptrs = _fixed_ptrs(args, body.moving)
+    if ptrs is None:
+        ptrs = _fixed_ptrs(args, body.moving)
     # while profiling, the call runs the fused body (its ranges drawn, its phases timed);
     # it still counts towards the capture, made at the next call not profiled
     profiling = _observe._enabled or torch.autograd.profiler._is_profiler_enabled

@@ -62,7 +62,7 @@ from ..policies import (build_multi_tile_table, build_tile_table, flat_groups, r
                         tail_parts, upload)
 from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, float_code, group_call
-from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
+from ._calls import CallPlan, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, Chunked, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, observed, serial_phases, dtype_code, fused_call,
                        gemm_plan, get_runtime, get_runtime_if_made, on_stream, refuse_grad, resolve_group, run_p2p,
@@ -534,12 +534,15 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
                                  and (norm.bias is None or isinstance(norm.bias, torch.Tensor))):
         return None
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
-    if capturing() or grad_refused(x, b, residual, nw, nb):
+    if capturing():
         return None
+    seen = _calls.scan(x, b, residual, nw, nb)  # (None: autograd, or an unaligned pointer)
+    if seen is None:
+        return None
+    keys, ptrs = seen
     g = resolve_group(group)
     # the index: one dict read for a signature seen before (``_calls.index_lookup``)
-    ikey = ("all_reduce_matmul", id(g), id(config), tensor_key(x), tensor_key(b), tensor_key(residual),
-            None if norm is None else (norm.kind, norm.eps, tensor_key(nw), tensor_key(nb)))
+    ikey = ("all_reduce_matmul", id(g), id(config), keys, None if norm is None else (norm.kind, norm.eps))
     hit = _calls.index_lookup(ikey, g, config)
     if hit is not None:
         rt, cp, cfg, transport = hit
@@ -563,8 +566,6 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
             return None
         _calls.index(ikey, gen, g, config, env, rt, cp, cfg, transport, tcache if tuned is not None else None,
                      tkey, key)
-    if not aligned(x, b, residual, nw, nb):
-        return None
     _calls.stats["planned"] += 1
     if transport == "p2p":
         return run_planned(rt, cp, run_p2p, rt, "all_reduce_matmul", _peer._fused_p2p, rt, x, b, residual, norm, cfg)
@@ -572,7 +573,8 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     if body is None and not (cfg.gemm is not None and cfg.gemm.flatten):
         body = cp.body = _Bound(rt, x, b, residual, norm, cfg)
     if body is not None:
-        out = _graphs.replay_or_capture(rt, cp, body, (x, b, residual, norm))
+        # the inputs a graph reads in place (every one not in ``_Bound.moving``): b, the norm's weight and bias
+        out = _graphs.replay_or_capture(rt, cp, body, (x, b, residual, norm), (ptrs[1], ptrs[3], ptrs[4]))
         if out is not _graphs.NO:
             return out
         if body.ready():

@@ -39,7 +39,7 @@ from . import all_reduce as _ar
 from . import matmul_reduce as _mr
 from . import _calls, _graphs
 from ._agree import group_call
-from ._calls import CallPlan, aligned, grad_refused, run_planned, tensor_key
+from ._calls import CallPlan, run_planned, tensor_key
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
                        get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
@@ -178,7 +178,8 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     """The call run from its signature's ``CallPlan`` (``_calls``), or None where it has
     none or needs the full path (a capture, autograd, an unaligned pointer, another
     tuned pick than the plan's). Its config is the plan's, on the NCCL transport."""
-    if not all(isinstance(t, torch.Tensor) for t in (a, b, b_next)) or not a.is_cuda:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(b_next, torch.Tensor)) \
+            or not a.is_cuda:
         return None
     if a.dim() != 2 or b.dim() != 2 or b_next.dim() != 2:  # the full path's checks say what is wrong
         return None
@@ -188,12 +189,15 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
                                  and (norm.bias is None or isinstance(norm.bias, torch.Tensor))):
         return None
     nw, nb = (norm.weight, norm.bias) if norm is not None else (None, None)
-    if capturing() or grad_refused(a, b, b_next, residual, nw, nb):
+    if capturing():
         return None
+    seen = _calls.scan(a, b, b_next, residual, nw, nb)  # (None: autograd, or an unaligned pointer)
+    if seen is None:
+        return None
+    keys, ptrs = seen
     g = resolve_group(group)
     # the index: one dict read for a signature seen before (``_calls.index_lookup``)
-    ikey = (OP, id(g), id(config), tensor_key(a), tensor_key(b), tensor_key(b_next), tensor_key(residual),
-            None if norm is None else (norm.kind, norm.eps, tensor_key(nw), tensor_key(nb)))
+    ikey = (OP, id(g), id(config), keys, None if norm is None else (norm.kind, norm.eps))
     hit = _calls.index_lookup(ikey, g, config)
     if hit is not None:
         rt, cp = hit[0], hit[1]
@@ -215,14 +219,14 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
             return None
         _calls.index(ikey, gen, g, config, env, rt, cp, cfg, "nccl", tcache if tuned is not None else None, tkey,
                      key)
-    if not aligned(a, b, b_next, residual, nw, nb):
-        return None
     _calls.stats["planned"] += 1
     body = cp.body
     if body is None and not (cp.config.gemm is not None and cp.config.gemm.flatten):
         body = cp.body = _Bound(rt, a, b, b_next, residual, norm, cp.config)
     if body is not None:
-        out = _graphs.replay_or_capture(rt, cp, body, (a, b, b_next, residual, norm))
+        # what a graph reads in place (all but ``_Bound.moving``): b, b_next, the norm's weight and bias
+        out = _graphs.replay_or_capture(rt, cp, body, (a, b, b_next, residual, norm),
+                                        (ptrs[1], ptrs[2], ptrs[4], ptrs[5]))
         if out is not _graphs.NO:
             return out
         if body.ready():

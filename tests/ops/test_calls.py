@@ -254,6 +254,57 @@ def test_index_of_every_op(monkeypatch) -> None:  # noqa: ANN001
         assert call() is plans["tuned"] and len(looked) == 2, name
 
 
+def test_a_plan_graph_is_keyed_on_every_input_it_reads_in_place(monkeypatch) -> None:  # noqa: ANN001
+    """The ops with a norm give their plan graph the pointers of its fixed inputs (read in
+    their one pass over the tensors, ``_calls.scan``): every input not copied in per call
+    (the weights, the norm's weight and bias) is among them, so a graph is never replayed
+    with another weight than it captured; the activations (copied in) are not."""
+    from overlap.ops import Norm, OverlapConfig, _graphs
+    from overlap.ops._runtime import Runtime
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.Tensor._make_subclass(_OnCuda, torch.randn(*shape))
+
+    m, k, n = 8, 16, 8
+    seen: list = []
+    monkeypatch.setattr(_graphs, "replay_or_capture", lambda rt, cp, body, args, ptrs=None: seen.append(
+        (args, ptrs)) or "replayed")
+    cases = {
+        "ar": (ar, "all_reduce_matmul",
+               lambda t, cfg: ar._call_key(t[0], t[1], t[2], t[3], cfg, "nccl", False, None),
+               lambda t: ar._planned(t[0], t[1], object(), t[2], t[3], None),
+               lambda norm: (new(m, k), new(k, n), new(m, k), Norm("layernorm", new(k), new(k)) if norm else None)),
+        "bd": (bd, bd.OP, lambda t, cfg: bd._call_key(t[0], t[1], t[2], t[3], t[4], cfg, False, None),
+               lambda t: bd._planned(t[0], t[1], t[2], object(), t[3], t[4], None),
+               lambda norm: (new(m, k), new(k, k), new(k, n), new(m, k),
+                             Norm("rmsnorm", new(k), None) if norm else None)),
+    }
+    for name, (mod, op, call_key, planned, inputs) in cases.items():
+        rt = Runtime.__new__(Runtime)
+        rt._caches = {}
+        rt.transport = lambda cfg: "nccl"
+        monkeypatch.setattr(mod, "get_runtime_if_made", lambda g, d, rt=rt: rt)
+        monkeypatch.setattr(mod, "resolve_group", lambda g: g)
+        for with_norm in (True, False):
+            t = inputs(with_norm)
+            cfg = OverlapConfig()
+            cp = _calls.CallPlan(op, (), (), None, (), (m, n, k), "nccl", "default", cfg, "nccl")
+            cp.body = SimpleNamespace(moving=mod._Bound.moving)
+            _calls.keep(rt, call_key(t, cfg), cp)
+            seen.clear()
+            assert planned(t) == "replayed", name
+            args, ptrs = seen[-1]
+            fixed = []
+            for i, x in enumerate(args):
+                if i in mod._Bound.moving or x is None:
+                    continue
+                fixed += [x.data_ptr()] if isinstance(x, torch.Tensor) else \
+                    [w.data_ptr() for w in (x.weight, x.bias) if w is not None]
+            assert ptrs is not None and set(fixed) <= set(ptrs), (name, with_norm)
+            moved = {args[i].data_ptr() for i in mod._Bound.moving if args[i] is not None}
+            assert not moved & set(ptrs), (name, with_norm)
+
+
 def test_index_hit_python_calls_are_few(monkeypatch) -> None:  # noqa: ANN001
     """The front of a planned call found through the index (``all_gather_matmul``, default
     config, its plan stubbed at the hand-off) is at most 32 calls (cProfile; the

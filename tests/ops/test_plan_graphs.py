@@ -516,7 +516,7 @@ def test_each_op_copies_its_activations_and_reads_its_weights_in_place() -> None
         params = list(inspect.signature(mod._Bound.fused).parameters)[1:]
         assert {params[i] for i in mod._Bound.moving} == acts & set(params), (mod.__name__, params)
         src = inspect.getsource(mod._planned)
-        assert f"_graphs.replay_or_capture(rt, cp, body, ({', '.join(params)}))" in src, mod.__name__
+        assert f"_graphs.replay_or_capture(rt, cp, body, ({', '.join(params)})" in src, mod.__name__
         assert f"_calls.run_bound(rt, cp, {', '.join(params)})" in src, mod.__name__
 
 
