@@ -257,8 +257,63 @@ def _check(res: Any, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUresult {int(err)} ({err})")
 
 
+_warm: set[int] = set()
+"""Devices whose kernel forms of a post, a zeroing and a count wait (``kernels.post``) were
+compiled and loaded outside any capture (``warm_kernel_forms``)."""
+
+
+def warm_kernel_forms(device: torch.device) -> None:
+    """Compile and load on ``device``, outside a capture, what a captured post, zeroing and
+    count wait launch (``kernels.post``'s store, torch's int32 fill, ``kernels.gate``),
+    queued on the current stream once per process; a capture on a device not warmed keeps
+    the driver forms (a Triton compile or a first module load inside a capture is avoided).
+    Called when an op's runtime is made; a no-op while capturing."""
+    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or capturing_now():
+        return
+    try:
+        from .kernels.gate import launch_gate
+        from .kernels.post import launch_post
+
+        w = torch.zeros(32, dtype=torch.int32, device=device)
+        launch_post(w, 0, 1)
+        launch_post(w[1:], 0, 1)  # (a pointer off a 16-byte boundary: Triton's other specialization)
+        w[2:4].zero_()
+        launch_gate(w[16:], 0, 0, 1 << 30, w[24:], rank=0, timeout_ns=10 ** 9)
+    except Exception as e:  # noqa: BLE001 - captures keep the driver forms
+        warnings.warn(f"overlap: the kernel forms of a captured post could not be made ({type(e).__name__}: {e}); "
+                      "captured calls post and wait with stream memory operations", stacklevel=2)
+        return
+    _warm.add(device.index)
+
+
+def kernel_forms_wanted() -> bool:
+    """``OVERLAP_GRAPH_KERNEL_POSTS`` is not ``0``: captures queue the kernel forms."""
+    return os.environ.get("OVERLAP_GRAPH_KERNEL_POSTS", "1") != "0"
+
+
+def capturing_now() -> bool:
+    """The current stream is being captured into a CUDA graph."""
+    cuda = torch.cuda
+    return bool(cuda._initialized) and not cuda._is_in_bad_fork() and torch._C._cuda_isCurrentStreamCapturing()
+
+
+def kernel_form(t: torch.Tensor) -> bool:
+    """A post, zeroing or count wait on ``t`` queued now takes its kernel form: the current
+    stream is being captured (the ops' side streams are captured with it) on a device
+    whose kernel forms are warm (``warm_kernel_forms``)."""
+    return t.is_cuda and t.device.index in _warm and capturing_now()
+
+
 def stream_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int, value: int) -> None:
-    """Enqueue ``flags[idx] = value`` on ``stream`` after all its earlier work (no SM)."""
+    """Enqueue ``flags[idx] = value`` on ``stream`` after all its earlier work (no SM);
+    while a graph is captured, one thread's release store (``kernels.post``: a kernel
+    node costs a graph's launch less host time than a stream memory operation)."""
+    if kernel_form(flags):
+        from .kernels.post import launch_post
+
+        with torch.cuda.stream(stream):
+            launch_post(flags, idx, wrap32(value))
+        return
     drv = _cuda_driver()
     if drv:
         ptr = flags.data_ptr() + idx * 4
@@ -273,12 +328,16 @@ def stream_write_value(stream: torch.cuda.Stream, flags: torch.Tensor, idx: int,
 
 def stream_zero(stream: torch.cuda.Stream, t: torch.Tensor, n: int) -> None:
     """Enqueue ``t[:n] = 0`` (int32) on ``stream``: one ``cuStreamWriteValue32`` for one
-    word, else one ``cuMemsetD32Async``."""
+    word, else one ``cuMemsetD32Async``; while a graph is captured, a fill kernel."""
     if n <= 1:
         stream_write_value(stream, t, 0, 0)
         return
     if n > t.numel():
         raise ValueError(f"stream_zero: {n} words asked of a tensor of {t.numel()}")
+    if kernel_form(t):  # a fill kernel: a kernel node costs a graph's launch less than a memset node
+        with torch.cuda.stream(stream):
+            t[:n].zero_()
+        return
     drv = _cuda_driver()
     if drv:
         _check(drv.cuMemsetD32Async(drv.CUdeviceptr(t.data_ptr()), 0, n, drv.CUstream(stream.cuda_stream)),

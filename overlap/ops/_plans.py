@@ -15,7 +15,8 @@ from ._state import capturing, keep_for_capture
 if TYPE_CHECKING:
     from ._runtime import Runtime
 
-__all__ = ["observed", "serial_phases", "bucketed", "plan_rows_for", "gemm_plan", "fused_call", "report_errors", "report_eager"]
+__all__ = ["observed", "serial_phases", "bucketed", "plan_rows_for", "gemm_plan", "fused_call", "report_errors", "report_eager",
+           "wait_count"]
 
 
 def observed(op: str, shape: tuple, path: str, why: str, device: torch.device, fn: Any, *args: Any,
@@ -169,3 +170,22 @@ def report_eager(err: _flags.ErrorWord, check: str) -> None:
 
         observe.record_timeout(err.what.split(" ", 1)[0], (), e)
         raise
+
+
+def wait_count(stream: Any, flags: torch.Tensor, idx: int, count: int, err: Any, rank: int, timeout_ns: int) -> None:
+    """Hold ``stream``'s next work until ``flags[idx] >= count`` (a producer grid's tiles of
+    a chunk, each counted once stored). Eagerly one ``cuStreamWaitValue32`` (no SM); while
+    a graph is captured a gate (``kernels.gate``: one program, one warp, its wait bounded
+    by ``timeout_ns`` and a timeout recorded in ``err``), because a kernel node costs the
+    graph's launch less host time than a stream memory operation (``kernels.post``). The
+    producer grid never waits, and leaves the SMs of the NCCL CTAs free, so the gate
+    holds up no tile of it."""
+    if count <= 0:
+        return  # (no tile of this chunk: nothing to wait for)
+    if _flags.kernel_form(flags):
+        from ..kernels import gate as _gate
+
+        with torch.cuda.stream(stream):
+            _gate.launch_gate(flags, idx, count, 3 * count, err.word, rank=rank, timeout_ns=timeout_ns)
+        return
+    _flags.stream_wait_value(stream, flags, idx, count)

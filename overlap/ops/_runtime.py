@@ -87,6 +87,7 @@ class Runtime:
         self._events: dict[Any, torch.cuda.Event] = {}  # fork / join, reused (see fork)
         self._caches: dict[str, LRU] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}  # by raw handle (``current_stream``)
+        _flags.warm_kernel_forms(device)  # (what a captured call's posts and waits launch)
 
     def current_stream(self) -> torch.cuda.Stream:
         """The caller's current stream on this runtime's device, as

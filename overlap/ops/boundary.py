@@ -40,6 +40,7 @@ from . import matmul_reduce as _mr
 from . import _calls, _graphs
 from ._agree import group_call
 from ._calls import CallPlan, run_planned, tensor_key
+from ._plans import wait_count
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential,
                        agree_on_reference, capturing, check_agree, dtype_code, fused_call, gemm_plan, get_runtime,
                        get_runtime_if_made, observed, on_stream, refuse_grad, resolve_group, tune_paths, warn_once)
@@ -429,7 +430,7 @@ def _fused(rt: Runtime, a: torch.Tensor, b: torch.Tensor, b_next: torch.Tensor, 
             gp1.launch(gp1.operands(a, b), c1, epoch=1, grid=p1.grid)
         for ci, (start, rows) in enumerate(zip(p1.cmap.chunk_starts, p1.cmap.chunk_rows)):
             with gpu_range("comm", "chunk", ci):
-                _flags.stream_wait_value(cs, w1.flags, ci, p1.counts[ci])  # every tile of the chunk stored
+                wait_count(cs, w1.flags, ci, p1.counts[ci], err, rt.rank, timeout_ns)  # every tile of the chunk stored
                 comm.all_reduce(c1[start:start + rows], h[start:start + rows], stream=cs)
             _ar.chunk_ready(cur, cs, ns if prologue else None, h, y, start, rows, residual, norm, w2.flags, ci,
                             rt.event(("chunk", ci)) if prologue else None)

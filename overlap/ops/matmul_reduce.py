@@ -60,6 +60,7 @@ from ..protocol import COL_POST
 from . import _calls, _graphs
 from ._agree import check_dtype, collective_done, group_call
 from ._calls import CallPlan, aligned, run_planned
+from ._plans import wait_count
 from ._runtime import (LRU, SEQUENTIAL, OverlapCaptureError, OverlapConfig, Path, Runtime, Sequential, bucketed,
                        plan_rows_for,
                        agree_on_reference, capturing, check_agree, dtype_code, flat_variants, fused_call, gemm_plan,
@@ -383,6 +384,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
     p = _plan(rt, op, rows_b * world if scatter else rows_b, n, k, cfg)
     comm = rt.comm(p.nccl_ctas)
     err = rt.err(op)
+    timeout_ns = int((cfg.timeout_ms or _flags.default_timeout_ms(rt.group)) * 1e6)
     chunks = len(p.cmap.chunk_rows)
     cs = rt.comm_stream
     # the dispatch counter, then a counter per chunk, zeroed on the caller's stream
@@ -399,7 +401,7 @@ def _fused(rt: Runtime, op: str, a: torch.Tensor, b: torch.Tensor, residual: tor
             live = min(rows, rows_m - start)
             with gpu_range("comm", "chunk", ci):
                 # every tile of the chunk stored (each posted once, with release)
-                _flags.stream_wait_value(cs, w.flags, ci, p.counts[ci])
+                wait_count(cs, w.flags, ci, p.counts[ci], err, rt.rank, timeout_ns)
                 if live <= 0:
                     continue  # past this call's rows: nothing to reduce
                 if scatter:
