@@ -268,7 +268,8 @@ def warm_kernel_forms(device: torch.device) -> None:
     queued on the current stream once per process; a capture on a device not warmed keeps
     the driver forms (a Triton compile or a first module load inside a capture is avoided).
     Called when an op's runtime is made; a no-op while capturing."""
-    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or capturing_now():
+    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or capturing_now() \
+            or not torch.cuda.is_available():
         return
     try:
         from .kernels.gate import launch_gate

@@ -35,6 +35,7 @@ from __future__ import annotations
 import struct
 import threading
 import zlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ def check_dtype(op: str, name: str, dtype: torch.dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: {name} is {dtype}; the ops take float16, bfloat16 (the tile-flag path), float32 "
                         "or float64 (the reference path)")
+
+
+_move_to_end = OrderedDict.move_to_end
 
 
 def _thread_code() -> int:
@@ -421,8 +425,12 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
     contended = cs.contended if cs is not None and world > 1 else None
     if cs is not None and not then_collective and world > 1:
         cs.untracked = True
-    if contended is None and agreed is not None and not every and agreed.get(key):
-        return False
+    if contended is None and agreed is not None and not every:
+        try:  # (a key agreed before, marked used: one C call, as the call plans' index marks its hits)
+            _move_to_end(agreed, key)
+            return False
+        except KeyError:
+            pass
     refusal = ValueError(contended) if contended is not None else None
     if refusal is not None and cs is not None and _refusal.refuse_in_band(cs, refusal):
         raise refusal  # the peers were in the call's data movement: refused in band, the group ended
