@@ -268,18 +268,20 @@ def warm_kernel_forms(device: torch.device) -> None:
     queued on the current stream once per process; a capture on a device not warmed keeps
     the driver forms (a Triton compile or a first module load inside a capture is avoided).
     Called when an op's runtime is made; a no-op while capturing."""
-    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or capturing_now() \
-            or not torch.cuda.is_available():
+    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or not torch.cuda.is_available():
         return
     try:
         from .kernels.gate import launch_gate
         from .kernels.post import launch_post
 
-        w = torch.zeros(32, dtype=torch.int32, device=device)
-        launch_post(w, 0, 1)
-        launch_post(w[1:], 0, 1)  # (a pointer off a 16-byte boundary: Triton's other specialization)
-        w[2:4].zero_()
-        launch_gate(w[16:], 0, 0, 1 << 30, w[24:], rank=0, timeout_ns=10 ** 9)
+        with torch.cuda.device(device):  # (a launch goes to the current device: this one)
+            if capturing_now():
+                return
+            w = torch.zeros(32, dtype=torch.int32, device=device)
+            launch_post(w, 0, 1)
+            launch_post(w[1:], 0, 1)  # (a pointer off a 16-byte boundary: Triton's other specialization)
+            w[2:4].zero_()
+            launch_gate(w[16:], 0, 0, 1 << 30, w[24:], rank=0, timeout_ns=10 ** 9)
     except Exception as e:  # noqa: BLE001 - captures keep the driver forms
         warnings.warn(f"overlap: the kernel forms of a captured post could not be made ({type(e).__name__}: {e}); "
                       "captured calls post and wait with stream memory operations", stacklevel=2)
