@@ -262,13 +262,22 @@ _warm: set[int] = set()
 compiled and loaded outside any capture (``warm_kernel_forms``)."""
 
 
+_cold: set[int] = set()
+"""Devices whose warm-up failed (warned once; not tried again)."""
+
+WARM_TIMEOUTS_NS = (10 ** 9, 1 << 40)
+"""Wait bounds the gate is warmed with: one that fits an int32 and one that does not (the
+ops' default bound, minutes in ns, is the second kind); Triton compiles a kernel for each."""
+
+
 def warm_kernel_forms(device: torch.device) -> None:
     """Compile and load on ``device``, outside a capture, what a captured post, zeroing and
     count wait launch (``kernels.post``'s store, torch's int32 fill, ``kernels.gate``),
     queued on the current stream once per process; a capture on a device not warmed keeps
     the driver forms (a Triton compile or a first module load inside a capture is avoided).
     Called when an op's runtime is made; a no-op while capturing."""
-    if device.type != "cuda" or device.index in _warm or not kernel_forms_wanted() or not torch.cuda.is_available():
+    if device.type != "cuda" or device.index in _warm or device.index in _cold or not kernel_forms_wanted() \
+            or not torch.cuda.is_available():
         return
     try:
         from .kernels.gate import launch_gate
@@ -281,8 +290,10 @@ def warm_kernel_forms(device: torch.device) -> None:
             launch_post(w, 0, 1)
             launch_post(w[1:], 0, 1)  # (a pointer off a 16-byte boundary: Triton's other specialization)
             w[2:4].zero_()
-            launch_gate(w[16:], 0, 0, 1 << 30, w[24:], rank=0, timeout_ns=10 ** 9)
+            for timeout_ns in WARM_TIMEOUTS_NS:  # (a bound past 2**31 ns is an int64: Triton's other kernel)
+                launch_gate(w[16:], 0, 0, 1 << 30, w[24:], rank=0, timeout_ns=timeout_ns)
     except Exception as e:  # noqa: BLE001 - captures keep the driver forms
+        _cold.add(device.index)
         warnings.warn(f"overlap: the kernel forms of a captured post could not be made ({type(e).__name__}: {e}); "
                       "captured calls post and wait with stream memory operations", stacklevel=2)
         return

@@ -277,7 +277,7 @@ def test_a_plan_graph_is_keyed_on_every_input_it_reads_in_place(monkeypatch) -> 
         "bd": (bd, bd.OP, lambda t, cfg: bd._call_key(t[0], t[1], t[2], t[3], t[4], cfg, False, None),
                lambda t: bd._planned(t[0], t[1], t[2], object(), t[3], t[4], None),
                lambda norm: (new(m, k), new(k, k), new(k, n), new(m, k),
-                             Norm("rmsnorm", new(k), None) if norm else None)),
+                             Norm("layernorm", new(k), new(k)) if norm else None)),
     }
     for name, (mod, op, call_key, planned, inputs) in cases.items():
         rt = Runtime.__new__(Runtime)
@@ -294,13 +294,15 @@ def test_a_plan_graph_is_keyed_on_every_input_it_reads_in_place(monkeypatch) -> 
             seen.clear()
             assert planned(t) == "replayed", name
             args, ptrs = seen[-1]
-            fixed = []
+            fixed = []  # every input not copied in, in order; a norm's weight and bias (0: none)
             for i, x in enumerate(args):
-                if i in mod._Bound.moving or x is None:
+                if i in mod._Bound.moving:
                     continue
-                fixed += [x.data_ptr()] if isinstance(x, torch.Tensor) else \
-                    [w.data_ptr() for w in (x.weight, x.bias) if w is not None]
-            assert ptrs is not None and set(fixed) <= set(ptrs), (name, with_norm)
+                if isinstance(x, torch.Tensor):
+                    fixed.append(x.data_ptr())
+                else:
+                    fixed += [0, 0] if x is None else [w.data_ptr() if w is not None else 0 for w in (x.weight, x.bias)]
+            assert ptrs == tuple(fixed), (name, with_norm, ptrs, fixed)
             moved = {args[i].data_ptr() for i in mod._Bound.moving if args[i] is not None}
             assert not moved & set(ptrs), (name, with_norm)
 
