@@ -346,21 +346,25 @@ def scan(*ts: torch.Tensor | None) -> tuple[tuple, tuple[int, ...]] | None:
     """One pass over a call's tensors (None kept): per tensor its ``tensor_key`` and its
     data pointer (0 for None); None where the call needs the full path: autograd would
     track a result (``grad_refused``), or a pointer is not on a 16-byte boundary
-    (``aligned``). The planned calls of the ops with a norm read their inputs' keys,
-    alignment and pointers here, each tensor's attributes once."""
+    (``aligned``), or a tensor has no storage to point at (the full path says what is
+    wrong). The planned calls of the ops with a norm read their inputs' keys, alignment and
+    pointers here, each tensor's attributes once."""
     grad = torch.is_grad_enabled()
     keys: list = []
     ptrs: list = []
-    for t in ts:
-        if t is None:
-            keys.append(None)
-            ptrs.append(0)
-            continue
-        p = t.data_ptr()
-        if p & 15 or (grad and t.requires_grad):
-            return None
-        keys.append((t.shape, t.stride(), t.dtype, t.device))
-        ptrs.append(p)
+    try:
+        for t in ts:
+            if t is None:
+                keys.append(None)
+                ptrs.append(0)
+                continue
+            p = t.data_ptr()
+            if p & 15 or (grad and t.requires_grad):
+                return None
+            keys.append((t.shape, t.stride(), t.dtype, t.device))
+            ptrs.append(p)
+    except RuntimeError:  # (no storage: a tensor of a tracing mode)
+        return None
     return tuple(keys), tuple(ptrs)
 
 

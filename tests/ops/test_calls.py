@@ -254,6 +254,26 @@ def test_index_of_every_op(monkeypatch) -> None:  # noqa: ANN001
         assert call() is plans["tuned"] and len(looked) == 2, name
 
 
+class _NoStorage(torch.Tensor):
+    def data_ptr(self) -> int:  # type: ignore[override]
+        raise RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
+
+
+def test_scan_reads_keys_and_pointers_or_sends_the_call_to_the_full_path() -> None:
+    """``_calls.scan``: per tensor its key and pointer (None: key None, pointer 0); None for
+    the full path where autograd would track the result, a pointer is unaligned, or a
+    tensor has no storage (its pointer raises)."""
+    a, b = torch.zeros(4, 8), torch.zeros(8, 2)
+    keys, ptrs = _calls.scan(a, None, b)
+    assert keys == (_calls.tensor_key(a), None, _calls.tensor_key(b)) and ptrs == (a.data_ptr(), 0, b.data_ptr())
+    assert _calls.scan(a, torch.zeros(9)[1:]) is None  # 4 bytes past an aligned start
+    g = torch.zeros(4, requires_grad=True)
+    assert _calls.scan(a, g) is None
+    with torch.no_grad():
+        assert _calls.scan(a, g) is not None
+    assert _calls.scan(a, torch.Tensor._make_subclass(_NoStorage, torch.zeros(4))) is None
+
+
 def test_a_plan_graph_is_keyed_on_every_input_it_reads_in_place(monkeypatch) -> None:  # noqa: ANN001
     """The ops with a norm give their plan graph the pointers of its fixed inputs (read in
     their one pass over the tensors, ``_calls.scan``): every input not copied in per call
