@@ -537,6 +537,15 @@ class ErrorWord:
             self._event = torch.cuda.Event()
         self._event.record()
 
+    def check_async(self) -> None:
+        """``check(block=False)``, then ``snapshot()``: what an eager call reports after its
+        launches. In one frame where the host mirror shows no record and no rank shares
+        this GPU (the usual call: nothing to raise, nothing to queue)."""
+        if self._mirror and self._host_np[P.ERR_CODE] == 0 and _shared is not None and not _shared._gpu_peers:
+            return
+        self.check(block=False)
+        self.snapshot()
+
     def check(self, block: bool = True) -> None:
         """Raise ``FlagTimeoutError`` if a kernel recorded a timeout.
 

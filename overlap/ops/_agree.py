@@ -45,7 +45,7 @@ from ..flags import PeerRefusedError, RanksRefusedError  # defined below the ops
 __all__ = ["RanksRefusedError", "PeerRefusedError", "RanksOutOfStepError", "SUPPORTED_DTYPES", "dtype_code",
            "check_dtype", "float_code", "GroupStep", "group_step", "call_step", "agreement", "refuse",
            "collective_done", "agree_extra", "reset_steps", "group_call", "named", "name_op", "step_of",
-           "raise_in_step", "count_call", "WIDTH"]
+           "raise_in_step", "count_call", "agreed_before", "WIDTH"]
 
 
 class RanksOutOfStepError(RuntimeError):
@@ -439,6 +439,25 @@ def agreement(group: Any, world: int, device: torch.device, op: str, names: tupl
         agreed.add(key)
     if then_collective and world > 1:
         st.pending = op
+    return True
+
+
+def agreed_before(agreed: Any, world: int, key: Any) -> bool:
+    """``agreement``'s fast path for a call plan's call (``then_collective=False``, not
+    every call checked) in one frame: where a call is in flight in this thread with no
+    extra values to exchange and no contention to report, and ``key`` is in ``agreed``,
+    the call is counted, ``key`` marked used, and True returned; else nothing is done and
+    False returned (the caller then calls ``agreement``, which decides as before)."""
+    cs = getattr(_tls, "cur", None)
+    if cs is None or getattr(_tls, "extra", None) is not None or (world > 1 and cs.contended is not None):
+        return False
+    try:
+        _move_to_end(agreed, key)
+    except KeyError:
+        return False
+    _count(cs.step)
+    if world > 1:
+        cs.untracked = True
     return True
 
 

@@ -163,8 +163,7 @@ def report_eager(err: _flags.ErrorWord, check: str) -> None:
         if check == "sync":
             err.check(block=True)
         elif check == "async":
-            err.check(block=False)
-            err.snapshot()
+            err.check_async()
     except _flags.FlagTimeoutError as e:
         from .. import observe
 

@@ -171,6 +171,10 @@ def agree_key(op: str, names: tuple[str, ...], values: tuple[int, ...], rows_at:
 
 def check_agreed(rt: Runtime, op: str, names: tuple[str, ...], values: tuple[int, ...], key: tuple) -> None:
     """``check_agree`` with its key made (``agree_key``), outside a capture: a call plan's
-    agreement point (a capture takes the full path, which checks it there)."""
+    agreement point (a capture takes the full path, which checks it there). A key agreed
+    before takes ``_agree.agreed_before`` (one frame)."""
+    agreed = rt._caches.get("agreed")
+    if agreed is not None and _EVERY_CALL and not _EVERY_CALL[0] and _agree.agreed_before(agreed, rt.world, key):
+        return
     _agree.agreement(rt.group, rt.world, rt.device, op, names, values, agreed=rt.cache("agreed", AGREED_CAP),
                      key=key, every=every_call_checked(), then_collective=False)

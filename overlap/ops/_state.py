@@ -196,7 +196,9 @@ class DeviceOrder:
         stream: it then also covers whatever was queued there after that call (more
         order than needed, never less), and a run of calls on one stream records none."""
         prev = self._stream
-        if prev is not None and prev != cur and not capturing():
+        # (``is`` first: the runtimes hand out one Stream object per stream, and torch's
+        # Stream comparison is a Python frame)
+        if prev is not None and prev is not cur and prev != cur and not capturing():
             if self._ev is None:
                 self._ev = torch.cuda.Event()
             self._ev.record(prev)  # a wait queued earlier keeps the record it saw

@@ -146,28 +146,39 @@ def test_other_errors_and_one_gpu_per_rank_unchanged(monkeypatch) -> None:
         assert ei.value is e
 
 
-def test_async_check_asks_the_context_in_the_mode(monkeypatch, child) -> None:
+@pytest.mark.parametrize("how", ["check", "check_async"])
+def test_async_check_asks_the_context_in_the_mode(monkeypatch, child, how) -> None:
     """``block=False`` with no record: in the mode it queries the stream (no wait), which
-    raises a failed context's sticky error; one GPU per rank it touches nothing."""
+    raises a failed context's sticky error; one GPU per rank it touches nothing. An eager
+    call's report (``check_async``, with its one-frame path) does the same."""
+    def ask(w) -> None:  # noqa: ANN001
+        w.check(block=False) if how == "check" else w.check_async()
+
     w = _word(monkeypatch, probe=RuntimeError(ILLEGAL))
     w._on_gpu, w._mirror = True, True  # the GPU path, with its pinned mirror
-    w.check(block=False)
+    ask(w)
+    ask(w)  # (the second: the shared-GPU module known)
     assert w.probed == 0  # one GPU per rank: not asked
     sh.note_gpu_peers(0, [_peer(1, child.pid)])
     child.kill()
     child.wait()
     with pytest.raises(GpuContextLostError, match=f"rank 1 \\(pid {child.pid}\\)"):
-        w.check(block=False)
+        ask(w)
     assert w.probed == 1
     # a healthy context: nothing raised; a recorded timeout: raised without asking
     w2 = _word(monkeypatch)
     w2._on_gpu, w2._mirror = True, True
-    w2.check(block=False)
+    ask(w2)
     assert w2.probed == 1
     w2._host_np[P.ERR_CODE], w2._host_np[P.ERR_RANK] = P.ERR_TIMEOUT, 0
     with pytest.raises(FlagTimeoutError) as ei:
-        w2.check(block=False)
+        ask(w2)
     assert not isinstance(ei.value, GpuContextLostError) and w2.probed == 1
+    sh.forget_gpu_peers()  # one GPU per rank again: a record is still raised, the context not asked
+    w2._host_np[P.ERR_CODE], w2._host_np[P.ERR_RANK] = P.ERR_TIMEOUT, 0
+    with pytest.raises(FlagTimeoutError):
+        ask(w2)
+    assert w2.probed == 1
 
 
 def test_shutdown_forgets_the_peers(monkeypatch) -> None:

@@ -419,3 +419,37 @@ def test_a_graphs_nodes_read_through_the_driver(monkeypatch) -> None:  # noqa: A
     assert _driver.node_kinds(77) == {"kernel": 1, "memcpy": 2, "batch mem op": 1, "host": 1}
     fail["get"] = True
     assert _driver.memcpy_nodes(77) is None and _driver.node_kinds(77) is None
+
+
+def test_new_outputs_are_made_without_the_dispatcher_where_torch_can(noded) -> None:  # noqa: ANN001
+    """A replayed call's outputs come from ``maker``: torch's allocation without the
+    dispatcher where it has one that makes a tensor like the placeholder (checked once on a
+    trial tensor), else ``torch.empty_like``; either way a new tensor of the placeholder's
+    shape, strides, dtype and device per call."""
+    from torch._C._dynamo import guards
+
+    proto = torch.randn(6, 4)
+    make = _graph_nodes.maker(proto)
+    assert getattr(make, "func", None) is guards._empty_strided_cpu, make
+    a, b = make(), make()
+    for t in (a, b):
+        assert (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) == (proto.shape, proto.stride(), proto.dtype,
+                                                                              proto.device, False)
+    assert len({proto.data_ptr(), a.data_ptr(), b.data_ptr()}) == 3
+    # another layout, or an allocation that does not make what it is asked for: torch.empty_like
+    assert _graph_nodes.maker(proto.t()).func is torch.empty_like
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(guards, "_empty_strided_cpu", lambda size, stride, dtype: torch.empty(size[::-1], dtype=dtype))
+        wrong = _graph_nodes.maker(proto)
+        assert wrong.func is torch.empty_like and wrong().shape == proto.shape
+        mp.delattr(guards, "_empty_strided_cpu")
+        assert _graph_nodes.maker(proto).func is torch.empty_like
+    # the graph's output node takes the fast one; each call's output is new
+    body, w = _Body(), torch.randn(8, 4)
+    g = _graphed(noded, body, w)
+    assert g.nodes.outs[0][3].func is guards._empty_strided_cpu
+    x, r = torch.randn(6, 8), torch.randn(6, 4)
+    got = _call(noded, body, x, w, r)
+    again = _call(noded, body, torch.randn(6, 8), w, r)
+    assert got.data_ptr() != again.data_ptr()
+    torch.testing.assert_close(got, torch.addmm(r, x, w))

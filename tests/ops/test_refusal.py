@@ -421,3 +421,50 @@ def test_a_store_failing_midway_leaves_the_exchange(monkeypatch: pytest.MonkeyPa
     cs = SimpleNamespace(step=st, group=None, op="toy")
     assert _refusal.refuse_in_band(cs, ValueError("toy: bad")) is False  # type: ignore[arg-type]
     assert posted == ["pending", "exchange"] and st.broken is None
+
+
+def test_a_call_plans_agreement_point_in_one_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_agreed`` (a call plan's agreement point) takes ``_agree.agreed_before`` for a
+    key agreed before: the call counted, on its thread too, the key marked used, the call
+    untracked at more than one rank, no exchange. Anything else goes to ``agreement`` as
+    before: a key not agreed yet (an exchange), a contended call (refused), extra values
+    to exchange, every call checked."""
+    from types import SimpleNamespace
+
+    from overlap.ops import _sigs
+    from overlap.ops._state import LRU
+
+    st = _agree.GroupStep((40, 41), 0)
+    cs = SimpleNamespace(step=st, contended=None, untracked=False, group=None, op="toy")
+    monkeypatch.setattr(_agree._tls, "cur", cs, raising=False)
+    monkeypatch.setattr(_sigs, "_EVERY_CALL", [False])
+    posted: list[tuple] = []
+    monkeypatch.setattr(_agree, "_exchange", lambda st_, g, w, d, op, names, values, refusal: posted.append(values))
+    agreed = LRU(8)
+    key, other = ("toy", ("M",), (4,)), ("toy", ("M",), (8,))
+    agreed.add(key)
+    agreed.add(other)
+    rt = SimpleNamespace(_caches={"agreed": agreed}, world=2, group=None, device=torch.device("cpu"),
+                         cache=lambda name, cap: agreed)
+    _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert posted == [] and st.calls == 1 and sum(st.by_thread.values()) == 1 and cs.untracked
+    assert list(agreed) == [other, key], "the key was not marked used"
+    # a key not agreed yet: the exchange, and the key agreed from then on
+    new = ("toy", ("M",), (16,))
+    _sigs.check_agreed(rt, "toy", ("M",), (16,), new)
+    assert posted == [(16,)] and st.calls == 2 and new in agreed
+    # every call checked: an exchange for a key agreed before too
+    monkeypatch.setattr(_sigs, "_EVERY_CALL", [True])
+    _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert posted == [(16,), (4,)] and st.calls == 3
+    monkeypatch.setattr(_sigs, "_EVERY_CALL", [False])
+    # extra values to exchange (a wrapper's): the exchange carries them
+    monkeypatch.setattr(_agree._tls, "extra", (("world",), (2,)), raising=False)
+    _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert posted[-1] == (4, 2) and st.calls == 4
+    # a contended call: refused (in band here), not passed as agreed
+    cs.contended = "toy: called while a call of toy was in flight in another thread"
+    monkeypatch.setattr(_refusal, "refuse_in_band", lambda c, e: True)
+    with pytest.raises(ValueError, match="in flight in another thread"):
+        _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert st.calls == 5
