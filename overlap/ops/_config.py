@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -255,6 +256,21 @@ class OverlapConfig:
         int_field(o, "split_tail", self.split_tail, 0, 64)
         choice_field(o, "check", self.check, ("sync", "async", "none"))
 
+    def __hash__(self) -> int:
+        """The fields' hash (as the dataclass would make it), computed once per config: a
+        replayed call hashes its signature, config included, to mark it warm. Not pickled
+        (``__getstate__``): a string's hash differs between processes."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f) for f in _FIELD_NAMES))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     def check_for(self, transport: str) -> None:
         """Raise ValueError where a field set here cannot apply on ``transport`` ("nccl" or
         "p2p"), or where fields of that transport conflict whatever the call's inputs.
@@ -335,3 +351,7 @@ def _env_transport() -> str | None:
     if v not in ("nccl", "p2p"):
         raise ValueError(f"OVERLAP_TRANSPORT must be 'nccl', 'p2p' or 'auto', got {v!r}")
     return v
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(OverlapConfig))
+"""``OverlapConfig``'s fields, in the order its hash reads them."""

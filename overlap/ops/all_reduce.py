@@ -526,8 +526,6 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     tuned pick or transport than the plan's)."""
     if not isinstance(x, torch.Tensor) or not isinstance(b, torch.Tensor) or not x.is_cuda:
         return None
-    if x.dim() != 2 or b.dim() != 2:  # the full path's checks say what is wrong
-        return None
     if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (Norm, type(None)):
         return None
     if norm is not None and not (isinstance(norm.weight, torch.Tensor)
@@ -547,6 +545,9 @@ def _planned(x: Any, b: Any, group: Any, residual: Any, norm: Any, config: Overl
     if hit is not None:
         rt, cp, cfg, transport = hit
     else:  # the full lookup, indexed where it finds a plan
+        # (not asked of an index hit: its key holds the shapes it was made for)
+        if x.dim() != 2 or b.dim() != 2:  # the full path's checks say what is wrong
+            return None
         gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, x.device)
         if rt is None:

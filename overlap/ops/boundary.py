@@ -182,8 +182,6 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(b_next, torch.Tensor)) \
             or not a.is_cuda:
         return None
-    if a.dim() != 2 or b.dim() != 2 or b_next.dim() != 2:  # the full path's checks say what is wrong
-        return None
     if (residual is not None and not isinstance(residual, torch.Tensor)) or type(norm) not in (_ar.Norm, type(None)):
         return None
     if norm is not None and not (isinstance(norm.weight, torch.Tensor)
@@ -203,6 +201,9 @@ def _planned(a: Any, b: Any, b_next: Any, group: Any, residual: Any, norm: Any, 
     if hit is not None:
         rt, cp = hit[0], hit[1]
     else:  # the full lookup, indexed where it finds a plan
+        # (not asked of an index hit: its key holds the shapes it was made for)
+        if a.dim() != 2 or b.dim() != 2 or b_next.dim() != 2:  # the full path's checks say what is wrong
+            return None
         gen, env = _calls.generation(), _calls.transport_env()
         rt = get_runtime_if_made(g, a.device)
         if rt is None:

@@ -242,3 +242,32 @@ def test_good_field_values_still_accepted() -> None:
     OverlapConfig(timeout_ms=2.5, transport=PeerCopyTransport(reduce_ctas=24, two_shot=True, fold_norm=True))
     ChainConfig(reserve_sms=2, timeout_ms=1000, producer=GemmConfig(block_n=128), sync="tile", launch="pdl")
     GemmConfig(block_m=256, block_n=128, num_stages=4, num_warps=4, flatten=True, tail_block_m=64, tail_block_n=64)
+
+
+def test_a_configs_hash_is_its_fields_computed_once_and_never_pickled() -> None:
+    """``OverlapConfig`` hashes as the dataclass would (its fields' tuple), equal configs
+    alike; the hash is kept after the first (a replay hashes its signature, config
+    included, every call), and a pickled or copied config carries none: string hashes
+    differ between processes."""
+    import pickle
+    import subprocess
+    import sys
+
+    cfg = OverlapConfig(chunks=2, transport=NcclTransport(ctas=8), gemm=GemmConfig())
+    want = hash(tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg)))
+    assert hash(cfg) == want == hash(OverlapConfig(chunks=2, transport="nccl", nccl_ctas=8, gemm=GemmConfig()))
+    assert cfg.__dict__.get("_hash") == want, "the hash is not kept"
+    assert {cfg: 1}[OverlapConfig(chunks=2, transport="nccl", nccl_ctas=8, gemm=GemmConfig())] == 1
+    assert hash(OverlapConfig(chunks=4)) != hash(OverlapConfig(chunks=2))
+    for other in (pickle.loads(pickle.dumps(cfg)), __import__("copy").deepcopy(cfg)):
+        assert other == cfg and "_hash" not in other.__dict__ and hash(other) == want
+    assert dataclasses.replace(cfg, chunks=3).__dict__.get("_hash") is None
+    # a config pickled in another process (another string hash seed) hashes as this one's
+    code = ("import pickle, sys; from overlap import OverlapConfig, NcclTransport; "
+            "c = OverlapConfig(chunks=2, transport=NcclTransport(ctas=8), check='sync'); hash(c); "
+            "sys.stdout.buffer.write(pickle.dumps(c))")
+    blob = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                          env={**__import__("os").environ, "PYTHONHASHSEED": "12345"}).stdout
+    theirs = pickle.loads(blob)
+    mine = OverlapConfig(chunks=2, transport=NcclTransport(ctas=8), check="sync")
+    assert theirs == mine and hash(theirs) == hash(mine) and {mine: 1}.get(theirs) == 1
