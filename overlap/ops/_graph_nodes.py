@@ -107,8 +107,11 @@ def maker(proto: torch.Tensor) -> Any:
     strides, dtype and device; uninitialized, no autograd): what a replayed call's outputs
     are made with. Where torch has it, its allocation without the dispatcher (about half
     the host time of ``torch.empty_like`` on the CPU), checked once here on one trial
-    tensor; else ``torch.empty_like``. A CUDA tensor is made on the current device, which
-    every caller sets to ``proto``'s (a call launches its graph there)."""
+    tensor; else ``torch.empty_like``. A CUDA tensor is made on the current device: the
+    caller sets it to ``proto``'s (``Nodes.call`` runs on the graph's device). Unlike
+    ``torch.empty_like`` it is not filled under ``torch.use_deterministic_algorithms`` and
+    not seen by a Python dispatch mode: the output node writes every byte of it before any
+    reader, in stream order (``bind`` takes only such nodes)."""
     fallback = functools.partial(torch.empty_like, proto)
     name = _FAST_EMPTY.get(proto.device.type)
     if name is None or not proto.is_contiguous():
@@ -163,7 +166,8 @@ class Nodes:
 
     def call(self, args: tuple, raw: int) -> Any:
         """Point the nodes at this call's activations and at new outputs, launch the graph on
-        the stream ``raw``; the new outputs (a tensor, a pair, or None where the graph's
+        the stream ``raw`` (the current device must be the graph's: the outputs are made
+        there, ``maker``); the new outputs (a tensor, a pair, or None where the graph's
         outputs are cloned by the caller). ``NodeUpdateError`` before the launch where the
         driver refused an update; ``RuntimeError`` naming the call for another failure."""
         setp, ex, ctx, at = self.setp, self.exec, self.ctx, self.at

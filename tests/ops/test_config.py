@@ -262,6 +262,12 @@ def test_a_configs_hash_is_its_fields_computed_once_and_never_pickled() -> None:
     for other in (pickle.loads(pickle.dumps(cfg)), __import__("copy").deepcopy(cfg)):
         assert other == cfg and "_hash" not in other.__dict__ and hash(other) == want
     assert dataclasses.replace(cfg, chunks=3).__dict__.get("_hash") is None
+    # a field that cannot be hashed (a list forced in) still makes the config unhashable
+    odd = OverlapConfig(chunks=2)
+    object.__setattr__(odd, "gemm", [1, 2])
+    with pytest.raises(TypeError):
+        hash(odd)
+    assert "_hash" not in odd.__dict__
     # a config pickled in another process (another string hash seed) hashes as this one's
     code = ("import pickle, sys; from overlap import OverlapConfig, NcclTransport; "
             "c = OverlapConfig(chunks=2, transport=NcclTransport(ctas=8), check='sync'); hash(c); "

@@ -446,9 +446,32 @@ def test_a_call_plans_agreement_point_in_one_frame(monkeypatch: pytest.MonkeyPat
     agreed.add(other)
     rt = SimpleNamespace(_caches={"agreed": agreed}, world=2, group=None, device=torch.device("cpu"),
                          cache=lambda name, cap: agreed)
+    took: list[bool] = []
+    fast = _agree.agreed_before
+    monkeypatch.setattr(_agree, "agreed_before", lambda *a: took.append(fast(*a)) or took[-1])
+    slow = _agree.agreement
+    monkeypatch.setattr(_agree, "agreement", lambda *a, **k: took.append("full") or slow(*a, **k))
     _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert took == [True], "a key agreed before did not take the one-frame path"
     assert posted == [] and st.calls == 1 and sum(st.by_thread.values()) == 1 and cs.untracked
     assert list(agreed) == [other, key], "the key was not marked used"
+    # one rank: counted and marked, not untracked (no peer moves data the host does not follow)
+    cs.untracked = False
+    rt.world = 1
+    _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert took == [True, True] and st.calls == 2 and not cs.untracked
+    rt.world = 2
+    # before the first call has read OVERLAP_CHECK_RANKS: the full agreement (which reads it)
+    monkeypatch.setattr(_sigs, "_EVERY_CALL", [])
+    _sigs.check_agreed(rt, "toy", ("M",), (4,), key)
+    assert took[-1] == "full" and posted == [] and st.calls == 3 and _sigs._EVERY_CALL == [False]
+    # no call in flight in this thread: nothing done here, the full agreement decides
+    monkeypatch.setattr(_agree._tls, "cur", None)
+    assert fast(agreed, 2, key) is False and st.calls == 3
+    monkeypatch.setattr(_agree._tls, "cur", cs)
+    st.calls = 1
+    st.by_thread.clear()
+    st.by_thread[_agree._thread_code()] = 1
     # a key not agreed yet: the exchange, and the key agreed from then on
     new = ("toy", ("M",), (16,))
     _sigs.check_agreed(rt, "toy", ("M",), (16,), new)
